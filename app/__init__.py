@@ -1,0 +1,1 @@
+"""Remask application layer: config, OpenAI-compatible API, router core, CLI."""

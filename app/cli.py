@@ -1,0 +1,140 @@
+"""The ``remask`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _thresholds(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"thresholds must be comma-separated numbers, got {text!r}") from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError("thresholds must lie in [0, 1]")
+    return values
+
+
+def cmd_train_default(args) -> int:
+    from engine.loading import DEFAULT_MODELS, DEFAULTS_DIR
+    from engine.training import train
+
+    names = DEFAULT_MODELS if args.model == "all" else (args.model,)
+    for name in names:
+        out = args.out or str(DEFAULTS_DIR / name)
+        if len(names) > 1 and args.out:
+            out = f"{args.out}/{name}"
+        train(name, out, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size, lr=args.lr,
+              seed=args.seed, device=args.device, threads=args.threads, init=args.init)
+        print(f"saved {name} to {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from engine.evaluate import evaluate
+    from engine.loading import load_engine
+
+    engine = load_engine(args.model, device=args.device, cache=args.cache, max_slots=args.slots)
+    results = evaluate(engine, args.thresholds, n=args.n, seed=args.seed, progress=not args.quiet)
+    if args.json:
+        print(json.dumps({"model": args.model, "results": results}))
+    else:
+        for r in results:
+            cats = "  ".join(f"{c}={v['accuracy']:.2f}/{v['mean_rounds']:.1f}" for c, v in r["by_category"].items())
+            print(f"threshold {r['threshold']:.2f}: accuracy {r['accuracy']:.3f}  mean rounds {r['mean_rounds']:.2f}"
+                  f"  (p10 {r['rounds_p10']:.0f}, max {r['rounds_max']})  [{cats}]")
+    return 0
+
+
+def _show(engine, seq, report) -> None:
+    tok = engine.tokenizer
+    text = tok.decode(seq.canvas()[: seq.max_tokens], skip_special=False).replace("<eos>", "·")
+    print(f"step {len(seq.history):3d} {report.kind.value:9s} +{report.committed:<2d} |{text}|")
+
+
+def cmd_generate(args) -> int:
+    from engine.loading import load_engine
+    from engine.sequence import SamplingParams
+
+    engine = load_engine(args.model, device=args.device, cache=args.cache)
+    params = SamplingParams(max_tokens=args.max_tokens, threshold=args.threshold)
+    prompts = [args.prompt] if args.prompt is not None else None
+    interactive = prompts is None
+    while True:
+        if interactive:
+            try:
+                line = input("prompt> ").strip()
+            except EOFError:
+                return 0
+            if not line:
+                continue
+            prompts = [line]
+        for prompt in prompts:
+            seq = engine.add_request(prompt, params)
+            while not seq.finished:
+                result = engine.step([seq])
+                if args.show_steps:
+                    _show(engine, seq, result.reports[0])
+            out = engine.output(seq)
+            engine.sequences.pop(seq.seq_id, None)
+            print(out.text)
+            if args.show_steps or interactive:
+                print(f"[{out.finish_reason}; {out.rounds} rounds, {out.prefill_steps} prefill steps]")
+        if not interactive:
+            return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="remask", description="Serve diffusion language models with SLOs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train-default", help="train the embedded default models on the task suite")
+    t.add_argument("--model", default="all", choices=["all", "tiny-bd", "tiny-mdm"])
+    t.add_argument("--out", help="output directory (default: the shipped location)")
+    t.add_argument("--steps", type=int, default=20000)
+    t.add_argument("--minutes", type=float, help="wall-clock budget; the schedule follows whichever ends first")
+    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--threads", type=int)
+    t.add_argument("--init", help="start from this checkpoint directory instead of random weights")
+    t.set_defaults(func=cmd_train_default)
+
+    e = sub.add_parser("eval", help="accuracy and rounds on the held-out task suite")
+    e.add_argument("--model", default="tiny-bd")
+    e.add_argument("--thresholds", type=_thresholds, default=[0.5, 0.7, 0.9])
+    e.add_argument("--n", type=int, default=300)
+    e.add_argument("--seed", type=int, default=2026)
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
+    e.add_argument("--slots", type=int, default=64)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.set_defaults(func=cmd_eval)
+
+    g = sub.add_parser("generate", help="generate an answer (interactive without --prompt)")
+    g.add_argument("--model", default="tiny-bd")
+    g.add_argument("--prompt")
+    g.add_argument("--threshold", type=float)
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--show-steps", action="store_true", help="print the canvas after each step")
+    g.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
+    g.add_argument("--device", default="cpu")
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"remask: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The offline batched engine: many requests of different lengths, one block
+slot per request per round.
+
+A round is schedule() -> run() -> postprocess(). The default plan takes
+unfinished requests first come, first served, up to ``max_slots``; the
+instance scheduler replaces it with its own RoundPlan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.decoding import UnmaskRule, make_rule
+from engine.kv_cache import ApproxCache, ExactCache
+from engine.models.transformer import DLMTransformer
+from engine.runner import TorchRunner
+from engine.sequence import SamplingParams, Sequence, Status, StepReport
+
+
+@dataclass
+class RoundResult:
+    reports: list[StepReport]
+    latency_s: float
+    tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokens = sum(r.tokens for r in self.reports)
+
+
+@dataclass
+class Output:
+    seq_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    rounds: int
+    prefill_steps: int
+    steps: list[str] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model: DLMTransformer, tokenizer, rule: UnmaskRule | str = "threshold",
+                 cache: str = "dual", max_slots: int = 32, device: str = "cpu",
+                 default_gen_length: int | None = None, max_gen_length: int = 1024) -> None:
+        self.model = model.eval()
+        self.cfg = model.config
+        self.tokenizer = tokenizer
+        self.rule = make_rule(rule) if isinstance(rule, str) else rule
+        if cache not in ("none", "prefix", "dual"):
+            raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {cache!r}")
+        self.cache = cache
+        self.max_slots = max_slots
+        self.device = torch.device(device)
+        self.runner = TorchRunner(model, device)
+        self.default_gen_length = default_gen_length or int(self.cfg.extra.get("gen_length", 128))
+        self.max_gen_length = max_gen_length
+        self.sequences: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+        self.rounds = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+        params = params or SamplingParams()
+        params.validate(self.max_gen_length)
+        ids = self.tokenizer.prompt_ids(prompt, self.cfg.block_size) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        max_tokens = params.max_tokens or self.default_gen_length
+        b = self.cfg.block_size
+        gen_len = -(-max_tokens // b) * b
+        if len(ids) + gen_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({gen_len}) exceeds the model's "
+                             f"context of {self.cfg.max_position_embeddings} tokens")
+        block_causal = self.cfg.attention == "block_causal"
+        cache_mode = "exact" if block_causal else (params.cache or self.cache)
+        seq = Sequence(next(self._ids), ids, self.cfg, self.rule, gen_len, cache_mode, max_tokens,
+                       threshold=params.threshold, arrival=time.monotonic())
+        self.sequences[seq.seq_id] = seq
+        return seq
+
+    def abort(self, seq_id: int) -> None:
+        seq = self.sequences.pop(seq_id, None)
+        if seq is not None and not seq.finished:
+            seq._finish("abort", 0)
+
+    def _ensure_cache(self, seq: Sequence) -> None:
+        if seq.cache is not None or seq.cache_mode == "none":
+            return
+        p = next(self.model.parameters())
+        args = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, seq.kv_capacity(), p.dtype, self.device)
+        seq.cache = ExactCache(*args) if seq.cache_mode == "exact" else ApproxCache(*args, variant=seq.cache_mode)
+
+    # ---- one round: schedule -> run -> postprocess -------------------------------------------
+    def schedule(self) -> list[Sequence]:
+        live = [s for s in self.sequences.values() if not s.finished]
+        return live[: self.max_slots]
+
+    def step(self, plan: list[Sequence] | None = None) -> RoundResult:
+        plan = self.schedule() if plan is None else plan
+        t0 = time.perf_counter()
+        for seq in plan:
+            self._ensure_cache(seq)
+            seq.status = Status.RUNNING
+        inputs = [seq.build_step() for seq in plan]
+        outputs = self.runner.run(inputs) if inputs else []
+        reports = []
+        for seq, inp, out in zip(plan, inputs, outputs):
+            reports.append(seq.apply(inp, out.logits, out.fresh))
+            seq.last_hidden = out.pooled
+        self.rounds += bool(plan)
+        return RoundResult(reports, time.perf_counter() - t0)
+
+    # ---- offline API -------------------------------------------------------------------------
+    def output(self, seq: Sequence) -> Output:
+        ids = seq.output_ids()
+        return Output(seq.seq_id, self.tokenizer.decode(ids), ids, seq.finish_reason or "", seq.rounds,
+                      seq.prefilled, [k.value for k in seq.history])
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 on_round: Callable[[RoundResult], None] | None = None, progress: bool = False) -> list[Output]:
+        """Run ``prompts`` to completion together; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(seqs), desc="generate", unit="req")
+        done = 0
+        while not all(s.finished for s in seqs):
+            result = self.step()
+            if on_round:
+                on_round(result)
+            if bar:
+                now = sum(s.finished for s in seqs)
+                bar.update(now - done)
+                done = now
+        if bar:
+            bar.close()
+        outs = [self.output(s) for s in seqs]
+        for s in seqs:
+            self.sequences.pop(s.seq_id, None)
+        return outs

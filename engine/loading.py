@@ -1,0 +1,38 @@
+"""Resolve a model name or local path and build an engine for it.
+
+Embedded default models (``tiny-bd``, ``tiny-mdm``) ship inside the package;
+anything else must be a local HF-format directory. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DEFAULTS_DIR = Path(__file__).parent / "defaults"
+DEFAULT_MODELS = ("tiny-bd", "tiny-mdm")
+
+
+def resolve_model(name_or_path: str) -> Path:
+    if name_or_path in DEFAULT_MODELS:
+        path = DEFAULTS_DIR / name_or_path
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"embedded model {name_or_path!r} is missing at {path}; "
+                                    "run `remask train-default` to rebuild it")
+        return path
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    raise FileNotFoundError(f"unknown model {name_or_path!r}: not an embedded model "
+                            f"({', '.join(DEFAULT_MODELS)}) and not a local directory")
+
+
+def load_engine(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **engine_kwargs):
+    from engine.engine import Engine
+    from engine.models.loader import load_model
+    from engine.tokenizer import load_tokenizer
+
+    path = resolve_model(name_or_path)
+    model = load_model(path, dtype=dtype, device=device)
+    return Engine(model, load_tokenizer(path), device=device, **engine_kwargs)

@@ -1,0 +1,1 @@
+"""Model implementations and HF-format weight loading."""

@@ -1,0 +1,138 @@
+"""A Llama/Qwen-style transformer for diffusion language models.
+
+One implementation serves LLaDA (Llama layout, bidirectional), Dream (Qwen2
+layout, qkv bias, logits shifted by one), SDAR (Qwen3 layout, q/k norms,
+block-causal) and Remask's embedded defaults. The forward pass takes the
+attention mask and optional per-layer context K/V from the caller, so the
+same code trains, recomputes full sequences and decodes one block over a cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.config import ModelConfig
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [N, 1, T, head_dim] for integer positions [N, T]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, mask, past: KV | None) -> tuple[torch.Tensor, KV]:
+        n, t, _ = x.shape
+        q = self.q_proj(x).view(n, t, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(n, t, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(n, t, self.nkv, self.hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = k, v
+        if past is not None and past[0].shape[2]:
+            keys, values = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.nkv != self.nh)
+        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, past: KV | None) -> tuple[torch.Tensor, KV]:
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class DLMTransformer(nn.Module):
+    """Token ids in, logits (and the final hidden states and fresh K/V) out."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        past: list[KV] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[KV]]:
+        """Run the model.
+
+        input_ids, positions: [N, T]. mask: bool [N, 1, T, C + T] (True = may
+        attend) where C is the context length of ``past``, or None for full
+        attention. past: per layer (K, V) of shape [N, kv_heads, C, head_dim],
+        RoPE already applied. Returns (logits [N, T, V], hidden [N, T, H],
+        fresh per-layer (K, V) of the T input tokens).
+        """
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        fresh: list[KV] = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, cos, sin, mask, None if past is None else past[i])
+            fresh.append(kv)
+        hidden = self.norm(x)
+        return self.lm_head(hidden), hidden, fresh

@@ -1,0 +1,229 @@
+"""One request's decoding state: its canvas, blocks, cache and step history.
+
+The sequence decides *what* its next step is (prefill a prompt block, denoise
+its current block, recompute the full sequence or take a cached step); the
+scheduler decides *whether* it runs this round. Unmasking rules only see
+confidences; the sequence only reports whether a block or the request is done.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.decoding import UnmaskRule, confidence
+from engine.kv_cache import ApproxCache, ExactCache
+from engine.models.config import ModelConfig
+
+
+class StepKind(enum.StrEnum):
+    PREFILL = "prefill"  # one prompt block into the exact cache (block-causal models)
+    DENOISE = "denoise"  # one round on the current block over the exact cache
+    RECOMPUTE = "recompute"  # full sequence; refreshes the approximate cache
+    CACHED = "cached"  # current block only, over the approximate cache
+
+
+class Status(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = None  # None: the model's default generation length
+    threshold: float | None = None  # None: the rule's own threshold
+    cache: str | None = None  # full-sequence models: 'none' | 'prefix' | 'dual'
+
+    def validate(self, limit: int) -> None:
+        if self.max_tokens is not None and not 0 < self.max_tokens <= limit:
+            raise ValueError(f"max_tokens must be in [1, {limit}], got {self.max_tokens}")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.cache not in (None, "none", "prefix", "dual"):
+            raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}")
+
+
+@dataclass
+class StepInput:
+    kind: StepKind
+    ids: torch.Tensor  # [T] query tokens
+    pos: torch.Tensor  # [T] their positions
+    ctx_kv: torch.Tensor | None  # [layers, 2, kv_heads, C, head_dim]
+    ctx_pos: torch.Tensor | None  # [C]
+    mode: str  # attention mode
+
+
+@dataclass
+class StepReport:
+    seq_id: int
+    kind: StepKind
+    tokens: int  # query tokens computed
+    committed: int  # positions unmasked by this step
+    block_done: bool
+    finished: bool
+    threshold: float | None = None
+    confidences: torch.Tensor | None = None  # of the masked positions before the step
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    cfg: ModelConfig
+    rule: UnmaskRule
+    gen_len: int
+    cache_mode: str  # 'exact' | 'none' | 'prefix' | 'dual'
+    max_tokens: int
+    threshold: float | None = None
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    history: list[StepKind] = field(default_factory=list)
+    arrival: float = 0.0
+
+    def __post_init__(self) -> None:
+        b = self.cfg.block_size
+        self.out_start = len(self.prompt_ids)
+        if self.cfg.attention == "block_causal":  # blocks are absolute: the canvas ends on a boundary
+            self.gen_len = -(-(self.out_start + self.max_tokens) // b) * b - self.out_start
+        self.out_end = self.out_start + self.gen_len
+        self.tokens = torch.tensor(self.prompt_ids + [self.cfg.mask_token_id] * self.gen_len, dtype=torch.long)
+        if self.cfg.attention == "block_causal":
+            if self.cfg.logits_shift:
+                raise ValueError("block-causal models with shifted logits are not supported")
+            first = self.out_start // b
+            self.blocks = [(max(k * b, self.out_start), (k + 1) * b) for k in range(first, -(-self.out_end // b))]
+            self.prefill_blocks = first  # full prompt blocks; a partial tail joins the first output block
+        else:
+            self.blocks = [(s, min(s + b, self.out_end)) for s in range(self.out_start, self.out_end, b)]
+            self.prefill_blocks = 0
+        self.prefilled = 0
+        self.block_idx = 0
+        self.step_in_block = 0
+        self.masked_at_start = self._masked(self.blocks[0]).numel()
+        self.pending: tuple[int, int] | None = None  # finished block whose KV is written next step
+        self.needs_recompute = True
+        self.cache: ExactCache | ApproxCache | None = None
+        self.rounds = 0  # decoding steps (everything but prefill)
+        self.last_hidden: torch.Tensor | None = None
+
+    # ---- what the scheduler needs -------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def remaining_prefill(self) -> int:
+        return self.prefill_blocks - self.prefilled
+
+    def next_kind(self) -> StepKind:
+        if self.remaining_prefill > 0:
+            return StepKind.PREFILL
+        if self.cache_mode == "exact":
+            return StepKind.DENOISE
+        if self.cache_mode == "none" or self.needs_recompute:
+            return StepKind.RECOMPUTE
+        return StepKind.CACHED
+
+    def kv_capacity(self) -> int:
+        return self.out_end
+
+    # ---- building a step ----------------------------------------------------------
+    def _masked(self, span: tuple[int, int]) -> torch.Tensor:
+        s, e = span
+        return torch.nonzero(self.tokens[s:e] == self.cfg.mask_token_id).flatten() + s
+
+    def _query(self, start: int, end: int, kind: StepKind, ctx) -> StepInput:
+        kv, pos = ctx if ctx is not None else (None, None)
+        mode = self.cfg.attention if self.cfg.attention != "causal" else "causal"
+        return StepInput(kind, self.tokens[start:end], torch.arange(start, end), kv, pos, mode)
+
+    def build_step(self) -> StepInput:
+        b = self.cfg.block_size
+        kind = self.next_kind()
+        if kind is StepKind.PREFILL:
+            s = self.prefilled * b
+            return self._query(s, s + b, kind, self.cache.context())
+        bs, be = self.blocks[self.block_idx]
+        if kind is StepKind.DENOISE:
+            start = self.pending[0] if self.pending else (bs // b) * b
+            return self._query(start, be, kind, self.cache.context())
+        if kind is StepKind.RECOMPUTE:
+            return self._query(0, self.out_end, kind, None)
+        start = bs - self.cfg.logits_shift
+        return self._query(start, be, kind, self.cache.context(start, be))
+
+    # ---- applying its result --------------------------------------------------------
+    def apply(self, step: StepInput, logits: torch.Tensor, fresh: torch.Tensor) -> StepReport:
+        """logits [T, V] and fresh K/V [layers, 2, kv_heads, T, head_dim] of ``step``."""
+        self.history.append(step.kind)
+        q_start = int(step.pos[0])
+        if step.kind is StepKind.PREFILL:
+            self.cache.append(fresh, q_start)
+            self.prefilled += 1
+            return StepReport(self.seq_id, step.kind, len(step.ids), 0, False, False)
+        self.rounds += 1
+        if step.kind is StepKind.DENOISE and self.pending:
+            ps, pe = self.pending
+            self.cache.append(fresh[:, :, :, : pe - ps], ps)
+            self.pending = None
+        if step.kind is StepKind.RECOMPUTE and self.cache_mode in ("prefix", "dual"):
+            self.cache.refresh(fresh)
+            self.needs_recompute = False
+        span = self.blocks[self.block_idx]
+        masked = self._masked(span)
+        conf, tok = confidence(logits[masked - self.cfg.logits_shift - q_start])
+        chosen = self.rule.select(conf, self.step_in_block, self.masked_at_start, self.threshold)
+        self.tokens[masked[chosen]] = tok[chosen]
+        self.step_in_block += 1
+        block_done = bool(chosen.all())
+        finished = self._check_finished()
+        if block_done and not finished:
+            self._next_block(span)
+        return StepReport(self.seq_id, step.kind, len(step.ids), int(chosen.sum()), block_done, finished,
+                          self.threshold, conf)
+
+    def _next_block(self, span: tuple[int, int]) -> None:
+        b = self.cfg.block_size
+        if self.cache_mode == "exact":
+            self.pending = ((span[0] // b) * b, span[1])
+        else:
+            self.needs_recompute = True
+        self.block_idx += 1
+        self.step_in_block = 0
+        if self.block_idx < len(self.blocks):
+            self.masked_at_start = self._masked(self.blocks[self.block_idx]).numel()
+
+    def _check_finished(self) -> bool:
+        out = self.tokens[self.out_start : self.out_end]
+        is_mask = out == self.cfg.mask_token_id
+        eos = torch.nonzero(out == self.cfg.eos_token_id).flatten()
+        if eos.numel() and not bool(is_mask[: int(eos[0])].any()):
+            self._finish("stop", int(eos[0]))
+        elif not bool(is_mask[: self.max_tokens].any()):
+            self._finish("length", self.max_tokens)
+        return self.finished
+
+    def _finish(self, reason: str, n_out: int) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.n_out = min(n_out, self.max_tokens)
+        self.cache = None  # release KV
+
+    # ---- results --------------------------------------------------------------------
+    def output_ids(self) -> list[int]:
+        """Committed output tokens so far (up to the first mask or EOS)."""
+        out = self.tokens[self.out_start : self.out_start + self.max_tokens].tolist()
+        if self.finished:
+            return out[: self.n_out]
+        keep = []
+        for t in out:
+            if t in (self.cfg.mask_token_id, self.cfg.eos_token_id):
+                break
+            keep.append(t)
+        return keep
+
+    def canvas(self) -> list[int]:
+        return self.tokens[self.out_start : self.out_end].tolist()

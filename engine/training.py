@@ -1,0 +1,250 @@
+"""Training of the embedded default models on the synthetic task suite.
+
+``tiny-bd`` is a block-diffusion model (block-causal attention, block 8): each
+example noises one answer block, with the earlier blocks clean, exactly as the
+engine decodes it over an exact KV cache. ``tiny-mdm`` is a full-sequence
+masked diffusion model: the answer is padded with EOS to a canvas and masked
+either uniformly at a random ratio or semi-autoregressively (earlier blocks
+clean, one block partly masked, later blocks fully masked), which is how it
+is served with the approximate cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine import tasks
+from engine.models.checkpoint import save_pretrained
+from engine.models.config import ModelConfig
+from engine.models.masks import full_mask
+from engine.models.transformer import DLMTransformer
+from engine.tokenizer import CharTokenizer
+
+BLOCK = 8
+GEN_LEN = 168  # tiny-mdm's canvas length: covers the longest answer of the suite
+PAD_EOS_WEIGHT = 0.1  # loss weight of EOS padding after the first EOS
+
+
+def default_config(name: str, tok: CharTokenizer) -> ModelConfig:
+    if name not in ("tiny-bd", "tiny-mdm"):
+        raise ValueError(f"unknown default model {name!r}; known: tiny-bd, tiny-mdm")
+    return ModelConfig(
+        vocab_size=64,
+        hidden_size=128,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=384,
+        rope_theta=10000.0,
+        attention="block_causal" if name == "tiny-bd" else "bidirectional",
+        block_size=BLOCK,
+        mask_token_id=tok.mask_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_position_embeddings=512,
+        extra={"name": name, "gen_length": GEN_LEN, "chat_template": "char-pad-to-block"},
+    )
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    targets: torch.Tensor  # -100 where no loss
+    weights: torch.Tensor
+    categories: list[str]
+
+
+def _pad_eos(answer: list[int], length: int, eos: int) -> list[int]:
+    return answer + [eos] * (length - len(answer))
+
+
+def _example_bd(ex: tasks.Example, tok: CharTokenizer, rng: random.Random):
+    prompt = tok.prompt_ids(ex.prompt, BLOCK)
+    ans = tok.encode(ex.answer) + [tok.eos_token_id]
+    ans = _pad_eos(ans, -(-len(ans) // BLOCK) * BLOCK, tok.eos_token_id)
+    k = rng.randrange(len(ans) // BLOCK)
+    block = ans[k * BLOCK:(k + 1) * BLOCK]
+    ratio = rng.random()
+    masked = [rng.random() < ratio for _ in block]
+    if not any(masked):
+        masked[rng.randrange(BLOCK)] = True
+    noisy = [tok.mask_token_id if m else t for t, m in zip(block, masked)]
+    ids = prompt + ans[:k * BLOCK] + noisy
+    targets = [-100] * (len(ids) - BLOCK) + [t if m else -100 for t, m in zip(block, masked)]
+    return ids, targets, [1.0] * len(ids)
+
+
+def _example_mdm(ex: tasks.Example, tok: CharTokenizer, rng: random.Random):
+    prompt = tok.prompt_ids(ex.prompt, BLOCK)
+    ans = tok.encode(ex.answer) + [tok.eos_token_id]
+    if rng.random() < 0.15:
+        canvas = GEN_LEN
+    else:
+        canvas = min(GEN_LEN, -(-len(ans) // BLOCK) * BLOCK + BLOCK * rng.randint(0, 2))
+    full = _pad_eos(ans, canvas, tok.eos_token_id)
+    ratio = rng.random()
+    if rng.random() < 0.5:
+        masked = [rng.random() < ratio for _ in full]
+    else:
+        k = rng.randrange(min(canvas // BLOCK, len(ans) // BLOCK + 1))
+        masked = [False] * (k * BLOCK) + [rng.random() < ratio for _ in range(BLOCK)]
+        masked += [True] * (canvas - len(masked))
+    if not any(masked):
+        masked[rng.randrange(len(ans))] = True
+    ids = prompt + [tok.mask_token_id if m else t for t, m in zip(full, masked)]
+    targets = [-100] * len(prompt) + [t if m else -100 for t, m in zip(full, masked)]
+    weights = [1.0] * (len(prompt) + len(ans)) + [PAD_EOS_WEIGHT] * (canvas - len(ans))
+    return ids, targets, weights
+
+
+def build_rows(name: str, examples: list[tasks.Example], tok: CharTokenizer, rng: random.Random) -> list[tuple]:
+    build = _example_bd if name == "tiny-bd" else _example_mdm
+    return [(*build(ex, tok, rng), ex.category) for ex in examples]
+
+
+def collate(name: str, rows: list[tuple], tok: CharTokenizer) -> Batch:
+    length = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), length), tok.pad_token_id, dtype=torch.long)
+    tgt = torch.full((len(rows), length), -100, dtype=torch.long)
+    wts = torch.zeros((len(rows), length))
+    valid = torch.zeros((len(rows), length), dtype=torch.bool)
+    for i, (r_ids, r_tgt, r_w, _) in enumerate(rows):
+        ids[i, :len(r_ids)] = torch.tensor(r_ids)
+        tgt[i, :len(r_tgt)] = torch.tensor(r_tgt)
+        wts[i, :len(r_w)] = torch.tensor(r_w)
+        valid[i, :len(r_ids)] = True
+    positions = torch.arange(length).expand(len(rows), length)
+    mode = "block_causal" if name == "tiny-bd" else "bidirectional"
+    return Batch(ids, positions, full_mask(mode, positions, valid, BLOCK), tgt, wts, [r[3] for r in rows])
+
+
+def make_batch(name: str, examples: list[tasks.Example], tok: CharTokenizer, rng: random.Random) -> Batch:
+    return collate(name, build_rows(name, examples, tok, rng), tok)
+
+
+def bucketed_batches(name: str, tok: CharTokenizer, rng: random.Random, batch_size: int, pool: int = 16):
+    """Endless batches; each pool of examples is sorted by length so little is padding."""
+    while True:
+        rows = build_rows(name, [tasks.sample(rng) for _ in range(batch_size * pool)], tok, rng)
+        rows.sort(key=lambda r: len(r[0]))
+        chunks = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            yield collate(name, chunk, tok)
+
+
+def loss_fn(model: DLMTransformer, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    logits, _, _ = model(batch.input_ids, batch.positions, batch.mask)
+    ce = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none").view_as(batch.weights)
+    on = batch.targets != -100
+    w = batch.weights * on
+    loss = (ce * w).sum() / w.sum().clamp(min=1)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == batch.targets) & on
+        stats: dict[str, list[float]] = {}
+        for i, c in enumerate(batch.categories):
+            n = int(on[i].sum())
+            if n:
+                stats.setdefault(c, []).append(float(hit[i].sum()) / n)
+    return loss, {c: sum(v) / len(v) for c, v in stats.items()}
+
+
+def lr_at(progress: float, peak: float, warmup: float = 0.02) -> float:
+    if progress < warmup:
+        return peak * progress / warmup
+    p = min(1.0, (progress - warmup) / (1 - warmup))
+    return peak * (0.03 + 0.97 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def train(
+    name: str,
+    out_dir: str | Path,
+    steps: int = 20000,
+    minutes: float | None = None,
+    batch_size: int = 32,
+    lr: float = 2e-3,
+    seed: int = 0,
+    device: str = "cpu",
+    threads: int | None = None,
+    save_every_s: float = 300.0,
+    log_path: str | Path | None = None,
+    progress: bool = True,
+    init: str | Path | None = None,
+) -> Path:
+    """Train one default model; progress is max(step / steps, elapsed / minutes)."""
+    from tqdm import tqdm
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = CharTokenizer.default()
+    cfg = default_config(name, tok)
+    if init:
+        from engine.models.checkpoint import load_remask
+
+        model = load_remask(init).to(device).train()
+        if model.config.attention != cfg.attention:
+            raise ValueError(f"{init} is not a {name} checkpoint")
+    else:
+        model = DLMTransformer(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    out_dir = Path(out_dir)
+    log = open(log_path, "a") if log_path else None
+    start = last_save = time.time()
+    bar = tqdm(total=steps, desc=f"train {name}", disable=not progress, mininterval=2.0)
+    ema: dict[str, float] = {}
+    batches = bucketed_batches(name, tok, rng, batch_size)
+    step = 0
+    while True:
+        frac = step / steps
+        if minutes:
+            frac = max(frac, (time.time() - start) / (minutes * 60))
+        if frac >= 1.0:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(frac, lr)
+        batch = next(batches)
+        batch = Batch(*(t.to(device) if torch.is_tensor(t) else t for t in vars(batch).values()))
+        loss, acc = loss_fn(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema["loss"] = 0.98 * ema.get("loss", loss.item()) + 0.02 * loss.item()
+        for c, a in acc.items():
+            ema[c] = 0.98 * ema.get(c, a) + 0.02 * a
+        bar.update(1)
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{ema['loss']:.3f}")
+        if log and step % 200 == 0:
+            record = {"step": step, "elapsed_s": round(time.time() - start), "lr": opt.param_groups[0]["lr"]}
+            log.write(json.dumps({**record, **{k: round(v, 4) for k, v in ema.items()}}) + "\n")
+            log.flush()
+        if time.time() - last_save > save_every_s:
+            _save(model, tok, out_dir, step, seed)
+            last_save = time.time()
+    bar.close()
+    _save(model, tok, out_dir, step, seed)
+    if log:
+        log.close()
+    return out_dir
+
+
+def _save(model: DLMTransformer, tok: CharTokenizer, out_dir: Path, step: int, seed: int) -> None:
+    was_training = model.training
+    model.eval()
+    save_pretrained(model.to("cpu"), out_dir, metadata={"steps": step, "seed": seed})
+    tok.save(out_dir)
+    model.train(was_training)

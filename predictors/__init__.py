@@ -1,0 +1,1 @@
+"""Admission, refinement and step predictors. Empty until the predictors issue lands."""
