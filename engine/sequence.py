@@ -16,13 +16,7 @@ import torch
 from engine.decoding import UnmaskRule, confidence
 from engine.kv_cache import ApproxCache, ExactCache
 from engine.models.config import ModelConfig
-
-
-class StepKind(enum.StrEnum):
-    PREFILL = "prefill"  # one prompt block into the exact cache (block-causal models)
-    DENOISE = "denoise"  # one round on the current block over the exact cache
-    RECOMPUTE = "recompute"  # full sequence; refreshes the approximate cache
-    CACHED = "cached"  # current block only, over the approximate cache
+from engine.sched_types import StepKind
 
 
 class Status(enum.IntEnum):

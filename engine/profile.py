@@ -1,0 +1,98 @@
+"""Latency profiles: round time as a function of batch composition.
+
+A profile holds, per step kind, a piecewise-linear curve of forward time
+against the tokens of that kind in the round (measured at a reference context
+length), plus an attention term per query-token x context-token beyond the
+reference. Steps of different kinds run as separate forwards (the runner
+groups by length), so their times add up. Pure Python.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.sched_types import StepKind
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+@dataclass
+class LatencyProfile:
+    name: str
+    curves: dict[str, list[tuple[float, float]]]  # kind -> [(tokens, ms)], tokens ascending
+    ref_context: float = 0.0  # context length the curves were measured at
+    attn_ms_per_pair: float = 0.0  # extra ms per (query token x context token) beyond ref_context
+    overhead_ms: float = 0.0  # per round (scheduling, sync)
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for kind, pts in self.curves.items():
+            if kind not in StepKind._value2member_map_:
+                raise ValueError(f"profile {self.name}: unknown step kind {kind!r}")
+            if not pts or any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
+                raise ValueError(f"profile {self.name}: curve {kind!r} needs ascending token counts")
+            self.curves[kind] = [(float(t), float(ms)) for t, ms in pts]
+
+    def curve_ms(self, kind: str, tokens: float) -> float:
+        pts = self.curves.get(kind)
+        if pts is None:
+            pts = self.curves["denoise"]
+        if tokens <= 0:
+            return 0.0
+        xs = [p[0] for p in pts]
+        i = bisect.bisect_left(xs, tokens)
+        if i == 0:  # below the first point: scale towards zero tokens linearly
+            (x0, y0), (x1, y1) = pts[0], pts[1] if len(pts) > 1 else (pts[0][0] * 2, pts[0][1] * 2)
+        elif i == len(pts):
+            (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        else:
+            (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        y = y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+        return max(y, 0.05 * y0)
+
+    def round_ms(self, steps: list[tuple[str, int, int]]) -> float:
+        """steps: (kind, query tokens, context tokens) of each slot in the round."""
+        if not steps:
+            return 0.0
+        by_kind: dict[str, int] = {}
+        extra_pairs = 0.0
+        for kind, q, ctx in steps:
+            by_kind[kind] = by_kind.get(kind, 0) + q
+            extra_pairs += q * max(ctx - self.ref_context, 0.0)
+        ms = sum(self.curve_ms(k, t) for k, t in by_kind.items())
+        return ms + extra_pairs * self.attn_ms_per_pair + self.overhead_ms
+
+    def scaled(self, factor: float, name: str | None = None) -> LatencyProfile:
+        """The same profile with every time multiplied by ``factor`` (e.g. a TP degree's speed-up)."""
+        curves = {k: [(t, ms * factor) for t, ms in pts] for k, pts in self.curves.items()}
+        return LatencyProfile(name or f"{self.name}x{factor:g}", curves, self.ref_context,
+                              self.attn_ms_per_pair * factor, self.overhead_ms * factor, dict(self.meta))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "curves": self.curves, "ref_context": self.ref_context,
+                "attn_ms_per_pair": self.attn_ms_per_pair, "overhead_ms": self.overhead_ms, "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LatencyProfile:
+        return cls(data["name"], {k: [tuple(p) for p in v] for k, v in data["curves"].items()},
+                   data.get("ref_context", 0.0), data.get("attn_ms_per_pair", 0.0), data.get("overhead_ms", 0.0),
+                   data.get("meta", {}))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+
+def load_profile(name_or_path: str) -> LatencyProfile:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILES_DIR / f"{name_or_path}.json"
+    if not path.exists():
+        known = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+        raise FileNotFoundError(f"latency profile {name_or_path!r} not found; known: {', '.join(known)}")
+    try:
+        return LatencyProfile.from_dict(json.loads(path.read_text()))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"corrupt latency profile {path}: {exc}") from exc

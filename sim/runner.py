@@ -1,0 +1,62 @@
+"""The simulated runner: executes a RoundPlan in virtual time.
+
+Each request's denoising rounds per block come from the workload model; the
+round's latency comes from a latency profile over the round's composition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.profile import LatencyProfile
+from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepKind, StepOutcome
+from sim.workload import SimRequestSpec
+
+
+@dataclass
+class _Progress:
+    spec: SimRequestSpec
+    prompt_blocks: int
+    prefill_done: int = 0
+    block: int = 0
+    in_block: int = 0
+    rounds: int = 0
+
+
+class SimulatedRunner:
+    def __init__(self, profile: LatencyProfile, block_size: int = 32) -> None:
+        self.profile = profile
+        self.block = block_size
+        self.progress: dict[str, _Progress] = {}
+
+    def register(self, spec: SimRequestSpec, req: SchedRequest) -> None:
+        self.progress[spec.req_id] = _Progress(spec, req.prompt_blocks)
+
+    def execute(self, plan: RoundPlan) -> RoundResult:
+        b = self.block
+        steps, outcomes = [], []
+        for slot in plan.slots:
+            p = self.progress[slot.req_id]
+            if slot.kind is StepKind.PREFILL:
+                steps.append(("prefill", b, p.prefill_done * b))
+                p.prefill_done += 1
+                nxt = StepKind.PREFILL if p.prefill_done < p.prompt_blocks else StepKind.DENOISE
+                outcomes.append(StepOutcome(slot.req_id, slot.kind, next_kind=nxt))
+                continue
+            steps.append((slot.kind.value, b, (p.prompt_blocks + p.block) * b))
+            p.rounds += 1
+            p.in_block += 1
+            need = p.spec.block_rounds[p.block]
+            block_done = p.in_block >= need
+            committed = 0
+            if block_done:
+                committed = b
+                p.block += 1
+                p.in_block = 0
+            finished = p.block >= len(p.spec.block_rounds)
+            refined = p.spec.refined_est if p.rounds == 1 else None
+            outcomes.append(StepOutcome(slot.req_id, slot.kind, committed, block_done, finished,
+                                        StepKind.DENOISE, refined))
+            if finished:
+                del self.progress[slot.req_id]
+        return RoundResult(outcomes, self.profile.round_ms(steps) / 1000.0)
