@@ -86,6 +86,51 @@ def cmd_generate(args) -> int:
             return 0
 
 
+def cmd_simulate(args) -> int:
+    from sim.scenarios import run_scenario, speedups
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    from engine.policies import make_policy
+
+    for p in policies:
+        make_policy(p)  # fail fast on unknown names
+    report = run_scenario(args.scenario, policies, args.requests, args.seed, progress=not args.quiet)
+    report["speedup_vs_" + policies[0]] = speedups(report, policies[0])
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"scenario {report['scenario']}: {report['requests']} requests, seed {report['seed']}")
+        for name, r in report["policies"].items():
+            print(f"  {name:20s} mean {r['mean_latency_s']:9.2f}s  p50 {r['p50_latency_s']:9.2f}s  "
+                  f"p99 {r['p99_latency_s']:9.2f}s  ttft {r['mean_ttft_s']:8.2f}s  rounds {r['rounds']:7d}  "
+                  f"prefill-only {r['prefill_only_round_frac']:.3f}  slots/round {r['filled_slots_per_round']:6.1f}"
+                  + (f"  accuracy {r['accuracy']:.3f}" if "accuracy" in r else ""))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from app.bench import bench_scheduler
+
+    if args.what != "scheduler":
+        raise ValueError(f"unknown benchmark {args.what!r}; known: scheduler")
+    result = bench_scheduler(args.slots, args.resident, args.rounds, args.policy, args.seed)
+    print(json.dumps(result) if args.json else
+          f"{args.policy}: median {result['median_ms_per_round']:.3f} ms per round "
+          f"(p99 {result['p99_ms_per_round']:.3f} ms) over {result['rounds']} rounds")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from engine.loading import load_engine
+    from engine.profiling import profile_engine
+
+    engine = load_engine(args.model, device=args.device, max_slots=max(args.batch_sizes))
+    prof = profile_engine(engine, args.name or args.model, args.batch_sizes, args.rounds, progress=True)
+    prof.save(args.out)
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {len(v)} points" for k, v in prof.curves.items()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remask", description="Serve diffusion language models with SLOs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -124,6 +169,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
     g.add_argument("--device", default="cpu")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("simulate", help="virtual-time simulation of one instance under several policies")
+    s.add_argument("--scenario", default="dwise-burst-poisson")
+    s.add_argument("--policies", default="fcfs-prefill-first,dwise,oracle")
+    s.add_argument("--requests", type=int, default=4096)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_simulate)
+
+    b = sub.add_parser("bench", help="benchmarks that print measured numbers")
+    b.add_argument("what", choices=["scheduler"])
+    b.add_argument("--slots", type=int, default=128)
+    b.add_argument("--resident", type=int, default=1024)
+    b.add_argument("--rounds", type=int, default=500)
+    b.add_argument("--policy", default="dwise")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+
+    f = sub.add_parser("profile", help="measure a latency profile (round time by step kind and batch)")
+    f.add_argument("--model", default="tiny-bd")
+    f.add_argument("--out", required=True)
+    f.add_argument("--name")
+    f.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2, 4, 8, 16, 32, 64])
+    f.add_argument("--rounds", type=int, default=6)
+    f.add_argument("--device", default="cpu")
+    f.set_defaults(func=cmd_profile)
     return p
 
 

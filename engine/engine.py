@@ -26,6 +26,7 @@ from engine.sequence import SamplingParams, Sequence, Status, StepReport
 class RoundResult:
     reports: list[StepReport]
     latency_s: float
+    composition: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, tokens, context) per slot
     tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -113,7 +114,8 @@ class Engine:
             reports.append(seq.apply(inp, out.logits, out.fresh))
             seq.last_hidden = out.pooled
         self.rounds += bool(plan)
-        return RoundResult(reports, time.perf_counter() - t0)
+        comp = [(i.kind.value, len(i.ids), 0 if i.ctx_pos is None else len(i.ctx_pos)) for i in inputs]
+        return RoundResult(reports, time.perf_counter() - t0, comp)
 
     # ---- offline API -------------------------------------------------------------------------
     def output(self, seq: Sequence) -> Output:

@@ -61,11 +61,15 @@ class DwisePolicy(Policy):
         self.refine = refine
 
     def key(self, req):
-        return (req.remaining_work(self.costs), req.arrival)
+        if req.full_sequence:
+            return (req.remaining_work(self.costs), req.arrival)
+        r = req.est_rounds if req.est_rounds > 0.0 else 0.0  # hot path: inlined remaining_work
+        return ((req.prompt_blocks - req.prefill_done) * self.costs.prefill + r * self.costs.denoise, req.arrival)
 
     def on_step(self, req, kind):
-        if kind is not StepKind.PREFILL and not (self.refine and req.refined and req.rounds_done == 1):
-            req.est_rounds = max(req.est_rounds - 1, 0.0)
+        if kind is StepKind.PREFILL or (req.refined and req.rounds_done == 1 and self.refine):
+            return
+        req.est_rounds = req.est_rounds - 1.0 if req.est_rounds > 1.0 else 0.0
 
     def on_refine(self, req, total_rounds):
         if self.refine:

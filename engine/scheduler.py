@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
+from operator import attrgetter
 
 from engine.clock import Clock, WallClock
 from engine.policies import Policy, make_policy
@@ -39,6 +40,10 @@ class SchedulerConfig:
         return int(self.kv_capacity_tokens * self.kv_limit)
 
 
+_KEY = attrgetter("key")
+_GONE = (float("inf"),)
+
+
 class Scheduler:
     def __init__(self, policy: Policy | str = "dwise", config: SchedulerConfig | None = None,
                  clock: Clock | None = None) -> None:
@@ -54,6 +59,8 @@ class Scheduler:
         self.finished: list[SchedRequest] = []
         self._running: set[str] = set()
         self._prefilling: dict[str, SchedRequest] = {}  # residents with prompt blocks left
+        self._ranked: list[SchedRequest] = []  # residents, re-sorted in place each round (nearly sorted)
+        self._stale = False  # a resident left since the last ranking
 
     # ---- requests -------------------------------------------------------------------------
     def worst_case_kv(self, req: SchedRequest) -> int:
@@ -87,6 +94,8 @@ class Scheduler:
     def _release(self, req: SchedRequest) -> None:
         del self.resident[req.req_id]
         self._prefilling.pop(req.req_id, None)
+        req.key = _GONE  # sinks to the end of the ranking, popped there
+        self._stale = True
         self.kv_reserved -= req.kv_tokens
 
     @property
@@ -106,6 +115,7 @@ class Scheduler:
         self.kv_reserved += req.kv_tokens
         req.residency = Residency.PAUSED
         req.admitted_time = self.clock.now()
+        self._ranked.append(req)
         if req.remaining_prefill > 0:
             self._prefilling[req.req_id] = req
 
@@ -129,7 +139,10 @@ class Scheduler:
                 admitted.append(top.req_id)
             # admitted in key (arrival) order, and FCFS keys never change: already ranked
             return list(itertools.islice(self.resident.values(), b)), admitted
-        ranked = sorted(self.resident.values(), key=lambda r: r.key)
+        ranked = self._rank_residents()
+        top = self._top_waiting()
+        if top is None or (len(ranked) >= b and not top.key < ranked[b - 1].key):
+            return ranked, admitted  # no waiting request ranks in the top B
         out: list[SchedRequest] = []
         deferred: list[SchedRequest] = []
         i = 0
@@ -153,6 +166,25 @@ class Scheduler:
             heapq.heappush(self._waiting, (req.key, next(self._seq), req))
         out.extend(ranked[i:])  # residents beyond the top B stay ranked, paused
         return out, admitted
+
+    def _rank_residents(self) -> list[SchedRequest]:
+        ranked = self._ranked
+        ranked.sort(key=_KEY)  # timsort: only the last round's B requests moved
+        if self._stale:
+            while ranked and ranked[-1].key is _GONE:
+                ranked.pop()
+            self._stale = False
+        return list(ranked)
+
+    def fill_resident(self, target: int) -> int:
+        """Admit waiting requests best-first until ``target`` are resident or the
+        next does not fit (warm starts and benchmarks); returns how many."""
+        n = 0
+        while len(self.resident) < target and (top := self._top_waiting()) is not None and self._admissible(top):
+            heapq.heappop(self._waiting)
+            self._admit(top)
+            n += 1
+        return n
 
     def schedule(self) -> RoundPlan:
         ranked, admitted = self._admit_round()

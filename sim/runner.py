@@ -29,8 +29,12 @@ class SimulatedRunner:
         self.block = block_size
         self.progress: dict[str, _Progress] = {}
 
-    def register(self, spec: SimRequestSpec, req: SchedRequest) -> None:
+    def register(self, spec: SimRequestSpec) -> SchedRequest:
+        from sim.simulator import sched_request
+
+        req = sched_request(spec, self.block)
         self.progress[spec.req_id] = _Progress(spec, req.prompt_blocks)
+        return req
 
     def execute(self, plan: RoundPlan) -> RoundResult:
         b = self.block

@@ -65,7 +65,11 @@ def sched_request(spec: SimRequestSpec, block: int = BLOCK, full_sequence: bool 
 
 def simulate(specs: list[SimRequestSpec], scheduler: Scheduler, runner, clock: VirtualClock,
              max_rounds: int = 10_000_000) -> SimStats:
-    """Run ``specs`` to completion; ``runner.execute(plan) -> RoundResult`` (latency in seconds)."""
+    """Run ``specs`` to completion.
+
+    ``runner.register(spec) -> SchedRequest`` makes each arrival's request and
+    ``runner.execute(plan) -> RoundResult`` runs a round (latency in seconds).
+    """
     pending = sorted(specs, key=lambda s: s.arrival)
     stats = SimStats()
     by_id = {}
@@ -73,9 +77,8 @@ def simulate(specs: list[SimRequestSpec], scheduler: Scheduler, runner, clock: V
     while i < len(pending) or scheduler.has_work():
         while i < len(pending) and pending[i].arrival <= clock.now():
             spec = pending[i]
-            req = sched_request(spec, scheduler.cfg.block_size)
+            req = runner.register(spec)
             scheduler.add_request(req)
-            runner.register(spec, req)
             by_id[spec.req_id] = spec
             i += 1
         if not scheduler.has_work():

@@ -1,0 +1,103 @@
+"""One serving instance: the scheduler orders work, the torch engine runs it.
+
+schedule() -> engine.step(plan) -> update(): the scheduler's RoundPlan says
+which requests fill this round's slots; each sequence knows its own next step
+kind, which the plan carries. The admission estimate of rounds comes from an
+``estimator`` (the predictors issue supplies a trained one; the default
+stand-in assumes one round per output block), and an optional ``refiner``
+maps a request's pooled first-round hidden state to a refined estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.clock import Clock, WallClock
+from engine.engine import Engine, Output
+from engine.engine import RoundResult as EngineRound
+from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepOutcome
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import SamplingParams, Sequence
+
+
+def blocks_estimate(seq: Sequence) -> float:
+    return float(len(seq.blocks))
+
+
+class Instance:
+    def __init__(self, engine: Engine, policy: str = "dwise", slots: int | None = None,
+                 kv_capacity_tokens: int = 1 << 22, clock: Clock | None = None,
+                 estimator: Callable[[Sequence], float] = blocks_estimate,
+                 refiner: Callable[[Sequence], float] | None = None, **sched_kwargs) -> None:
+        self.engine = engine
+        cfg = SchedulerConfig(slots=slots or engine.max_slots, kv_capacity_tokens=kv_capacity_tokens,
+                              block_size=engine.cfg.block_size, **sched_kwargs)
+        self.clock = clock or WallClock()
+        self.scheduler = Scheduler(policy, cfg, self.clock)
+        self.estimator, self.refiner = estimator, refiner
+        self.seqs: dict[str, Sequence] = {}
+        self.outputs: dict[str, Output] = {}
+
+    def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    deadline: float | None = None, true_rounds: int | None = None) -> SchedRequest:
+        seq = self.engine.add_request(prompt, params)
+        req = SchedRequest(
+            req_id=req_id, prompt_blocks=seq.prefill_blocks, output_blocks=len(seq.blocks),
+            est_rounds=self.estimator(seq), arrival=self.clock.now(), deadline=deadline,
+            threshold=seq.threshold, predicted_output_tokens=float(seq.max_tokens), true_rounds=true_rounds,
+            full_sequence=seq.cache_mode != "exact",
+        )
+        try:
+            self.scheduler.add_request(req)
+        except ValueError:
+            self.engine.abort(seq.seq_id)
+            raise
+        req.next_kind = seq.next_kind()
+        self.seqs[req_id] = seq
+        return req
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.abort(req_id)
+        seq = self.seqs.pop(req_id, None)
+        if seq is not None:
+            self.engine.abort(seq.seq_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def execute(self, plan: RoundPlan) -> RoundResult:
+        """Run ``plan`` on the engine; outcomes in the scheduler's terms."""
+        return execute_plan(self.engine, self.seqs, plan, self.refiner)[0]
+
+    def step(self) -> tuple[RoundPlan, RoundResult, list[SchedRequest]]:
+        plan = self.scheduler.schedule()
+        result = self.execute(plan)
+        done = self.scheduler.update(plan, result)
+        for req in done:
+            seq = self.seqs.pop(req.req_id)
+            self.outputs[req.req_id] = self.engine.output(seq)
+            self.engine.sequences.pop(seq.seq_id, None)
+        return plan, result, done
+
+    def run(self) -> dict[str, Output]:
+        while self.has_work():
+            self.step()
+        return self.outputs
+
+
+def execute_plan(engine: Engine, seqs_by_id: dict[str, Sequence], plan: RoundPlan,
+                 refiner: Callable[[Sequence], float] | None = None) -> tuple[RoundResult, EngineRound]:
+    """Run a RoundPlan on the torch engine and report it in the scheduler's terms."""
+    seqs = [seqs_by_id[s.req_id] for s in plan.slots]
+    for slot, seq in zip(plan.slots, seqs):
+        if seq.next_kind() is not slot.kind:
+            raise RuntimeError(f"plan asks {slot.req_id} for a {slot.kind} step; it needs {seq.next_kind()}")
+    result = engine.step(seqs)
+    outcomes = []
+    for slot, seq, rep in zip(plan.slots, seqs, result.reports):
+        refined = None
+        if refiner is not None and seq.rounds == 1 and rep.kind.value != "prefill":
+            refined = refiner(seq)
+        outcomes.append(StepOutcome(slot.req_id, rep.kind, rep.committed, rep.block_done, rep.finished,
+                                    None if rep.finished else seq.next_kind(), refined))
+    return RoundResult(outcomes, result.latency_s), result
