@@ -15,7 +15,8 @@ from collections.abc import Callable
 from engine.clock import Clock, WallClock
 from engine.engine import Engine, Output
 from engine.engine import RoundResult as EngineRound
-from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepOutcome
+from engine.policies import make_policy
+from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepCosts, StepOutcome
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
 
@@ -28,12 +29,15 @@ class Instance:
     def __init__(self, engine: Engine, policy: str = "dwise", slots: int | None = None,
                  kv_capacity_tokens: int = 1 << 22, clock: Clock | None = None,
                  estimator: Callable[[Sequence], float] = blocks_estimate,
-                 refiner: Callable[[Sequence], float] | None = None, **sched_kwargs) -> None:
+                 refiner: Callable[[Sequence], float] | None = None, costs: StepCosts | None = None,
+                 **sched_kwargs) -> None:
+        """``costs`` weights remaining work by step kind (e.g. ``profile.step_costs(...)``
+        for full-sequence models, whose recompute steps cost more than cached ones)."""
         self.engine = engine
         cfg = SchedulerConfig(slots=slots or engine.max_slots, kv_capacity_tokens=kv_capacity_tokens,
                               block_size=engine.cfg.block_size, **sched_kwargs)
         self.clock = clock or WallClock()
-        self.scheduler = Scheduler(policy, cfg, self.clock)
+        self.scheduler = Scheduler(make_policy(policy, costs=costs), cfg, self.clock)
         self.estimator, self.refiner = estimator, refiner
         self.seqs: dict[str, Sequence] = {}
         self.outputs: dict[str, Output] = {}

@@ -71,6 +71,18 @@ class LatencyProfile:
         return LatencyProfile(name or f"{self.name}x{factor:g}", curves, self.ref_context,
                               self.attn_ms_per_pair * factor, self.overhead_ms * factor, dict(self.meta))
 
+    def step_costs(self, block_tokens: int, sequence_tokens: int, batch: int = 32):
+        """Relative step costs (a denoise block = 1) at a typical batch, for work weighting."""
+        from engine.sched_types import StepCosts
+
+        unit = self.curve_ms("denoise", block_tokens * batch) / batch
+        return StepCosts(
+            prefill=self.curve_ms("prefill", block_tokens * batch) / batch / unit,
+            denoise=1.0,
+            recompute=self.curve_ms("recompute", sequence_tokens * batch) / batch / unit,
+            cached=self.curve_ms("cached", block_tokens * batch) / batch / unit,
+        )
+
     def to_dict(self) -> dict:
         return {"name": self.name, "curves": self.curves, "ref_context": self.ref_context,
                 "attn_ms_per_pair": self.attn_ms_per_pair, "overhead_ms": self.overhead_ms, "meta": self.meta}

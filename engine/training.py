@@ -180,6 +180,7 @@ def train(
     log_path: str | Path | None = None,
     progress: bool = True,
     init: str | Path | None = None,
+    log_every: int = 200,
 ) -> Path:
     """Train one default model; progress is max(step / steps, elapsed / minutes)."""
     from tqdm import tqdm
@@ -228,7 +229,7 @@ def train(
         bar.update(1)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{ema['loss']:.3f}")
-        if log and step % 200 == 0:
+        if log and step % log_every == 0:
             record = {"step": step, "elapsed_s": round(time.time() - start), "lr": opt.param_groups[0]["lr"]}
             log.write(json.dumps({**record, **{k: round(v, 4) for k, v in ema.items()}}) + "\n")
             log.flush()
@@ -243,8 +244,8 @@ def train(
 
 
 def _save(model: DLMTransformer, tok: CharTokenizer, out_dir: Path, step: int, seed: int) -> None:
-    was_training = model.training
-    model.eval()
-    save_pretrained(model.to("cpu"), out_dir, metadata={"steps": step, "seed": seed})
+    """Save a CPU copy (the model keeps training on its device)."""
+    copy = DLMTransformer(model.config)
+    copy.load_state_dict({k: v.detach().to("cpu") for k, v in model.state_dict().items()})
+    save_pretrained(copy, out_dir, metadata={"steps": step, "seed": seed})
     tok.save(out_dir)
-    model.train(was_training)

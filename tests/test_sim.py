@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.cli import main
+from engine.profile import LatencyProfile, load_profile
+from sim.scenarios import run_scenario
+from sim.workload import dwise_workload, set_arrivals, spearman
+
+
+def test_dwise_workload_matches_the_paper_shape():
+    specs = dwise_workload(2000, seed=1)
+    rounds = sorted(s.true_rounds for s in specs)
+    n = len(rounds)
+    assert 10 <= rounds[n // 4] <= 20 and 35 <= rounds[n // 2] <= 55 and 125 <= rounds[int(0.9 * n)] <= 170
+    assert rounds[-1] <= 279
+    true = [s.true_rounds for s in specs]
+    assert abs(spearman([s.admission_est for s in specs], true) - 0.74) < 0.03
+    assert abs(spearman([s.refined_est for s in specs], true) - 0.87) < 0.03
+    set_arrivals(specs, "burst-poisson", rate=16.0)
+    assert sum(s.arrival == 0 for s in specs) == 1000 and max(s.arrival for s in specs) > 30
+    with pytest.raises(ValueError):
+        set_arrivals(specs, "nope")
+
+
+def test_simulated_policies_order_as_in_the_paper():
+    report = run_scenario("dwise-burst-poisson", ["fcfs-prefill-first", "dwise", "oracle"], 600, seed=3)
+    p = report["policies"]
+    assert p["fcfs-prefill-first"]["prefill_only_round_frac"] > 0.8
+    assert p["dwise"]["filled_slots_per_round"] > p["fcfs-prefill-first"]["filled_slots_per_round"]
+    assert p["oracle"]["mean_latency_s"] <= p["dwise"]["mean_latency_s"] < p["fcfs-prefill-first"]["mean_latency_s"]
+    assert all(v["requests"] == 600 for v in p.values())
+
+
+def test_simulate_cli_prints_json(capsys):
+    assert main(["simulate", "--scenario", "dwise-burst", "--policies", "fcfs-mixed,dwise", "--requests", "200",
+                 "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    keys = {"mean_latency_s", "p50_latency_s", "p99_latency_s", "mean_ttft_s", "throughput_rps", "rounds",
+            "prefill_only_round_frac", "filled_slots_per_round"}
+    assert out["scenario"] == "dwise-burst" and keys <= set(out["policies"]["dwise"])
+    assert main(["simulate", "--scenario", "nope", "--requests", "10", "--quiet"]) == 2
+    assert main(["simulate", "--policies", "nope", "--requests", "10", "--quiet"]) == 2
+
+
+def test_bench_scheduler_cli(capsys):
+    assert main(["bench", "scheduler", "--slots", "16", "--resident", "64", "--rounds", "20", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["resident"] == 64 and out["median_ms_per_round"] > 0
+
+
+def test_profiles_interpolate_and_fail_clearly(tmp_path):
+    prof = load_profile("h200-llada8b")
+    assert prof.round_ms([("denoise", 32, 268)]) == pytest.approx(7.1, rel=1e-3)
+    assert prof.round_ms([("denoise", 32, 268)] * 32) == pytest.approx(40.0, rel=1e-3)
+    assert prof.round_ms([("recompute", 396, 0)]) == pytest.approx(11.5, rel=1e-3)
+    assert prof.round_ms([("denoise", 32, 10268)]) > prof.round_ms([("denoise", 32, 268)])
+    costs = prof.step_costs(32, 396)
+    assert costs.recompute > costs.cached
+    with pytest.raises(FileNotFoundError, match="known"):
+        load_profile("nope")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x", "curves": {"denoise": [[5, 1], [2, 3]]}}')
+    with pytest.raises(ValueError, match="corrupt"):
+        load_profile(str(bad))
+    with pytest.raises(ValueError):
+        LatencyProfile("x", {"warp": [(1, 1)]})

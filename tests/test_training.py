@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from engine import tasks, training
+from engine.models.checkpoint import load_remask
+from engine.tokenizer import CharTokenizer
+
+
+@pytest.mark.parametrize("name", ["tiny-bd", "tiny-mdm"])
+def test_batches_match_the_decoding_conditions(name):
+    tok = CharTokenizer.default()
+    rng = random.Random(0)
+    batch = training.make_batch(name, [tasks.sample(rng) for _ in range(16)], tok, rng)
+    on = batch.targets != -100
+    assert on.any()
+    assert (batch.input_ids[on] == tok.mask_token_id).all()  # loss only where the input is masked
+    if name == "tiny-bd":
+        # one noisy block per row, ending the row: nothing after it
+        for row, tgt in zip(batch.input_ids, batch.targets):
+            idx = torch.nonzero(tgt != -100).flatten()
+            real = int((row != tok.pad_token_id).nonzero().max()) + 1
+            assert idx.max() < real and real - idx.min() <= training.BLOCK
+
+
+def test_short_training_lowers_the_loss_and_saves_a_loadable_checkpoint(tmp_path):
+    log = tmp_path / "log.jsonl"
+    out = training.train("tiny-bd", tmp_path / "m", steps=80, batch_size=8, progress=False, log_path=log,
+                         seed=1, log_every=10)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(rows) == 8 and rows[-1]["loss"] < rows[0]["loss"] - 0.3
+    model = load_remask(out)
+    assert model.config.attention == "block_causal" and (out / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match="unknown default model"):
+        training.default_config("nope", CharTokenizer.default())
