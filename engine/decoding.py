@@ -116,8 +116,16 @@ def make_rule(name: str, **kwargs) -> UnmaskRule:
     return factory(**kwargs)
 
 
-def confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-1 probability, argmax token) of each row of logits [.., V]."""
-    probs = torch.softmax(logits.float(), dim=-1)
+def confidence(logits: torch.Tensor, mask_token_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-1 probability, argmax token) of each row of logits [.., V].
+
+    The mask token is never a prediction: committing it would leave the
+    position masked forever.
+    """
+    logits = logits.float()
+    if mask_token_id is not None and 0 <= mask_token_id < logits.shape[-1]:
+        logits = logits.clone()
+        logits[..., mask_token_id] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
     conf, tokens = probs.max(dim=-1)
     return conf, tokens

@@ -168,7 +168,7 @@ class Sequence:
             self.needs_recompute = False
         span = self.blocks[self.block_idx]
         masked = self._masked(span)
-        conf, tok = confidence(logits[masked - self.cfg.logits_shift - q_start])
+        conf, tok = confidence(logits[masked - self.cfg.logits_shift - q_start], self.cfg.mask_token_id)
         chosen = self.rule.select(conf, self.step_in_block, self.masked_at_start, self.threshold)
         self.tokens[masked[chosen]] = tok[chosen]
         self.step_in_block += 1

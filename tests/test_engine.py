@@ -172,3 +172,18 @@ def test_rules():
     assert rule.select(conf, 2, 8).all()
     with pytest.raises(ValueError):
         ThresholdRule(2.0)
+
+
+def test_mask_token_is_never_committed(tok):
+    model = make_model()
+    head = model.lm_head
+
+    class PrefersMask(torch.nn.Module):
+        def forward(self, h):
+            logits = head(h)
+            logits[..., tok.mask_token_id] += 100.0
+            return logits
+
+    model.lm_head = PrefersMask()
+    out = Engine(model, tok).generate(["abc"], SamplingParams(max_tokens=16, threshold=0.9))[0]
+    assert tok.mask_token_id not in out.token_ids and out.rounds <= 16
