@@ -1,0 +1,35 @@
+"""The application's configuration: the ``args`` of serve_config.yaml."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("tiny-bd", description="embedded model name or local HF-format checkpoint directory")
+    served_model_name: str | None = Field(None, description="name clients use; defaults to `model`")
+    tp_degrees: list[int] = Field([1], description="one Denoiser deployment per tensor-parallel degree")
+    replicas: dict[int, int] = Field({}, description="replicas per TP degree (default 1 each)")
+    device: str = Field("cpu", description="'cpu' or 'cuda'")
+    slots: int = Field(32, ge=1, description="B: block slots per round")
+    policy: str = Field("dwise", description="instance scheduling policy")
+    kv_capacity_tokens: int = Field(1 << 20, ge=1, description="KV pool per instance, in tokens")
+    max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int | None = Field(None, description="max_tokens when a request gives none")
+    max_waiting: int = Field(256, ge=1, description="waiting requests per instance before 429")
+    cache: str = Field("dual", description="approximate cache of full-sequence models: none | prefix | dual")
+    cpus_per_replica: float = Field(0.5, gt=0, description="logical CPUs per Denoiser replica")
+    gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per TP rank (0 on CPU)")
+
+    @field_validator("tp_degrees")
+    @classmethod
+    def _tp(cls, v: list[int]) -> list[int]:
+        if not v or any(d < 1 or d & (d - 1) for d in v):
+            raise ValueError("tp_degrees must be powers of two, e.g. [1, 2, 4]")
+        return sorted(set(v))
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model

@@ -1,0 +1,79 @@
+"""Denoiser deployment: one replica is one model instance running its own round loop.
+
+Bound once per TP degree (``Denoiser_TP1``, ``Denoiser_TP2``, ...). The replica
+never waits on the ingress: requests and aborts are control messages applied
+at the next round boundary, and progress streams back as events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ray import serve
+
+from app.config import AppConfig
+from engine.loading import load_engine
+from engine.loop import Overloaded, RoundLoop
+from engine.sequence import SamplingParams
+
+
+@serve.deployment(max_ongoing_requests=1024, health_check_period_s=5)
+class Denoiser:
+    def __init__(self, config: dict, tp: int = 1) -> None:
+        from engine.instance import Instance
+
+        self.cfg = AppConfig(**config)
+        self.tp = tp
+        engine = load_engine(self.cfg.model, device=self.cfg.device, cache=self.cfg.cache, max_slots=self.cfg.slots,
+                             default_gen_length=self.cfg.default_max_tokens,
+                             max_gen_length=self.cfg.max_tokens_limit)
+        self.instance = Instance(engine, policy=self.cfg.policy, slots=self.cfg.slots,
+                                 kv_capacity_tokens=self.cfg.kv_capacity_tokens)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.aio = None
+        self.loop = RoundLoop(self.instance, self._on_event, max_waiting=self.cfg.max_waiting)
+
+    def _on_event(self, req_id: str, event: dict) -> None:  # called from the round-loop thread
+        q = self.queues.get(req_id)
+        if q is not None and self.aio is not None:
+            self.aio.call_soon_threadsafe(q.put_nowait, event)
+
+    async def generate(self, request: dict):
+        """Stream events of one request: delta*, then done or error."""
+        self.aio = asyncio.get_running_loop()
+        rid = request["request_id"]
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[rid] = q
+        params = SamplingParams(max_tokens=request.get("max_tokens"), threshold=request.get("threshold"))
+        deadline = time.monotonic() + request["slo_ms"] / 1000 if request.get("slo_ms") else None
+        finished = False
+        try:
+            try:
+                self.loop.submit(rid, request["prompt"], params, deadline)
+            except Overloaded as exc:
+                finished = True
+                yield {"type": "error", "status": 429, "message": f"server overloaded: {exc}"}
+                return
+            while True:
+                event = await q.get()
+                finished = event["type"] in ("done", "error")
+                yield event
+                if finished:
+                    return
+        finally:
+            self.queues.pop(rid, None)
+            if not finished:  # the client went away: free its slot and KV
+                self.loop.abort(rid)
+
+    async def stats(self) -> dict:
+        return {"tp": self.tp, **self.loop.stats()}
+
+    def check_health(self) -> None:
+        if not self.loop.stats()["alive"]:
+            raise RuntimeError("round loop died")
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.instance import Instance
+from engine.loop import Overloaded, RoundLoop
+from engine.sequence import SamplingParams
+from tests.conftest import make_model
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: dict[str, list[dict]] = {}
+        self.done = threading.Event()
+        self.expect = 0
+
+    def __call__(self, req_id: str, event: dict) -> None:
+        self.events.setdefault(req_id, []).append(event)
+        if sum(e[-1]["type"] in ("done", "error") for e in self.events.values()) >= self.expect:
+            self.done.set()
+
+
+def test_round_loop_streams_every_request_to_completion(tok):
+    model = make_model()
+    ref = Engine(model, tok).generate(["abc", "12+5=", "story: cat 2"], SamplingParams(max_tokens=24, threshold=0.5))
+    sink = Collector()
+    loop = RoundLoop(Instance(Engine(model, tok, max_slots=2), slots=2), sink)
+    try:
+        sink.expect = 4
+        for i, p in enumerate(["abc", "12+5=", "story: cat 2"]):
+            loop.submit(f"q{i}", p, SamplingParams(max_tokens=24, threshold=0.5))
+        loop.submit("long", "x" * 600, SamplingParams(max_tokens=8))  # longer than the context
+        assert sink.done.wait(30)
+        for i, r in enumerate(ref):
+            events = sink.events[f"q{i}"]
+            assert events[-1]["type"] == "done" and events[-1]["text"] == r.text
+            assert "".join(e["text"] for e in events if e["type"] == "delta") == r.text
+            assert events[-1]["completion_tokens"] == len(r.token_ids)
+        assert sink.events["long"][-1]["type"] == "error" and sink.events["long"][-1]["status"] == 400
+        stats = loop.stats()
+        assert stats["rounds"] > 0 and stats["resident"] == 0 and stats["kv_reserved_tokens"] == 0
+    finally:
+        loop.stop()
+
+
+def test_abort_and_overload(tok):
+    sink = Collector()
+    model = make_model()
+    head = model.lm_head
+
+    class NeverEnds(torch.nn.Module):
+        def forward(self, h):
+            logits = head(h)
+            logits[..., tok.eos_token_id] -= 100.0
+            return logits
+
+    model.lm_head = NeverEnds()
+    inst = Instance(Engine(model, tok, max_slots=1), slots=1)
+    loop = RoundLoop(inst, sink, max_waiting=2)
+    try:
+        loop.submit("a", "abc", SamplingParams(max_tokens=400, threshold=1.0))
+        time.sleep(0.2)
+        loop.abort("a")
+        deadline = time.time() + 10
+        while inst.has_work() and time.time() < deadline:
+            time.sleep(0.05)
+        assert not inst.has_work() and inst.scheduler.kv_reserved == 0
+        assert sink.events["a"] and all(e["type"] == "delta" for e in sink.events["a"])  # streamed, never done
+        loop._stop.set()  # freeze the loop so the queue fills
+        loop._thread.join(timeout=5)
+        loop.submit("b", "abc", SamplingParams())
+        loop.submit("c", "abc", SamplingParams())
+        with pytest.raises(Overloaded):
+            loop.submit("d", "abc", SamplingParams())
+    finally:
+        loop.stop()

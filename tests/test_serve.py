@@ -1,0 +1,126 @@
+"""The Ray Serve application end to end (one app for the module; Ray start-up costs seconds)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+
+PORT = 8765
+BASE = f"http://127.0.0.1:{PORT}"
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    import os
+
+    from app.builder import build_app
+
+    # a busy 2-core machine can take longer than Serve's 5 s to start the HTTP proxy
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app({"model": "tiny-bd", "slots": 16, "max_waiting": 64, "max_tokens_limit": 256}),
+              name="remask", route_prefix="/", blocking=False)
+    # wait for the app to answer
+    import time
+
+    for _ in range(120):
+        try:
+            if httpx.get(f"{BASE}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    yield BASE
+    serve.shutdown()
+    ray.shutdown()
+
+
+def post(url, path, body, **kw):
+    return httpx.post(url + path, content=body if isinstance(body, (bytes, str)) else json.dumps(body),
+                      headers={"content-type": "application/json"}, timeout=60, **kw)
+
+
+def test_health_and_models(app_url):
+    assert httpx.get(app_url + "/health").json()["status"] == "ok"
+    models = httpx.get(app_url + "/v1/models").json()
+    assert models["data"][0]["id"] == "tiny-bd"
+
+
+def test_completion_answers_checkable_prompts(app_url):
+    r = post(app_url, "/v1/completions", {"model": "tiny-bd", "prompt": "rev: abcde", "max_tokens": 16})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == "edcba" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 5
+
+
+def test_streaming_chat_yields_sse_chunks(app_url):
+    with httpx.stream("POST", app_url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny-bd", "messages": [{"role": "user", "content": "max: a3 b9 c1 d2"}], "stream": True,
+        "stream_options": {"include_usage": True}}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "b"
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("body,param", [
+    (b"{not json", None),
+    ({"model": "tiny-bd"}, "prompt"),
+    ({"model": "nope", "prompt": "x"}, "model"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+    ({"prompt": "x", "threshold": 1.5}, "threshold"),
+    ({"prompt": "x", "slo_ms": -1}, "slo_ms"),
+    ({"prompt": "x" * 600, "max_tokens": 8}, "prompt"),
+])
+def test_bad_input_gets_openai_errors(app_url, body, param):
+    r = post(app_url, "/v1/completions", body)
+    assert 400 <= r.status_code < 500
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+
+
+def test_concurrent_streams_all_complete_correctly(app_url):
+    from engine import tasks
+
+    examples = [e for e in tasks.heldout_set(200) if e.category in ("reverse", "choice")][:50]
+    results = [None] * len(examples)
+
+    def run(i, ex):
+        r = post(app_url, "/v1/completions", {"prompt": ex.prompt, "max_tokens": 16, "threshold": 0.9})
+        results[i] = r.json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(examples)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    correct = sum(e.check(t) for e, t in zip(examples, results))
+    assert all(r is not None for r in results)
+    assert correct >= 0.9 * len(examples)
+
+
+def test_openai_client(app_url):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=app_url + "/v1", api_key="none")
+    out = client.completions.create(model="tiny-bd", prompt="rev: hello", max_tokens=16)
+    assert out.choices[0].text == "olleh"
+    stream = client.chat.completions.create(model="tiny-bd", messages=[{"role": "user", "content": "rev: abc"}],
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "cba"
+
+
+def test_metrics(app_url):
+    text = httpx.get(app_url + "/metrics").text
+    assert "remask_e2e_seconds" in text and "remask_requests_total" in text
