@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # CPU build of torch (a local wheel on these machines); an unpinned torch pulls a CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: test serve lint install clean
+.PHONY: test serve demo lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,9 +24,13 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q
 
-# Until the Ray Serve application lands, `make serve` runs the interactive
-# generation demo on the embedded tiny-bd model.
+# The Ray Serve application on this machine (CPU, embedded tiny-bd model), on 127.0.0.1:8000.
 serve: $(STAMP)
+	RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=$${RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S:-60} \
+		$(VENV)/bin/serve run serve_config.yaml
+
+# The interactive generation demo (no Ray): watch the canvas unmask.
+demo: $(STAMP)
 	$(VENV)/bin/remask generate --model $${MODEL:-tiny-bd} --show-steps
 
 clean:

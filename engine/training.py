@@ -132,10 +132,17 @@ def make_batch(name: str, examples: list[tasks.Example], tok: CharTokenizer, rng
     return collate(name, build_rows(name, examples, tok, rng), tok)
 
 
-def bucketed_batches(name: str, tok: CharTokenizer, rng: random.Random, batch_size: int, pool: int = 16):
+def sample_mix(rng: random.Random, mix: dict[str, float] | None) -> tasks.Example:
+    if not mix:
+        return tasks.sample(rng)
+    return tasks.sample(rng, rng.choices(list(mix), weights=list(mix.values()))[0])
+
+
+def bucketed_batches(name: str, tok: CharTokenizer, rng: random.Random, batch_size: int, pool: int = 16,
+                     mix: dict[str, float] | None = None):
     """Endless batches; each pool of examples is sorted by length so little is padding."""
     while True:
-        rows = build_rows(name, [tasks.sample(rng) for _ in range(batch_size * pool)], tok, rng)
+        rows = build_rows(name, [sample_mix(rng, mix) for _ in range(batch_size * pool)], tok, rng)
         rows.sort(key=lambda r: len(r[0]))
         chunks = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
         rng.shuffle(chunks)
@@ -181,8 +188,12 @@ def train(
     progress: bool = True,
     init: str | Path | None = None,
     log_every: int = 200,
+    mix: dict[str, float] | None = None,
 ) -> Path:
-    """Train one default model; progress is max(step / steps, elapsed / minutes)."""
+    """Train one default model; progress is max(step / steps, elapsed / minutes).
+
+    ``mix`` weights the task categories (uniform when None); ``init`` continues
+    from a checkpoint (a second phase with its own schedule)."""
     from tqdm import tqdm
 
     if threads:
@@ -205,7 +216,9 @@ def train(
     start = last_save = time.time()
     bar = tqdm(total=steps, desc=f"train {name}", disable=not progress, mininterval=2.0)
     ema: dict[str, float] = {}
-    batches = bucketed_batches(name, tok, rng, batch_size)
+    if mix and set(mix) - set(tasks.CATEGORIES):
+        raise ValueError(f"unknown categories in mix: {sorted(set(mix) - set(tasks.CATEGORIES))}")
+    batches = bucketed_batches(name, tok, rng, batch_size, mix=mix)
     step = 0
     while True:
         frac = step / steps
