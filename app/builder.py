@@ -18,6 +18,7 @@ def build_app(args: dict):
         bundles += [{"CPU": 0.01, **({"GPU": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})}] * (d - 1)
         dep = Denoiser.options(name=f"Denoiser_TP{d}", num_replicas=cfg.replicas.get(d, 1),
                                placement_group_bundles=bundles, placement_group_strategy="PACK",
-                               ray_actor_options={"num_cpus": cfg.cpus_per_replica})
+                               ray_actor_options={"num_cpus": cfg.cpus_per_replica,
+                                                  **({"num_gpus": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})})
         handles[d] = dep.bind(config, d)
     return Ingress.bind(handles, config)

@@ -19,15 +19,19 @@ def _thresholds(text: str) -> list[float]:
 
 def cmd_train_default(args) -> int:
     from engine.loading import DEFAULT_MODELS, DEFAULTS_DIR
-    from engine.training import train
+    from engine.training import train, train_default
 
     names = DEFAULT_MODELS if args.model == "all" else (args.model,)
     for name in names:
         out = args.out or str(DEFAULTS_DIR / name)
         if len(names) > 1 and args.out:
             out = f"{args.out}/{name}"
-        train(name, out, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size, lr=args.lr,
-              seed=args.seed, device=args.device, threads=args.threads, init=args.init)
+        if args.steps is None and args.init is None:  # the two-phase recipe of the shipped weights
+            train_default(name, out, minutes=args.minutes, device=args.device, threads=args.threads, seed=args.seed,
+                          batch_size=args.batch_size)
+        else:
+            train(name, out, steps=args.steps or 20000, minutes=args.minutes, batch_size=args.batch_size, lr=args.lr,
+                  seed=args.seed, device=args.device, threads=args.threads, init=args.init)
         print(f"saved {name} to {out}")
     return 0
 
@@ -138,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train-default", help="train the embedded default models on the task suite")
     t.add_argument("--model", default="all", choices=["all", "tiny-bd", "tiny-mdm"])
     t.add_argument("--out", help="output directory (default: the shipped location)")
-    t.add_argument("--steps", type=int, default=20000)
-    t.add_argument("--minutes", type=float, help="wall-clock budget; the schedule follows whichever ends first")
+    t.add_argument("--steps", type=int, help="one phase of this many steps (default: the two-phase recipe)")
+    t.add_argument("--minutes", type=float, help="wall-clock cap per phase; the schedule follows whichever ends first")
     t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--seed", type=int, default=0)

@@ -13,6 +13,7 @@ class AppConfig(BaseModel):
     tp_degrees: list[int] = Field([1], description="one Denoiser deployment per tensor-parallel degree")
     replicas: dict[int, int] = Field({}, description="replicas per TP degree (default 1 each)")
     device: str = Field("cpu", description="'cpu' or 'cuda'")
+    dtype: str | None = Field(None, description="float32 | bfloat16 | float16 (default: bfloat16 on cuda)")
     slots: int = Field(32, ge=1, description="B: block slots per round")
     policy: str = Field("dwise", description="instance scheduling policy")
     kv_capacity_tokens: int = Field(1 << 20, ge=1, description="KV pool per instance, in tokens")
@@ -29,6 +30,18 @@ class AppConfig(BaseModel):
         if not v or any(d < 1 or d & (d - 1) for d in v):
             raise ValueError("tp_degrees must be powers of two, e.g. [1, 2, 4]")
         return sorted(set(v))
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str | None) -> str | None:
+        if v not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be float32, bfloat16 or float16")
+        return v
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32"))
 
     @property
     def name(self) -> str:

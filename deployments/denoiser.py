@@ -25,7 +25,8 @@ class Denoiser:
 
         self.cfg = AppConfig(**config)
         self.tp = tp
-        engine = load_engine(self.cfg.model, device=self.cfg.device, cache=self.cfg.cache, max_slots=self.cfg.slots,
+        engine = load_engine(self.cfg.model, device=self.cfg.device, dtype=self.cfg.torch_dtype(),
+                             cache=self.cfg.cache, max_slots=self.cfg.slots,
                              default_gen_length=self.cfg.default_max_tokens,
                              max_gen_length=self.cfg.max_tokens_limit)
         self.instance = Instance(engine, policy=self.cfg.policy, slots=self.cfg.slots,

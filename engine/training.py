@@ -262,3 +262,22 @@ def _save(model: DLMTransformer, tok: CharTokenizer, out_dir: Path, step: int, s
     copy.load_state_dict({k: v.detach().to("cpu") for k, v in model.state_dict().items()})
     save_pretrained(copy, out_dir, metadata={"steps": step, "seed": seed})
     tok.save(out_dir)
+
+
+# The recipe behind the shipped weights: a uniform phase, then a phase that
+# weights long-context lookup (the slowest category to learn) more heavily.
+PHASE2_MIX = {"lookup": 0.4, "prose": 0.2, "arith": 0.2, "choice": 0.1, "reverse": 0.1}
+RECIPE_STEPS = {"tiny-bd": (8000, 9000), "tiny-mdm": (4500, 4500)}
+
+
+def train_default(name: str, out_dir: str | Path, steps: tuple[int, int] | None = None, minutes: float | None = None,
+                  device: str = "cpu", threads: int | None = None, seed: int = 0, progress: bool = True,
+                  batch_size: int = 32) -> Path:
+    """Both phases of the default recipe; ``minutes`` (optional) caps each phase's wall time."""
+    p1, p2 = steps or RECIPE_STEPS[name]
+    out_dir = Path(out_dir)
+    phase1 = out_dir.parent / f".{out_dir.name}-phase1"
+    train(name, phase1, steps=p1, minutes=minutes, batch_size=batch_size, lr=2e-3, seed=seed, device=device,
+          threads=threads, progress=progress)
+    return train(name, out_dir, steps=p2, minutes=minutes, batch_size=batch_size, lr=1e-3, seed=seed + 1,
+                 device=device, threads=threads, progress=progress, init=phase1, mix=PHASE2_MIX)
