@@ -30,10 +30,18 @@ class Instance:
                  kv_capacity_tokens: int = 1 << 22, clock: Clock | None = None,
                  estimator: Callable[[Sequence], float] = blocks_estimate,
                  refiner: Callable[[Sequence], float] | None = None, costs: StepCosts | None = None,
+                 mirror: Callable[[list[tuple], RoundPlan], Callable[[], None]] | None = None,
                  **sched_kwargs) -> None:
         """``costs`` weights remaining work by step kind (e.g. ``profile.step_costs(...)``
-        for full-sequence models, whose recompute steps cost more than cached ones)."""
+        for full-sequence models, whose recompute steps cost more than cached ones).
+
+        ``mirror`` (tensor parallelism) receives the control commands applied since
+        the last round and this round's plan before the local forward starts, so
+        follower ranks run the same round; it returns a function that waits for them.
+        """
         self.engine = engine
+        self.mirror = mirror
+        self._commands: list[tuple] = []
         cfg = SchedulerConfig(slots=slots or engine.max_slots, kv_capacity_tokens=kv_capacity_tokens,
                               block_size=engine.cfg.block_size, **sched_kwargs)
         self.clock = clock or WallClock()
@@ -58,6 +66,7 @@ class Instance:
             raise
         req.next_kind = seq.next_kind()
         self.seqs[req_id] = seq
+        self._commands.append(("add", req_id, prompt, params))
         return req
 
     def abort(self, req_id: str) -> None:
@@ -65,6 +74,7 @@ class Instance:
         seq = self.seqs.pop(req_id, None)
         if seq is not None:
             self.engine.abort(seq.seq_id)
+            self._commands.append(("abort", req_id))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -75,7 +85,12 @@ class Instance:
 
     def step(self) -> tuple[RoundPlan, RoundResult, list[SchedRequest]]:
         plan = self.scheduler.schedule()
+        wait = None
+        if self.mirror is not None:
+            wait, self._commands = self.mirror(self._commands, plan), []
         result = self.execute(plan)
+        if wait is not None:
+            wait()
         done = self.scheduler.update(plan, result)
         for req in done:
             seq = self.seqs.pop(req.req_id)
@@ -105,3 +120,30 @@ def execute_plan(engine: Engine, seqs_by_id: dict[str, Sequence], plan: RoundPla
         outcomes.append(StepOutcome(slot.req_id, rep.kind, rep.committed, rep.block_done, rep.finished,
                                     None if rep.finished else seq.next_kind(), refined))
     return RoundResult(outcomes, result.latency_s), result
+
+
+class Follower:
+    """A tensor-parallel follower rank: replays rank 0's commands and plans on
+    its own shard, so its collectives meet rank 0's in every forward."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.seqs: dict[str, Sequence] = {}
+
+    def step(self, commands: list[tuple], plan: RoundPlan) -> int:
+        for cmd in commands:
+            if cmd[0] == "add":
+                _, req_id, prompt, params = cmd
+                self.seqs[req_id] = self.engine.add_request(prompt, params)
+            else:
+                seq = self.seqs.pop(cmd[1], None)
+                if seq is not None:
+                    self.engine.abort(seq.seq_id)
+        if not plan.slots:
+            return 0
+        result, _ = execute_plan(self.engine, self.seqs, plan)
+        for out in result.outcomes:
+            if out.finished:
+                seq = self.seqs.pop(out.req_id)
+                self.engine.sequences.pop(seq.seq_id, None)
+        return len(result.outcomes)

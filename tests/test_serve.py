@@ -27,12 +27,15 @@ def app_url():
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app({"model": "tiny-bd", "slots": 16, "max_waiting": 64, "max_tokens_limit": 256}),
               name="remask", route_prefix="/", blocking=False)
+    # the same model with tensor parallelism 2 (gloo on CPU), as a second application
+    serve.run(build_app({"model": "tiny-bd", "tp_degrees": [2], "slots": 16, "max_tokens_limit": 256}),
+              name="remask-tp2", route_prefix="/tp2", blocking=False)
     # wait for the app to answer
     import time
 
-    for _ in range(120):
+    for _ in range(240):
         try:
-            if httpx.get(f"{BASE}/health", timeout=2).status_code == 200:
+            if all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200 for p in ("", "/tp2")):
                 break
         except httpx.HTTPError:
             pass
@@ -119,6 +122,18 @@ def test_openai_client(app_url):
     stream = client.chat.completions.create(model="tiny-bd", messages=[{"role": "user", "content": "rev: abc"}],
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "cba"
+
+
+def test_tp2_returns_the_same_tokens_as_tp1(app_url):
+    from engine import tasks
+
+    # categories without free word choices: no near-ties that summation order could flip
+    for ex in [e for e in tasks.heldout_set(20) if e.category != "prose"][:8]:
+        body = {"prompt": ex.prompt, "max_tokens": 16, "threshold": 0.9}
+        one = post(app_url, "/v1/completions", body).json()
+        two = post(app_url, "/tp2/v1/completions", body).json()
+        assert one["choices"][0]["text"] == two["choices"][0]["text"]
+        assert one["usage"] == two["usage"]
 
 
 def test_metrics(app_url):

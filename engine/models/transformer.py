@@ -93,11 +93,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.reduce = None  # tensor parallelism: sums the row-parallel partial outputs across ranks
 
     def forward(self, x, cos, sin, mask, past: KV | None) -> tuple[torch.Tensor, KV]:
         h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        if self.reduce is not None:
+            h = self.reduce(h)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        m = self.mlp(self.post_attention_layernorm(x))
+        if self.reduce is not None:
+            m = self.reduce(m)
+        return x + m, kv
 
 
 class DLMTransformer(nn.Module):

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine.engine import Engine
+from engine.models.tensor_parallel import all_reduce_sum, shard_config, shard_model
+from engine.sequence import SamplingParams
+from engine.tokenizer import CharTokenizer
+from tests.conftest import make_config, make_model
+
+PROMPTS = ["rev: abcdef", "12+5=", "story: cat 3", "x"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, attention: str, out_path: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        full = make_model(attention=attention, num_heads=4, num_kv_heads=2, intermediate_size=64)
+        shard = shard_model(full, rank, world, all_reduce_sum())
+        outs = Engine(shard, CharTokenizer.default()).generate(PROMPTS, SamplingParams(max_tokens=24, threshold=0.6))
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump([[o.token_ids, o.rounds] for o in outs], f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_tp2_gives_the_same_tokens_as_tp1(tmp_path, attention):
+    ref = Engine(make_model(attention=attention, num_heads=4, num_kv_heads=2, intermediate_size=64),
+                 CharTokenizer.default()).generate(PROMPTS, SamplingParams(max_tokens=24, threshold=0.6))
+    out = tmp_path / "tp2.json"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_rank_main, args=(2, _free_port(), attention, str(out)), nprocs=2, join=True)
+    got = json.loads(out.read_text())
+    assert got == [[o.token_ids, o.rounds] for o in ref]
+
+
+def test_shard_shapes_and_errors():
+    model = make_model(num_heads=4, num_kv_heads=2, intermediate_size=64)
+    shard = shard_model(model, 1, 2, reduce=None)
+    assert shard.config.num_heads == 2 and shard.config.num_kv_heads == 1 and shard.config.head_dim == 8
+    assert shard.layers[0].self_attn.q_proj.weight.shape == (16, 32)
+    assert shard.layers[0].self_attn.o_proj.weight.shape == (32, 16)
+    assert shard.layers[0].mlp.down_proj.weight.shape == (32, 32)
+    torch.testing.assert_close(shard.layers[0].mlp.up_proj.weight, model.layers[0].mlp.up_proj.weight[32:])
+    with pytest.raises(ValueError, match="does not divide"):
+        shard_config(make_config(num_heads=4, num_kv_heads=2), 4)
