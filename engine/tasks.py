@@ -11,8 +11,8 @@ heterogeneous and every answer can be checked:
   three-digit code that must hold exactly two 1s: every digit is a 1 with
   probability 2/3, so committing them all at once below that confidence
   writes ``111`` and fails, while one at a time always succeeds;
-- ``lookup``: a long prompt of filler and a few ``key=value`` needles, asking
-  for one key's value.
+- ``lookup``: a long prompt of filler and a few ``key=value`` needles
+  (one-letter keys, two-digit values), asking for one key's value.
 
 Train and held-out examples are split by a hash of the prompt, so the
 held-out set is never trained on.
@@ -43,6 +43,7 @@ SENTENCES = [
 ]
 CODES = ("110", "101", "011")
 HELDOUT_MOD = 10
+KEYS = "bcdfghjkmnpqrtvwxz"  # one-letter lookup keys
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _prose(rng: random.Random) -> tuple[str, str]:
 
 
 def _lookup(rng: random.Random) -> tuple[str, str]:
-    keys = rng.sample(NOUNS, rng.randint(3, 4))
+    keys = rng.sample(KEYS, rng.randint(3, 4))
     items = [f"{k}={rng.randrange(100):02d}." for k in keys]
     items += rng.sample(FILLER, rng.randint(1, 4))
     rng.shuffle(items)

@@ -30,3 +30,13 @@ def make_model(seed: int = 0, **kw) -> DLMTransformer:
 @pytest.fixture
 def tok() -> CharTokenizer:
     return CharTokenizer.default()
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where CUDA is available (never on CI)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

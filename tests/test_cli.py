@@ -1,0 +1,31 @@
+"""The CLI on the shipped default models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.cli import main
+from engine.loading import DEFAULTS_DIR
+
+pytestmark = pytest.mark.skipif(not (DEFAULTS_DIR / "tiny-bd" / "config.json").exists(),
+                                reason="embedded models not present")
+
+
+@pytest.mark.parametrize("model", ["tiny-bd", "tiny-mdm"])
+def test_eval_prints_the_json_of_the_issue(capsys, model):
+    assert main(["eval", "--model", model, "--thresholds", "0.5,0.9", "--n", "60", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == model
+    lo, hi = out["results"]
+    assert {"threshold", "accuracy", "mean_rounds", "requests", "by_category"} <= set(hi)
+    assert hi["requests"] == 60 and set(hi["by_category"]) == {"arith", "choice", "lookup", "prose", "reverse"}
+    assert lo["mean_rounds"] < hi["mean_rounds"]  # a lower threshold commits more per round
+    assert hi["accuracy"] >= 0.6  # the shipped weights really solve the task suite
+
+
+def test_generate_shows_the_canvas(capsys):
+    assert main(["generate", "--model", "tiny-bd", "--prompt", "rev: abcde", "--show-steps"]) == 0
+    out = capsys.readouterr().out
+    assert "edcba" in out and "denoise" in out and "prefill" in out
