@@ -47,7 +47,7 @@ def app_url():
 
 def post(url, path, body, **kw):
     return httpx.post(url + path, content=body if isinstance(body, (bytes, str)) else json.dumps(body),
-                      headers={"content-type": "application/json"}, timeout=60, **kw)
+                      headers={"content-type": "application/json"}, timeout=300, **kw)
 
 
 def test_health_and_models(app_url):
@@ -65,7 +65,7 @@ def test_completion_answers_checkable_prompts(app_url):
 
 
 def test_streaming_chat_yields_sse_chunks(app_url):
-    with httpx.stream("POST", app_url + "/v1/chat/completions", timeout=60, json={
+    with httpx.stream("POST", app_url + "/v1/chat/completions", timeout=300, json={
         "model": "tiny-bd", "messages": [{"role": "user", "content": "max: a3 b9 c1 d2"}], "stream": True,
         "stream_options": {"include_usage": True}}) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
