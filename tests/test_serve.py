@@ -108,7 +108,7 @@ def test_concurrent_streams_all_complete_correctly(app_url):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(300)
     correct = sum(e.check(t) for e, t in zip(examples, results))
     assert all(r is not None for r in results)
     assert correct >= 0.9 * len(examples)
