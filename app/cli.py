@@ -17,6 +17,16 @@ def _thresholds(text: str) -> list[float]:
     return values
 
 
+def _mix(text: str) -> dict[str, float]:
+    try:
+        mix = {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(",") if item.strip())}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"mix must look like lookup=0.4,prose=0.2, got {text!r}") from None
+    if not mix or any(v < 0 for v in mix.values()) or not sum(mix.values()):
+        raise argparse.ArgumentTypeError("mix weights must be non-negative and not all zero")
+    return mix
+
+
 def cmd_train_default(args) -> int:
     from engine.loading import DEFAULT_MODELS, DEFAULTS_DIR
     from engine.training import train, train_default
@@ -31,7 +41,7 @@ def cmd_train_default(args) -> int:
                           batch_size=args.batch_size)
         else:
             train(name, out, steps=args.steps or 20000, minutes=args.minutes, batch_size=args.batch_size, lr=args.lr,
-                  seed=args.seed, device=args.device, threads=args.threads, init=args.init)
+                  seed=args.seed, device=args.device, threads=args.threads, init=args.init, mix=args.mix)
         print(f"saved {name} to {out}")
     return 0
 
@@ -150,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="cpu")
     t.add_argument("--threads", type=int)
     t.add_argument("--init", help="start from this checkpoint directory instead of random weights")
+    t.add_argument("--mix", type=_mix, help="category weights, e.g. lookup=0.4,prose=0.2,arith=0.2,choice=0.1,reverse=0.1")
     t.set_defaults(func=cmd_train_default)
 
     e = sub.add_parser("eval", help="accuracy and rounds on the held-out task suite")
