@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="cpu")
     t.add_argument("--threads", type=int)
     t.add_argument("--init", help="start from this checkpoint directory instead of random weights")
-    t.add_argument("--mix", type=_mix, help="category weights, e.g. lookup=0.4,prose=0.2,arith=0.2,choice=0.1,reverse=0.1")
+    t.add_argument("--mix", type=_mix, help="category weights, e.g. lookup=0.4,prose=0.2,arith=0.2")
     t.set_defaults(func=cmd_train_default)
 
     e = sub.add_parser("eval", help="accuracy and rounds on the held-out task suite")
