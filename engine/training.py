@@ -264,10 +264,11 @@ def _save(model: DLMTransformer, tok: CharTokenizer, out_dir: Path, step: int, s
     tok.save(out_dir)
 
 
-# The recipe behind the shipped weights: a uniform phase, then a phase that
-# weights long-context lookup (the slowest category to learn) more heavily.
+# The recipe of the shipped weights: a uniform phase, then a phase that weights
+# long-context lookup (the slowest category to learn) more heavily. Step counts
+# are those the shipped weights took on 2 CPU cores (README, "Training").
 PHASE2_MIX = {"lookup": 0.4, "prose": 0.2, "arith": 0.2, "choice": 0.1, "reverse": 0.1}
-RECIPE_STEPS = {"tiny-bd": (8000, 9000), "tiny-mdm": (4500, 4500)}
+RECIPE_STEPS = {"tiny-bd": (8665, 9689), "tiny-mdm": (4591, 5347)}
 
 
 def train_default(name: str, out_dir: str | Path, steps: tuple[int, int] | None = None, minutes: float | None = None,
