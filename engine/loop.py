@@ -73,7 +73,7 @@ class RoundLoop:
 
     def stats(self) -> dict:
         s = self.instance.scheduler
-        return {"running": len(s._running), "resident": len(s.resident), "waiting": s.num_waiting + self._pending,
+        return {"running": s.num_running, "resident": len(s.resident), "waiting": s.num_waiting + self._pending,
                 "rounds": self.rounds, "filled_slots": self.filled_slots, "last_round_s": self.last_round_s,
                 "kv_reserved_tokens": s.kv_reserved, "alive": self._thread.is_alive()}
 

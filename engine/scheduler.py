@@ -99,6 +99,11 @@ class Scheduler:
         self.kv_reserved -= req.kv_tokens
 
     @property
+    def num_running(self) -> int:
+        """Requests in the last round's batch."""
+        return len(self._running)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.requests) - len(self.resident)
 

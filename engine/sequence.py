@@ -131,8 +131,7 @@ class Sequence:
 
     def _query(self, start: int, end: int, kind: StepKind, ctx) -> StepInput:
         kv, pos = ctx if ctx is not None else (None, None)
-        mode = self.cfg.attention if self.cfg.attention != "causal" else "causal"
-        return StepInput(kind, self.tokens[start:end], torch.arange(start, end), kv, pos, mode)
+        return StepInput(kind, self.tokens[start:end], torch.arange(start, end), kv, pos, self.cfg.attention)
 
     def build_step(self) -> StepInput:
         b = self.cfg.block_size

@@ -54,12 +54,11 @@ def _model_specs(sc: Scenario, n: int, seed: int, progress: bool):
     """Held-out prompts; true rounds from one batched pre-pass (decoding is deterministic)."""
     from engine import tasks
     from engine.loading import load_engine
+    from engine.sequence import SamplingParams
 
     engine = load_engine(sc.workload, max_slots=64)
     rng = random.Random(seed)
     examples = [tasks.sample(rng, split="heldout") for _ in range(n)]
-    from engine.sequence import SamplingParams
-
     outs = engine.generate([e.prompt for e in examples], SamplingParams(threshold=sc.threshold), progress=progress)
     specs = []
     for i, (ex, out) in enumerate(zip(examples, outs)):
