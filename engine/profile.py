@@ -108,3 +108,24 @@ def load_profile(name_or_path: str) -> LatencyProfile:
         return LatencyProfile.from_dict(json.loads(path.read_text()))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"corrupt latency profile {path}: {exc}") from exc
+
+
+# Step-latency factor of a TP-d instance relative to TP-1 when no measured
+# profile exists for d (DiLaServe: TP-2 cuts step latency 25%, TP-4 55%).
+TP_SPEEDUP = {1: 1.0, 2: 0.75, 4: 0.45}
+
+
+def load_tp_profiles(name: str, degrees: list[int] | tuple[int, ...] = (1, 2, 4)) -> dict[int, LatencyProfile]:
+    """One profile per TP degree: ``{name}-tp{d}.json`` where measured, else ``name`` scaled by TP_SPEEDUP."""
+    base = load_profile(name)
+    out = {}
+    for d in degrees:
+        measured = PROFILES_DIR / f"{name}-tp{d}.json"
+        if d != 1 and measured.exists():
+            out[d] = load_profile(str(measured))
+        elif d in TP_SPEEDUP:
+            out[d] = base.scaled(TP_SPEEDUP[d], name=f"{name}-tp{d}")
+        else:
+            raise ValueError(f"no profile for TP-{d} of {name!r}: measure one ({measured.name}) or use "
+                             f"TP degrees {sorted(TP_SPEEDUP)}")
+    return out
