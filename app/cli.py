@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
+    from loadgen.cli import add_parsers as loadgen_parsers
+
+    loadgen_parsers(sub)  # remask loadgen {synth,replay,plot,overhead}, remask chat
 
     f = sub.add_parser("profile", help="measure a latency profile (round time by step kind and batch)")
     f.add_argument("--model", default="tiny-bd")

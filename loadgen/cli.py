@@ -1,0 +1,174 @@
+"""``remask loadgen {synth,replay,plot,overhead}`` and ``remask chat``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from loadgen.arrivals import ARRIVALS
+from loadgen.lengths import LENGTHS
+
+
+def _mix(text: str) -> dict[str, float]:
+    try:
+        mix = {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(",") if item.strip())}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"mix must look like lookup=0.4,prose=0.2, got {text!r}") from None
+    if not mix or any(v < 0 for v in mix.values()) or not sum(mix.values()):
+        raise argparse.ArgumentTypeError("mix weights must be non-negative and not all zero")
+    return mix
+
+
+def cmd_synth(args) -> int:
+    from loadgen.arrivals import ArrivalParams
+    from loadgen.trace import SynthConfig, synth, write_trace
+
+    params = ArrivalParams(rate=args.rate, burstiness=args.burstiness, period_s=args.period_s,
+                           amplitude=args.amplitude, bursts_per_period=args.bursts_per_period, burst_s=args.burst_s,
+                           burst_factor=args.burst_factor, burst_frac=args.burst_frac)
+    cfg = SynthConfig(n=args.n, arrivals=args.arrivals, arrival_params=params, seed=args.seed, mix=args.mix,
+                      endpoint=args.endpoint, lengths=args.lengths, max_tokens_cap=args.max_tokens_cap,
+                      threshold=args.threshold, slo_ms=args.slo_ms, slo_ms_per_token=args.slo_ms_per_token,
+                      priorities=tuple(args.priorities))
+    trace = synth(cfg)
+    write_trace(trace, args.out)
+    span = trace[-1].arrival_s if trace else 0.0
+    print(f"wrote {len(trace)} requests to {args.out}: {args.arrivals} arrivals over {span:.1f} s "
+          f"({(len(trace) - 1) / span if span else float('inf'):.2f} req/s)")
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from loadgen.metrics import format_summary
+    from loadgen.replay import ReplayConfig, replay, write_results
+    from loadgen.trace import read_trace
+
+    trace = read_trace(args.trace)
+    if args.limit:
+        trace = trace[: args.limit]
+    cfg = ReplayConfig(url=args.url, model=args.model, timeout_s=args.timeout, progress=not args.quiet,
+                       time_scale=args.time_scale, transport=args.transport, spin_s=args.spin_ms / 1000.0)
+    doc = replay(trace, cfg)
+    doc["config"]["trace"] = args.trace
+    write_results(doc, args.out)
+    if args.json:
+        print(json.dumps(doc["summary"]))
+    else:
+        print(format_summary(doc["summary"]))
+        print(f"wrote {args.out}" + (" (interrupted: partial results)" if doc["interrupted"] else ""))
+    return 130 if doc["interrupted"] else 0
+
+
+def cmd_plot(args) -> int:
+    from loadgen.plot import plot_results
+
+    for path in plot_results(args.results, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_overhead(args) -> int:
+    from loadgen.overhead import measure_overhead
+
+    reports = [measure_overhead(args.n, args.rate, args.seed, progress=False, transport=t) for t in args.transport]
+    if args.json:
+        print(json.dumps(reports if len(reports) > 1 else reports[0]))
+        return 0
+    for r in reports:
+        e, lag = r["ttft_error_ms"], r["send_lag_ms"]
+        print(f"{r['transport']:6s} {r['measured']} requests at {r['rate']:g} req/s: TTFT error mean {e['mean']:.3f} "
+              f"median {e['median']:.3f} p99 {e['p99']:.3f} ms (server's own share subtracted); send lag mean "
+              f"{lag['mean']:.3f} p99 {lag['p99']:.3f} ms; median <= {r['limit_ms']:g} ms: {r['median_within_limit']}")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from loadgen.chat import chat
+
+    extra = {k: v for k, v in (("threshold", args.threshold), ("max_tokens", args.max_tokens),
+                                ("slo_ms", args.slo_ms)) if v is not None}
+    return chat(args.url, args.model, show_steps=args.show_steps, history=not args.single_turn, system=args.system,
+                extra=extra)
+
+
+def _synth_parser(sub) -> None:
+    s = sub.add_parser("synth", help="synthesize a trace (JSONL) of task-suite requests with fixed seeds")
+    s.add_argument("--n", type=int, default=200)
+    s.add_argument("--rate", type=float, default=1.0, help="mean arrival rate (req/s)")
+    s.add_argument("--arrivals", default="poisson", choices=ARRIVALS)
+    s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape = 1/CV^2 of the gaps (1: Poisson)")
+    s.add_argument("--period-s", type=float, default=600.0, help="diurnal: length of one 'day'")
+    s.add_argument("--amplitude", type=float, default=0.5, help="diurnal: relative swing of the rate")
+    s.add_argument("--bursts-per-period", type=float, default=4.0)
+    s.add_argument("--burst-s", type=float, default=10.0)
+    s.add_argument("--burst-factor", type=float, default=4.0)
+    s.add_argument("--burst-frac", type=float, default=0.5, help="burst-poisson: share of requests at t=0")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--mix", type=_mix, help="category weights, e.g. lookup=0.4,prose=0.2 (default: uniform)")
+    s.add_argument("--endpoint", default="completion", choices=["completion", "chat", "mixed"])
+    s.add_argument("--lengths", choices=sorted(LENGTHS),
+                   help="nominal length distribution; its output length raises max_tokens above the task's need")
+    s.add_argument("--max-tokens-cap", type=int, default=256)
+    s.add_argument("--threshold", type=float, help="per-request confidence threshold (default: the server's)")
+    s.add_argument("--slo-ms", type=float, help="per-request SLO: this many ms ...")
+    s.add_argument("--slo-ms-per-token", type=float, default=0.0, help="... plus this many per max_tokens")
+    s.add_argument("--priorities", type=lambda t: [int(x) for x in t.split(",")], default=[0],
+                   help="priorities drawn uniformly, e.g. 0,1")
+    s.add_argument("--out", required=True)
+    s.set_defaults(func=cmd_synth)
+
+
+def add_parsers(sub) -> None:
+    """Add ``loadgen`` and ``chat`` to the ``remask`` sub-parsers."""
+    lg = sub.add_parser("loadgen", help="traces, open-loop replay, plots, overhead of the load generator")
+    lsub = lg.add_subparsers(dest="loadgen_command", required=True)
+    _synth_parser(lsub)
+
+    r = lsub.add_parser("replay", help="open-loop replay of a trace against a server; results JSON")
+    r.add_argument("--url", default="http://127.0.0.1:8000")
+    r.add_argument("--trace", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--model", help="model name sent with each request (default: the server's)")
+    r.add_argument("--transport", default="raw", choices=["raw", "httpx"])
+    r.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    r.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival offsets (0.5: twice the rate)")
+    r.add_argument("--spin-ms", type=float, default=0.0, help="yield-spin before each send for sub-ms timing")
+    r.add_argument("--limit", type=int, help="only the first N requests")
+    r.add_argument("--json", action="store_true", help="print the summary as JSON")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(func=cmd_replay)
+
+    p = lsub.add_parser("plot", help="PNG plots of a results JSON")
+    p.add_argument("results")
+    p.add_argument("--out", default="plots")
+    p.set_defaults(func=cmd_plot)
+
+    o = lsub.add_parser("overhead", help="measure the replay's own TTFT error against a no-op server")
+    o.add_argument("--n", type=int, default=300)
+    o.add_argument("--rate", type=float, default=50.0)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--transport", type=lambda t: t.split(","), default=["raw"], help="raw, httpx or raw,httpx")
+    o.add_argument("--json", action="store_true")
+    o.set_defaults(func=cmd_overhead)
+
+    c = sub.add_parser("chat", help="streaming chat with a server (stdin lines are user turns)",
+                       description="Streaming chat client. --show-steps prints every streamed chunk with its "
+                                   "arrival time and the text so far: the server streams committed blocks, not "
+                                   "the denoising canvas, so that is what it shows.")
+    c.add_argument("--url", default="http://127.0.0.1:8000")
+    c.add_argument("--model")
+    c.add_argument("--show-steps", action="store_true", help="one line per streamed chunk: time and text so far")
+    c.add_argument("--single-turn", action="store_true", help="send each line alone, without the conversation")
+    c.add_argument("--system", help="a system message before the conversation")
+    c.add_argument("--threshold", type=float)
+    c.add_argument("--max-tokens", type=int)
+    c.add_argument("--slo-ms", type=float)
+    c.set_defaults(func=cmd_chat)
+
+
+if __name__ == "__main__":  # python -m loadgen.cli ... (the same commands without `remask`)
+    parser = argparse.ArgumentParser(prog="remask")
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    a = parser.parse_args()
+    sys.exit(a.func(a))

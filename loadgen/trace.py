@@ -1,0 +1,135 @@
+"""Traces: one JSON object a line, one request each, sorted by arrival.
+
+Every request's prompt is a held-out task-suite example, so the answer a server streams back can be
+checked. Synthesis is deterministic in ``seed``: arrivals, lengths and prompts draw from separate
+generators derived from it, so changing the arrival process keeps the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engine import tasks
+from loadgen.arrivals import ArrivalParams, arrivals
+from loadgen.lengths import max_tokens_for, sample_lengths
+
+
+@dataclass
+class TraceRequest:
+    request_id: str
+    arrival_s: float
+    endpoint: str  # "completion" | "chat"
+    max_tokens: int | None
+    category: str
+    answer: str  # one reference answer; engine.tasks.check accepts every valid one
+    prompt: str | None = None  # completion requests
+    messages: list[dict] | None = None  # chat requests
+    threshold: float | None = None
+    slo_ms: float | None = None
+    priority: int = 0
+    input_len: int | None = None  # nominal lengths from a length distribution, when one was used
+    output_len: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        """The task prompt (a chat request carries it as its one user message)."""
+        return self.prompt if self.prompt is not None else "\n".join(m["content"] for m in self.messages or [])
+
+    def check(self, output: str) -> bool:
+        return tasks.check(self.category, self.text, output)
+
+    def body(self, model: str | None) -> dict:
+        """The JSON body of this request (streamed, with usage)."""
+        out: dict = {"stream": True, "stream_options": {"include_usage": True}}
+        if model:
+            out["model"] = model
+        if self.endpoint == "chat":
+            out["messages"] = self.messages
+        else:
+            out["prompt"] = self.prompt
+        for key in ("max_tokens", "threshold", "slo_ms"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.priority:
+            out["priority"] = self.priority
+        return out
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    n: int = 200
+    arrivals: str = "poisson"
+    arrival_params: ArrivalParams = ArrivalParams()
+    seed: int = 0
+    mix: dict[str, float] | None = None  # category weights; uniform when None
+    endpoint: str = "completion"  # "completion" | "chat" | "mixed"
+    lengths: str | None = None  # None: max_tokens from the task alone
+    max_tokens_cap: int = 256
+    threshold: float | None = None
+    slo_ms: float | None = None
+    slo_ms_per_token: float = 0.0
+    priorities: tuple[int, ...] = (0,)
+
+
+def _categories(rng: random.Random, n: int, mix: dict[str, float] | None) -> list[str]:
+    if mix is None:
+        return [rng.choice(tasks.CATEGORIES) for _ in range(n)]
+    unknown = set(mix) - set(tasks.CATEGORIES)
+    if unknown:
+        raise ValueError(f"unknown categories {sorted(unknown)}; known: {', '.join(tasks.CATEGORIES)}")
+    names = list(mix)
+    return rng.choices(names, weights=[mix[c] for c in names], k=n)
+
+
+def synth(cfg: SynthConfig) -> list[TraceRequest]:
+    """A trace of ``cfg.n`` requests."""
+    if cfg.endpoint not in ("completion", "chat", "mixed"):
+        raise ValueError(f"endpoint must be completion, chat or mixed, not {cfg.endpoint!r}")
+    seeds = np.random.SeedSequence(cfg.seed).spawn(3)
+    t = arrivals(cfg.arrivals, cfg.n, cfg.arrival_params, np.random.default_rng(seeds[0]))
+    lens = sample_lengths(cfg.lengths, cfg.n, np.random.default_rng(seeds[1])) if cfg.lengths else None
+    rng = random.Random(int(seeds[2].generate_state(1)[0]))
+    out = []
+    for i, cat in enumerate(_categories(rng, cfg.n, cfg.mix)):
+        ex = tasks.sample(rng, cat, split="heldout")
+        in_len = int(lens[0][i]) if lens else None
+        out_len = int(lens[1][i]) if lens else None
+        max_tokens = max_tokens_for(ex, out_len, cfg.max_tokens_cap)
+        kind = cfg.endpoint if cfg.endpoint != "mixed" else rng.choice(("completion", "chat"))
+        slo = None if cfg.slo_ms is None else round(cfg.slo_ms + cfg.slo_ms_per_token * max_tokens, 3)
+        out.append(TraceRequest(
+            request_id=f"req-{i:06d}", arrival_s=round(float(t[i]), 6), endpoint=kind, max_tokens=max_tokens,
+            category=cat, answer=ex.answer, prompt=ex.prompt if kind == "completion" else None,
+            messages=[{"role": "user", "content": ex.prompt}] if kind == "chat" else None,
+            threshold=cfg.threshold, slo_ms=slo, priority=rng.choice(cfg.priorities),
+            input_len=in_len, output_len=out_len))
+    return out
+
+
+def write_trace(trace: list[TraceRequest], path: str | Path) -> None:
+    with open(path, "w") as f:
+        for r in trace:
+            f.write(json.dumps({k: v for k, v in asdict(r).items() if v is not None and v != {}}) + "\n")
+
+
+def read_trace(path: str | Path) -> list[TraceRequest]:
+    """Requests of a JSONL trace, sorted by arrival; raises ValueError on a malformed line."""
+    out = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = TraceRequest(**json.loads(line))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a trace request ({exc})") from None
+            if r.endpoint not in ("completion", "chat") or (r.prompt is None) == (r.messages is None):
+                raise ValueError(f"{path}:{lineno}: needs endpoint completion with a prompt or chat with messages")
+            out.append(r)
+    return sorted(out, key=lambda r: r.arrival_s)
