@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_simulate)
+    from planner.cli import add_parsers as planner_parsers
+
+    planner_parsers(sub)  # remask plan
 
     b = sub.add_parser("bench", help="benchmarks that print measured numbers")
     b.add_argument("what", choices=["scheduler"])

@@ -1,1 +1,41 @@
-"""Workload monitor and the two-stage ILP planner. Empty until the planner issue lands."""
+"""Cluster planner: workload monitor and DiLaServe's two-stage ILP (§3.3, §3.4). No ray, no torch.
+
+Pieces (each usable alone):
+
+- ``workload.WorkloadMonitor``: requests classified by input and output size, per-class arrival
+  rates over a sliding window times a safety buffer -> ``list[WorkloadClass]``.
+- ``stage1.plan_capacity``: instances per TP degree and a threshold per class (MILP, cvxpy).
+- ``stage2.plan_transition``: the least disruptive way from the running instances to those counts,
+  as an ordered ``transition.TransitionPlan``.
+- ``planner.Planner``: the periodic, hysteretic loop over the three.
+
+API for an autoscaling policy (Ray Serve ``autoscaling_policy`` or the simulator)::
+
+    planner = Planner(Cluster.uniform(nodes, gpus_per_node), load_tp_profiles("h200-llada8b"),
+                      PlannerConfig(period_s=300), clock=time.monotonic)
+    planner.observe(input_tokens, output_tokens)      # per arrival (O(1)), or
+    planner.observe_rates([WorkloadClass(...), ...])  # rates measured elsewhere (replica metrics)
+    plan = planner.maybe_replan()                     # cheap unless a period has passed
+    if plan is not None:                              # a proposal improved an objective by >= 10%
+        for counts in plan.count_steps(old_instances): ...   # replica counts per TP degree, in order
+        # or plan.actions: Action(kind="start"|"stop", node, tp, instance)
+    planner.set_current(instances_actually_running)   # reconcile after (part of) a transition
+
+``maybe_replan`` solves two small MILPs (the proposal and the running configuration on the same
+workload) and, when acting, the Stage 2 ILP; call it off any latency-critical loop (a background
+thread) and cache its answer. ``planner.last_decision`` says why it did or did not act.
+Solvers: HiGHS by default, Gurobi when installed and licensed (``planner.solver``).
+"""
+
+from __future__ import annotations
+
+from planner.costs import StepModel
+from planner.planner import Decision, Planner, PlannerConfig
+from planner.stage1 import CapacityPlan, Stage1Config, plan_capacity
+from planner.stage2 import Cluster, Stage2Config, plan_transition
+from planner.transition import Action, Instance, TransitionPlan
+from planner.workload import ClassGrid, WorkloadClass, WorkloadMonitor
+
+__all__ = ["Action", "CapacityPlan", "ClassGrid", "Cluster", "Decision", "Instance", "Planner", "PlannerConfig",
+           "Stage1Config", "Stage2Config", "StepModel", "TransitionPlan", "WorkloadClass", "WorkloadMonitor",
+           "plan_capacity", "plan_transition"]

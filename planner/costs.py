@@ -1,0 +1,100 @@
+"""Step counts and step costs the Stage-1 ILP is built from.
+
+Steps of a class at a threshold come from ``StepModel.steps_per_token``: denoising steps per
+output token at each candidate threshold. The defaults are illustrative, shaped after DiLaServe
+Fig. 3a (LLaDA-8B, GSM8K: 0.9 -> 0.7 cuts steps by 38%); measure your model's with
+``remask eval`` (mean rounds / output tokens) and pass them in. Every output block needs at least
+one step. With the approximate KV cache (``kv_cache="approx"``) each block starts with one
+recompute step (the paper's s) and the rest are cached steps (s'); with ``kv_cache="none"`` every
+step is a recompute step.
+
+Costs come from ``engine.profile.LatencyProfile`` per TP degree d and batch b, for a class with
+sequence length L = input + output:
+
+- ``t_rec[c, d, b]``, ``t_cac[c, d, b]``: round time (ms) of a round of b recompute (cached) steps,
+  i.e. the step latency a request sees at that batch;
+- ``alpha = t_rec / b`` and ``beta = t_cac / b``: instance time (ms) one recompute (cached) step
+  costs at that batch, the paper's alpha_d and beta_d, used by the stability constraint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.profile import LatencyProfile
+
+DEFAULT_STEPS_PER_TOKEN = {0.5: 0.18, 0.6: 0.22, 0.7: 0.25, 0.8: 0.31, 0.9: 0.40}
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    steps_per_token: dict[float, float] = field(default_factory=lambda: dict(DEFAULT_STEPS_PER_TOKEN))
+    block_tokens: int = 32
+    kv_cache: str = "approx"  # "approx": one recompute step per block, else cached; "none": all recompute
+
+    def __post_init__(self) -> None:
+        if self.kv_cache not in ("approx", "none"):
+            raise ValueError(f"kv_cache must be 'approx' or 'none', got {self.kv_cache!r}")
+        if not self.steps_per_token or any(v <= 0 or not 0 <= t <= 1 for t, v in self.steps_per_token.items()):
+            raise ValueError("steps_per_token needs thresholds in [0, 1] with positive steps per token")
+
+    @property
+    def thresholds(self) -> list[float]:
+        return sorted(self.steps_per_token)
+
+    def steps(self, output_tokens: float, threshold: float) -> tuple[int, int]:
+        """(recompute steps, cached steps) of one request of this output size at this threshold."""
+        blocks = max(math.ceil(output_tokens / self.block_tokens), 1)
+        total = max(math.ceil(output_tokens * self.steps_per_token[threshold]), blocks)
+        if self.kv_cache == "none":
+            return total, 0
+        return blocks, total - blocks
+
+
+@dataclass(frozen=True)
+class CostTables:
+    """Arrays indexed [class, threshold] (steps) and [class, degree, batch] (ms)."""
+
+    degrees: tuple[int, ...]
+    batches: tuple[int, ...]
+    thresholds: tuple[float, ...]
+    s_rec: np.ndarray  # (C, T)
+    s_cac: np.ndarray  # (C, T)
+    t_rec: np.ndarray  # (C, D, B)
+    t_cac: np.ndarray  # (C, D, B)
+
+    @property
+    def alpha(self) -> np.ndarray:
+        return self.t_rec / np.asarray(self.batches, dtype=float)
+
+    @property
+    def beta(self) -> np.ndarray:
+        return self.t_cac / np.asarray(self.batches, dtype=float)
+
+
+def _round_ms(prof: LatencyProfile, kind: str, query: float, context: float, batch: int) -> float:
+    # the same arithmetic as LatencyProfile.round_ms for b identical steps, without building the list
+    extra = batch * query * max(context - prof.ref_context, 0.0) * prof.attn_ms_per_pair
+    return prof.curve_ms(kind, query * batch) + extra + prof.overhead_ms
+
+
+def cost_tables(classes, profiles: dict[int, LatencyProfile], model: StepModel,
+                batches: tuple[int, ...] = DEFAULT_BATCHES) -> CostTables:
+    degrees = tuple(sorted(profiles))
+    thresholds = tuple(model.thresholds)
+    C, D, B = len(classes), len(degrees), len(batches)
+    s_rec, s_cac = np.zeros((C, len(thresholds))), np.zeros((C, len(thresholds)))
+    t_rec, t_cac = np.zeros((C, D, B)), np.zeros((C, D, B))
+    for i, cls in enumerate(classes):
+        seq = cls.input_tokens + cls.output_tokens
+        for j, th in enumerate(thresholds):
+            s_rec[i, j], s_cac[i, j] = model.steps(cls.output_tokens, th)
+        for k, d in enumerate(degrees):
+            for m, b in enumerate(batches):
+                t_rec[i, k, m] = _round_ms(profiles[d], "recompute", seq, seq, b)
+                t_cac[i, k, m] = _round_ms(profiles[d], "cached", model.block_tokens, seq, b)
+    return CostTables(degrees, tuple(batches), thresholds, s_rec, s_cac, t_rec, t_cac)

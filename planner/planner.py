@@ -1,0 +1,111 @@
+"""The stateful planner: monitor -> periodic Stage 1 -> hysteresis -> Stage 2 (see planner/__init__)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.profile import LatencyProfile
+from planner.costs import StepModel
+from planner.stage1 import CapacityPlan, Stage1Config, plan_capacity
+from planner.stage2 import Cluster, Stage2Config, plan_transition
+from planner.transition import Instance, TransitionPlan
+from planner.workload import WorkloadClass, WorkloadMonitor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    period_s: float = 300.0  # re-plan every 5 minutes
+    min_gain: float = 0.10  # act only when the primary or the secondary objective improves this much
+    secondary_floor: float = 0.05  # relative gains in slack are taken over max(|current slack|, floor)
+    stage1: Stage1Config = field(default_factory=Stage1Config)
+    stage2: Stage2Config = field(default_factory=Stage2Config)
+    steps: StepModel = field(default_factory=StepModel)
+
+
+@dataclass(frozen=True)
+class Decision:
+    act: bool
+    reason: str
+    proposal: CapacityPlan
+    current: CapacityPlan  # the running configuration evaluated on the same workload
+    gain_primary: float = 0.0
+    gain_secondary: float = 0.0
+
+
+class Planner:
+    def __init__(self, cluster: Cluster, profiles: dict[int, LatencyProfile], config: PlannerConfig | None = None,
+                 monitor: WorkloadMonitor | None = None, current: list[Instance] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cluster, self.profiles = cluster, profiles
+        self.config = config or PlannerConfig()
+        self.monitor = monitor or WorkloadMonitor()
+        self.clock = clock
+        smallest = min(profiles)  # default start: every GPU in a smallest-degree instance
+        self.current = current if current is not None else [
+            Instance(f"init-{n}-{k}", n, smallest) for n, g in enumerate(cluster.gpus_per_node)
+            for k in range(g // smallest)]
+        self._rates: list[WorkloadClass] | None = None
+        self._last = clock()
+        self.last_decision: Decision | None = None
+
+    # -- inputs -------------------------------------------------------------------------------
+    def observe(self, input_tokens: int, output_tokens: int, now: float | None = None) -> None:
+        """One request arrival (output_tokens: its output budget)."""
+        self.monitor.record(self.clock() if now is None else now, input_tokens, output_tokens)
+
+    def observe_rates(self, classes: list[WorkloadClass] | None) -> None:
+        """Class rates measured elsewhere (e.g. replicas' metrics); they replace the monitor's. None: back to it."""
+        self._rates = classes
+
+    def set_current(self, instances: list[Instance]) -> None:
+        """The placement actually running (after a transition was carried out, or partly)."""
+        self.current = list(instances)
+
+    def current_counts(self) -> dict[int, int]:
+        c = Counter(i.tp for i in self.current)
+        return {d: c.get(d, 0) for d in sorted(self.profiles)}
+
+    # -- decisions ------------------------------------------------------------------------------
+    def maybe_replan(self, now: float | None = None) -> TransitionPlan | None:
+        """Once per period: a transition plan when the proposal is enough better, else None."""
+        now = self.clock() if now is None else now
+        if now - self._last < self.config.period_s:
+            return None
+        self._last = now
+        classes = self._rates if self._rates is not None else self.monitor.classes(now)
+        if not classes:
+            return None
+        decision = self.decide(classes)
+        self.last_decision = decision
+        log.info("planner: %s (proposal %s, current %s)", decision.reason, decision.proposal.counts,
+                 decision.current.counts)
+        if not decision.act:
+            return None
+        plan = plan_transition(self.cluster, self.current, decision.proposal.counts, self.config.stage2)
+        self.current = list(plan.final)
+        return plan
+
+    def decide(self, classes: list[WorkloadClass]) -> Decision:
+        cfg = self.config
+        slots = self.cluster.slots(self.profiles)
+        args = (classes, self.cluster.gpus, self.profiles, cfg.steps, cfg.stage1, slots)
+        proposal = plan_capacity(*args)
+        current = plan_capacity(*args, fixed_counts=self.current_counts())
+        same = {d: n for d, n in proposal.counts.items() if n} == {d: n for d, n in current.counts.items() if n}
+        if same:
+            return Decision(False, "proposal equals the running configuration", proposal, current)
+        if not proposal.feasible:
+            return Decision(True, "overloaded: no configuration meets SLO and stability; all TP-1", proposal, current)
+        if not current.feasible:
+            return Decision(True, "the running configuration is unstable or misses SLOs", proposal, current)
+        gp = (proposal.primary - current.primary) / max(abs(current.primary), 1e-9)
+        gs = (proposal.secondary - current.secondary) / max(abs(current.secondary), cfg.secondary_floor)
+        act = gp >= cfg.min_gain or gs >= cfg.min_gain
+        reason = f"gain primary {gp:+.1%}, secondary {gs:+.1%} ({'>=' if act else '<'} {cfg.min_gain:.0%})"
+        return Decision(act, reason, proposal, current, gp, gs)
