@@ -52,11 +52,12 @@ def resolve(solver: str) -> str:
     return name
 
 
-def _solve_with(problem: cp.Problem, name: str) -> None:
+def _solve_with(problem: cp.Problem, name: str, time_limit: float | None) -> None:
     if name == cp.HIGHS:
-        problem.solve(solver=cp.HIGHS, **HIGHS_OPTIONS)
+        limit = {} if time_limit is None else {"time_limit": float(time_limit)}
+        problem.solve(solver=cp.HIGHS, **HIGHS_OPTIONS, **limit)
     else:
-        problem.solve(solver=cp.GUROBI, MIPGap=1e-6)
+        problem.solve(solver=cp.GUROBI, MIPGap=1e-6, **({} if time_limit is None else {"TimeLimit": time_limit}))
 
 
 def _gurobi_errors() -> tuple[type[BaseException], ...]:
@@ -67,18 +68,19 @@ def _gurobi_errors() -> tuple[type[BaseException], ...]:
     return (cp.error.SolverError, gurobipy.GurobiError)
 
 
-def solve(problem: cp.Problem, solver: str = "auto") -> SolveInfo:
-    """Solve ``problem`` in place; returns which solver answered, its status and the wall time."""
+def solve(problem: cp.Problem, solver: str = "auto", time_limit: float | None = None) -> SolveInfo:
+    """Solve ``problem`` in place; returns which solver answered, its status and the wall time.
+    ``time_limit`` (s): stop the search and keep the best solution found (status ``user_limit``)."""
     name = resolve(solver)
     start = time.perf_counter()
     fallback = None
     try:
-        _solve_with(problem, name)
+        _solve_with(problem, name, time_limit)
     except _gurobi_errors() as exc:
         if name != cp.GUROBI:
             raise
         fallback = f"Gurobi failed ({str(exc).strip().splitlines()[0][:200]}); solved with HiGHS"
         log.warning(fallback)
         name = cp.HIGHS
-        _solve_with(problem, name)
+        _solve_with(problem, name, time_limit)
     return SolveInfo(name, str(problem.status), time.perf_counter() - start, fallback)

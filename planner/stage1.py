@@ -41,6 +41,7 @@ class Stage1Config:
     batches: tuple[int, ...] = DEFAULT_BATCHES
     solver: str = "auto"
     secondary_weight: float = 1e-3  # primary + w x secondary: primary kept within w of its optimum
+    time_limit_s: float | None = 1.5  # search cap; the best configuration found by then is used
     single_batch: bool = False  # True: one batch size per TP degree and step kind (binary z, z'; slower)
 
 
@@ -128,7 +129,7 @@ def plan_capacity(classes: list[WorkloadClass], gpus: int, profiles: dict[int, L
     secondary = 1 - v @ cp.multiply(latency, 1 / slo)
 
     problem = cp.Problem(cp.Maximize(primary + config.secondary_weight * secondary), cons)
-    info = solve(problem, config.solver)
+    info = solve(problem, config.solver, config.time_limit_s)
     if problem.status not in SOLVED or problem.value is None:
         return _infeasible(classes, tab, w, gpus, cap, slo, fixed_counts, (info,))
 
