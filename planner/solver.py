@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -52,8 +54,25 @@ def resolve(solver: str) -> str:
     return name
 
 
+@functools.cache
+def _quiet_highs() -> None:
+    """HiGHS prints a banner on stdout (C level) when the first solver object is made: send it to stderr,
+    so ``--json`` output stays clean. Once per process."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _solve_with(problem: cp.Problem, name: str, time_limit: float | None) -> None:
     if name == cp.HIGHS:
+        _quiet_highs()
         limit = {} if time_limit is None else {"time_limit": float(time_limit)}
         problem.solve(solver=cp.HIGHS, **HIGHS_OPTIONS, **limit)
     else:
