@@ -1,1 +1,2 @@
-"""Trace synthesis, HTTP clients and load reports. Empty until the load generator issue lands."""
+"""Load generation: seeded traces of task-suite requests, open-loop replay and its metrics, plots, the no-op
+server that measures the generator itself, Locust users, and the ``remask chat`` client."""

@@ -30,7 +30,7 @@ def cmd_synth(args) -> int:
     cfg = SynthConfig(n=args.n, arrivals=args.arrivals, arrival_params=params, seed=args.seed, mix=args.mix,
                       endpoint=args.endpoint, lengths=args.lengths, max_tokens_cap=args.max_tokens_cap,
                       threshold=args.threshold, slo_ms=args.slo_ms, slo_ms_per_token=args.slo_ms_per_token,
-                      priorities=tuple(args.priorities))
+                      priorities=tuple(args.priorities), prompts=args.prompts, eval_seed=args.eval_seed)
     trace = synth(cfg)
     write_trace(trace, args.out)
     span = trace[-1].arrival_s if trace else 0.0
@@ -106,6 +106,9 @@ def _synth_parser(sub) -> None:
     s.add_argument("--burst-frac", type=float, default=0.5, help="burst-poisson: share of requests at t=0")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--mix", type=_mix, help="category weights, e.g. lookup=0.4,prose=0.2 (default: uniform)")
+    s.add_argument("--prompts", default="sample", choices=["sample", "eval"],
+                   help="eval: the held-out set `remask eval --n N` scores, in order (ignores --mix)")
+    s.add_argument("--eval-seed", type=int, default=2026, help="with --prompts eval: remask eval's --seed")
     s.add_argument("--endpoint", default="completion", choices=["completion", "chat", "mixed"])
     s.add_argument("--lengths", choices=sorted(LENGTHS),
                    help="nominal length distribution; its output length raises max_tokens above the task's need")

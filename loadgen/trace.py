@@ -75,6 +75,8 @@ class SynthConfig:
     slo_ms: float | None = None
     slo_ms_per_token: float = 0.0
     priorities: tuple[int, ...] = (0,)
+    prompts: str = "sample"  # "sample": drawn with the seed; "eval": `remask eval`'s held-out set, in order
+    eval_seed: int = 2026
 
 
 def _categories(rng: random.Random, n: int, mix: dict[str, float] | None) -> list[str]:
@@ -95,9 +97,15 @@ def synth(cfg: SynthConfig) -> list[TraceRequest]:
     t = arrivals(cfg.arrivals, cfg.n, cfg.arrival_params, np.random.default_rng(seeds[0]))
     lens = sample_lengths(cfg.lengths, cfg.n, np.random.default_rng(seeds[1])) if cfg.lengths else None
     rng = random.Random(int(seeds[2].generate_state(1)[0]))
+    if cfg.prompts == "eval":  # the very prompts `remask eval --n N` scores, so the two compare one to one
+        examples = tasks.heldout_set(cfg.n, cfg.eval_seed)
+    elif cfg.prompts == "sample":
+        examples = [tasks.sample(rng, cat, split="heldout") for cat in _categories(rng, cfg.n, cfg.mix)]
+    else:
+        raise ValueError(f"prompts must be sample or eval, not {cfg.prompts!r}")
     out = []
-    for i, cat in enumerate(_categories(rng, cfg.n, cfg.mix)):
-        ex = tasks.sample(rng, cat, split="heldout")
+    for i, ex in enumerate(examples):
+        cat = ex.category
         in_len = int(lens[0][i]) if lens else None
         out_len = int(lens[1][i]) if lens else None
         max_tokens = max_tokens_for(ex, out_len, cfg.max_tokens_cap)

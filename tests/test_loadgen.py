@@ -69,6 +69,11 @@ def test_synth_is_deterministic_and_prompts_do_not_depend_on_arrivals():
         assert tasks.is_heldout(r.text) and r.check(r.answer)
 
 
+def test_synth_eval_prompts_are_remask_evals_set():
+    trace = synth(SynthConfig(n=25, seed=3, prompts="eval"))
+    assert [(r.category, r.text) for r in trace] == [(e.category, e.prompt) for e in tasks.heldout_set(25, 2026)]
+
+
 def _gaps(kind: str, n: int, **kw) -> np.ndarray:
     return np.diff(arrivals(kind, n, ArrivalParams(**kw), np.random.default_rng(0)))
 
