@@ -38,6 +38,8 @@ def _from_gaps(gaps: np.ndarray) -> np.ndarray:
 
 
 def _diurnal(rng: np.random.Generator, n: int, p: ArrivalParams) -> np.ndarray:
+    if not (0.0 <= p.amplitude <= 1.0 and p.period_s > 0 and p.burst_factor >= 1.0 and p.burst_s >= 0):
+        raise ValueError("diurnal needs 0 <= amplitude <= 1, period_s > 0, burst_factor >= 1, burst_s >= 0")
     burst_rate = p.bursts_per_period / p.period_s
     busy_frac = 1.0 - math.exp(-burst_rate * p.burst_s)  # P(t lies in at least one burst window)
     base = p.rate / (1.0 + busy_frac * (p.burst_factor - 1.0))

@@ -203,7 +203,7 @@ def test_replay_ctrl_c_writes_partial_results(server, tmp_path):
     url = server("--reply", "42")
     write_trace([arith(i, 40, 2, 0.1 * i) for i in range(100)], tmp_path / "t.jsonl")
     out = tmp_path / "r.json"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "loadgen", "replay", "--url", url, "--trace",
+    proc = subprocess.Popen([sys.executable, "-m", "loadgen.cli", "loadgen", "replay", "--url", url, "--trace",
                              str(tmp_path / "t.jsonl"), "--out", str(out), "--quiet"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 30
