@@ -218,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--rounds", type=int, default=6)
     f.add_argument("--device", default="cpu")
     f.set_defaults(func=cmd_profile)
+
+    from predictors.cli import add_parsers as predictor_parsers
+
+    predictor_parsers(sub)
     return p
 
 

@@ -19,6 +19,7 @@ from engine.decoding import UnmaskRule, make_rule
 from engine.kv_cache import ApproxCache, ExactCache
 from engine.models.transformer import DLMTransformer
 from engine.runner import TorchRunner
+from engine.sched_types import StepKind
 from engine.sequence import SamplingParams, Sequence, Status, StepReport
 
 
@@ -63,6 +64,9 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.rounds = 0
+        # Called once per round with the sequences that just ran their first denoising
+        # round (``seq.first_hidden`` set); it sets ``seq.refined_rounds`` (predictors/).
+        self.refine_hook: Callable[[list[Sequence]], None] | None = None
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
@@ -80,7 +84,8 @@ class Engine:
         block_causal = self.cfg.attention == "block_causal"
         cache_mode = "exact" if block_causal else (params.cache or self.cache)
         seq = Sequence(next(self._ids), ids, self.cfg, self.rule, gen_len, cache_mode, max_tokens,
-                       threshold=params.threshold, arrival=time.monotonic())
+                       threshold=params.threshold, arrival=time.monotonic(),
+                       prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
         self.sequences[seq.seq_id] = seq
         return seq
 
@@ -110,9 +115,15 @@ class Engine:
         inputs = [seq.build_step() for seq in plan]
         outputs = self.runner.run(inputs) if inputs else []
         reports = []
+        first = []
         for seq, inp, out in zip(plan, inputs, outputs):
             reports.append(seq.apply(inp, out.logits, out.fresh))
-            seq.last_hidden = out.pooled
+            if seq.rounds == 1 and inp.kind is not StepKind.PREFILL:  # its first denoising round
+                bs, be = seq.blocks[0]
+                seq.first_hidden = out.hidden[(inp.pos >= bs) & (inp.pos < be)].mean(0)
+                first.append(seq)
+        if first and self.refine_hook is not None:
+            self.refine_hook(first)
         self.rounds += bool(plan)
         comp = [(i.kind.value, len(i.ids), 0 if i.ctx_pos is None else len(i.ctx_pos)) for i in inputs]
         return RoundResult(reports, time.perf_counter() - t0, comp)

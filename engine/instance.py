@@ -3,9 +3,11 @@
 schedule() -> engine.step(plan) -> update(): the scheduler's RoundPlan says
 which requests fill this round's slots; each sequence knows its own next step
 kind, which the plan carries. The admission estimate of rounds comes from an
-``estimator`` (the predictors issue supplies a trained one; the default
-stand-in assumes one round per output block), and an optional ``refiner``
-maps a request's pooled first-round hidden state to a refined estimate.
+``estimator`` (``predictors.Predictors.admission_estimate`` when trained
+predictors are loaded; the fallback assumes one round per output block). The
+refined estimate is whatever the engine's refine hook wrote into
+``seq.refined_rounds`` during the first denoising round, or an explicit
+``refiner(seq)`` (the simulator's calibrated stand-in).
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ def execute_plan(engine: Engine, seqs_by_id: dict[str, Sequence], plan: RoundPla
     outcomes = []
     for slot, seq, rep in zip(plan.slots, seqs, result.reports):
         refined = None
-        if refiner is not None and seq.rounds == 1 and rep.kind.value != "prefill":
-            refined = refiner(seq)
+        if seq.rounds == 1 and rep.kind.value != "prefill":  # the refinement point: after the first round
+            refined = refiner(seq) if refiner is not None else seq.refined_rounds
         outcomes.append(StepOutcome(slot.req_id, rep.kind, rep.committed, rep.block_done, rep.finished,
                                     None if rep.finished else seq.next_kind(), refined))
     return RoundResult(outcomes, result.latency_s), result

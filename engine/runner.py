@@ -19,7 +19,7 @@ from engine.sequence import StepInput
 class StepOutput:
     logits: torch.Tensor  # [T, V]
     fresh: torch.Tensor  # [layers, 2, kv_heads, T, head_dim]
-    pooled: torch.Tensor  # [hidden]: mean of the final hidden rows
+    hidden: torch.Tensor  # [T, hidden]: final-layer hidden rows
 
 
 def group_by_length(inputs: list[StepInput]) -> list[list[int]]:
@@ -78,5 +78,5 @@ class TorchRunner:
         outs = []
         for i, s in enumerate(inputs):
             t = len(s.ids)
-            outs.append(StepOutput(logits[i, :t], kv[:, :, i, :, :t], hidden[i, :t].mean(0)))
+            outs.append(StepOutput(logits[i, :t], kv[:, :, i, :, :t], hidden[i, :t]))
         return outs

@@ -76,6 +76,7 @@ class Sequence:
     finish_reason: str | None = None
     history: list[StepKind] = field(default_factory=list)
     arrival: float = 0.0
+    prompt_text: str = ""  # the prompt as the client sent it (admission features)
 
     def __post_init__(self) -> None:
         b = self.cfg.block_size
@@ -101,7 +102,8 @@ class Sequence:
         self.needs_recompute = True
         self.cache: ExactCache | ApproxCache | None = None
         self.rounds = 0  # decoding steps (everything but prefill)
-        self.last_hidden: torch.Tensor | None = None
+        self.first_hidden: torch.Tensor | None = None  # pooled rows of the first denoising round's block
+        self.refined_rounds: float | None = None  # set once by the engine's refine hook
 
     # ---- what the scheduler needs -------------------------------------------------
     @property

@@ -1,0 +1,145 @@
+"""Profiling collection: run the task suite through the engine and record what
+the predictors learn from.
+
+Per request and threshold: the admission features, the output budget, total
+rounds and rounds per block, whether the answer was correct, the pooled
+final-layer hidden rows of the first denoising round, and one step-feature
+row after every denoising step with the steps that remained after it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from predictors.features import admission_row, confidence_stats, step_row
+
+DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+@dataclass
+class Dataset:
+    """One row per (request, threshold); step rows index back into it with ``step_req``."""
+
+    model: str
+    category: list[str] = field(default_factory=list)
+    prompt_id: list[int] = field(default_factory=list)  # the same prompt under several thresholds
+    admission: list[list[float]] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    budget: list[int] = field(default_factory=list)  # output budget (max tokens)
+    rounds: list[int] = field(default_factory=list)
+    block_rounds: list[list[int]] = field(default_factory=list)
+    correct: list[bool] = field(default_factory=list)
+    hidden: list[np.ndarray] = field(default_factory=list)
+    step_rows: list[list[float]] = field(default_factory=list)
+    step_remaining: list[int] = field(default_factory=list)
+    step_done: list[int] = field(default_factory=list)  # steps taken when the row was recorded
+    step_req: list[int] = field(default_factory=list)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        width = max((len(b) for b in self.block_rounds), default=0)
+        blocks = np.zeros((len(self.block_rounds), width), dtype=np.int32)
+        for i, b in enumerate(self.block_rounds):
+            blocks[i, : len(b)] = b
+        return {
+            "category": np.array(self.category), "prompt_id": np.array(self.prompt_id, dtype=np.int32),
+            "admission": np.array(self.admission, dtype=np.float64).reshape(-1, 4),
+            "prompt_tokens": np.array(self.prompt_tokens, dtype=np.int32),
+            "budget": np.array(self.budget, dtype=np.int32), "rounds": np.array(self.rounds, dtype=np.int32),
+            "block_rounds": blocks, "correct": np.array(self.correct, dtype=bool),
+            "hidden": np.stack(self.hidden).astype(np.float32) if self.hidden else np.zeros((0, 0), np.float32),
+            "step_rows": np.array(self.step_rows, dtype=np.float64).reshape(-1, 11),
+            "step_remaining": np.array(self.step_remaining, dtype=np.int32),
+            "step_done": np.array(self.step_done, dtype=np.int32),
+            "step_req": np.array(self.step_req, dtype=np.int32),
+        }
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path, model=np.array(self.model), **self.arrays())
+        return path
+
+
+def load_dataset(path: str | Path) -> dict[str, np.ndarray]:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no collected data at {path}; run `remask predictors collect` first")
+    with np.load(path, allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", progress: bool = True) -> Dataset:
+    """Decode every example at every threshold (batched, the engine's own rounds)."""
+    from tqdm import tqdm
+
+    from engine.sequence import SamplingParams
+
+    ds = Dataset(model)
+    bar = tqdm(total=len(examples) * len(thresholds), desc=f"collect {model}", unit="req", disable=not progress)
+    for t in thresholds:
+        seqs = [engine.add_request(ex.prompt, SamplingParams(threshold=t)) for ex in examples]
+        steps: dict[int, list[tuple[list[float], int]]] = {s.seq_id: [] for s in seqs}
+        blocks: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
+        in_block = dict.fromkeys(steps, 0)
+        live = list(seqs)
+        while live:
+            result = engine.step(live[: engine.max_slots])
+            for rep in result.reports:
+                if rep.kind.value == "prefill":
+                    continue
+                seq = engine.sequences[rep.seq_id]
+                in_block[seq.seq_id] += 1
+                if rep.block_done or rep.finished:
+                    blocks[seq.seq_id].append(in_block[seq.seq_id])
+                    in_block[seq.seq_id] = 0
+                if not rep.finished:
+                    steps[seq.seq_id].append((_state_row(seq, t, rep), seq.rounds))
+            finished = sum(s.finished for s in live)
+            live = [s for s in live if not s.finished]
+            bar.update(finished)
+        for i, (ex, seq) in enumerate(zip(examples, seqs)):
+            req = len(ds.rounds)
+            ds.category.append(ex.category)
+            ds.prompt_id.append(i)
+            ds.admission.append(admission_row(ex.prompt, len(seq.prompt_ids), t))
+            ds.prompt_tokens.append(len(seq.prompt_ids))
+            ds.budget.append(seq.max_tokens)
+            ds.rounds.append(seq.rounds)
+            ds.block_rounds.append(blocks[seq.seq_id])
+            ds.correct.append(ex.check(engine.output(seq).text))
+            ds.hidden.append(seq.first_hidden.float().cpu().numpy())
+            for row, done_steps in steps[seq.seq_id]:
+                ds.step_rows.append(row)
+                ds.step_remaining.append(seq.rounds - done_steps)
+                ds.step_done.append(done_steps)
+                ds.step_req.append(req)
+            engine.sequences.pop(seq.seq_id, None)
+    bar.close()
+    return ds
+
+
+def _state_row(seq, threshold: float, rep) -> list[float]:
+    out = seq.tokens[seq.out_start : seq.out_end]
+    unmasked = int((out != seq.cfg.mask_token_id).sum())
+    if seq.block_idx < len(seq.blocks):
+        bs, be = seq.blocks[seq.block_idx]
+        block_len = be - bs
+        block_unmasked = block_len - seq._masked((bs, be)).numel()
+    else:
+        block_len, block_unmasked = 1, 1
+    conf = rep.confidences.float().cpu().numpy() if rep.confidences is not None else []
+    return step_row(threshold, seq.gen_len, unmasked, block_unmasked, block_len,
+                    len(seq.blocks) - seq.block_idx, seq.step_in_block, confidence_stats(conf))
+
+
+def heldout_and_train(n_train: int, n_heldout: int, seed: int = 0):
+    from engine import tasks
+
+    rng = random.Random(seed)
+    train = [tasks.sample(rng, split="train") for _ in range(n_train)]
+    held = [tasks.sample(rng, split="heldout") for _ in range(n_heldout)]
+    return train, held

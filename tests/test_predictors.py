@@ -1,0 +1,113 @@
+"""The work predictors: features, models, artifacts and the engine hook."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from predictors.admission import AdmissionPredictor
+from predictors.bundle import PredictorError, load_predictors
+from predictors.features import confidence_stats, spearman, with_thresholds
+from predictors.refine import Refiner, expected_rounds, survival_nll
+from predictors.step import StepPredictor, choose_interval, online_errors
+
+
+def test_spearman_ties_and_constant():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2, 2], [1, 1, 2, 2]) == pytest.approx(1.0)
+    assert np.isnan(spearman([1, 1, 1], [1, 2, 3]))
+
+
+def test_confidence_stats_and_threshold_expansion():
+    assert confidence_stats([]) == [0.0] * 5
+    assert confidence_stats([0.1, 0.9, 0.5]) == pytest.approx([0.1, 0.1, 0.5, 0.5, 0.9])
+    rows = np.arange(22, dtype=float).reshape(2, 11)
+    out = with_thresholds(rows, [0.5, 0.9])
+    assert out.shape == (4, 11)
+    assert out[:, 0].tolist() == [0.5, 0.9, 0.5, 0.9]
+    assert (out[1, 1:] == rows[0, 1:]).all() and (out[2, 1:] == rows[1, 1:]).all()
+
+
+def test_flat_forest_matches_lightgbm():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 50, size=(400, 4))
+    rounds = np.maximum(1, (x[:, 2] / 5 + rng.normal(0, 1, 400))).round()
+    model = AdmissionPredictor.fit(x, rounds)
+    batched = model.predict(x[:50])
+    single = [model.predict_one(row) for row in x[:50].tolist()]
+    assert np.allclose(batched, single, rtol=1e-9)
+    assert spearman(model.predict(x), rounds) > 0.8
+
+
+def test_survival_mean_and_loss():
+    k = 6
+    logits = torch.full((1, k), -20.0)
+    logits[0, 2] = 20.0  # certain stop at round 3
+    assert expected_rounds(logits).item() == pytest.approx(3.0, abs=1e-3)
+    assert expected_rounds(torch.full((1, k), -20.0)).item() == pytest.approx(k, abs=1e-3)  # mass past K sits at K
+    t = torch.tensor([3])
+    assert survival_nll(logits, t).item() < survival_nll(torch.zeros(1, k), t).item()
+
+
+def test_refiner_learns_hidden_signal_and_round_trips(tmp_path):
+    rng = np.random.default_rng(1)
+    n, h = 600, 16
+    hidden = rng.normal(size=(n, h)).astype(np.float32)
+    rounds = np.clip(np.round(np.exp(1.5 + hidden[:, 0])), 1, 40).astype(int)
+    x = Refiner.inputs(torch.as_tensor(hidden), [20] * n, [64] * n, [0.9] * n).numpy()
+    ref = Refiner.fit(x[:500], rounds[:500], epochs=60, seeds=(0, 1))
+    pred = ref.predict(hidden[500:], [20] * 100, [64] * 100, [0.9] * 100)
+    assert spearman(pred, rounds[500:]) > 0.8
+    ref.save(tmp_path / "r.safetensors")
+    again = Refiner.load(tmp_path / "r.safetensors")
+    assert np.allclose(again.predict(hidden[500:], [20] * 100, [64] * 100, [0.9] * 100), pred)
+
+
+def test_online_step_error_beats_oneshot_and_interval_choice():
+    rng = np.random.default_rng(2)
+    rows, remaining, done, req = [], [], [], []
+    for r in range(200):  # each request's true length is only visible in its state after a few steps
+        total = int(rng.integers(5, 40))
+        for s in range(1, total):
+            hint = total if s >= 4 else 20.0
+            rows.append([0.9, 64, s / total, 0, 0, s, 0, 0, 0, 0, hint])
+            remaining.append(total - s)
+            done.append(s)
+            req.append(r)
+    rows, remaining, done, req = map(np.asarray, (rows, remaining, done, req))
+    model = StepPredictor.fit(rows, remaining)
+    errs = online_errors(model, rows, remaining, done, req)
+    assert errs["every_1"] < 0.7 * errs["oneshot"]
+    assert choose_interval({"every_1": 0.10, "every_2": 0.104, "every_4": 0.2}) == 2
+    assert model.predict(rows[:3], [0.5, 0.7, 0.9]).shape == (3, 3)
+
+
+def test_missing_and_corrupt_artifacts(tmp_path):
+    with pytest.raises(PredictorError, match="remask predictors train"):
+        load_predictors("tiny-bd", tmp_path)
+    for f in ("admission.txt", "refine.safetensors", "step.txt"):
+        (tmp_path / f).write_text("garbage")
+    (tmp_path / "meta.json").write_text(json.dumps({}))
+    with pytest.raises(PredictorError, match="corrupt"):
+        load_predictors("tiny-bd", tmp_path)
+
+
+def test_shipped_predictors_refine_inside_the_engine():
+    from engine import tasks
+    from engine.instance import Instance
+    from engine.loading import load_engine
+
+    pred = load_predictors("tiny-bd")
+    inst = Instance(load_engine("tiny-bd", max_slots=8), slots=8)
+    pred.attach(inst)
+    ex = tasks.heldout_set(10)
+    reqs = [inst.add_request(f"r{i}", e.prompt) for i, e in enumerate(ex)]
+    assert all(r.est_rounds > 0 for r in reqs)
+    assert len({round(r.est_rounds, 3) for r in reqs}) > 1  # prompt features matter
+    inst.run()
+    assert all(r.refined for r in reqs)
+    assert len(inst.outputs) == 10
