@@ -1,0 +1,58 @@
+"""Cluster capacity for load control (Alg. 2), from the latency profiles (pure Python).
+
+DiLaServe: capacity = tokens an instance processes per second x the SLO.
+Throughput depends on the batch, and a batch is only useful while its step
+latency still lets requests meet their SLOs, so the throughput is taken at
+the *SLO batch*: the largest batch whose step latency is at most ``slack``
+times a lone request's, where a request's slack is its SLO over its
+predicted isolated latency (5 for the default SLO of 5x the isolated
+latency). Step kinds are mixed in the cluster's current proportion of
+recompute (heavy) to cached (light) steps; loads are in TP-1
+instance-milliseconds at that batch, and a TP-d instance counts as its
+throughput relative to a TP-1 instance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.router.latency import TpLatencyModel
+from app.router.state import InstanceState
+
+
+@dataclass(frozen=True)
+class Capacity:
+    batch: int  # SLO batch of a TP-1 instance
+    heavy_cost: float  # TP-1 instance-ms per recompute step at that batch
+    light_cost: float  # TP-1 instance-ms per cached step at that batch
+    speed: float  # cluster throughput, in TP-1 instances at their SLO batch
+
+    def within(self, window_ms: float, util: float = 1.0) -> float:
+        """Load the cluster can serve within ``window_ms``."""
+        return window_ms * self.speed * util
+
+
+def mixed_ms(model: TpLatencyModel, tp: int, batch: int, heavy_share: float) -> float:
+    h = min(batch, round(heavy_share * batch))
+    return model.round_ms(tp, h, batch - h)
+
+
+def slo_batch(model: TpLatencyModel, tp: int, slack: float, heavy_share: float) -> int:
+    lone = heavy_share * model.round_ms(tp, 1, 0) + (1.0 - heavy_share) * model.round_ms(tp, 0, 1)
+    for b in range(model.slots, 0, -1):
+        if mixed_ms(model, tp, b, heavy_share) <= slack * lone:
+            return b
+    return 1
+
+
+def cluster_capacity(model: TpLatencyModel, instances: Sequence[InstanceState], slack: float,
+                     heavy_share: float) -> Capacity:
+    ref = 1 if 1 in model.profiles else model.degrees[0]
+    per_tp = {}
+    for tp in {inst.tp for inst in instances} | {ref}:
+        b = slo_batch(model, tp, slack, heavy_share)
+        per_tp[tp] = b / mixed_ms(model, tp, b, heavy_share)  # steps per ms
+    b = slo_batch(model, ref, slack, heavy_share)
+    return Capacity(b, model.step_ms(ref, b, "recompute") / b, model.step_ms(ref, b, "cached") / b,
+                    sum(per_tp[inst.tp] for inst in instances) / per_tp[ref])

@@ -1,0 +1,223 @@
+"""The cluster router: threshold control, instance choice and migration.
+
+Event-driven and pure Python; the live ingress and the cluster simulator
+call the same methods:
+
+- ``add_request(req, now)``: placement on arrival (policy; Alg. 3 for remask);
+  the request gets its first estimate and a load-control cap.
+- ``plan_thresholds(inst_id, reqs, now)``: the threshold of each request's
+  next step on that instance (Alg. 1 within the caps, or the fixed one).
+- ``on_step(inst_id, stepped, now)``: after an instance's round; the caller
+  has already written each request's progress fields. Updates estimates,
+  step kinds and loads, runs load control (Alg. 2) on its interval, and
+  returns the migrations ``[(req, dst_inst_id)]`` the policy decided.
+- ``finish(req)``: the request left the cluster.
+
+The instance scheduler still orders work inside each instance: the router
+decides where a request runs and which threshold its steps use, the
+instance decides when each of its requests gets a slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.router.capacity import cluster_capacity
+from app.router.estimator import StepEstimator
+from app.router.latency import TpLatencyModel
+from app.router.policies import RouterPolicy, make_router_policy
+from app.router.state import InstanceState, RequestState
+from app.router.thresholds import choose_threshold, load_control, request_load
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    thresholds: tuple[float, ...] = (0.9, 0.8, 0.7, 0.6, 0.5)  # candidates
+    fixed_threshold: float = 0.9  # of the fixed-threshold policies
+    load_control_interval_s: float = 0.1  # Alg. 2 reruns at most this often (and caps arrivals in between)
+    capacity_util: float = 1.0  # fraction of the cluster's throughput load control may commit
+    capacity_slo: str = "mean"  # SLO window and slack of the capacity: mean or min over active requests (4.5)
+    capacity_window: str = "remaining"  # the window: what is left of the SLOs ('remaining') or whole SLOs ('slo')
+    migration_margin: float = 0.1  # a destination must be this much faster
+    migration_ms: float = 2.0  # fixed cost of a migration (control call, request state transfer)
+    migration_gbps: float = 10.0  # transfer bandwidth for the prompt and committed tokens
+    estimate_every: int = 1  # step-estimator update granularity, in steps
+    llumnix_gap: float = 0.25  # llumnix migrates when freeness differs by more than this fraction
+
+    def __post_init__(self) -> None:
+        if not self.thresholds or list(self.thresholds) != sorted(self.thresholds, reverse=True):
+            raise ValueError("thresholds must be non-empty and listed highest first")
+        if self.capacity_slo not in ("mean", "min"):
+            raise ValueError("capacity_slo must be 'mean' or 'min'")
+        if self.capacity_window not in ("remaining", "slo"):
+            raise ValueError("capacity_window must be 'remaining' or 'slo'")
+
+
+class Router:
+    def __init__(self, policy: RouterPolicy | str, latency: TpLatencyModel, estimator: StepEstimator,
+                 instances: Sequence[tuple[int, int]], cfg: RouterConfig | None = None) -> None:
+        self.policy = make_router_policy(policy) if isinstance(policy, str) else policy
+        self.latency, self.estimator = latency, estimator
+        self.cfg = cfg or RouterConfig()
+        if tuple(estimator.thresholds) != self.cfg.thresholds:
+            raise ValueError("the step estimator must predict the router's candidate thresholds")
+        self.instances = [InstanceState(i, tp) for i, tp in instances]
+        self.by_id = {inst.inst_id: inst for inst in self.instances}
+        self.requests: dict[str, RequestState] = {}
+        self._order: list[RequestState] = []  # load-control order (priority, then arrival); finished ones linger
+        self._resort = False
+        self._last_control = float("-inf")
+        self._headroom = 0.0
+        self._pos = {t: i for i, t in enumerate(self.cfg.thresholds)}
+        self._fixed = self._index(self.cfg.fixed_threshold)
+        self._ref_tp = 1 if 1 in latency.profiles else latency.degrees[0]
+        self.cap = cluster_capacity(latency, self.instances, 5.0, 0.1)  # refreshed by each load-control run
+        self.stats = {"migrations": 0, "load_control_runs": 0}
+
+    def _index(self, threshold: float) -> int:
+        i = self._pos.get(threshold)
+        if i is None:
+            ts = self.cfg.thresholds
+            i = min(range(len(ts)), key=lambda k: abs(ts[k] - threshold))
+        return i
+
+    # ---- events -----------------------------------------------------------------------------
+    def add_request(self, req: RequestState, now: float) -> int:
+        if req.req_id in self.requests:
+            raise ValueError(f"duplicate request id {req.req_id!r}")
+        self.requests[req.req_id] = req
+        req.est = self.estimator.predict([req])[0]
+        lat, tp = self.latency, self._ref_tp
+        alone = req.heavy_left * lat.round_ms(tp, 1, 0) + max(req.est[0] - req.heavy_left, 0.0) * lat.round_ms(tp, 0, 1)
+        req.slack = (req.deadline - req.arrival) * 1000.0 / max(alone, 1e-9)
+        inst = self.policy.place(self, req)
+        inst.add(req)
+        if self._order and req.priority > self._order[-1].priority:
+            self._resort = True  # it goes ahead of earlier, lower-priority arrivals: walk again
+        self._order.append(req)
+        self._control(now, arriving=req)
+        return inst.inst_id
+
+    def plan_thresholds(self, inst_id: int, reqs: Sequence[RequestState], now: float) -> list[float]:
+        ts = self.cfg.thresholds
+        if not self.policy.dynamic:
+            t = ts[self._fixed]
+            for r in reqs:
+                r.threshold = t
+            return [t] * len(reqs)
+        inst = self.by_id[inst_id]
+        lat = self.latency
+        step_ms = lat.round_ms(inst.tp, inst.n_heavy, inst.n_light)
+        extra = (lat.round_ms(inst.tp, inst.n_heavy + 1, inst.n_light)
+                 - lat.round_ms(inst.tp, inst.n_heavy, inst.n_light + 1))
+        extra = extra if extra > 0.0 else 0.0
+        out = []
+        for r in reqs:
+            cap = r.cap if self.policy.load_control else 0
+            i = choose_threshold(r.est, cap, (r.deadline - now) * 1000.0, step_ms, r.heavy_left * extra)
+            r.threshold = ts[i]
+            out.append(ts[i])
+        return out
+
+    def on_step(self, inst_id: int, stepped: Sequence[tuple[RequestState, bool, bool]],
+                now: float) -> list[tuple[RequestState, int]]:
+        """``stepped``: (request, next step is heavy, finished) for each request of the round."""
+        inst = self.by_id[inst_id]
+        live = []
+        refresh = []
+        every = self.cfg.estimate_every
+        for req, heavy, finished in stepped:
+            if req.threshold is not None:
+                req.thresholds_used.append(req.threshold)
+            req.steps_done += 1
+            if finished:
+                self.finish(req)
+                continue
+            inst.set_kind(req, heavy)
+            live.append(req)
+            if every == 1 or req.steps_done % every == 0 or heavy:
+                refresh.append(req)
+        if refresh:
+            for req, row in zip(refresh, self.estimator.predict(refresh)):
+                req.est = row
+        self._control(now)
+        moves = self.policy.migrations(self, inst, live)
+        return [(req, dst.inst_id) for req, dst in moves]
+
+    def finish(self, req: RequestState) -> None:
+        if self.requests.pop(req.req_id, None) is None:
+            return
+        if req.instance is not None:
+            self.by_id[req.instance].remove(req)
+        forget = getattr(self.estimator, "forget", None)
+        if forget is not None:
+            forget(req.req_id)
+
+    # ---- helpers for policies -----------------------------------------------------------------
+    def move(self, req: RequestState, src: InstanceState, dst: InstanceState) -> None:
+        """Account ``req`` to ``dst``. No KV travels: a full-sequence request moved at a cached
+        step recomputes on arrival."""
+        src.remove(req)
+        if req.full_sequence:
+            req.next_heavy = True
+        dst.add(req)
+        req.migrations += 1
+        self.stats["migrations"] += 1
+
+    def migration_cost_ms(self, req: RequestState) -> float:
+        """Prompt and committed tokens (4 bytes each) over the link, plus the fixed cost."""
+        return self.cfg.migration_ms + req.tokens * 4 / (self.cfg.migration_gbps * 1e6)
+
+    def remaining_steps(self, req: RequestState) -> float:
+        """Predicted remaining steps at the request's current threshold (the instance scheduler's estimate)."""
+        t = req.threshold if req.threshold is not None else self.cfg.thresholds[self._fixed]
+        return req.est[self._index(t)] if req.est else 0.0
+
+    def capacity(self, now: float) -> float:
+        """Load (TP-1 instance-ms) the cluster can serve within the SLO window; refreshes ``self.cap``.
+
+        The window is the mean (or min) of what is left of the active requests' SLOs: the remaining
+        work must fit the time left for it. (Whole SLOs, ``capacity_window='slo'``, the paper's
+        wording, admit about twice the backlog: requests are on average half-way through.)"""
+        reqs = self.requests.values()
+        if not reqs:
+            return 0.0
+        if self.cfg.capacity_window == "slo":
+            slos = [r.deadline - r.arrival for r in reqs]
+        else:
+            slos = [max(r.deadline - now, 0.0) for r in reqs]
+        slacks = [r.slack for r in reqs]
+        if self.cfg.capacity_slo == "min":
+            window_s, slack = min(slos), min(slacks)
+        else:
+            window_s, slack = sum(slos) / len(slos), sum(slacks) / len(slacks)
+        n = sum(inst.n for inst in self.instances)
+        share = sum(inst.n_heavy for inst in self.instances) / n if n else 0.1
+        self.cap = cluster_capacity(self.latency, self.instances, slack, share)
+        return self.cap.within(1000.0 * window_s, self.cfg.capacity_util)
+
+    def _control(self, now: float, arriving: RequestState | None = None) -> None:
+        if not self.policy.load_control:
+            return
+        if now - self._last_control >= self.cfg.load_control_interval_s or self._resort:
+            live = self.requests
+            self._order = [r for r in self._order if r.req_id in live]
+            if self._resort:
+                self._order.sort(key=lambda r: (-r.priority, r.arrival))
+                self._resort = False
+            capacity = self.capacity(now)
+            self._headroom = load_control(self._order, capacity, self.cap.heavy_cost, self.cap.light_cost)
+            self._last_control = now
+            self.stats["load_control_runs"] += 1
+        elif arriving is not None:  # it is last in the order: the walk's next step, against the headroom left
+            last = len(self.cfg.thresholds) - 1
+            low = request_load(arriving, last, self.cap.heavy_cost, self.cap.light_cost)
+            self._headroom -= low
+            arriving.cap = last
+            for i in range(last):
+                extra = request_load(arriving, i, self.cap.heavy_cost, self.cap.light_cost) - low
+                if extra <= self._headroom:
+                    arriving.cap = i
+                    self._headroom -= extra
+                    break

@@ -1,0 +1,103 @@
+"""Step estimators: predicted remaining denoising steps of a request under
+each candidate threshold (pure Python).
+
+The interface (``StepEstimator``) is one batched call::
+
+    estimator.thresholds            # the candidate thresholds, as the router's config lists them
+    estimator.predict(states)       # -> list of rows, one per state: remaining steps per threshold
+
+``states`` are ``RequestState`` objects; the fields an estimator may read are
+the step predictor's inputs: ``thresholds_used`` (the threshold history; the
+last entry is the current one), ``output_tokens``, ``progress`` (fraction of
+the output committed), ``block_progress``, ``blocks_left``, ``step_in_block``
+and ``conf_stats`` (min, q25, median, mean, q75 of the last step's
+confidences; empty before the first step). Rows must be non-negative and
+should not increase as the threshold falls. The router calls ``predict``
+after a request's steps at its update granularity, batching across requests
+(DiLaServe batches across requests and thresholds the same way).
+
+Two implementations:
+
+- ``TableStepEstimator`` (simulation): the request's true total steps at
+  each threshold are known to the simulator (from real tiny-model decodes);
+  it predicts ``(1 - progress) x total`` times a per-request log-normal error
+  that shrinks as progress grows (online updates with progress and
+  confidence features are what cut the paper's error).
+- ``FeatureStepEstimator``: wraps any model with ``predict(rows) -> values``
+  over the 11 scalar step features (``STEP_FEATURES`` below, threshold first),
+  e.g. the GBM of ``predictors/step.py``; one state row is asked about every
+  threshold by overwriting the threshold column.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from app.router.state import RequestState
+
+STEP_FEATURES = (
+    "threshold", "output_len", "progress", "block_progress", "blocks_left", "step_in_block",
+    "conf_min", "conf_q25", "conf_median", "conf_mean", "conf_q75",
+)
+
+
+class StepEstimator(Protocol):
+    thresholds: tuple[float, ...]
+
+    def predict(self, states: Sequence[RequestState]) -> list[list[float]]: ...
+
+
+class TableStepEstimator:
+    """Oracle totals per threshold with a calibrated, shrinking error (simulation only).
+
+    ``totals(state)`` returns the request's true total steps at each threshold
+    (the simulator keeps them in ``state.extra``). The error factor is
+    ``exp(sigma * (1 - progress) * z)`` with one ``z ~ N(0, 1)`` per request.
+    """
+
+    def __init__(self, thresholds: Sequence[float], totals: Callable[[RequestState], Sequence[float]],
+                 sigma: float = 0.3, seed: int = 0) -> None:
+        self.thresholds = tuple(thresholds)
+        self.totals, self.sigma = totals, sigma
+        self._rng = random.Random(seed)
+        self._z: dict[str, float] = {}
+
+    def predict(self, states):
+        out = []
+        for s in states:
+            z = self._z.get(s.req_id)
+            if z is None:
+                z = self._z[s.req_id] = self._rng.gauss(0.0, 1.0)
+            left = 1.0 - s.progress
+            f = left * math.exp(self.sigma * left * z)
+            out.append([t * f for t in self.totals(s)])
+        return out
+
+    def forget(self, req_id: str) -> None:
+        self._z.pop(req_id, None)
+
+
+def feature_row(state: RequestState, threshold: float) -> list[float]:
+    """The 11 step features of ``state`` (STEP_FEATURES order) at ``threshold``."""
+    conf = list(state.conf_stats) if state.conf_stats else [0.0] * 5
+    return [float(threshold), float(state.output_tokens), state.progress, state.block_progress,
+            float(state.blocks_left), float(state.step_in_block), *conf]
+
+
+class FeatureStepEstimator:
+    """Adapter for a trained step-count model: ``model.predict(rows)`` with rows of STEP_FEATURES."""
+
+    def __init__(self, model, thresholds: Sequence[float],
+                 row: Callable[[RequestState, float], list[float]] = feature_row) -> None:
+        self.model, self.thresholds, self.row = model, tuple(thresholds), row
+
+    def predict(self, states):
+        if not states:
+            return []
+        rows = [self.row(s, t) for s in states for t in self.thresholds]
+        values = list(self.model.predict(rows))
+        m = len(self.thresholds)
+        return [[max(float(v), 0.0) for v in values[i * m:(i + 1) * m]] for i in range(len(states))]

@@ -1,0 +1,78 @@
+"""Per-TP step-latency model used by the router (pure Python).
+
+Built from one ``LatencyProfile`` per TP degree (``engine.profile.load_tp_profiles``).
+A round of an instance runs all of its batched steps together, so every
+request in the round waits the whole round: a request's step latency is the
+instance's round latency. A round with ``n_rec`` recompute steps and
+``n_cached`` cached steps (or prefill/denoise steps for exact-cache models)
+costs the sum of the two kinds' curves. Round times are tabulated per batch
+size up to the instance's slot count, so a lookup is O(1); above the slot
+count requests time-share the rounds, so the effective step latency grows
+by ``n / slots``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.profile import LatencyProfile
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Typical token counts of one step, for the routing tables."""
+
+    block_tokens: int = 32  # query tokens of a cached / denoise step
+    sequence_tokens: int = 396  # query tokens of a recompute step (prompt + output canvas)
+    full_sequence: bool = True  # recompute/cached steps (approximate cache) vs denoise steps (exact cache)
+
+
+class TpLatencyModel:
+    """Predicted round (= step) latency of an instance of TP degree d at a load."""
+
+    def __init__(self, profiles: dict[int, LatencyProfile], slots: int, shape: StepShape | None = None) -> None:
+        if slots < 1:
+            raise ValueError("slots must be at least 1")
+        self.profiles, self.slots = profiles, slots
+        self.shape = shape or StepShape()
+        s = self.shape
+        heavy, light = ("recompute", "cached") if s.full_sequence else ("prefill", "denoise")
+        ctx = s.sequence_tokens
+        self._heavy: dict[int, list[float]] = {}
+        self._light: dict[int, list[float]] = {}
+        for tp, prof in profiles.items():
+            pairs = max(ctx - prof.ref_context, 0.0) * prof.attn_ms_per_pair
+            self._heavy[tp] = [0.0] + [prof.curve_ms(heavy, k * (ctx if s.full_sequence else s.block_tokens))
+                                       for k in range(1, slots + 1)]
+            self._light[tp] = [0.0] + [prof.curve_ms(light, k * s.block_tokens) + k * s.block_tokens * pairs
+                                       for k in range(1, slots + 1)]
+            if prof.overhead_ms:
+                self._light[tp] = [v + prof.overhead_ms for v in self._light[tp]]
+
+    @property
+    def degrees(self) -> list[int]:
+        return sorted(self.profiles)
+
+    def round_ms(self, tp: int, n_heavy: int, n_light: int) -> float:
+        """Round latency with ``n_heavy`` recompute (or prefill) and ``n_light`` cached (or denoise)
+        steps queued; above the slot count the requests share rounds (latency x n / slots)."""
+        n = n_heavy + n_light
+        if n <= self.slots:
+            return self._heavy[tp][n_heavy] + self._light[tp][n_light]
+        h = round(n_heavy * self.slots / n)
+        return (self._heavy[tp][h] + self._light[tp][self.slots - h]) * n / self.slots
+
+    def step_ms(self, tp: int, batch: int, kind: str = "cached") -> float:
+        """Latency of a round of ``batch`` steps all of ``kind`` ('recompute'/'prefill' or 'cached'/'denoise')."""
+        heavy = kind in ("recompute", "prefill")
+        return self.round_ms(tp, batch if heavy else 0, 0 if heavy else batch)
+
+    def cost_per_step(self, tp: int, kind: str, batch: int | None = None) -> float:
+        """Instance milliseconds one step of ``kind`` costs at ``batch`` (default: the slot count);
+        the load unit of load control (Alg. 2)."""
+        b = batch or self.slots
+        return self.step_ms(tp, b, kind) / b
+
+    def isolated_ms(self, tp: int, heavy_steps: int, light_steps: int) -> float:
+        """End-to-end latency of one request alone on a TP-``tp`` instance."""
+        return heavy_steps * self._heavy[tp][1] + light_steps * self._light[tp][1]

@@ -1,0 +1,123 @@
+"""Router policies, chosen by name: the real one and its baselines as siblings.
+
+A policy answers three questions: where an arriving request goes
+(``place``), which threshold a request's next step uses (``dynamic``:
+Alg. 1, else the fixed threshold; ``load_control``: Alg. 2 caps), and whether
+a request that just finished a step moves (``migrations``).
+
+- ``remask``: Alg. 1 + Alg. 2 + Alg. 3 (lowest-latency instance, free migration
+  at recompute steps when it pays off).
+- ``dynamic-no-load-control``: Alg. 1 + Alg. 3, no caps (ablation).
+- ``fixed-threshold``: the fixed threshold (0.9) with remask's routing (ablation).
+- ``infaas``: arrival to the worker with the fewest outstanding tokens, no
+  migration, fixed threshold (INFaaS's least-loaded dispatch).
+- ``llumnix``: arrival to the freest instance (free KV per batched request);
+  after a step the busiest instance hands a request to the freest one when
+  their freeness differs by more than ``llumnix_gap`` (load-balancing
+  migration at any step: when the next step would have been a cached step,
+  the target recomputes), fixed threshold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from app.router.placement import best_instance, can_migrate_free, migration_gain_ms
+from app.router.state import InstanceState, RequestState
+
+if TYPE_CHECKING:
+    from app.router.core import Router
+
+
+class RouterPolicy:
+    name = "base"
+    dynamic = False  # Alg. 1 per step, else the fixed threshold
+    load_control = False  # Alg. 2 caps
+
+    def place(self, router: Router, req: RequestState) -> InstanceState:
+        raise NotImplementedError
+
+    def migrations(self, router: Router, src: InstanceState,
+                   stepped: Sequence[RequestState]) -> list[tuple[RequestState, InstanceState]]:
+        return []
+
+
+ROUTER_POLICIES: dict[str, Callable[[], RouterPolicy]] = {}
+
+
+def register(name: str):
+    def wrap(cls):
+        cls.name = name
+        ROUTER_POLICIES[name] = cls
+        return cls
+
+    return wrap
+
+
+def make_router_policy(name: str) -> RouterPolicy:
+    try:
+        return ROUTER_POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown router policy {name!r}; known: {', '.join(sorted(ROUTER_POLICIES))}") from None
+
+
+@register("fixed-threshold")
+class FixedThresholdPolicy(RouterPolicy):
+    """Remask's routing (Alg. 3) with one fixed threshold."""
+
+    def place(self, router, req):
+        return best_instance(router.latency, router.instances, req.next_heavy)[0]
+
+    def migrations(self, router, src, stepped):
+        out = []
+        cfg = router.cfg
+        for req in stepped:
+            if not can_migrate_free(req):
+                continue
+            dst, lat = best_instance(router.latency, router.instances, True, exclude=src.inst_id)
+            if dst is None:
+                break
+            steps_ahead = req.est[req.cap] / max(req.blocks_left, 1) if req.est else 1.0
+            gain = migration_gain_ms(router.latency, req, src, lat * (1.0 + cfg.migration_margin), steps_ahead)
+            # the move costs its transfer and, on average, half a round of waiting for the target's round
+            if gain > router.migration_cost_ms(req) + 0.5 * lat:
+                out.append((req, dst))
+                router.move(req, src, dst)  # later decisions of this event see the new loads
+        return out
+
+
+@register("dynamic-no-load-control")
+class DynamicPolicy(FixedThresholdPolicy):
+    dynamic = True
+
+
+@register("remask")
+class RemaskPolicy(DynamicPolicy):
+    load_control = True
+
+
+@register("infaas")
+class InfaasPolicy(RouterPolicy):
+    def place(self, router, req):
+        return min(router.instances, key=lambda i: (i.tokens, -i.tp, i.inst_id))
+
+
+@register("llumnix")
+class LlumnixPolicy(RouterPolicy):
+    def place(self, router, req):
+        return max(router.instances, key=lambda i: (i.freeness(), i.tp, -i.inst_id))
+
+    def migrations(self, router, src, stepped):
+        if src.n < 2 or not stepped:
+            return []
+        dst = max(router.instances, key=lambda i: (i.freeness(), -i.inst_id))
+        if dst is src or dst.freeness() <= src.freeness() * (1.0 + router.cfg.llumnix_gap):
+            return []
+        req = max(stepped, key=lambda r: r.arrival)  # the newest: least progress to carry
+        src_after = (src.kv_capacity_tokens - src.tokens + req.tokens) / max(src.n - 1, 1)
+        dst_after = (dst.kv_capacity_tokens - dst.tokens - req.tokens) / (dst.n + 1)
+        if dst_after < src_after:  # the move would only swap the imbalance
+            return []
+        router.move(req, src, dst)
+        return [(req, dst)]

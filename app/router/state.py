@@ -1,0 +1,104 @@
+"""The router's view of requests and instances (pure Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class RequestState:
+    """What the router keeps of one request: enough to resume it anywhere.
+
+    Progress fields are set from the instance's step events; ``est`` holds the
+    step estimator's latest prediction of remaining steps, one per candidate
+    threshold of the router's config (same order), and ``allowed`` the
+    thresholds load control (Alg. 2) left to it, highest first.
+    """
+
+    req_id: str
+    arrival: float  # s
+    deadline: float  # s, absolute (heterogeneous SLOs: any value per request)
+    prompt_tokens: int
+    output_tokens: int  # output canvas length
+    block_tokens: int = 32
+    priority: int = 0  # higher goes first in load control
+    full_sequence: bool = True  # approximate cache: each block starts with a recompute step
+    instance: int | None = None
+    # progress (from step events)
+    steps_done: int = 0
+    progress: float = 0.0  # fraction of the output committed
+    block_progress: float = 0.0  # fraction of the current block committed
+    blocks_left: int = 0  # output blocks not yet finished (the current one included)
+    step_in_block: int = 0
+    next_heavy: bool = True  # the next step is a recompute (full_sequence) or prefill step
+    conf_stats: tuple[float, ...] = ()  # min, q25, median, mean, q75 of the last step's confidences
+    thresholds_used: list[float] = field(default_factory=list)
+    # router scratch
+    est: list[float] = field(default_factory=list)  # predicted remaining steps per candidate threshold
+    cap: int = 0  # index of the highest allowed candidate threshold (candidates run highest first)
+    slack: float = 5.0  # SLO over the predicted isolated TP-1 latency at the highest threshold (set on arrival)
+    threshold: float | None = None  # last chosen
+    migrations: int = 0
+    extra: dict = field(default_factory=dict)  # owner's data (the simulator's truth, say); never read here
+
+    def __post_init__(self) -> None:
+        if not self.blocks_left:
+            self.blocks_left = max(1, -(-self.output_tokens // self.block_tokens))
+
+    @property
+    def heavy_left(self) -> int:
+        """Remaining recompute steps: one per unfinished block, less the current block's if it ran."""
+        if not self.full_sequence:
+            return 0
+        return self.blocks_left - (0 if self.next_heavy else 1)
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(eq=False)
+class InstanceState:
+    """One model instance as the router sees it."""
+
+    inst_id: int
+    tp: int
+    n_heavy: int = 0  # requests whose next step is a recompute / prefill step
+    n_light: int = 0  # requests whose next step is a cached / denoise step
+    tokens: int = 0  # prompt + output tokens of its requests (INFaaS's load)
+    kv_capacity_tokens: int = 250_000
+    requests: set[str] = field(default_factory=set)
+
+    @property
+    def n(self) -> int:
+        return self.n_heavy + self.n_light
+
+    def add(self, req: RequestState) -> None:
+        self.requests.add(req.req_id)
+        self.tokens += req.tokens
+        if req.next_heavy:
+            self.n_heavy += 1
+        else:
+            self.n_light += 1
+        req.instance = self.inst_id
+
+    def remove(self, req: RequestState) -> None:
+        self.requests.discard(req.req_id)
+        self.tokens -= req.tokens
+        if req.next_heavy:
+            self.n_heavy -= 1
+        else:
+            self.n_light -= 1
+        req.instance = None
+
+    def set_kind(self, req: RequestState, heavy: bool) -> None:
+        """``req`` (on this instance) changes its next step kind."""
+        if heavy != req.next_heavy:
+            d = 1 if heavy else -1
+            self.n_heavy += d
+            self.n_light -= d
+            req.next_heavy = heavy
+
+    def freeness(self) -> float:
+        """Llumnix's freeness: free KV tokens per batched request."""
+        return (self.kv_capacity_tokens - self.tokens) / max(self.n, 1)

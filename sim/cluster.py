@@ -1,0 +1,275 @@
+"""Cluster simulator: N instances (any TP degrees) behind the router, in virtual time.
+
+Each instance runs the real instance ``Scheduler`` (DWISE by default), so the
+router and the instance scheduler compose exactly as in the live system: the
+router places requests, sets each step's threshold and migrates requests at
+step boundaries; each instance orders its own requests into rounds. A
+round's time comes from the instance's TP profile over the round's
+composition (recompute steps over the whole sequence, cached steps over one
+block).
+
+Request truth (see ``sim/cluster_scenarios.py``): a request has a true total
+step count per candidate threshold and a real answer per threshold, both
+from decoding it with an embedded model. Progress is the fraction of the
+output committed; a step at threshold t advances it by 1 / steps(t), so a
+request whose threshold changes mid-way needs an in-between number of steps.
+The output has K blocks at equal progress fractions; the first step of each
+block is a recompute step, the others cached steps (the approximate cache).
+A migration costs a fixed control delay plus the transfer of the prompt and
+committed tokens (never KV); a request moved at a cached step must recompute
+on arrival. Accuracy: requests that kept one threshold take the model's
+answer at that threshold; requests whose threshold changed are decoded again
+by the model with the same schedule over progress (``threshold_table.replay``),
+so their answers are the model's own.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+from app.router import Router, RouterConfig, StepShape, TableStepEstimator, TpLatencyModel
+from app.router.state import RequestState
+from engine.clock import VirtualClock
+from engine.policies import make_policy
+from engine.profile import LatencyProfile
+from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepKind, StepOutcome
+from engine.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass
+class ClusterRequestSpec:
+    req_id: str
+    prompt_idx: int  # row of the threshold table
+    category: str
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    steps: tuple[float, ...]  # true total steps per candidate threshold (router order)
+    correct: tuple[bool, ...]  # the model's answer right at each threshold
+    slo_s: float
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    tp_degrees: tuple[int, ...]  # one entry per instance
+    slots: int = 32  # B per instance
+    block_tokens: int = 32
+    sequence_tokens: int = 396  # typical prompt + output, for the router's tables
+    instance_policy: str = "dwise"
+    kv_capacity_tokens: int = 250_000
+    estimator_sigma: float = 0.3
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+
+@dataclass
+class _Truth:
+    spec: ClusterRequestSpec
+    blocks: int
+    progress: float = 0.0
+    block: int = 0
+    next_heavy: bool = True
+    schedule: list[tuple[float, float]] = field(default_factory=list)  # (progress, threshold) where it changed
+    steps: int = 0
+
+
+class _Inst:
+    def __init__(self, inst_id: int, tp: int, profile: LatencyProfile, sched: Scheduler) -> None:
+        self.inst_id, self.tp, self.profile, self.sched = inst_id, tp, profile, sched
+        self.busy = False
+        self.rounds = 0
+        self.slots_filled = 0
+        self.busy_s = 0.0
+
+
+@dataclass
+class ClusterResult:
+    finished: list[tuple[ClusterRequestSpec, float, list[tuple[float, float]]]] = field(default_factory=list)
+    rounds: int = 0
+    slots_filled: int = 0
+    busy_s: float = 0.0
+    makespan_s: float = 0.0
+    migrations: int = 0
+    load_control_runs: int = 0
+    threshold_steps: Counter = field(default_factory=Counter)
+    mean_in_system: float = 0.0  # time-average number of requests in the cluster (Little's law)
+
+
+class ClusterSimulator:
+    def __init__(self, cfg: ClusterConfig, profiles: dict[int, LatencyProfile], policy: str, seed: int = 0) -> None:
+        self.cfg = cfg
+        self.profiles = profiles
+        self.clock = VirtualClock()
+        shape = StepShape(cfg.block_tokens, cfg.sequence_tokens, full_sequence=True)
+        self.latency = TpLatencyModel({d: profiles[d] for d in set(cfg.tp_degrees)}, cfg.slots, shape)
+        self.truth: dict[str, _Truth] = {}
+        estimator = TableStepEstimator(cfg.router.thresholds, lambda s: self.truth[s.req_id].spec.steps,
+                                       sigma=cfg.estimator_sigma, seed=seed)
+        self.router = Router(policy, self.latency, estimator, list(enumerate(cfg.tp_degrees)), cfg.router)
+        base = profiles[min(profiles)]
+        costs = base.step_costs(cfg.block_tokens, cfg.sequence_tokens, batch=cfg.slots)
+        self.insts = []
+        for i, tp in enumerate(cfg.tp_degrees):
+            scfg = SchedulerConfig(slots=cfg.slots, kv_capacity_tokens=cfg.kv_capacity_tokens,
+                                   block_size=cfg.block_tokens)
+            sched = Scheduler(make_policy(cfg.instance_policy, costs=costs), scfg, self.clock)
+            self.insts.append(_Inst(i, tp, profiles[tp], sched))
+        self._events: list = []
+        self._seq = itertools.count()
+        self.states: dict[str, RequestState] = {}
+
+    # ---- events --------------------------------------------------------------------------
+    def _push(self, t: float, kind: str, data) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, data))
+
+    def run(self, specs: list[ClusterRequestSpec]) -> ClusterResult:
+        res = ClusterResult()
+        for s in specs:
+            self._push(s.arrival, "arrive", s)
+        in_system, area, last_t = 0, 0.0, specs[0].arrival if specs else 0.0
+        first = last_t
+        while self._events:
+            t, _, kind, data = heapq.heappop(self._events)
+            area += in_system * (t - last_t)
+            last_t = t
+            self.clock.set(t)
+            if kind == "arrive":
+                in_system += 1
+                self._arrive(data)
+            elif kind == "kick":
+                self._start(self.insts[data])
+            elif kind == "done":
+                in_system -= self._done(*data, res)
+            elif kind == "migrate":
+                st, dst = data
+                self._enter(st, dst)
+        res.makespan_s = last_t - first
+        res.mean_in_system = area / res.makespan_s if res.makespan_s else 0.0
+        res.migrations = self.router.stats["migrations"]
+        res.load_control_runs = self.router.stats["load_control_runs"]
+        for inst in self.insts:
+            res.rounds += inst.rounds
+            res.slots_filled += inst.slots_filled
+            res.busy_s += inst.busy_s
+        return res
+
+    def _arrive(self, spec: ClusterRequestSpec) -> None:
+        blocks = max(1, math.ceil(spec.output_tokens / self.cfg.block_tokens))
+        self.truth[spec.req_id] = _Truth(spec, blocks)
+        st = RequestState(spec.req_id, spec.arrival, spec.arrival + spec.slo_s, spec.prompt_tokens,
+                          spec.output_tokens, self.cfg.block_tokens, spec.priority, full_sequence=True)
+        self.states[spec.req_id] = st
+        inst_id = self.router.add_request(st, self.clock.now())
+        self._enter(st, inst_id)
+
+    def _enter(self, st: RequestState, inst_id: int) -> None:
+        """``st`` joins instance ``inst_id``'s scheduler (arrival or the end of a migration)."""
+        tr = self.truth[st.req_id]
+        tr.next_heavy = st.next_heavy  # a move at a cached step made it a recompute step
+        req = SchedRequest(st.req_id, math.ceil(st.prompt_tokens / self.cfg.block_tokens), tr.blocks,
+                           self.router.remaining_steps(st), arrival=st.arrival, deadline=st.deadline,
+                           priority=st.priority, full_sequence=True)
+        req.blocks_done = tr.block
+        req.rounds_done = tr.steps
+        req.next_kind = StepKind.RECOMPUTE if tr.next_heavy else StepKind.CACHED
+        inst = self.insts[inst_id]
+        inst.sched.add_request(req)
+        if not inst.busy:
+            self._push(self.clock.now(), "kick", inst_id)
+
+    def _start(self, inst: _Inst) -> None:
+        if inst.busy or not inst.sched.has_work():
+            return
+        plan = inst.sched.schedule()
+        states = [self.states[s.req_id] for s in plan.slots]
+        ths = self.router.plan_thresholds(inst.inst_id, states, self.clock.now())
+        comp = []
+        for st in states:
+            seq = st.prompt_tokens + st.output_tokens
+            if self.truth[st.req_id].next_heavy:
+                comp.append(("recompute", seq, 0))
+            else:
+                comp.append(("cached", self.cfg.block_tokens, seq))
+        dt = inst.profile.round_ms(comp) / 1000.0
+        inst.busy = True
+        inst.rounds += 1
+        inst.slots_filled += len(plan.slots)
+        inst.busy_s += dt
+        self._push(self.clock.now() + dt, "done", (inst, plan, states, ths))
+
+    def _done(self, inst: _Inst, plan: RoundPlan, states: list[RequestState], ths: list[float],
+              res: ClusterResult) -> int:
+        index = {t: i for i, t in enumerate(self.cfg.router.thresholds)}
+        outcomes, stepped = [], []
+        finished = 0
+        for slot, st, t in zip(plan.slots, states, ths):
+            tr = self.truth[st.req_id]
+            if not tr.schedule or tr.schedule[-1][1] != t:
+                tr.schedule.append((tr.progress, t))
+            res.threshold_steps[t] += 1
+            tr.steps += 1
+            tr.progress = min(1.0, tr.progress + 1.0 / tr.spec.steps[index[t]])
+            done = tr.progress >= 1.0 - 1e-9
+            block = min(int(tr.progress * tr.blocks + 1e-9), tr.blocks)
+            block_done = block > tr.block
+            tr.block = block
+            tr.next_heavy = block_done
+            st.progress = tr.progress
+            st.blocks_left = tr.blocks - block
+            st.block_progress = tr.progress * tr.blocks - block
+            st.step_in_block = 0 if block_done else st.step_in_block + 1
+            nxt = StepKind.RECOMPUTE if block_done else StepKind.CACHED
+            outcomes.append(StepOutcome(slot.req_id, slot.kind, self.cfg.block_tokens if block_done else 0,
+                                        block_done, done, nxt))
+            stepped.append((st, block_done, done))
+            if done:
+                finished += 1
+                res.finished.append((tr.spec, self.clock.now() - tr.spec.arrival, tr.schedule))
+        inst.sched.update(plan, RoundResult(outcomes))
+        moves = self.router.on_step(inst.inst_id, stepped, self.clock.now())
+        for st, dst in moves:
+            inst.sched.abort(st.req_id)
+            self._push(self.clock.now() + self.router.migration_cost_ms(st) / 1000.0, "migrate", (st, dst))
+        for st, _, done in stepped:
+            if done:
+                del self.truth[st.req_id], self.states[st.req_id]
+                continue
+            req = inst.sched.requests.get(st.req_id)
+            if req is not None:
+                req.est_rounds = self.router.remaining_steps(st)
+                req.key = inst.sched.policy.key(req)
+        inst.busy = False
+        self._start(inst)
+        return finished
+
+
+def summarize(res: ClusterResult, specs: list[ClusterRequestSpec], correct: list[bool]) -> dict:
+    lat = sorted(r[1] for r in res.finished)
+    met = sum(lat_s <= spec.slo_s + 1e-9 for spec, lat_s, _ in res.finished)
+
+    def pct(q: float) -> float:
+        return round(lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else 0.0
+
+    steps = sum(res.threshold_steps.values())
+    return {
+        "requests": len(res.finished),
+        "slo_attainment": round(met / max(len(res.finished), 1), 4),
+        "accuracy": round(sum(correct) / max(len(correct), 1), 4),
+        "mean_latency_s": round(statistics.mean(lat), 3) if lat else 0.0,
+        "p50_latency_s": pct(0.5),
+        "p99_latency_s": pct(0.99),
+        "throughput_rps": round(len(lat) / res.makespan_s, 3) if res.makespan_s else 0.0,
+        "mean_threshold": round(sum(t * n for t, n in res.threshold_steps.items()) / max(steps, 1), 4),
+        "step_share_by_threshold": {f"{t:g}": round(n / max(steps, 1), 4)
+                                    for t, n in sorted(res.threshold_steps.items(), reverse=True)},
+        "rounds": res.rounds,
+        "filled_slots_per_round": round(res.slots_filled / max(res.rounds, 1), 2),
+        "migrations": res.migrations,
+        "load_control_runs": res.load_control_runs,
+        "mean_in_system": round(res.mean_in_system, 2),
+    }

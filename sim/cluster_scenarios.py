@@ -1,0 +1,180 @@
+"""Named cluster scenarios (DiLaServe's evaluation), run by ``remask simulate``.
+
+Requests are LLaDA-8B-shaped: a 256-token output canvas in 8 blocks of 32
+with the approximate KV cache, prompts of ``prompt_scale`` tokens per
+character of a held-out task-suite prompt (~40-280 tokens), and time from
+the ``h200-llada8b`` profile. Their denoising behaviour is real but scaled:
+the embedded ``tiny-bd`` model decodes each held-out prompt at every
+candidate threshold (``sim/threshold_table.py``); a prompt it finishes in R_t
+rounds at threshold t needs ``blocks + steps_scale * (R_t - 1)`` steps here
+(at least one step per block, as a fixed-length LLaDA canvas needs even for
+a short answer padded with EOS; capped at one token per step), and its
+answer is the tiny model's (accuracy is the tiny model's, on its task
+suite, not LLaDA's). This is a stand-in: real LLaDA step counts and answers
+need the GPU issue's model runs.
+
+- ``dilaserve-bench``: 16 TP-1 instances, B = 32 slots, Poisson arrivals at a
+  fixed rate (``--rate``; sweep it by running several rates), SLO per
+  request = 5x its isolated TP-1 latency at threshold 0.9; policies infaas,
+  llumnix, remask.
+- ``dilaserve-ablation``: the same cluster; fixed 0.9, dynamic thresholds
+  without load control, and dynamic + load control.
+- ``*-all-thresholds``: the same with every threshold of 0.5..0.9 a candidate.
+
+Candidate thresholds (DiLaServe 4.1: the administrator's set) are read off
+the model's measured accuracy: those whose held-out accuracy, used for every
+step, is within ``quality_tolerance`` (2) points of threshold 0.9's. For
+tiny-bd that keeps 0.9, 0.8 and 0.7 and drops 0.6 and 0.5, which lose most
+long answers (prose accuracy 0.16 and 0.00).
+
+The prompt mix (``mix``) weights the task categories. The default,
+``long``, mirrors the paper's benchmarks (GSM8K, MMLU-Pro, MBPP with 256-token
+outputs, where every request's step count depends on the threshold): mostly
+long free-form prose; ``uniform`` is the held-out set's own mix, where 60% of
+requests answer in one round whatever the threshold.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+from app.router import RouterConfig
+from engine.profile import load_tp_profiles
+from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterSimulator, summarize
+from sim.threshold_table import ThresholdTable, load_table, replay, step_thresholds
+
+MIXES = {
+    "long": {"prose": 0.7, "lookup": 0.1, "arith": 0.1, "choice": 0.05, "reverse": 0.05},
+    "uniform": {"prose": 0.2, "lookup": 0.2, "arith": 0.2, "choice": 0.2, "reverse": 0.2},
+}
+
+
+@dataclass(frozen=True)
+class ClusterScenario:
+    name: str
+    policies: tuple[str, ...]
+    tp_degrees: tuple[int, ...] = (1,) * 16
+    profile: str = "h200-llada8b"
+    slots: int = 32
+    rate: float = 60.0  # requests per second (default of --rate)
+    slo_factor: float = 5.0
+    output_tokens: int = 256
+    block_tokens: int = 32
+    prompt_scale: int = 4
+    steps_scale: float = 5.0
+    mix: str = "long"
+    model: str = "tiny-bd"
+    table_prompts: int = 400
+    quality_tolerance: float | None = 2.0  # candidates: thresholds within this many accuracy points of 0.9's
+
+
+CLUSTER_SCENARIOS = {
+    "dilaserve-bench": ClusterScenario("dilaserve-bench", ("infaas", "llumnix", "remask")),
+    "dilaserve-ablation": ClusterScenario("dilaserve-ablation",
+                                          ("fixed-threshold", "dynamic-no-load-control", "remask")),
+}
+for _name in list(CLUSTER_SCENARIOS):  # every threshold of 0.5..0.9 a candidate, however much accuracy it costs
+    CLUSTER_SCENARIOS[f"{_name}-all-thresholds"] = replace(CLUSTER_SCENARIOS[_name], name=f"{_name}-all-thresholds",
+                                                           quality_tolerance=None)
+
+
+def candidate_thresholds(table: ThresholdTable, tolerance: float | None) -> tuple[float, ...]:
+    """The admin's candidate set (DiLaServe 4.1), read off the model's measured accuracy: every table
+    threshold whose held-out accuracy, used for every step, is within ``tolerance`` points of the
+    highest threshold's (all of them when ``tolerance`` is None)."""
+    if tolerance is None:
+        return table.thresholds
+    top = table.accuracy(0)
+    return tuple(t for i, t in enumerate(table.thresholds) if table.accuracy(i) >= top - tolerance / 100.0 - 1e-12)
+
+
+def make_specs(sc: ClusterScenario, table: ThresholdTable, n: int, rate: float, seed: int, profiles,
+               thresholds: tuple[float, ...] | None = None) -> list[ClusterRequestSpec]:
+    """n requests drawn from the table by the scenario's mix, Poisson arrivals at ``rate``; their
+    steps and answers are listed for ``thresholds`` (default: the table's), highest first."""
+    cols = [table.thresholds.index(t) for t in (thresholds or table.thresholds)]
+    rng = random.Random(seed)
+    mix = MIXES[sc.mix]
+    by_cat: dict[str, list[int]] = {}
+    for i, c in enumerate(table.categories):
+        by_cat.setdefault(c, []).append(i)
+    cats = [c for c in mix if c in by_cat]
+    blocks = -(-sc.output_tokens // sc.block_tokens)
+    base = profiles[1]
+    specs, t = [], 0.0
+    for k in range(n):
+        t += rng.expovariate(rate)
+        p = rng.choice(by_cat[rng.choices(cats, weights=[mix[c] for c in cats])[0]])
+        steps = tuple(float(min(blocks + sc.steps_scale * (table.rounds[p][c] - 1), sc.output_tokens)) for c in cols)
+        prompt_tokens = max(sc.block_tokens // 2, sc.prompt_scale * len(table.prompts[p]))
+        seq = prompt_tokens + sc.output_tokens
+        isolated_ms = (blocks * base.round_ms([("recompute", seq, 0)])
+                       + (steps[0] - blocks) * base.round_ms([("cached", sc.block_tokens, seq)]))
+        specs.append(ClusterRequestSpec(f"r{k}", p, table.categories[p], t, prompt_tokens, sc.output_tokens, steps,
+                                        tuple(table.correct[p][c] for c in cols), sc.slo_factor * isolated_ms / 1000.0))
+    return specs
+
+
+_REPLAYED: dict[tuple, bool] = {}  # (model, prompt, step thresholds) -> answer right
+
+
+def accuracy_of(table: ThresholdTable, finished, model: str) -> list[bool]:
+    """Per finished request: the table's answer if every model step kept one threshold, else a real
+    replay of the prompt with the router's schedule."""
+    index = {t: i for i, t in enumerate(table.thresholds)}
+    out: list[bool | None] = []
+    jobs: dict[tuple, list[int]] = {}
+    for spec, _lat, schedule in finished:
+        steps = step_thresholds(table, spec.prompt_idx, schedule)
+        key = (model, spec.prompt_idx, steps)
+        if len(set(steps)) == 1:
+            out.append(table.correct[spec.prompt_idx][index[steps[0]]])
+        elif key in _REPLAYED:
+            out.append(_REPLAYED[key])
+        else:
+            jobs.setdefault(key, []).append(len(out))
+            out.append(None)
+    keys = list(jobs)
+    for key, ok in zip(keys, replay(table, [(k[1], k[2]) for k in keys], model)):
+        _REPLAYED[key] = ok
+        for j in jobs[key]:
+            out[j] = ok
+    return [bool(x) for x in out]
+
+
+def get_cluster_scenario(name: str) -> ClusterScenario:
+    try:
+        return CLUSTER_SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown cluster scenario {name!r}; known: {', '.join(sorted(CLUSTER_SCENARIOS))}") from None
+
+
+def run_cluster_scenario(name: str, policies: list[str] | None, n: int, seed: int = 0, rate: float | None = None,
+                         progress: bool = False, **overrides) -> dict:
+    sc = replace(get_cluster_scenario(name), **overrides)
+    rate = sc.rate if rate is None else rate
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    policies = list(policies or sc.policies)
+    from app.router import make_router_policy
+
+    for p in policies:
+        make_router_policy(p)  # fail fast on unknown names
+    table = load_table(sc.model, sc.table_prompts, thresholds=RouterConfig().thresholds, progress=progress)
+    rcfg = RouterConfig(thresholds=candidate_thresholds(table, sc.quality_tolerance))
+    profiles = load_tp_profiles(sc.profile, sorted(set(sc.tp_degrees) | {1}))
+    specs = make_specs(sc, table, n, rate, seed, profiles, rcfg.thresholds)
+    cfg = ClusterConfig(sc.tp_degrees, sc.slots, sc.block_tokens,
+                        sum(s.prompt_tokens + s.output_tokens for s in specs) // max(len(specs), 1), router=rcfg)
+    results = {}
+    for policy in policies:
+        sim = ClusterSimulator(cfg, profiles, policy, seed)
+        res = sim.run(specs)
+        results[policy] = summarize(res, specs, accuracy_of(table, res.finished, sc.model))
+    return {"scenario": name, "requests": n, "seed": seed, "profile": sc.profile,
+            "instances": {f"tp{d}": sc.tp_degrees.count(d) for d in sorted(set(sc.tp_degrees))},
+            "slots": sc.slots, "arrival_rate_rps": rate, "slo_factor": sc.slo_factor, "mix": sc.mix,
+            "candidate_thresholds": list(rcfg.thresholds),
+            "fixed_threshold_accuracy": {f"{t:g}": round(table.accuracy(i), 4) for i, t in enumerate(table.thresholds)},
+            "policies": results}

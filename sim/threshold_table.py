@@ -1,0 +1,151 @@
+"""Real per-threshold behaviour of an embedded model on held-out prompts.
+
+``build_table`` decodes held-out task-suite prompts with the embedded model
+(``tiny-bd`` by default) once per candidate threshold and records, per
+prompt and threshold, the denoising rounds it needed and whether its answer
+was right. The table is cached as JSON (``$REMASK_CACHE_DIR`` or
+``~/.cache/remask``), keyed by the model's weights, the prompt set and the
+thresholds, so a run builds it once (400 prompts x 5 thresholds: ~30 s on
+one CPU core).
+
+``replay`` decodes prompts again with a threshold that changes from step to
+step, as the router chose it (``step_thresholds`` maps a schedule over
+progress to the model's own steps): that is how mixed-threshold requests of
+the cluster simulator get real answers (see sim/cluster.py). Results are
+memoised per process, so policies that made the same choices share them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+THRESHOLDS = (0.9, 0.8, 0.7, 0.6, 0.5)
+
+
+@dataclass(frozen=True)
+class ThresholdTable:
+    model: str
+    thresholds: tuple[float, ...]  # highest first
+    prompts: tuple[str, ...]
+    categories: tuple[str, ...]
+    rounds: tuple[tuple[int, ...], ...]  # [prompt][threshold]
+    correct: tuple[tuple[bool, ...], ...]  # [prompt][threshold]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def accuracy(self, ti: int) -> float:
+        return sum(c[ti] for c in self.correct) / len(self.correct)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "thresholds": self.thresholds, "prompts": self.prompts,
+                "categories": self.categories, "rounds": self.rounds, "correct": self.correct}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ThresholdTable:
+        return cls(d["model"], tuple(d["thresholds"]), tuple(d["prompts"]), tuple(d["categories"]),
+                   tuple(tuple(r) for r in d["rounds"]), tuple(tuple(bool(x) for x in c) for c in d["correct"]))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("REMASK_CACHE_DIR") or Path.home() / ".cache" / "remask")
+
+
+def _key(model: str, n: int, seed: int, thresholds: tuple[float, ...]) -> str:
+    from engine.loading import resolve_model
+
+    path = resolve_model(model)
+    h = hashlib.sha256(f"{model}|{n}|{seed}|{thresholds}|v1".encode())
+    for f in sorted(path.glob("*")):
+        h.update(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def load_table(model: str = "tiny-bd", n: int = 400, seed: int = 2026,
+               thresholds: tuple[float, ...] = THRESHOLDS, progress: bool = False) -> ThresholdTable:
+    """The cached table, built on first use."""
+    path = cache_dir() / f"threshold-table-{model}-{_key(model, n, seed, thresholds)}.json"
+    if path.exists():
+        try:
+            return ThresholdTable.from_dict(json.loads(path.read_text()))
+        except (KeyError, TypeError, ValueError):
+            pass  # rebuild a corrupt cache file
+    table = build_table(model, n, seed, thresholds, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table.to_dict()))
+    tmp.replace(path)
+    return table
+
+
+def build_table(model: str, n: int, seed: int, thresholds: tuple[float, ...], progress: bool = False) -> ThresholdTable:
+    from engine import tasks
+    from engine.loading import load_engine
+    from engine.sequence import SamplingParams
+
+    engine = load_engine(model, max_slots=64)
+    examples = tasks.heldout_set(n, seed)
+    rounds, correct = [[] for _ in examples], [[] for _ in examples]
+    for t in thresholds:
+        outs = engine.generate([e.prompt for e in examples], SamplingParams(threshold=t), progress=progress)
+        for i, (ex, out) in enumerate(zip(examples, outs)):
+            rounds[i].append(out.rounds)
+            correct[i].append(ex.check(out.text))
+    return ThresholdTable(model, tuple(thresholds), tuple(e.prompt for e in examples),
+                          tuple(e.category for e in examples), tuple(tuple(r) for r in rounds),
+                          tuple(tuple(c) for c in correct))
+
+
+def threshold_at(schedule: list[tuple[float, float]], progress: float) -> float:
+    """The threshold a schedule [(progress at which it starts, threshold), ...] uses at ``progress``."""
+    t = schedule[0][1]
+    for start, th in schedule:
+        if start > progress + 1e-9:
+            break
+        t = th
+    return t
+
+
+def step_thresholds(table: ThresholdTable, p: int, schedule: list[tuple[float, float]]) -> tuple[float, ...]:
+    """The threshold of each decoding step of prompt ``p`` under ``schedule`` (a schedule over progress,
+    [(progress at which it starts, threshold), ...]): a step at threshold t advances progress by
+    1 / (the prompt's rounds at t). After the last entry the last threshold repeats. Deterministic, so
+    schedules that give the same step sequence give the same answer."""
+    index = {t: i for i, t in enumerate(table.thresholds)}
+    out, f = [], 0.0
+    while f < 1.0 - 1e-9 and len(out) < 4 * max(table.rounds[p]) + 8:
+        t = threshold_at(schedule, f)
+        out.append(t)
+        f += 1.0 / max(table.rounds[p][index[t]], 1)
+    return tuple(out)
+
+
+def replay(table: ThresholdTable, jobs: list[tuple[int, tuple[float, ...]]], model: str | None = None,
+           max_slots: int = 128) -> list[bool]:
+    """Decode prompt ``jobs[k][0]`` of the table with threshold ``jobs[k][1][i]`` at its i-th decoding
+    step (the last one repeating); returns whether each answer is right."""
+    from engine import tasks
+    from engine.loading import load_engine
+    from engine.sequence import SamplingParams
+
+    if not jobs:
+        return []
+    engine = load_engine(model or table.model, max_slots=max_slots)
+    live, done = [], {}
+    for k, (p, steps) in enumerate(jobs):
+        live.append((k, p, steps, engine.add_request(table.prompts[p], SamplingParams(threshold=steps[0]))))
+    while live:
+        batch = live[:max_slots]
+        for _k, _p, steps, seq in batch:
+            seq.threshold = steps[min(seq.rounds, len(steps) - 1)]
+        engine.step([seq for *_, seq in batch])
+        for k, p, _steps, seq in batch:
+            if seq.finished:
+                done[k] = tasks.check(table.categories[p], table.prompts[p], engine.output(seq).text)
+                engine.sequences.pop(seq.seq_id, None)
+        live = [x for x in live if not x[3].finished]
+    return [done[k] for k in range(len(jobs))]
