@@ -100,15 +100,36 @@ def cmd_generate(args) -> int:
             return 0
 
 
+def _simulate_cluster(args) -> int:
+    from sim.cluster_scenarios import run_cluster_scenario
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
+    report = run_cluster_scenario(args.scenario, policies, args.requests or 2000, args.seed, args.rate,
+                                  progress=not args.quiet)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"scenario {report['scenario']}: {report['requests']} requests at {report['arrival_rate_rps']} req/s, "
+          f"seed {report['seed']}, candidate thresholds {report['candidate_thresholds']}")
+    for name, r in report["policies"].items():
+        print(f"  {name:24s} SLO attainment {r['slo_attainment']:.3f}  accuracy {r['accuracy']:.4f}  "
+              f"mean {r['mean_latency_s']:7.2f}s  p99 {r['p99_latency_s']:7.2f}s  "
+              f"mean threshold {r['mean_threshold']:.3f}  migrations {r['migrations']}")
+    return 0
+
+
 def cmd_simulate(args) -> int:
+    from sim.cluster_scenarios import CLUSTER_SCENARIOS
     from sim.scenarios import run_scenario, speedups
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.scenario in CLUSTER_SCENARIOS:
+        return _simulate_cluster(args)
+    policies = [p.strip() for p in (args.policies or "fcfs-prefill-first,dwise,oracle").split(",") if p.strip()]
     from engine.policies import make_policy
 
     for p in policies:
         make_policy(p)  # fail fast on unknown names
-    report = run_scenario(args.scenario, policies, args.requests, args.seed, progress=not args.quiet)
+    report = run_scenario(args.scenario, policies, args.requests or 4096, args.seed, progress=not args.quiet)
     report["speedup_vs_" + policies[0]] = speedups(report, policies[0])
     if args.json:
         print(json.dumps(report))
@@ -125,9 +146,19 @@ def cmd_simulate(args) -> int:
 def cmd_bench(args) -> int:
     from app.bench import bench_scheduler
 
+    if args.what == "router":
+        from app.router.bench import bench_router
+
+        res = bench_router(args.instances, args.active, args.events, args.slots or 32, args.router_policy,
+                           seed=args.seed)
+        print(json.dumps(res) if args.json else
+              f"router ({res['policy']}, {res['instances']} instances, {res['requests']} active requests): median "
+              f"{res['median_ms_per_event']} ms per step event (p99 {res['p99_ms_per_event']}, mean "
+              f"{res['mean_ms_per_event']}) over {res['events']} events")
+        return 0
     if args.what != "scheduler":
-        raise ValueError(f"unknown benchmark {args.what!r}; known: scheduler")
-    result = bench_scheduler(args.slots, args.resident, args.rounds, args.policy, args.seed)
+        raise ValueError(f"unknown benchmark {args.what!r}; known: scheduler, router")
+    result = bench_scheduler(args.slots or 128, args.resident, args.rounds, args.policy, args.seed)
     print(json.dumps(result) if args.json else
           f"{args.policy}: median {result['median_ms_per_round']:.3f} ms per round "
           f"(p99 {result['p99_ms_per_round']:.3f} ms) over {result['rounds']} rounds")
@@ -185,10 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("simulate", help="virtual-time simulation of one instance under several policies")
+    s = sub.add_parser("simulate", help="virtual-time simulation of one instance (or a cluster: dilaserve-*) "
+                       "under several policies")
     s.add_argument("--scenario", default="dwise-burst-poisson")
-    s.add_argument("--policies", default="fcfs-prefill-first,dwise,oracle")
-    s.add_argument("--requests", type=int, default=4096)
+    s.add_argument("--policies", help="comma-separated (default: fcfs-prefill-first,dwise,oracle; a cluster "
+                   "scenario's own list for dilaserve-*)")
+    s.add_argument("--requests", type=int, help="default 4096 (cluster scenarios: 2000)")
+    s.add_argument("--rate", type=float, help="cluster scenarios: arrival rate, requests per second")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true")
@@ -198,8 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     planner_parsers(sub)  # remask plan
 
     b = sub.add_parser("bench", help="benchmarks that print measured numbers")
-    b.add_argument("what", choices=["scheduler"])
-    b.add_argument("--slots", type=int, default=128)
+    b.add_argument("what", choices=["scheduler", "router"])
+    b.add_argument("--slots", type=int, help="scheduler: default 128; router: slots per instance, default 32")
+    b.add_argument("--instances", type=int, default=16, help="router: TP-1 instances")
+    b.add_argument("--active", type=int, default=1000, help="router: active requests")
+    b.add_argument("--events", type=int, default=5000, help="router: step events measured")
+    b.add_argument("--router-policy", default="remask", help="router: policy")
     b.add_argument("--resident", type=int, default=1024)
     b.add_argument("--rounds", type=int, default=500)
     b.add_argument("--policy", default="dwise")

@@ -47,7 +47,10 @@ def get_scenario(name: str) -> Scenario:
     try:
         return SCENARIOS[name]
     except KeyError:
-        raise ValueError(f"unknown scenario {name!r}; known: {', '.join(sorted(SCENARIOS))}") from None
+        from sim.cluster_scenarios import CLUSTER_SCENARIOS
+
+        known = ", ".join(sorted([*SCENARIOS, *CLUSTER_SCENARIOS]))
+        raise ValueError(f"unknown scenario {name!r}; known: {known}") from None
 
 
 def _model_specs(sc: Scenario, n: int, seed: int, progress: bool):
@@ -71,7 +74,12 @@ def _model_specs(sc: Scenario, n: int, seed: int, progress: bool):
     return specs
 
 
-def run_scenario(name: str, policies: list[str], n: int, seed: int = 0, progress: bool = False) -> dict:
+def run_scenario(name: str, policies: list[str], n: int, seed: int = 0, progress: bool = False,
+                 rate: float | None = None) -> dict:
+    from sim.cluster_scenarios import CLUSTER_SCENARIOS, run_cluster_scenario
+
+    if name in CLUSTER_SCENARIOS:  # N instances behind the cluster router (sim/cluster.py)
+        return run_cluster_scenario(name, policies, n, seed, rate, progress)
     sc = get_scenario(name)
     profile = load_profile(sc.profile)
     specs = dwise_workload(n, seed) if sc.workload == "dwise" else _model_specs(sc, n, seed, progress)

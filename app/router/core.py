@@ -107,15 +107,19 @@ class Router:
                 r.threshold = t
             return [t] * len(reqs)
         inst = self.by_id[inst_id]
-        lat = self.latency
-        step_ms = lat.round_ms(inst.tp, inst.n_heavy, inst.n_light)
-        extra = (lat.round_ms(inst.tp, inst.n_heavy + 1, inst.n_light)
-                 - lat.round_ms(inst.tp, inst.n_heavy, inst.n_light + 1))
-        extra = extra if extra > 0.0 else 0.0
+        lat, tp, nh, nl = self.latency, inst.tp, inst.n_heavy, inst.n_light
+        # the instance's step latency with the request taking a cached step, and what a recompute step adds;
+        # the instance's counts hold the request at its next step's kind
+        now_ms = lat.round_ms(tp, nh, nl)
+        if_heavy = (lat.round_ms(tp, nh - 1, nl + 1), now_ms) if nh else (now_ms, now_ms)
+        if_light = (now_ms, lat.round_ms(tp, nh + 1, nl - 1)) if nl else (now_ms, now_ms)
         out = []
+        capped = self.policy.load_control
         for r in reqs:
-            cap = r.cap if self.policy.load_control else 0
-            i = choose_threshold(r.est, cap, (r.deadline - now) * 1000.0, step_ms, r.heavy_left * extra)
+            light_ms, heavy_ms = if_heavy if r.next_heavy else if_light
+            extra = heavy_ms - light_ms
+            i = choose_threshold(r.est, r.cap if capped else 0, (r.deadline - now) * 1000.0, light_ms,
+                                 r.heavy_left * (extra if extra > 0.0 else 0.0))
             r.threshold = ts[i]
             out.append(ts[i])
         return out
@@ -180,13 +184,14 @@ class Router:
         The window is the mean (or min) of what is left of the active requests' SLOs: the remaining
         work must fit the time left for it. (Whole SLOs, ``capacity_window='slo'``, the paper's
         wording, admit about twice the backlog: requests are on average half-way through.)"""
-        reqs = self.requests.values()
+        reqs = list(self.requests.values())
         if not reqs:
             return 0.0
         if self.cfg.capacity_window == "slo":
             slos = [r.deadline - r.arrival for r in reqs]
         else:
-            slos = [max(r.deadline - now, 0.0) for r in reqs]
+            slos = [r.deadline - now for r in reqs]
+            slos = [x if x > 0.0 else 0.0 for x in slos]
         slacks = [r.slack for r in reqs]
         if self.cfg.capacity_slo == "min":
             window_s, slack = min(slos), min(slacks)

@@ -72,18 +72,21 @@ class FixedThresholdPolicy(RouterPolicy):
     def migrations(self, router, src, stepped):
         out = []
         cfg = router.cfg
+        dst = None
         for req in stepped:
             if not can_migrate_free(req):
                 continue
-            dst, lat = best_instance(router.latency, router.instances, True, exclude=src.inst_id)
-            if dst is None:
-                break
+            if dst is None:  # the best target, found once per event and again after each move
+                dst, lat = best_instance(router.latency, router.instances, True, exclude=src.inst_id)
+                if dst is None:
+                    break
             steps_ahead = req.est[req.cap] / max(req.blocks_left, 1) if req.est else 1.0
             gain = migration_gain_ms(router.latency, req, src, lat * (1.0 + cfg.migration_margin), steps_ahead)
             # the move costs its transfer and, on average, half a round of waiting for the target's round
             if gain > router.migration_cost_ms(req) + 0.5 * lat:
                 out.append((req, dst))
                 router.move(req, src, dst)  # later decisions of this event see the new loads
+                dst = None
         return out
 
 

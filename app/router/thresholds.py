@@ -54,12 +54,12 @@ def load_control(ordered: Sequence[RequestState], capacity: float, heavy_cost: f
     if not ordered:
         return capacity
     last = len(ordered[0].est) - 1
-    lows = [request_load(r, last, heavy_cost, light_cost) for r in ordered]
+    heavy = [r.heavy_left for r in ordered]
+    lows = [h * heavy_cost + max(r.est[last] - h, 0.0) * light_cost for r, h in zip(ordered, heavy)]
     headroom = capacity - sum(lows)  # capacity - committed - (this and the rest at the lowest)
-    for r, low in zip(ordered, lows):
+    for r, h, low in zip(ordered, heavy, lows):
         cap = last
         if headroom > 0.0:
-            h = r.heavy_left
             base = h * heavy_cost - low
             for i in range(last):
                 light = r.est[i] - h

@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+
+from app.cli import main
+from app.router import RouterConfig
+from engine.profile import load_tp_profiles
+from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterSimulator, summarize
+
+TS = (0.9, 0.8, 0.7, 0.6, 0.5)
+
+
+def synthetic(n: int, rate: float, seed: int = 0, slo_factor: float = 5.0) -> list[ClusterRequestSpec]:
+    """Requests whose steps fall with the threshold (x1 .. x0.6); SLO = slo_factor x isolated TP-1 latency."""
+    rng = random.Random(seed)
+    prof = load_tp_profiles("h200-llada8b", [1])[1]
+    specs, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        s = rng.choice([8.0, 8.0, 40.0, 120.0, 200.0])
+        steps = tuple(max(8.0, round(s * f)) for f in (1.0, 0.9, 0.8, 0.7, 0.6))
+        iso = 8 * prof.round_ms([("recompute", 396, 0)]) + (steps[0] - 8) * prof.round_ms([("cached", 32, 396)])
+        specs.append(ClusterRequestSpec(f"r{i}", 0, "prose", t, 140, 256, steps, (True,) * 5,
+                                        slo_factor * iso / 1000.0))
+    return specs
+
+
+def run(policy: str, specs, tps=(1, 1, 2, 4)):
+    cfg = ClusterConfig(tuple(tps), slots=16, router=RouterConfig(thresholds=TS))
+    sim = ClusterSimulator(cfg, load_tp_profiles("h200-llada8b", sorted(set(tps))), policy, seed=1)
+    return sim.run(specs)
+
+
+@pytest.mark.parametrize("policy", ["remask", "infaas", "llumnix"])
+def test_cluster_sim_conserves_requests_and_obeys_littles_law(policy):
+    specs = synthetic(400, rate=25.0)
+    res = run(policy, specs)
+    assert sorted(s.req_id for s, _, _ in res.finished) == sorted(s.req_id for s in specs)
+    lat = [x[1] for x in res.finished]
+    assert min(lat) > 0
+    throughput = len(lat) / res.makespan_s
+    little = throughput * sum(lat) / len(lat)  # L = lambda W
+    assert res.mean_in_system == pytest.approx(little, rel=0.1)
+    out = summarize(res, specs, [True] * len(lat))
+    assert out["requests"] == 400 and 0.0 <= out["slo_attainment"] <= 1.0 and out["accuracy"] == 1.0
+    if policy != "remask":
+        assert out["step_share_by_threshold"] == {"0.9": 1.0}
+
+
+def test_dynamic_thresholds_beat_fixed_under_overload_and_load_control_caps():
+    specs = synthetic(500, rate=27.0, seed=2)
+    got = {p: summarize(run(p, specs, (1, 1, 1, 1)), specs, [True] * len(specs))
+           for p in ("fixed-threshold", "dynamic-no-load-control", "remask")}
+    fixed, dynamic, full = got["fixed-threshold"], got["dynamic-no-load-control"], got["remask"]
+    assert fixed["slo_attainment"] < 0.6  # overloaded at 0.9
+    assert dynamic["slo_attainment"] > fixed["slo_attainment"] + 0.1
+    assert dynamic["mean_threshold"] < 0.9 and full["load_control_runs"] > 0
+    assert full["mean_threshold"] <= dynamic["mean_threshold"]  # the caps hold thresholds down
+
+
+@pytest.fixture(scope="module")
+def small_table(tmp_path_factory):
+    import os
+
+    from sim.threshold_table import load_table
+
+    old = os.environ.get("REMASK_CACHE_DIR")
+    os.environ["REMASK_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        yield load_table("tiny-bd", n=10, thresholds=TS)
+    finally:
+        if old is None:
+            os.environ.pop("REMASK_CACHE_DIR", None)
+        else:
+            os.environ["REMASK_CACHE_DIR"] = old
+
+
+def test_replay_with_one_threshold_matches_the_table(small_table):
+    from sim.threshold_table import replay, step_thresholds
+
+    tab = small_table
+    assert len(tab) == 10 and len(tab.rounds[0]) == len(TS)
+    jobs = []
+    for p in range(len(tab)):
+        for ti in (0, 4):
+            steps = step_thresholds(tab, p, [(0.0, TS[ti])])
+            assert len(steps) == max(tab.rounds[p][ti], 1) and set(steps) == {TS[ti]}
+            jobs.append((p, steps))
+    got = replay(tab, jobs)
+    assert got == [tab.correct[p][ti] for p in range(len(tab)) for ti in (0, 4)]
+    mixed = step_thresholds(tab, 0, [(0.0, 0.9), (0.5, 0.5)])
+    assert mixed[0] == 0.9 and (len(mixed) == 1 or mixed[-1] in (0.9, 0.5))
+
+
+def test_simulate_cli_runs_a_cluster_scenario(small_table, monkeypatch, capsys):
+    import sim.cluster_scenarios as cs
+
+    sc = replace(cs.CLUSTER_SCENARIOS["dilaserve-bench"], table_prompts=10, tp_degrees=(1, 1, 1, 1))
+    monkeypatch.setitem(cs.CLUSTER_SCENARIOS, "dilaserve-bench", sc)
+    assert main(["simulate", "--scenario", "dilaserve-bench", "--policies", "infaas,llumnix,remask", "--rate", "20",
+                 "--requests", "60", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["scenario"] == "dilaserve-bench" and out["requests"] == 60 and out["arrival_rate_rps"] == 20.0
+    assert set(out["policies"]) == {"infaas", "llumnix", "remask"}
+    for v in out["policies"].values():
+        assert v["requests"] == 60 and 0.0 <= v["slo_attainment"] <= 1.0 and 0.0 <= v["accuracy"] <= 1.0
+    assert out["candidate_thresholds"][0] == 0.9
+    assert main(["simulate", "--scenario", "dilaserve-bench", "--policies", "nope", "--requests", "5",
+                 "--quiet"]) == 2

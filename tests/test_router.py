@@ -1,0 +1,185 @@
+from __future__ import annotations
+
+import pytest
+
+from app.router import (
+    FeatureStepEstimator,
+    RequestState,
+    Router,
+    RouterConfig,
+    StepShape,
+    TableStepEstimator,
+    TpLatencyModel,
+    make_router_policy,
+)
+from app.router.estimator import STEP_FEATURES
+from app.router.placement import best_instance
+from app.router.thresholds import choose_threshold, load_control
+from engine.profile import load_tp_profiles
+
+TS = (0.9, 0.8, 0.7, 0.6, 0.5)
+
+
+def latency(degrees=(1, 2, 4), slots=16) -> TpLatencyModel:
+    return TpLatencyModel(load_tp_profiles("h200-llada8b", list(degrees)), slots, StepShape(32, 396))
+
+
+def make_router(policy="remask", tps=(1, 1), totals=None, **cfg) -> Router:
+    totals = totals if totals is not None else {}
+    est = TableStepEstimator(TS, lambda s: totals[s.req_id], sigma=0.0)
+    return Router(policy, latency(tuple(sorted(set(tps)))), est, list(enumerate(tps)), RouterConfig(**cfg))
+
+
+def req(rid, arrival=0.0, slo=10.0, priority=0, **kw) -> RequestState:
+    return RequestState(rid, arrival, arrival + slo, 140, 256, priority=priority, **kw)
+
+
+def test_alg1_highest_fitting_threshold_else_lowest():
+    est = [100.0, 80.0, 60.0, 40.0, 30.0]  # remaining steps at 0.9 .. 0.5
+    assert choose_threshold(est, 0, budget_ms=1000.0, step_ms=10.0) == 0  # 1000 ms fits at 0.9
+    assert choose_threshold(est, 0, budget_ms=700.0, step_ms=10.0) == 2  # 0.9 and 0.8 do not fit, 0.7 does
+    assert choose_threshold(est, 0, budget_ms=100.0, step_ms=10.0) == 4  # none fits: the lowest
+    assert choose_threshold(est, 3, budget_ms=1000.0, step_ms=10.0) == 3  # capped by load control
+    # recompute steps counted on top: 0.9 would fit on cached-step latency alone but not with them
+    assert choose_threshold(est, 0, budget_ms=1000.0, step_ms=10.0, heavy_extra_ms=50.0) == 1
+
+
+def test_alg2_drops_thresholds_under_overload_in_priority_order():
+    reqs = [req(f"r{i}", arrival=float(i)) for i in range(4)]
+    for r in reqs:
+        r.est = [100.0, 80.0, 60.0, 50.0, 40.0]
+        r.next_heavy, r.blocks_left = False, 1  # no recompute steps left: load = cached steps x cost
+    assert load_control(reqs, capacity=1000.0, heavy_cost=0.0, light_cost=1.0) > 0
+    assert [r.cap for r in reqs] == [0, 0, 0, 0]  # no overload: every threshold allowed
+    # capacity 300: the lowest for all needs 160; the first arrivals take what is left, highest first
+    load_control(reqs, capacity=300.0, heavy_cost=0.0, light_cost=1.0)
+    assert [r.cap for r in reqs] == [0, 0, 2, 4]  # headroom 140: +60, +60, then +20 (0.7) fits, then none
+    load_control(reqs, capacity=230.0, heavy_cost=0.0, light_cost=1.0)
+    assert [r.cap for r in reqs] == [0, 3, 4, 4]  # headroom 70: +60, then 0.6's +10, then the lowest only
+    load_control(reqs, capacity=100.0, heavy_cost=0.0, light_cost=1.0)
+    assert [r.cap for r in reqs] == [4, 4, 4, 4]  # overloaded: only the lowest threshold
+    # priorities: the router walks higher priority first, whatever the arrival order
+    totals = {f"p{i}": (200.0, 160.0, 120.0, 100.0, 80.0) for i in range(3)}
+    router = make_router(totals=totals, load_control_interval_s=0.0, capacity_util=1e-3)
+    for i, prio in enumerate((0, 0, 5)):
+        router.add_request(req(f"p{i}", arrival=0.01 * i, priority=prio), now=0.01 * i)
+    router._control(1.0)
+    caps = {r.req_id: r.cap for r in router.requests.values()}
+    assert caps["p2"] <= caps["p0"] and caps["p2"] <= caps["p1"]
+    assert [r.req_id for r in router._order][0] == "p2"
+
+
+def test_alg3_lowest_latency_instance_prefers_high_tp_at_low_load():
+    router = make_router("remask", tps=(1, 1, 4), totals={})
+    lat = router.latency
+    best, ms = best_instance(lat, router.instances)
+    assert best.tp == 4 and ms == pytest.approx(lat.round_ms(4, 1, 0))
+    router.instances[2].n_light = 40  # the TP-4 instance is busy now
+    best, _ = best_instance(lat, router.instances)
+    assert best.tp == 1
+    router.instances[0].n_light = 3
+    assert best_instance(lat, router.instances)[0].inst_id == 1  # the emptier TP-1 instance
+
+
+def test_latency_model_tables_tp_scaling_and_time_sharing():
+    lat = latency(slots=8)
+    prof = load_tp_profiles("h200-llada8b", [1])[1]
+    assert lat.round_ms(1, 0, 4) == pytest.approx(prof.round_ms([("cached", 32, 396)] * 4), rel=1e-6)
+    assert lat.round_ms(1, 2, 0) == pytest.approx(prof.round_ms([("recompute", 396, 0)] * 2), rel=1e-6)
+    assert lat.round_ms(2, 0, 4) == pytest.approx(0.75 * lat.round_ms(1, 0, 4))
+    assert lat.round_ms(4, 0, 4) == pytest.approx(0.45 * lat.round_ms(1, 0, 4))
+    assert lat.round_ms(1, 0, 16) == pytest.approx(2 * lat.round_ms(1, 0, 8))  # 16 requests share 8 slots
+    assert lat.step_ms(1, 4, "recompute") > lat.step_ms(1, 4, "cached")
+
+
+def _remask_with_imbalance(next_heavy: bool):
+    totals = {f"r{i}": (60.0, 50.0, 40.0, 30.0, 20.0) for i in range(12)}
+    router = make_router("remask", tps=(1, 1), totals=totals)
+    for i in range(12):
+        r = req(f"r{i}")
+        router.requests[r.req_id] = r
+        r.est = list(totals[r.req_id])
+        router.instances[0].add(r)  # all on instance 0, instance 1 idle
+    target = router.requests["r0"]
+    return router, [(target, next_heavy, False)]
+
+
+def test_migration_only_at_recompute_steps():
+    router, stepped = _remask_with_imbalance(next_heavy=False)
+    assert router.on_step(0, stepped, now=0.1) == []  # a cached step: moving would cost a recompute
+    router, stepped = _remask_with_imbalance(next_heavy=True)
+    moves = router.on_step(0, stepped, now=0.1)
+    assert [(r.req_id, dst) for r, dst in moves] == [("r0", 1)]
+    assert "r0" in router.instances[1].requests and "r0" not in router.instances[0].requests
+
+
+def test_baseline_dispatch_rules_and_llumnix_migration():
+    totals = {f"r{i}": (60.0, 50.0, 40.0, 30.0, 20.0) for i in range(8)}
+    infaas = make_router("infaas", tps=(1, 1, 1), totals=totals)
+    infaas.instances[0].tokens, infaas.instances[1].tokens, infaas.instances[2].tokens = 900, 300, 600
+    assert infaas.add_request(req("r0"), 0.0) == 1  # fewest outstanding tokens
+    assert infaas.plan_thresholds(1, [infaas.requests["r0"]], 0.0) == [0.9]  # fixed threshold
+    llumnix = make_router("llumnix", tps=(1, 1), totals=totals)
+    placed = [llumnix.add_request(req(f"r{i}", arrival=0.01 * i), 0.01 * i) for i in range(4)]
+    assert sorted(placed) == [0, 0, 1, 1]  # freest instance each time: they alternate
+    for i in range(4, 8):  # pile up on instance 0 behind the policy's back
+        r = req(f"r{i}", arrival=0.1 * i)
+        llumnix.requests[r.req_id] = r
+        r.est = list(totals[r.req_id])
+        llumnix.instances[0].add(r)
+    stepped = [(llumnix.requests[r], False, False) for r in sorted(llumnix.instances[0].requests)]
+    moves = llumnix.on_step(0, stepped, now=1.0)
+    assert len(moves) == 1 and moves[0][1] == 1 and moves[0][0].req_id == "r7"  # the newest moves
+    assert moves[0][0].next_heavy  # no KV travels: it recomputes on the target
+
+
+def test_dynamic_policy_lowers_threshold_when_late_fixed_does_not():
+    totals = {"a": (100.0, 80.0, 60.0, 50.0, 40.0)}
+    for name, expect in (("dynamic-no-load-control", 0.7), ("fixed-threshold", 0.9)):
+        router = make_router(name, tps=(1,), totals=dict(totals))
+        r = req("a", slo=100.0)
+        router.add_request(r, 0.0)
+        step = router.latency.round_ms(1, 1, 0)
+        r.deadline = (8 * step + 55 * router.latency.round_ms(1, 0, 1)) / 1000.0  # fits 60 steps, not 80
+        assert router.plan_thresholds(0, [r], 0.0) == [expect]
+
+
+def test_registry_and_config_errors():
+    for name in ("remask", "infaas", "llumnix", "fixed-threshold", "dynamic-no-load-control"):
+        assert make_router_policy(name).name == name
+    with pytest.raises(ValueError, match="known: .*infaas.*remask"):
+        make_router_policy("nope")
+    with pytest.raises(ValueError):
+        RouterConfig(thresholds=(0.5, 0.9))
+    router = make_router(totals={"x": TS})
+    router.add_request(req("x"), 0.0)
+    with pytest.raises(ValueError, match="duplicate"):
+        router.add_request(req("x"), 0.0)
+    with pytest.raises(ValueError, match="candidate thresholds"):
+        Router("remask", latency(), TableStepEstimator((0.9, 0.5), lambda s: (1.0, 1.0)), [(0, 1)])
+
+
+def test_feature_estimator_asks_every_threshold_with_11_features():
+    seen = []
+
+    class Model:
+        def predict(self, rows):
+            seen.extend(rows)
+            return [100.0 * row[0] * (1.0 - row[2]) for row in rows]
+
+    est = FeatureStepEstimator(Model(), TS)
+    s = req("a")
+    s.progress, s.conf_stats = 0.5, (0.1, 0.2, 0.3, 0.4, 0.5)
+    (row,) = est.predict([s])
+    assert len(seen) == len(TS) and all(len(r) == len(STEP_FEATURES) == 11 for r in seen)
+    assert [r[0] for r in seen] == list(TS) and seen[0][6:] == [0.1, 0.2, 0.3, 0.4, 0.5]
+    assert row == pytest.approx([45.0, 40.0, 35.0, 30.0, 25.0])
+
+
+def test_bench_router_reports_cost_per_event():
+    from app.router.bench import bench_router
+
+    out = bench_router(instances=4, requests=100, events=200, slots=16)
+    assert out["requests"] == 100 and out["events"] == 200
+    assert 0 < out["median_ms_per_event"] <= out["p99_ms_per_event"]
+    assert out["load_control_runs"] > 0
