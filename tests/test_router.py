@@ -167,7 +167,7 @@ def test_feature_estimator_asks_every_threshold_with_11_features():
             seen.extend(rows)
             return [100.0 * row[0] * (1.0 - row[2]) for row in rows]
 
-    est = FeatureStepEstimator(Model(), TS)
+    est = FeatureStepEstimator(Model().predict, TS)
     s = req("a")
     s.progress, s.conf_stats = 0.5, (0.1, 0.2, 0.3, 0.4, 0.5)
     (row,) = est.predict([s])
@@ -183,3 +183,24 @@ def test_bench_router_reports_cost_per_event():
     assert out["requests"] == 100 and out["events"] == 200
     assert 0 < out["median_ms_per_event"] <= out["p99_ms_per_event"]
     assert out["load_control_runs"] > 0
+
+
+def test_estimates_count_down_between_predictor_updates():
+    calls = []
+
+    class Model:
+        def predict(self, rows):
+            calls.append(len(rows))
+            return [100.0 * row[0] for row in rows]
+
+    est = FeatureStepEstimator(Model().predict, TS)
+    router = Router("remask", latency((1,)), est, [(0, 1)], RouterConfig(estimate_every=4))
+    r = req("a")
+    router.add_request(r, 0.0)
+    router.plan_thresholds(0, [r], 0.0)
+    assert r.threshold == 0.9 and r.est[0] == pytest.approx(90.0)
+    router.on_step(0, [(r, False, False)], 0.01)  # step 1 of 4: counted down, no model call
+    assert len(calls) == 1 and r.est[0] == pytest.approx(89.0) and r.est[4] == pytest.approx(50.0 - 50.0 / 90.0)
+    for k in range(3):
+        router.on_step(0, [(r, False, False)], 0.02 + k)
+    assert len(calls) == 2 and r.est[0] == pytest.approx(90.0)  # the fourth step asked the model again

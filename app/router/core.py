@@ -142,6 +142,10 @@ class Router:
             live.append(req)
             if every == 1 or req.steps_done % every == 0 or heavy:
                 refresh.append(req)
+            elif req.est and req.threshold is not None:  # count down: one step at t is est[k] / est[t] at k
+                cur = req.est[self._index(req.threshold)]
+                if cur > 1.0:
+                    req.est = [e - e / cur if e > 1.0 else e for e in req.est]
         if refresh:
             for req, row in zip(refresh, self.estimator.predict(refresh)):
                 req.est = row

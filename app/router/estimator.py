@@ -23,10 +23,14 @@ Two implementations:
   it predicts ``(1 - progress) x total`` times a per-request log-normal error
   that shrinks as progress grows (online updates with progress and
   confidence features are what cut the paper's error).
-- ``FeatureStepEstimator``: wraps any model with ``predict(rows) -> values``
-  over the 11 scalar step features (``STEP_FEATURES`` below, threshold first),
-  e.g. the GBM of ``predictors/step.py``; one state row is asked about every
-  threshold by overwriting the threshold column.
+- ``FeatureStepEstimator``: wraps any function ``predict(rows) -> values``
+  over rows of the 11 scalar step features (``STEP_FEATURES`` below, the same
+  order as ``predictors.features.STEP_FEATURES``, threshold first); one state
+  row is asked about every threshold by overwriting the threshold column.
+  The GBM plugs in as
+  ``FeatureStepEstimator(StepPredictor.load(path).predict_rows, thresholds)``
+  with ``RouterConfig(estimate_every=predictor.interval)``: between updates
+  the router counts the estimates down itself.
 """
 
 from __future__ import annotations
@@ -88,16 +92,16 @@ def feature_row(state: RequestState, threshold: float) -> list[float]:
 
 
 class FeatureStepEstimator:
-    """Adapter for a trained step-count model: ``model.predict(rows)`` with rows of STEP_FEATURES."""
+    """Adapter for a trained step-count model: ``predict_rows(rows)`` with rows of STEP_FEATURES."""
 
-    def __init__(self, model, thresholds: Sequence[float],
+    def __init__(self, predict_rows: Callable[[list[list[float]]], Sequence[float]], thresholds: Sequence[float],
                  row: Callable[[RequestState, float], list[float]] = feature_row) -> None:
-        self.model, self.thresholds, self.row = model, tuple(thresholds), row
+        self.predict_rows, self.thresholds, self.row = predict_rows, tuple(thresholds), row
 
     def predict(self, states):
         if not states:
             return []
         rows = [self.row(s, t) for s in states for t in self.thresholds]
-        values = list(self.model.predict(rows))
+        values = list(self.predict_rows(rows))
         m = len(self.thresholds)
         return [[max(float(v), 0.0) for v in values[i * m:(i + 1) * m]] for i in range(len(states))]
