@@ -101,8 +101,11 @@ def cmd_generate(args) -> int:
 
 
 def _simulate_cluster(args) -> int:
+    import torch
+
     from sim.cluster_scenarios import run_cluster_scenario
 
+    torch.set_num_threads(1)  # the tiny model's decodes: a second thread only spins on a shared machine
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     report = run_cluster_scenario(args.scenario, policies, args.requests or 2000, args.seed, args.rate,
                                   progress=not args.quiet)
