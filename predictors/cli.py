@@ -69,8 +69,13 @@ def _data(args, which: str) -> dict:
 
 
 def run(args) -> int:
+    import torch
+
     from predictors.bundle import artifact_dir, load_predictors
     from predictors.pipeline import evaluate_predictors, train_predictors
+
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # small models: a second thread only spins on a shared machine
 
     if args.predictors_command == "collect":
         for which in ("heldout", "train"):

@@ -30,9 +30,13 @@ class ModelInTheLoopRunner:
             true_rounds=spec.true_rounds, full_sequence=seq.cache_mode != "exact",
         )
 
+    def _refined(self, seq: Sequence) -> float | None:
+        """The spec's stand-in estimate, or (NaN) what the engine's refine hook wrote."""
+        est = self.specs[self.ids[seq.seq_id]].refined_est
+        return seq.refined_rounds if est != est else est
+
     def execute(self, plan: RoundPlan) -> RoundResult:
-        result, engine_round = execute_plan(self.engine, self.seqs, plan,
-                                            refiner=lambda seq: self.specs[self.ids[seq.seq_id]].refined_est)
+        result, engine_round = execute_plan(self.engine, self.seqs, plan, refiner=self._refined)
         for out in result.outcomes:
             if out.finished:
                 seq = self.seqs.pop(out.req_id)

@@ -4,7 +4,10 @@
   workload on the LLaDA2.1-mini/GH200 profile, B = 128, lambda = 16 req/s.
 - ``tiny-bd-*`` / ``tiny-mdm-*``: model in the loop: the embedded model
   decodes held-out task-suite prompts for real (rounds and accuracy are its
-  own) while time is charged from the model's CPU profile.
+  own), its shipped predictors estimate and refine the work (admission from
+  the prompt, refinement from the first round's hidden rows inside the
+  engine), and time is charged from the LLaDA-8B/H200 profile (8B-class
+  round times for each round's real composition).
 
 Every policy of one run sees the identical trace (fixed seeds).
 """
@@ -31,6 +34,7 @@ class Scenario:
     rate: float | None = None  # Poisson rate; None: 1.25x the fcfs-prefill-first service rate
     block: int = 32
     threshold: float = 0.9
+    predictors: bool = False  # model in the loop: the shipped predictors instead of calibrated stand-ins
 
 
 SCENARIOS = {
@@ -40,7 +44,8 @@ SCENARIOS = {
 }
 for _m in ("tiny-bd", "tiny-mdm"):
     for _a in ("burst", "burst-poisson"):
-        SCENARIOS[f"{_m}-{_a}"] = Scenario(f"{_m}-{_a}", _m, _a, f"cpu-{_m}", 32, 1 << 20, block=8)
+        SCENARIOS[f"{_m}-{_a}"] = Scenario(f"{_m}-{_a}", _m, _a, "h200-llada8b", 32, 1 << 20, block=8,
+                                           predictors=True)
 
 
 def get_scenario(name: str) -> Scenario:
@@ -68,6 +73,16 @@ def _model_specs(sc: Scenario, n: int, seed: int, progress: bool):
         specs.append(SimRequestSpec(f"r{i}", ex.category, 0.0, len(ex.prompt), [out.rounds], 0.0, 0.0,
                                     float(len(ex.answer)), len(out.token_ids),
                                     extra={"prompt": ex.prompt, "check": ex.check}))
+    if sc.predictors:  # the shipped predictors: admission from the prompt, refinement in the engine
+        from predictors.bundle import load_predictors
+        from predictors.features import admission_row
+
+        pred = load_predictors(sc.workload)
+        rows = [admission_row(e.prompt, len(engine.tokenizer.prompt_ids(e.prompt, engine.cfg.block_size)),
+                              sc.threshold) for e in examples]
+        for s, a in zip(specs, pred.admission.predict(rows)):
+            s.admission_est, s.refined_est = float(a), float("nan")
+        return specs
     true = [s.true_rounds for s in specs]
     for s, a, r in zip(specs, noisy_estimates(true, 0.74, rng), noisy_estimates(true, 0.87, rng)):
         s.admission_est, s.refined_est = a, r
@@ -111,6 +126,10 @@ def _run_model_policy(sc: Scenario, specs, policy: str, profile):
     engine = load_engine(sc.workload, max_slots=sc.slots)
     sched = Scheduler(make_policy(policy), SchedulerConfig(slots=sc.slots, kv_capacity_tokens=sc.kv_capacity_tokens,
                                                            block_size=engine.cfg.block_size), clock)
+    if sc.predictors:
+        from predictors.bundle import load_predictors
+
+        engine.refine_hook = load_predictors(sc.workload).refiner.hook
     fresh = [SimRequestSpec(**{**vars(s), "extra": dict(s.extra)}) for s in specs]
     return simulate(fresh, sched, ModelInTheLoopRunner(engine, profile, sc.threshold), clock)
 
