@@ -9,6 +9,7 @@ instance scheduler replaces it with its own RoundPlan.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from engine.models.transformer import DLMTransformer
 from engine.runner import TorchRunner
 from engine.sched_types import StepKind
 from engine.sequence import SamplingParams, Sequence, Status, StepReport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -121,9 +124,14 @@ class Engine:
             if seq.rounds == 1 and inp.kind is not StepKind.PREFILL:  # its first denoising round
                 bs, be = seq.blocks[0]
                 seq.first_hidden = out.hidden[(inp.pos >= bs) & (inp.pos < be)].mean(0)
+                seq.first_confidences = reports[-1].confidences
                 first.append(seq)
         if first and self.refine_hook is not None:
-            self.refine_hook(first)
+            try:
+                self.refine_hook(first)
+            except Exception:  # a broken predictor must not fail the round: fall back to admission estimates
+                log.exception("refine hook failed; refinement is off for this engine")
+                self.refine_hook = None
         self.rounds += bool(plan)
         comp = [(i.kind.value, len(i.ids), 0 if i.ctx_pos is None else len(i.ctx_pos)) for i in inputs]
         return RoundResult(reports, time.perf_counter() - t0, comp)

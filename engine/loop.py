@@ -31,13 +31,14 @@ class _Tracked:
     prompt_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    add_ms: float | None = None  # sender's dispatch -> applied at a round boundary
 
 
 class RoundLoop:
     def __init__(self, instance: Instance, on_event: Callable[[str, Event], None], max_waiting: int = 256,
                  idle_wait_s: float = 0.05) -> None:
         self.instance = instance
-        self.on_event = on_event
+        self._emit = on_event
         self.max_waiting = max_waiting
         self.idle_wait_s = idle_wait_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -52,14 +53,19 @@ class RoundLoop:
         self._thread = threading.Thread(target=self._run, name="remask-round-loop", daemon=True)
         self._thread.start()
 
+    def on_event(self, req_id: str, event: Event) -> None:
+        event["t"] = time.time()  # wall clock: the receiver measures the event's delivery time
+        self._emit(req_id, event)
+
     # ---- control (any thread) ------------------------------------------------------------
     def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams,
-               deadline: float | None = None) -> None:
+               deadline: float | None = None, sent_at: float | None = None) -> None:
+        """Queue a request; ``sent_at`` (wall clock) is when its sender dispatched it."""
         with self._lock:
             if self.instance.scheduler.num_waiting + self._pending >= self.max_waiting:
                 raise Overloaded(f"{self.max_waiting} requests already waiting")
             self._pending += 1
-        self._cmds.put(("add", req_id, prompt, params, deadline))
+        self._cmds.put(("add", req_id, prompt, params, deadline, sent_at))
         self._wake.set()
 
     def abort(self, req_id: str) -> None:
@@ -85,13 +91,14 @@ class RoundLoop:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, req_id, prompt, params, deadline = cmd
+                _, req_id, prompt, params, deadline, sent_at = cmd
                 with self._lock:
                     self._pending -= 1
                 try:
                     self.instance.add_request(req_id, prompt, params, deadline=deadline)
                     seq = self.instance.seqs[req_id]
-                    self._tracked[req_id] = _Tracked(prompt_tokens=len(seq.prompt_ids))
+                    self._tracked[req_id] = _Tracked(prompt_tokens=len(seq.prompt_ids),
+                                                     add_ms=None if sent_at is None else (time.time() - sent_at) * 1e3)
                 except (ValueError, RuntimeError) as exc:
                     self.on_event(req_id, {"type": "error", "status": 400, "message": str(exc)})
             elif cmd[0] == "abort":
@@ -146,4 +153,5 @@ class RoundLoop:
                 "type": "done", "finish_reason": "length" if out.finish_reason == "length" else "stop",
                 "text": text, "prompt_tokens": tr.prompt_tokens, "completion_tokens": len(ids),
                 "rounds": out.rounds, "ttft_s": (tr.first_token or now) - tr.arrival, "e2e_s": now - tr.arrival,
+                "add_ms": tr.add_ms,
             })

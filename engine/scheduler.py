@@ -88,6 +88,7 @@ class Scheduler:
             return None
         if req.req_id in self.resident:
             self._release(req)
+        self._running.discard(req_id)
         req.residency = Residency.FINISHED  # lazily dropped from the waiting heap
         return req
 

@@ -103,6 +103,7 @@ class Sequence:
         self.cache: ExactCache | ApproxCache | None = None
         self.rounds = 0  # decoding steps (everything but prefill)
         self.first_hidden: torch.Tensor | None = None  # pooled rows of the first denoising round's block
+        self.first_confidences: torch.Tensor | None = None  # that round's confidences of the masked positions
         self.refined_rounds: float | None = None  # set once by the engine's refine hook
 
     # ---- what the scheduler needs -------------------------------------------------

@@ -46,6 +46,10 @@ class Predictors:
 
     def attach(self, instance) -> None:
         """Admission estimates for new requests; refinement inside the engine's rounds."""
+        want = instance.engine.cfg.hidden_size + 8
+        if self.refiner.mean.numel() != want:
+            raise PredictorError(f"these predictors take {self.refiner.mean.numel()} inputs, the model gives {want}: "
+                                 f"retrain them (`remask predictors train --model {self.meta.get('model')}`)")
         instance.estimator = self.admission_estimate
         instance.engine.refine_hook = self.refiner.hook
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from predictors.features import admission_row, confidence_stats, step_row
+from predictors.refine import first_conf_stats
 
 DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -34,6 +35,7 @@ class Dataset:
     block_rounds: list[list[int]] = field(default_factory=list)
     correct: list[bool] = field(default_factory=list)
     hidden: list[np.ndarray] = field(default_factory=list)
+    first_conf: list[list[float]] = field(default_factory=list)  # confidence stats of the first round
     step_rows: list[list[float]] = field(default_factory=list)
     step_remaining: list[int] = field(default_factory=list)
     step_done: list[int] = field(default_factory=list)  # steps taken when the row was recorded
@@ -51,6 +53,7 @@ class Dataset:
             "budget": np.array(self.budget, dtype=np.int32), "rounds": np.array(self.rounds, dtype=np.int32),
             "block_rounds": blocks, "correct": np.array(self.correct, dtype=bool),
             "hidden": np.stack(self.hidden).astype(np.float32) if self.hidden else np.zeros((0, 0), np.float32),
+            "first_conf": np.array(self.first_conf, dtype=np.float64).reshape(-1, 5),
             "step_rows": np.array(self.step_rows, dtype=np.float64).reshape(-1, 11),
             "step_remaining": np.array(self.step_remaining, dtype=np.int32),
             "step_done": np.array(self.step_done, dtype=np.int32),
@@ -112,6 +115,7 @@ def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", pr
             ds.block_rounds.append(blocks[seq.seq_id])
             ds.correct.append(ex.check(engine.output(seq).text))
             ds.hidden.append(seq.first_hidden.float().cpu().numpy())
+            ds.first_conf.append(first_conf_stats(seq.first_confidences).tolist())
             for row, done_steps in steps[seq.seq_id]:
                 ds.step_rows.append(row)
                 ds.step_remaining.append(seq.rounds - done_steps)

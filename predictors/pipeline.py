@@ -27,7 +27,7 @@ def refine_inputs(data: dict) -> np.ndarray:
     import torch
 
     x = Refiner.inputs(torch.as_tensor(data["hidden"]), data["prompt_tokens"], data["budget"],
-                       data["admission"][:, 3])
+                       data["admission"][:, 3], data["first_conf"])
     return x.numpy()
 
 
@@ -75,7 +75,8 @@ def evaluate_predictors(pred: Predictors, held: dict, train: dict | None = None,
     head = np.isclose(held["admission"][:, 3], HEADLINE_THRESHOLD)
     rounds = held["rounds"]
     adm = pred.admission.predict(held["admission"])
-    ref = pred.refiner.predict(held["hidden"], held["prompt_tokens"], held["budget"], held["admission"][:, 3])
+    ref = pred.refiner.predict(held["hidden"], held["prompt_tokens"], held["budget"], held["admission"][:, 3],
+                               held["first_conf"])
     out = {
         "model": pred.meta.get("model"),
         "requests": int(head.sum()),
@@ -111,7 +112,8 @@ def heldout_categories(train: dict, held: dict, epochs: int = 300, progress: boo
         x = held["admission"][head]
         r = held["rounds"][head]
         pa = adm.predict(x)
-        pr = ref.predict(held["hidden"][head], held["prompt_tokens"][head], held["budget"][head], x[:, 3])
+        pr = ref.predict(held["hidden"][head], held["prompt_tokens"][head], held["budget"][head], x[:, 3],
+                         held["first_conf"][head])
         mine = held["category"][head] == c
         within = spearman(pr[mine], r[mine])
         out[c] = {"admission": round(spearman(pa, r), 4), "refined": round(spearman(pr, r), 4),
@@ -136,6 +138,7 @@ def _time_refine(pred: Predictors, held: dict, batch: int = 32, reps: int = 20) 
     class _Seq:  # what the engine hands the hook
         def __init__(self, i: int) -> None:
             self.first_hidden = torch.as_tensor(held["hidden"][i])
+            self.first_confidences = torch.as_tensor(held["first_conf"][i])  # stand-in rows of the right size
             self.prompt_ids = [0] * int(held["prompt_tokens"][i])
             self.max_tokens = int(held["budget"][i])
             self.threshold = float(held["admission"][i, 3])

@@ -1,8 +1,9 @@
 """The refinement predictor (DWISE): a discrete-time survival model on the
 first denoising round's pooled final-layer hidden rows.
 
-Input: the pooled hidden vector (standardised) with the normalised prompt
-length, output budget and threshold. Each of three seeds' MLPs (two layers,
+Input: the pooled hidden vector with the normalised prompt length, output
+budget and threshold, and the confidence statistics of that round's draft
+(the logits are a projection of the same rows), all standardised. Each of three seeds' MLPs (two layers,
 width 256, GELU, dropout 0.2) gives one hazard logit per round 1..K (K: the
 largest round count in training); the estimate is the mean of the implied
 distribution of total rounds, averaged over the seeds and mapped by an
@@ -57,6 +58,15 @@ def survival_nll(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return -ll.sum(1).mean()
 
 
+def first_conf_stats(conf: torch.Tensor | None) -> torch.Tensor:
+    """min, q25, median, mean, q75 of a round's confidences (as ``features.confidence_stats``), in torch."""
+    if conf is None or conf.numel() == 0:
+        return torch.zeros(5)
+    c = torch.sort(conf.detach().float().flatten()).values  # stays on the round's device
+    n = c.numel() - 1
+    return torch.stack([c[0], c[round(0.25 * n)], c[round(0.5 * n)], c.mean(), c[round(0.75 * n)]])
+
+
 class Refiner:
     def __init__(self, mlps: list[SurvivalMLP], mean: torch.Tensor, std: torch.Tensor, iso_x: np.ndarray,
                  iso_y: np.ndarray, k: int) -> None:
@@ -66,12 +76,14 @@ class Refiner:
 
     # ---- inputs ----------------------------------------------------------------------------
     @staticmethod
-    def inputs(hidden: torch.Tensor, prompt_tokens, budget, threshold) -> torch.Tensor:
+    def inputs(hidden: torch.Tensor, prompt_tokens, budget, threshold, conf_stats) -> torch.Tensor:
+        """[n, hidden + 8]: pooled hidden rows, normalised prompt length and output budget, threshold,
+        and the first round's confidence statistics (``conf_stats`` [n, 5], see ``first_conf_stats``)."""
         dev, dt = hidden.device, hidden.dtype
         extra = torch.stack([torch.as_tensor(prompt_tokens, dtype=dt, device=dev) / 512.0,
                              torch.as_tensor(budget, dtype=dt, device=dev) / 1024.0,
                              torch.as_tensor(threshold, dtype=dt, device=dev)], dim=1)
-        return torch.cat([hidden, extra], dim=1)
+        return torch.cat([hidden, extra, torch.as_tensor(conf_stats, dtype=dt, device=dev).reshape(-1, 5)], dim=1)
 
     @torch.inference_mode()
     def raw(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,8 +94,8 @@ class Refiner:
     def calibrate(self, raw: np.ndarray) -> np.ndarray:
         return np.interp(np.asarray(raw, dtype=np.float64), self.iso_x, self.iso_y)
 
-    def predict(self, hidden, prompt_tokens, budget, threshold) -> np.ndarray:
-        x = self.inputs(torch.as_tensor(hidden, dtype=torch.float32), prompt_tokens, budget, threshold)
+    def predict(self, hidden, prompt_tokens, budget, threshold, conf_stats) -> np.ndarray:
+        x = self.inputs(torch.as_tensor(hidden, dtype=torch.float32), prompt_tokens, budget, threshold, conf_stats)
         return self.calibrate(self.raw(x).cpu().numpy())
 
     def hook(self, seqs) -> None:
@@ -91,7 +103,8 @@ class Refiner:
         hidden = torch.stack([s.first_hidden for s in seqs]).float()
         default_t = 0.9
         x = self.inputs(hidden, [len(s.prompt_ids) for s in seqs], [s.max_tokens for s in seqs],
-                        [default_t if s.threshold is None else s.threshold for s in seqs])
+                        [default_t if s.threshold is None else s.threshold for s in seqs],
+                        torch.stack([first_conf_stats(s.first_confidences) for s in seqs]).to(hidden))
         for seq, est in zip(seqs, self.calibrate(self.raw(x).tolist())):
             seq.refined_rounds = float(max(est, seq.rounds))
 

@@ -58,13 +58,14 @@ def test_refiner_learns_hidden_signal_and_round_trips(tmp_path):
     n, h = 600, 16
     hidden = rng.normal(size=(n, h)).astype(np.float32)
     rounds = np.clip(np.round(np.exp(1.5 + hidden[:, 0])), 1, 40).astype(int)
-    x = Refiner.inputs(torch.as_tensor(hidden), [20] * n, [64] * n, [0.9] * n).numpy()
+    conf = np.full((n, 5), 0.9)
+    x = Refiner.inputs(torch.as_tensor(hidden), [20] * n, [64] * n, [0.9] * n, conf).numpy()
     ref = Refiner.fit(x[:500], rounds[:500], epochs=60, seeds=(0, 1))
-    pred = ref.predict(hidden[500:], [20] * 100, [64] * 100, [0.9] * 100)
+    pred = ref.predict(hidden[500:], [20] * 100, [64] * 100, [0.9] * 100, conf[500:])
     assert spearman(pred, rounds[500:]) > 0.8
     ref.save(tmp_path / "r.safetensors")
     again = Refiner.load(tmp_path / "r.safetensors")
-    assert np.allclose(again.predict(hidden[500:], [20] * 100, [64] * 100, [0.9] * 100), pred)
+    assert np.allclose(again.predict(hidden[500:], [20] * 100, [64] * 100, [0.9] * 100, conf[500:]), pred)
 
 
 def test_online_step_error_beats_oneshot_and_interval_choice():
@@ -111,3 +112,16 @@ def test_shipped_predictors_refine_inside_the_engine():
     inst.run()
     assert all(r.refined for r in reqs)
     assert len(inst.outputs) == 10
+
+
+def test_a_failing_refine_hook_does_not_fail_rounds():
+    from engine.loading import load_engine
+
+    engine = load_engine("tiny-bd", max_slots=4)
+
+    def broken(seqs):
+        raise RuntimeError("boom")
+
+    engine.refine_hook = broken
+    assert engine.generate(["rev: abc"])[0].text == "cba"
+    assert engine.refine_hook is None
