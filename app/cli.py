@@ -149,6 +149,14 @@ def cmd_simulate(args) -> int:
 def cmd_bench(args) -> int:
     from app.bench import bench_scheduler
 
+    if args.what == "control":
+        from app.bench_control import bench_control
+
+        res = bench_control(args.url, args.requests, args.concurrency)
+        print(json.dumps(res) if args.json else
+              f"control path: median {res['median_ms']} ms per round event (p99 {res['p99_ms']} ms) over "
+              f"{res['events']} events; request dispatch to round boundary median {res['add_median_ms']} ms")
+        return 0
     if args.what == "router":
         from app.router.bench import bench_router
 
@@ -160,7 +168,7 @@ def cmd_bench(args) -> int:
               f"{res['mean_ms_per_event']}) over {res['events']} events")
         return 0
     if args.what != "scheduler":
-        raise ValueError(f"unknown benchmark {args.what!r}; known: scheduler, router")
+        raise ValueError(f"unknown benchmark {args.what!r}; known: scheduler, control, router")
     result = bench_scheduler(args.slots or 128, args.resident, args.rounds, args.policy, args.seed)
     print(json.dumps(result) if args.json else
           f"{args.policy}: median {result['median_ms_per_round']:.3f} ms per round "
@@ -235,7 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     planner_parsers(sub)  # remask plan
 
     b = sub.add_parser("bench", help="benchmarks that print measured numbers")
-    b.add_argument("what", choices=["scheduler", "router"])
+    b.add_argument("what", choices=["scheduler", "control", "router"])
+    b.add_argument("--url", default="http://127.0.0.1:8000", help="control: the running app")
+    b.add_argument("--requests", type=int, default=40, help="control: streamed completions")
+    b.add_argument("--concurrency", type=int, default=4, help="control: requests at a time")
     b.add_argument("--slots", type=int, help="scheduler: default 128; router: slots per instance, default 32")
     b.add_argument("--instances", type=int, default=16, help="router: TP-1 instances")
     b.add_argument("--active", type=int, default=1000, help="router: active requests")

@@ -20,6 +20,8 @@ class AppConfig(BaseModel):
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int | None = Field(None, description="max_tokens when a request gives none")
     max_waiting: int = Field(256, ge=1, description="waiting requests per instance before 429")
+    predictors: bool = Field(True, description="use the model's trained work predictors (admission + refinement) "
+                                               "when shipped; otherwise one round per block is assumed")
     cache: str = Field("dual", description="approximate cache of full-sequence models: none | prefix | dual")
     cpus_per_replica: float = Field(0.5, gt=0, description="logical CPUs per Denoiser replica")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per TP rank (0 on CPU)")

@@ -41,6 +41,9 @@ class Metrics:
                                 buckets=ROUND_BUCKETS, registry=r)
         self.filled_slots = Histogram("remask_filled_slots_per_round", "Tokens committed per denoising round",
                                       buckets=SLOT_BUCKETS, registry=r)
+        self.control = Histogram("remask_control_event_seconds",
+                                 "Delivery time of a progress event, round loop to ingress",
+                                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=r)
         self.threshold = Histogram("remask_threshold", "Confidence threshold a request decoded with",
                                    buckets=THRESHOLD_BUCKETS, registry=r)
 

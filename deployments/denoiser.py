@@ -8,6 +8,7 @@ at the next round boundary, and progress streams back as events.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from ray import serve
@@ -16,6 +17,8 @@ from app.config import AppConfig
 from engine.loading import load_engine
 from engine.loop import Overloaded, RoundLoop
 from engine.sequence import SamplingParams
+
+log = logging.getLogger("ray.serve")
 
 
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=5)
@@ -36,9 +39,19 @@ class Denoiser:
             engine = load_engine(self.cfg.model, **kwargs)
         self.instance = Instance(engine, policy=self.cfg.policy, slots=self.cfg.slots,
                                  kv_capacity_tokens=self.cfg.kv_capacity_tokens, mirror=mirror)
+        if self.cfg.predictors:
+            self._attach_predictors()
         self.queues: dict[str, asyncio.Queue] = {}
         self.aio = None
         self.loop = RoundLoop(self.instance, self._on_event, max_waiting=self.cfg.max_waiting)
+
+    def _attach_predictors(self) -> None:
+        from predictors.bundle import PredictorError, load_predictors
+
+        try:
+            load_predictors(self.cfg.model).attach(self.instance)
+        except PredictorError as exc:
+            log.warning("no work predictors: %s; assuming one round per block", exc)
 
     def _start_tensor_parallel(self, kwargs: dict):
         """Rank 0 here; ranks 1..tp-1 as actors in this replica's placement group."""
@@ -97,7 +110,7 @@ class Denoiser:
         finished = False
         try:
             try:
-                self.loop.submit(rid, request["prompt"], params, deadline)
+                self.loop.submit(rid, request["prompt"], params, deadline, sent_at=request.get("sent_at"))
             except Overloaded as exc:
                 finished = True
                 yield {"type": "error", "status": 429, "message": f"server overloaded: {exc}"}

@@ -17,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app import api
 from app.config import AppConfig
+from app.control import ControlTimer
 from app.metrics import Metrics
 
 web = FastAPI(title="Remask", description="OpenAI-compatible serving of diffusion language models")
@@ -36,6 +37,7 @@ class Ingress:
         self.model_cfg = load_config(path)
         self.tokenizer = load_tokenizer(path)
         self.metrics = Metrics()
+        self.control = ControlTimer()
         self.started = time.time()
 
     # ---- endpoints ----------------------------------------------------------------------
@@ -51,6 +53,16 @@ class Ingress:
     async def metrics(self) -> Response:
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
+
+    @web.get("/debug/control")
+    async def control_stats(self, since: int = 0) -> dict:
+        """Control-path timing: progress-event delivery (round loop -> ingress) since event ``since``."""
+        return self.control.summary(since)
+
+    @web.get("/debug/instances")
+    async def instances(self) -> dict:
+        """Each TP degree's replica state as one of its replicas reports it."""
+        return {str(d): await h.stats.remote() for d, h in sorted(self.denoisers.items())}
 
     @web.post("/v1/completions")
     async def completions(self, request: Request):
@@ -82,7 +94,7 @@ class Ingress:
         handle = self.denoisers[min(self.denoisers)]
         stream = handle.options(stream=True).generate.remote({
             "request_id": req.request_id, "prompt": req.prompt, "max_tokens": req.max_tokens,
-            "threshold": req.threshold, "slo_ms": req.slo_ms, "priority": req.priority,
+            "threshold": req.threshold, "slo_ms": req.slo_ms, "priority": req.priority, "sent_at": time.time(),
         })
         self.metrics.request_started()
         first = await stream.__anext__()
@@ -136,10 +148,13 @@ class Ingress:
                 stream.cancel()
                 self.metrics.request_finished(None, 0.0, None, 0, req.threshold, ok=False)
 
-    @staticmethod
-    async def _chain(first: dict, stream):
+    async def _chain(self, first: dict, stream):
+        self.control.event(first)
         yield first
         async for event in stream:
+            ms = self.control.event(event)
+            if ms is not None:
+                self.metrics.control.observe(ms / 1e3)
             yield event
 
     def _finished(self, req: api.GenRequest, done: dict) -> None:

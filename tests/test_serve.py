@@ -28,7 +28,9 @@ def app_url():
     serve.run(build_app({"model": "tiny-bd", "slots": 16, "max_waiting": 64, "max_tokens_limit": 256}),
               name="remask", route_prefix="/", blocking=False)
     # the same model with tensor parallelism 2 (gloo on CPU), as a second application
-    serve.run(build_app({"model": "tiny-bd", "tp_degrees": [2], "slots": 16, "max_tokens_limit": 256}),
+    # (small queues: the overload test fills them)
+    serve.run(build_app({"model": "tiny-bd", "tp_degrees": [2], "slots": 2, "max_waiting": 2,
+                         "max_tokens_limit": 256}),
               name="remask-tp2", route_prefix="/tp2", blocking=False)
     # wait for the app to answer
     import time
@@ -139,3 +141,51 @@ def test_tp2_returns_the_same_tokens_as_tp1(app_url):
 def test_metrics(app_url):
     text = httpx.get(app_url + "/metrics").text
     assert "remask_e2e_seconds" in text and "remask_requests_total" in text
+
+
+def test_overload_sheds_with_429_and_retry_after(app_url):
+    # TP-2 app: at most 2 requests wait for a round boundary; a flood of long requests overflows it
+    codes, bodies = [], []
+
+    def run():
+        r = post(app_url, "/tp2/v1/completions", {"prompt": "story: fox 8", "max_tokens": 96, "threshold": 0.99})
+        codes.append(r.status_code)
+        bodies.append((r.status_code, r.headers.get("retry-after"), r.json()))
+
+    threads = [threading.Thread(target=run) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(codes) == 40 and set(codes) <= {200, 429}, codes
+    shed = [b for b in bodies if b[0] == 429]
+    assert shed, "nothing was shed"
+    assert all(b[1] is not None and b[2]["error"]["type"] == "rate_limit_error" for b in shed)
+    served = [b for b in bodies if b[0] == 200]
+    assert served and all(b[2]["choices"][0]["text"].startswith("the fox") for b in served)
+
+
+def test_disconnect_frees_slot_and_kv(app_url):
+    import time
+
+    with httpx.stream("POST", app_url + "/v1/completions", timeout=300, json={
+            "prompt": "story: owl 8", "max_tokens": 168, "threshold": 0.999, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up mid-generation
+    state = {}
+    for _ in range(100):
+        state = httpx.get(app_url + "/debug/instances", timeout=30).json()["1"]
+        if state["running"] == 0 and state["resident"] == 0 and state["kv_reserved_tokens"] == 0:
+            break
+        time.sleep(0.1)
+    assert state["running"] == 0 and state["resident"] == 0 and state["kv_reserved_tokens"] == 0, state
+
+
+def test_control_path_is_measured(app_url):
+    from app.bench_control import bench_control
+
+    res = bench_control(app_url, requests=6, concurrency=2)
+    assert res["events"] > 6 and res["median_ms"] is not None and res["add_median_ms"] is not None
+    text = httpx.get(app_url + "/metrics").text
+    assert "remask_control_event_seconds_count" in text
