@@ -132,7 +132,8 @@ def cmd_simulate(args) -> int:
 
     for p in policies:
         make_policy(p)  # fail fast on unknown names
-    report = run_scenario(args.scenario, policies, args.requests or 4096, args.seed, progress=not args.quiet)
+    default_n = 512 if args.scenario.startswith("tiny-") else 4096  # model in the loop decodes every request
+    report = run_scenario(args.scenario, policies, args.requests or default_n, args.seed, progress=not args.quiet)
     report["speedup_vs_" + policies[0]] = speedups(report, policies[0])
     if args.json:
         print(json.dumps(report))
@@ -232,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scenario", default="dwise-burst-poisson")
     s.add_argument("--policies", help="comma-separated (default: fcfs-prefill-first,dwise,oracle; a cluster "
                    "scenario's own list for dilaserve-*)")
-    s.add_argument("--requests", type=int, help="default 4096 (cluster scenarios: 2000)")
+    s.add_argument("--requests", type=int, help="default 4096 (model in the loop: 512; cluster scenarios: 2000)")
     s.add_argument("--rate", type=float, help="cluster scenarios: arrival rate, requests per second")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true")
