@@ -6,25 +6,8 @@ import argparse
 import json
 import sys
 
-
-def _thresholds(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"thresholds must be comma-separated numbers, got {text!r}") from None
-    if not values or any(not 0.0 <= v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError("thresholds must lie in [0, 1]")
-    return values
-
-
-def _mix(text: str) -> dict[str, float]:
-    try:
-        mix = {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(",") if item.strip())}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"mix must look like lookup=0.4,prose=0.2, got {text!r}") from None
-    if not mix or any(v < 0 for v in mix.values()) or not sum(mix.values()):
-        raise argparse.ArgumentTypeError("mix weights must be non-negative and not all zero")
-    return mix
+from engine.argtypes import category_mix as _mix
+from engine.argtypes import thresholds as _thresholds
 
 
 def cmd_train_default(args) -> int:

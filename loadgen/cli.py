@@ -6,18 +6,9 @@ import argparse
 import json
 import sys
 
+from engine.argtypes import category_mix as _mix
 from loadgen.arrivals import ARRIVALS
 from loadgen.lengths import LENGTHS
-
-
-def _mix(text: str) -> dict[str, float]:
-    try:
-        mix = {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(",") if item.strip())}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"mix must look like lookup=0.4,prose=0.2, got {text!r}") from None
-    if not mix or any(v < 0 for v in mix.values()) or not sum(mix.values()):
-        raise argparse.ArgumentTypeError("mix weights must be non-negative and not all zero")
-    return mix
 
 
 def cmd_synth(args) -> int:

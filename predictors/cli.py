@@ -5,17 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-def _thresholds(text: str) -> list[float]:
-    import argparse
-
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"thresholds must be comma-separated numbers, got {text!r}") from None
-    if not values or any(not 0.0 < v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError("thresholds must lie in (0, 1]")
-    return values
+from engine.argtypes import thresholds as _thresholds
 
 
 def add_parsers(sub) -> None:
