@@ -125,3 +125,18 @@ def test_a_failing_refine_hook_does_not_fail_rounds():
     engine.refine_hook = broken
     assert engine.generate(["rev: abc"])[0].text == "cba"
     assert engine.refine_hook is None
+
+
+def test_collect_train_eval_cli(tmp_path, capsys):
+    from app.cli import main
+
+    data, art = str(tmp_path / "data"), str(tmp_path / "art")
+    common = ["--model", "tiny-bd", "--data-dir", data, "--quiet"]
+    assert main(["predictors", "collect", "--n", "12", "--n-heldout", "10", "--thresholds", "0.6,0.9", *common]) == 0
+    assert main(["predictors", "train", "--epochs", "3", "--out", art, *common]) == 0
+    capsys.readouterr()
+    assert main(["predictors", "eval", "--artifacts", art, "--no-categories", "--json", *common]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) >= {"admission", "refined", "step", "admission_us", "refine_ms_per_round"}
+    assert report["requests"] == 10 and report["step"]["interval"] >= 1
+    assert main(["predictors", "eval", "--artifacts", str(tmp_path / "none"), *common]) == 2  # clear error
