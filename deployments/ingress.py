@@ -149,13 +149,16 @@ class Ingress:
                 self.metrics.request_finished(None, 0.0, None, 0, req.threshold, ok=False)
 
     async def _chain(self, first: dict, stream):
-        self.control.event(first)
+        self._timed(first)
         yield first
         async for event in stream:
-            ms = self.control.event(event)
-            if ms is not None:
-                self.metrics.control.observe(ms / 1e3)
+            self._timed(event)
             yield event
+
+    def _timed(self, event: dict) -> None:
+        ms = self.control.event(event)
+        if ms is not None:
+            self.metrics.control.observe(ms / 1e3)
 
     def _finished(self, req: api.GenRequest, done: dict) -> None:
         slo_met = None if req.slo_ms is None else done["e2e_s"] * 1000 <= req.slo_ms
