@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 from predictors.features import admission_row, confidence_stats, step_row
-from predictors.refine import first_conf_stats
 
 DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -115,7 +114,7 @@ def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", pr
             ds.block_rounds.append(blocks[seq.seq_id])
             ds.correct.append(ex.check(engine.output(seq).text))
             ds.hidden.append(seq.first_hidden.float().cpu().numpy())
-            ds.first_conf.append(first_conf_stats(seq.first_confidences).tolist())
+            ds.first_conf.append(confidence_stats(seq.first_confidences).tolist())
             for row, done_steps in steps[seq.seq_id]:
                 ds.step_rows.append(row)
                 ds.step_remaining.append(seq.rounds - done_steps)
@@ -135,9 +134,8 @@ def _state_row(seq, threshold: float, rep) -> list[float]:
         block_unmasked = block_len - seq._masked((bs, be)).numel()
     else:
         block_len, block_unmasked = 1, 1
-    conf = rep.confidences.float().cpu().numpy() if rep.confidences is not None else []
     return step_row(threshold, seq.gen_len, unmasked, block_unmasked, block_len,
-                    len(seq.blocks) - seq.block_idx, seq.step_in_block, confidence_stats(conf))
+                    len(seq.blocks) - seq.block_idx, seq.step_in_block, confidence_stats(rep.confidences).tolist())
 
 
 def heldout_and_train(n_train: int, n_heldout: int, seed: int = 0):

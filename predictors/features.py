@@ -7,7 +7,7 @@
   The threshold is the first one, so one state row can be asked about every
   candidate threshold by overwriting that column.
 
-Pure Python and numpy; no torch.
+numpy, and torch for the confidence statistics of a step's tensor.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 ADMISSION_FEATURES = ("words", "newlines", "tokens", "threshold")
 STEP_FEATURES = (
@@ -30,14 +31,15 @@ def admission_row(prompt: str, n_tokens: int, threshold: float | None) -> list[f
             DEFAULT_THRESHOLD if threshold is None else float(threshold)]
 
 
-def confidence_stats(conf: Sequence[float] | np.ndarray) -> list[float]:
-    """min, q25, median, mean, q75 of the masked positions' confidences (zeros when none)."""
-    c = np.sort(np.asarray(conf, dtype=np.float64))
-    if c.size == 0:
-        return [0.0] * 5
-    n = c.size - 1
-    return [float(c[0]), float(c[round(0.25 * n)]), float(c[round(0.5 * n)]), float(c.mean()),
-            float(c[round(0.75 * n)])]
+def confidence_stats(conf: torch.Tensor | None) -> torch.Tensor:
+    """min, q25, median, mean, q75 of one step's confidences of masked positions (zeros when none).
+
+    Computed on the tensor's own device, so the engine's refine hook adds no host synchronisation."""
+    if conf is None or conf.numel() == 0:
+        return torch.zeros(5)
+    c = torch.sort(conf.detach().float().flatten()).values
+    n = c.numel() - 1
+    return torch.stack([c[0], c[round(0.25 * n)], c[round(0.5 * n)], c.mean(), c[round(0.75 * n)]])
 
 
 def step_row(threshold: float, output_len: int, unmasked: int, block_unmasked: int, block_len: int,

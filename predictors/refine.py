@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from predictors.features import confidence_stats
+
 WIDTH = 256
 SEEDS = (0, 1, 2)
 
@@ -58,15 +60,6 @@ def survival_nll(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return -ll.sum(1).mean()
 
 
-def first_conf_stats(conf: torch.Tensor | None) -> torch.Tensor:
-    """min, q25, median, mean, q75 of a round's confidences (as ``features.confidence_stats``), in torch."""
-    if conf is None or conf.numel() == 0:
-        return torch.zeros(5)
-    c = torch.sort(conf.detach().float().flatten()).values  # stays on the round's device
-    n = c.numel() - 1
-    return torch.stack([c[0], c[round(0.25 * n)], c[round(0.5 * n)], c.mean(), c[round(0.75 * n)]])
-
-
 class Refiner:
     def __init__(self, mlps: list[SurvivalMLP], mean: torch.Tensor, std: torch.Tensor, iso_x: np.ndarray,
                  iso_y: np.ndarray, k: int) -> None:
@@ -78,7 +71,7 @@ class Refiner:
     @staticmethod
     def inputs(hidden: torch.Tensor, prompt_tokens, budget, threshold, conf_stats) -> torch.Tensor:
         """[n, hidden + 8]: pooled hidden rows, normalised prompt length and output budget, threshold,
-        and the first round's confidence statistics (``conf_stats`` [n, 5], see ``first_conf_stats``)."""
+        and the first round's confidence statistics (``conf_stats`` [n, 5], see ``features.confidence_stats``)."""
         dev, dt = hidden.device, hidden.dtype
         extra = torch.stack([torch.as_tensor(prompt_tokens, dtype=dt, device=dev) / 512.0,
                              torch.as_tensor(budget, dtype=dt, device=dev) / 1024.0,
@@ -104,7 +97,7 @@ class Refiner:
         default_t = 0.9
         x = self.inputs(hidden, [len(s.prompt_ids) for s in seqs], [s.max_tokens for s in seqs],
                         [default_t if s.threshold is None else s.threshold for s in seqs],
-                        torch.stack([first_conf_stats(s.first_confidences) for s in seqs]).to(hidden))
+                        torch.stack([confidence_stats(s.first_confidences) for s in seqs]).to(hidden))
         for seq, est in zip(seqs, self.calibrate(self.raw(x).tolist())):
             seq.refined_rounds = float(max(est, seq.rounds))
 

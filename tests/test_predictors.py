@@ -23,8 +23,9 @@ def test_spearman_ties_and_constant():
 
 
 def test_confidence_stats_and_threshold_expansion():
-    assert confidence_stats([]) == [0.0] * 5
-    assert confidence_stats([0.1, 0.9, 0.5]) == pytest.approx([0.1, 0.1, 0.5, 0.5, 0.9])
+    assert confidence_stats(None).tolist() == [0.0] * 5
+    assert confidence_stats(torch.tensor([])).tolist() == [0.0] * 5
+    assert confidence_stats(torch.tensor([0.1, 0.9, 0.5])).tolist() == pytest.approx([0.1, 0.1, 0.5, 0.5, 0.9])
     rows = np.arange(22, dtype=float).reshape(2, 11)
     out = with_thresholds(rows, [0.5, 0.9])
     assert out.shape == (4, 11)
