@@ -8,8 +8,7 @@ scheduler can rank a large waiting set cheaply.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from engine.registry import Registry
 from engine.sched_types import SchedRequest, StepCosts, StepKind
 
 
@@ -31,23 +30,12 @@ class Policy:
         """The refinement hook: a better estimate of total rounds after the first round."""
 
 
-POLICIES: dict[str, Callable[..., Policy]] = {}
-
-
-def register(name: str):
-    def wrap(cls):
-        cls.name = name
-        POLICIES[name] = cls
-        return cls
-
-    return wrap
+POLICIES = Registry("scheduling policy")
+register = POLICIES.register
 
 
 def make_policy(name: str, **kwargs) -> Policy:
-    try:
-        return POLICIES[name](**kwargs)
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    return POLICIES.make(name, **kwargs)
 
 
 @register("dwise")

@@ -20,11 +20,12 @@ a request that just finished a step moves (``migrations``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from app.router.placement import best_instance, can_migrate_free, migration_gain_ms
 from app.router.state import InstanceState, RequestState
+from engine.registry import Registry
 
 if TYPE_CHECKING:
     from app.router.core import Router
@@ -43,23 +44,12 @@ class RouterPolicy:
         return []
 
 
-ROUTER_POLICIES: dict[str, Callable[[], RouterPolicy]] = {}
-
-
-def register(name: str):
-    def wrap(cls):
-        cls.name = name
-        ROUTER_POLICIES[name] = cls
-        return cls
-
-    return wrap
+ROUTER_POLICIES = Registry("router policy")
+register = ROUTER_POLICIES.register
 
 
 def make_router_policy(name: str) -> RouterPolicy:
-    try:
-        return ROUTER_POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown router policy {name!r}; known: {', '.join(sorted(ROUTER_POLICIES))}") from None
+    return ROUTER_POLICIES.make(name)
 
 
 @register("fixed-threshold")
