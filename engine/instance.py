@@ -3,7 +3,7 @@
 schedule() -> engine.step(plan) -> update(): the scheduler's RoundPlan says
 which requests fill this round's slots; each sequence knows its own next step
 kind, which the plan carries. The admission estimate of rounds comes from an
-``estimator`` (``predictors.Predictors.admission_estimate`` when trained
+``estimator`` (``predictors.bundle.Predictors.admission_estimate`` when trained
 predictors are loaded; the fallback assumes one round per output block). The
 refined estimate is whatever the engine's refine hook wrote into
 ``seq.refined_rounds`` during the first denoising round, or an explicit
