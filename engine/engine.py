@@ -72,7 +72,10 @@ class Engine:
         self.refine_hook: Callable[[list[Sequence]], None] | None = None
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    committed: list[int] | None = None) -> Sequence:
+        """``committed``: output tokens already committed (resuming a request elsewhere, e.g. after
+        its instance died or it migrated); decoding continues after them with the same blocks."""
         params = params or SamplingParams()
         params.validate(self.max_gen_length)
         ids = self.tokenizer.prompt_ids(prompt, self.cfg.block_size) if isinstance(prompt, str) else list(prompt)
@@ -88,7 +91,8 @@ class Engine:
         cache_mode = "exact" if block_causal else (params.cache or self.cache)
         seq = Sequence(next(self._ids), ids, self.cfg, self.rule, gen_len, cache_mode, max_tokens,
                        threshold=params.threshold, arrival=time.monotonic(),
-                       prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
+                       prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
+                       committed=list(committed or ()))
         self.sequences[seq.seq_id] = seq
         return seq
 

@@ -53,11 +53,15 @@ class Instance:
         self.outputs: dict[str, Output] = {}
 
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    deadline: float | None = None, true_rounds: int | None = None) -> SchedRequest:
-        seq = self.engine.add_request(prompt, params)
+                    deadline: float | None = None, true_rounds: int | None = None,
+                    committed: list[int] | None = None) -> SchedRequest:
+        """``committed``: output tokens a previous instance already committed (resume)."""
+        seq = self.engine.add_request(prompt, params, committed)
+        left = len(seq.blocks) - seq.block_idx  # a resumed request starts past its committed blocks
+        est = self.estimator(seq) * left / len(seq.blocks)
         req = SchedRequest(
-            req_id=req_id, prompt_blocks=seq.prefill_blocks, output_blocks=len(seq.blocks),
-            est_rounds=self.estimator(seq), arrival=self.clock.now(), deadline=deadline,
+            req_id=req_id, prompt_blocks=seq.prefill_blocks if seq.cache_mode == "exact" else seq.block_idx,
+            output_blocks=left, est_rounds=est, arrival=self.clock.now(), deadline=deadline,
             threshold=seq.threshold, predicted_output_tokens=float(seq.max_tokens), true_rounds=true_rounds,
             full_sequence=seq.cache_mode != "exact",
         )
@@ -68,8 +72,17 @@ class Instance:
             raise
         req.next_kind = seq.next_kind()
         self.seqs[req_id] = seq
-        self._commands.append(("add", req_id, prompt, params))
+        self._commands.append(("add", req_id, prompt, params, committed))
         return req
+
+    def set_threshold(self, req_id: str, threshold: float) -> None:
+        """The threshold of ``req_id``'s next steps (the cluster router's choice), from the next round."""
+        seq = self.seqs.get(req_id)
+        if seq is None:
+            return
+        seq.threshold = threshold
+        self.scheduler.requests[req_id].threshold = threshold
+        self._commands.append(("threshold", req_id, threshold))
 
     def abort(self, req_id: str) -> None:
         self.scheduler.abort(req_id)
@@ -135,8 +148,12 @@ class Follower:
     def step(self, commands: list[tuple], plan: RoundPlan) -> int:
         for cmd in commands:
             if cmd[0] == "add":
-                _, req_id, prompt, params = cmd
-                self.seqs[req_id] = self.engine.add_request(prompt, params)
+                _, req_id, prompt, params, committed = cmd
+                self.seqs[req_id] = self.engine.add_request(prompt, params, committed)
+            elif cmd[0] == "threshold":
+                seq = self.seqs.get(cmd[1])
+                if seq is not None:
+                    seq.threshold = cmd[2]
             else:
                 seq = self.seqs.pop(cmd[1], None)
                 if seq is not None:

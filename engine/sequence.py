@@ -77,6 +77,7 @@ class Sequence:
     history: list[StepKind] = field(default_factory=list)
     arrival: float = 0.0
     prompt_text: str = ""  # the prompt as the client sent it (admission features)
+    committed: list[int] = field(default_factory=list)  # output tokens committed before (a resumed request)
 
     def __post_init__(self) -> None:
         b = self.cfg.block_size
@@ -84,20 +85,29 @@ class Sequence:
         if self.cfg.attention == "block_causal":  # blocks are absolute: the canvas ends on a boundary
             self.gen_len = -(-(self.out_start + self.max_tokens) // b) * b - self.out_start
         self.out_end = self.out_start + self.gen_len
-        self.tokens = torch.tensor(self.prompt_ids + [self.cfg.mask_token_id] * self.gen_len, dtype=torch.long)
+        n = len(self.committed)
+        if n >= self.max_tokens:
+            raise ValueError(f"{n} committed tokens leave nothing to generate within max_tokens={self.max_tokens}")
+        if self.cfg.mask_token_id in self.committed:
+            raise ValueError("committed tokens must not contain the mask token")
+        self.tokens = torch.tensor(self.prompt_ids + list(self.committed)
+                                   + [self.cfg.mask_token_id] * (self.gen_len - n), dtype=torch.long)
         if self.cfg.attention == "block_causal":
             if self.cfg.logits_shift:
                 raise ValueError("block-causal models with shifted logits are not supported")
             first = self.out_start // b
             self.blocks = [(max(k * b, self.out_start), (k + 1) * b) for k in range(first, -(-self.out_end // b))]
-            self.prefill_blocks = first  # full prompt blocks; a partial tail joins the first output block
+            # full blocks of prompt (and of committed output, when resumed) are prefilled;
+            # a partial tail joins the first block that still has masks
+            self.prefill_blocks = (self.out_start + n) // b
+            self.block_idx = self.prefill_blocks - first
         else:
             self.blocks = [(s, min(s + b, self.out_end)) for s in range(self.out_start, self.out_end, b)]
             self.prefill_blocks = 0
+            self.block_idx = n // b
         self.prefilled = 0
-        self.block_idx = 0
         self.step_in_block = 0
-        self.masked_at_start = self._masked(self.blocks[0]).numel()
+        self.masked_at_start = self._masked(self.blocks[self.block_idx]).numel()
         self.pending: tuple[int, int] | None = None  # finished block whose KV is written next step
         self.needs_recompute = True
         self.cache: ExactCache | ApproxCache | None = None

@@ -60,3 +60,48 @@ def test_abort_frees_everything(tok):
     inst.abort("a")
     inst.run()
     assert set(inst.outputs) == {"b"} and not inst.engine.sequences and inst.scheduler.kv_reserved == 0
+
+
+
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_resume_from_committed_tokens(tok, attention):
+    """A request moved to another instance after whole blocks committed finishes with the same tokens;
+    resumed mid-block it keeps its committed prefix and still finishes."""
+    model = make_model(attention=attention)
+    prompts = ["story: cat 3", "rev: abcdef", "hello there friend"]
+    sp = SamplingParams(max_tokens=24, threshold=0.7)
+    alone = Engine(model, tok).generate(prompts, sp)
+    resumed = 0
+    for i, p in enumerate(prompts):
+        src = Instance(Engine(model, tok), slots=4)
+        src.add_request("r", p, sp)
+        seq = src.seqs["r"]
+        cuts = []  # the committed output whenever a block has just finished
+        while src.has_work():
+            before = seq.block_idx
+            src.step()
+            if not seq.finished and seq.block_idx > before:
+                cuts.append(seq.output_ids())
+        assert src.outputs["r"].token_ids == alone[i].token_ids
+        for committed in cuts:
+            dst = Instance(Engine(model, tok), slots=4)
+            dst.add_request("r", p, sp, committed=committed)
+            assert dst.scheduler.requests["r"].output_blocks == 3 - len(committed) // 8
+            dst.run()
+            assert dst.outputs["r"].token_ids == alone[i].token_ids, (attention, p, len(committed))
+            resumed += 1
+        mid = alone[i].token_ids[:5]  # mid-block: the prefix stays, the rest is decoded again
+        if len(mid) == 5:
+            dst = Instance(Engine(model, tok), slots=4)
+            dst.add_request("r", p, sp, committed=mid)
+            dst.run()
+            assert dst.outputs["r"].token_ids[:5] == mid
+    assert resumed >= 2
+
+
+def test_resume_rejects_bad_committed_tokens(tok):
+    engine = Engine(make_model(), tok)
+    with pytest.raises(ValueError, match="nothing to generate"):
+        engine.add_request("abc", SamplingParams(max_tokens=8), committed=[5] * 8)
+    with pytest.raises(ValueError, match="mask"):
+        engine.add_request("abc", SamplingParams(max_tokens=8), committed=[tok.mask_token_id])
