@@ -23,6 +23,16 @@ class AppConfig(BaseModel):
     predictors: bool = Field(True, description="use the model's trained work predictors (admission + refinement) "
                                                "when shipped; otherwise one round per block is assumed")
     cache: str = Field("dual", description="approximate cache of full-sequence models: none | prefix | dual")
+    router_policy: str = Field("remask", description="cluster router: remask | fixed-threshold | "
+                                                     "dynamic-no-load-control | infaas | llumnix")
+    thresholds: list[float] = Field([0.9, 0.8, 0.7], description="candidate confidence thresholds the router "
+                                                                  "chooses from per step (requests without their own)")
+    default_slo_ms: float = Field(60_000, gt=0, description="SLO of requests that give no slo_ms")
+    profile: str | None = Field(None, description="latency profile (profiles/<name>.json) the router predicts "
+                                                  "step times with; default cpu-<model> on CPU when measured, "
+                                                  "else h200-llada8b")
+    dead_after_s: float = Field(5.0, gt=0, description="an instance silent this long is declared dead and its "
+                                                       "requests resume elsewhere")
     cpus_per_replica: float = Field(0.5, gt=0, description="logical CPUs per Denoiser replica")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per TP rank (0 on CPU)")
 
@@ -39,6 +49,30 @@ class AppConfig(BaseModel):
         if v not in (None, "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be float32, bfloat16 or float16")
         return v
+
+    @field_validator("thresholds")
+    @classmethod
+    def _thresholds(cls, v: list[float]) -> list[float]:
+        if not v or any(not 0.0 < t <= 1.0 for t in v):
+            raise ValueError("thresholds must be a non-empty list of values in (0, 1]")
+        return sorted(set(v), reverse=True)
+
+    @field_validator("router_policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        from app.router.policies import ROUTER_POLICIES
+
+        ROUTER_POLICIES.make(v)  # raises with the known names
+        return v
+
+    def profile_name(self) -> str:
+        from engine.profile import PROFILES_DIR
+
+        if self.profile:
+            return self.profile
+        if not self.device.startswith("cuda") and (PROFILES_DIR / f"cpu-{self.model}.json").exists():
+            return f"cpu-{self.model}"
+        return "h200-llada8b"
 
     def torch_dtype(self):
         import torch

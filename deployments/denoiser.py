@@ -1,29 +1,33 @@
 """Denoiser deployment: one replica is one model instance running its own round loop.
 
 Bound once per TP degree (``Denoiser_TP1``, ``Denoiser_TP2``, ...). The replica
-never waits on the ingress: requests and aborts are control messages applied
-at the next round boundary, and progress streams back as events.
+never waits on the ingress: requests, aborts and thresholds arrive over the
+replica's control channel (``app.channel``) and apply at the next round
+boundary; progress leaves as one batch per round on the same channel. The
+replica registers its channel with the app's Ingress over Ray (again whenever
+it has had no ingress for a while, e.g. after an ingress restart).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import threading
 import time
 
 from ray import serve
 
 from app.config import AppConfig
 from engine.loading import load_engine
-from engine.loop import Overloaded, RoundLoop
-from engine.sequence import SamplingParams
 
 log = logging.getLogger("ray.serve")
 
 
-@serve.deployment(max_ongoing_requests=1024, health_check_period_s=5)
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=5)
 class Denoiser:
     def __init__(self, config: dict, tp: int = 1) -> None:
+        import ray
+
+        from app.replica import ReplicaServer
         from engine.instance import Instance
 
         self.cfg = AppConfig(**config)
@@ -39,19 +43,25 @@ class Denoiser:
             engine = load_engine(self.cfg.model, **kwargs)
         self.instance = Instance(engine, policy=self.cfg.policy, slots=self.cfg.slots,
                                  kv_capacity_tokens=self.cfg.kv_capacity_tokens, mirror=mirror)
-        if self.cfg.predictors:
-            self._attach_predictors()
-        self.queues: dict[str, asyncio.Queue] = {}
-        self.aio = None
-        self.loop = RoundLoop(self.instance, self._on_event, max_waiting=self.cfg.max_waiting)
+        describe = self._attach_predictors() if self.cfg.predictors else None
+        self.server = ReplicaServer(self.instance, max_waiting=self.cfg.max_waiting, describe=describe,
+                                    host=ray.util.get_node_ip_address())
+        self.loop, self.channel = self.server.loop, self.server.channel
+        ctx = serve.get_replica_context()
+        self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
+        self._stopped = threading.Event()
+        threading.Thread(target=self._register, name="remask-register", daemon=True).start()
 
-    def _attach_predictors(self) -> None:
+    def _attach_predictors(self):
         from predictors.bundle import PredictorError, load_predictors
+        from predictors.features import state_row
 
         try:
             load_predictors(self.cfg.model).attach(self.instance)
         except PredictorError as exc:
             log.warning("no work predictors: %s; assuming one round per block", exc)
+            return None
+        return state_row  # the router's step predictor reads these rows
 
     def _start_tensor_parallel(self, kwargs: dict):
         """Rank 0 here; ranks 1..tp-1 as actors in this replica's placement group."""
@@ -94,46 +104,36 @@ class Denoiser:
 
         return engine, mirror
 
-    def _on_event(self, req_id: str, event: dict) -> None:  # called from the round-loop thread
-        q = self.queues.get(req_id)
-        if q is not None and self.aio is not None:
-            self.aio.call_soon_threadsafe(q.put_nowait, event)
-
-    async def generate(self, request: dict):
-        """Stream events of one request: delta*, then done or error."""
-        self.aio = asyncio.get_running_loop()
-        rid = request["request_id"]
-        q: asyncio.Queue = asyncio.Queue()
-        self.queues[rid] = q
-        params = SamplingParams(max_tokens=request.get("max_tokens"), threshold=request.get("threshold"))
-        deadline = time.monotonic() + request["slo_ms"] / 1000 if request.get("slo_ms") else None
-        finished = False
-        try:
-            try:
-                self.loop.submit(rid, request["prompt"], params, deadline, sent_at=request.get("sent_at"))
-            except Overloaded as exc:
-                finished = True
-                yield {"type": "error", "status": 429, "message": f"server overloaded: {exc}"}
-                return
-            while True:
-                event = await q.get()
-                finished = event["type"] in ("done", "error")
-                yield event
-                if finished:
-                    return
-        finally:
-            self.queues.pop(rid, None)
-            if not finished:  # the client went away: free its slot and KV
-                self.loop.abort(rid)
+    def _register(self) -> None:
+        """Tell the app's Ingress where this replica's channel is, until an ingress connects;
+        again whenever no ingress has been connected for a few seconds."""
+        handle = None
+        info = {"replica": self.replica_id, "tp": self.tp, **self.server.info()}
+        while not self._stopped.is_set():
+            if not self.channel.connected and time.monotonic() - self.channel.last_peer > 2.0:
+                try:
+                    handle = handle or serve.get_deployment_handle("Ingress", self.app_name)
+                    handle.register.remote(info).result(timeout_s=30)
+                except Exception as exc:  # the ingress is starting or restarting: try again
+                    log.info("registering with the ingress failed (%s); retrying", exc)
+            self._stopped.wait(1.0)
 
     async def stats(self) -> dict:
-        return {"tp": self.tp, **self.loop.stats()}
+        return {"tp": self.tp, "replica": self.replica_id, "connected": self.channel.connected, **self.loop.stats()}
+
+    def record_autoscaling_stats(self) -> dict:
+        """Custom metrics for the application's autoscaling policy (the planner)."""
+        s = self.loop.stats()
+        return {"running": s["running"], "waiting": s["waiting"], "resident": s["resident"]}
 
     def check_health(self) -> None:
         if not self.loop.stats()["alive"]:
             raise RuntimeError("round loop died")
 
     def __del__(self) -> None:
-        loop = getattr(self, "loop", None)
-        if loop is not None:
-            loop.stop()
+        stopped = getattr(self, "_stopped", None)
+        if stopped is not None:
+            stopped.set()
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()

@@ -1,9 +1,11 @@
 """Ingress deployment: the OpenAI-compatible HTTP API (one replica).
 
-It validates requests, picks an instance, and streams each request's
-committed text back as blocks commit. Routing is deliberately simple until
-the cluster router lands: the Denoiser deployment of the lowest TP degree,
-replica chosen by Ray Serve's handle.
+It validates requests and hands them to the ``Dispatcher`` (``app.dispatch``),
+which hosts the cluster router: placement and migration across every
+Denoiser replica of every TP degree, per-step thresholds under load control,
+and resuming the requests of a replica that dies. Each Denoiser replica
+registers its control channel here (``register``); progress comes back as
+one batch per round and each request's committed text streams to its client.
 """
 
 # no `from __future__ import annotations`: FastAPI must see the real Request type
@@ -27,23 +29,37 @@ web = FastAPI(title="Remask", description="OpenAI-compatible serving of diffusio
 @serve.ingress(web)
 class Ingress:
     def __init__(self, denoisers: dict[int, DeploymentHandle], config: dict) -> None:
+        from app.dispatch import Dispatcher, build_router
         from engine.loading import resolve_model
         from engine.models.loader import load_config
         from engine.tokenizer import load_tokenizer
 
         self.cfg = AppConfig(**config)
-        self.denoisers = {int(k): v for k, v in denoisers.items()}
+        self.denoisers = {int(k): v for k, v in denoisers.items()}  # keeps the deployments in the app
         path = resolve_model(self.cfg.model)
         self.model_cfg = load_config(path)
         self.tokenizer = load_tokenizer(path)
         self.metrics = Metrics()
         self.control = ControlTimer()
+        self.dispatcher = Dispatcher(
+            build_router(self.cfg, self.model_cfg), self.tokenizer.decode, block_tokens=self.model_cfg.block_size,
+            full_sequence=self.model_cfg.attention != "block_causal",
+            per_instance_limit=self.cfg.slots * 8 + self.cfg.max_waiting, default_slo_s=self.cfg.default_slo_ms / 1e3,
+            dead_after_s=self.cfg.dead_after_s, on_batch=self._on_batch, on_migration=self.metrics.migration)
         self.started = time.time()
+
+    async def register(self, info: dict) -> int:
+        """A Denoiser replica announces its control channel (called over Ray, not HTTP)."""
+        return await self.dispatcher.connect(info["replica"], int(info["tp"]), info["host"], int(info["port"]),
+                                             info["secret"])
 
     # ---- endpoints ----------------------------------------------------------------------
     @web.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok", "model": self.cfg.name, "tp_degrees": sorted(self.denoisers)}
+    async def health(self):
+        ready = sorted({i.tp for i in self.dispatcher.instances.values()})
+        body = {"status": "ok" if ready else "starting", "model": self.cfg.name, "tp_degrees": sorted(self.denoisers),
+                "instances": len(self.dispatcher.instances), "ready_tp_degrees": ready}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @web.get("/v1/models")
     async def models(self) -> dict:
@@ -61,8 +77,9 @@ class Ingress:
 
     @web.get("/debug/instances")
     async def instances(self) -> dict:
-        """Each TP degree's replica state as one of its replicas reports it."""
-        return {str(d): await h.stats.remote() for d, h in sorted(self.denoisers.items())}
+        """Every instance's state as its last progress batch or tick reported it, and the dispatcher's counts."""
+        return {"instances": self.dispatcher.describe(), "dispatch": self.dispatcher.stats,
+                "router": self.dispatcher.router.stats}
 
     @web.post("/v1/completions")
     async def completions(self, request: Request):
@@ -73,60 +90,68 @@ class Ingress:
         return await self._serve("chat", request)
 
     # ---- one request ---------------------------------------------------------------------
-    def _parse(self, kind: str, body: bytes) -> api.GenRequest:
+    def _parse(self, kind: str, body: bytes) -> tuple[api.GenRequest, int]:
         req = api.parse_request(kind, body, known_models=[self.cfg.name], max_tokens_limit=self.cfg.max_tokens_limit,
                                 default_max_tokens=self.cfg.default_max_tokens
                                 or int(self.model_cfg.extra.get("gen_length", 128)))
         n_prompt = len(self.tokenizer.prompt_ids(req.prompt, self.model_cfg.block_size))
-        limit = self.model_cfg.max_position_embeddings
-        if n_prompt + req.max_tokens > limit:
+        limit, b = self.model_cfg.max_position_embeddings, self.model_cfg.block_size
+        if n_prompt + -(-req.max_tokens // b) * b > limit:  # the engine's canvas is whole blocks
             raise api.APIError(400, f"prompt ({n_prompt} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                                     f"model's context of {limit} tokens", param="prompt",
                                code="context_length_exceeded")
-        return req
+        return req, n_prompt
 
     async def _serve(self, kind: str, request: Request):
+        from app.dispatch import DispatchError
+
         try:
-            req = self._parse(kind, await request.body())
+            req, n_prompt = self._parse(kind, await request.body())
+            stream = self.dispatcher.submit(req.request_id, req.prompt, n_prompt, req.max_tokens,
+                                            threshold=req.threshold, slo_ms=req.slo_ms, priority=req.priority)
         except api.APIError as err:
             self.metrics.rejected("invalid")
             return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
-        handle = self.denoisers[min(self.denoisers)]
-        stream = handle.options(stream=True).generate.remote({
-            "request_id": req.request_id, "prompt": req.prompt, "max_tokens": req.max_tokens,
-            "threshold": req.threshold, "slo_ms": req.slo_ms, "priority": req.priority, "sent_at": time.time(),
-        })
+        except DispatchError as exc:
+            return self._refused(exc.status, str(exc))
         self.metrics.request_started()
-        first = await stream.__anext__()
+        try:
+            first = await stream.__anext__()
+        except BaseException:
+            stream.cancel()
+            raise
         if first["type"] == "error":
             self.metrics.request_finished(None, 0.0, None, 0, req.threshold, ok=False)
-            status = first.get("status", 500)
-            self.metrics.rejected("overload" if status == 429 else "error")
-            err = api.APIError(status, first["message"], type="rate_limit_error" if status == 429 else
-                               ("invalid_request_error" if status == 400 else "server_error"),
-                               headers={"Retry-After": "1"} if status == 429 else None)
-            return JSONResponse(err.to_dict(), status_code=status, headers=err.headers)
+            return self._refused(first.get("status", 500), first["message"])
         if req.stream:
-            return StreamingResponse(self._sse(req, first, stream), media_type="text/event-stream")
-        text, done = "", first
-        async for event in self._chain(first, stream):
-            if event["type"] == "delta":
-                text += event["text"]
-            done = event
+            return StreamingResponse(self._sse(req, stream), media_type="text/event-stream")
+        done = first
+        try:
+            async for event in stream:
+                done = event
+        finally:
+            stream.cancel()  # a no-op once it ended; frees the request if this handler was cancelled
         if done["type"] != "done":
-            return JSONResponse(api.APIError(500, done.get("message", "generation failed"),
-                                             type="server_error").to_dict(), status_code=500)
+            self.metrics.request_finished(None, 0.0, None, 0, req.threshold, ok=False)
+            return self._refused(done.get("status", 500), done.get("message", "generation failed"))
         self._finished(req, done)
         build = api.completion_response if kind == "completion" else api.chat_response
         return build(req, done["text"], done["finish_reason"], done["prompt_tokens"], done["completion_tokens"])
 
-    async def _sse(self, req: api.GenRequest, first: dict, stream):
+    def _refused(self, status: int, message: str) -> JSONResponse:
+        self.metrics.rejected({429: "overload", 400: "invalid"}.get(status, "error"))
+        kind = {429: "rate_limit_error", 400: "invalid_request_error", 503: "service_unavailable"}.get(
+            status, "server_error")
+        err = api.APIError(status, message, type=kind, headers={"Retry-After": "1"} if status in (429, 503) else None)
+        return JSONResponse(err.to_dict(), status_code=status, headers=err.headers)
+
+    async def _sse(self, req: api.GenRequest, stream):
         chat = req.kind == "chat"
         done = None
         try:
             if chat:
                 yield api.sse(api.chat_chunk(req, role=True))
-            async for event in self._chain(first, stream):
+            async for event in stream:
                 if event["type"] == "delta":
                     chunk = api.chat_chunk(req, event["text"]) if chat else api.completion_chunk(req, event["text"])
                     yield api.sse(chunk)
@@ -139,27 +164,30 @@ class Ingress:
                         yield api.sse(api.usage_chunk(req, event["prompt_tokens"], event["completion_tokens"]))
                 else:
                     yield api.sse({"error": {"message": event.get("message", "generation failed"),
-                                             "type": "server_error", "param": None, "code": None}})
+                                             "type": "server_error", "param": None, "code": event.get("status")}})
             yield api.sse("[DONE]")
         finally:
             if done is not None:
                 self._finished(req, done)
-            else:  # the client disconnected or the stream broke: the replica aborts the request
+            else:  # the client disconnected or the request failed: free it on its instance
                 stream.cancel()
                 self.metrics.request_finished(None, 0.0, None, 0, req.threshold, ok=False)
 
-    async def _chain(self, first: dict, stream):
-        self._timed(first)
-        yield first
-        async for event in stream:
-            self._timed(event)
-            yield event
-
-    def _timed(self, event: dict) -> None:
-        ms = self.control.event(event)
-        if ms is not None:
-            self.metrics.control.observe(ms / 1e3)
+    def _on_batch(self, batch: dict, now: float) -> None:
+        if batch.get("items"):
+            ms = self.control.event(batch)
+            if ms is not None:
+                self.metrics.control.observe(ms / 1e3)
+            for item in batch["items"]:
+                if item.get("accepted") is not None:
+                    self.control.add_ms.append(item["accepted"])
+            stepped = sum("steps" in item for item in batch["items"])
+            if stepped:
+                self.metrics.round_observed(stepped)
+        views = [i.stats for i in self.dispatcher.instances.values()]
+        self.metrics.set_queue(sum(v.get("running", 0) for v in views), sum(v.get("waiting", 0) for v in views))
 
     def _finished(self, req: api.GenRequest, done: dict) -> None:
         slo_met = None if req.slo_ms is None else done["e2e_s"] * 1000 <= req.slo_ms
-        self.metrics.request_finished(done["ttft_s"], done["e2e_s"], slo_met, done["rounds"], req.threshold, ok=True)
+        self.metrics.request_finished(done["ttft_s"], done["e2e_s"], slo_met, done["rounds"], done.get("threshold"),
+                                      ok=True)

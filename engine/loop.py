@@ -1,8 +1,24 @@
 """The round loop of one instance, in its own thread.
 
-Control messages (add, abort) are queued and take effect at the next round
-boundary, so the loop never waits on its callers; progress (newly committed
-text, completion, errors) is published through a callback as events.
+Control messages (add, abort, thresholds) are queued and take effect at the
+next round boundary, so the loop never waits on its callers. Progress leaves
+as one *batch* per round boundary through a callback: for every request that
+stepped, its newly committed token ids, its step count, its next step's kind,
+and (with a ``describe`` function) its step-predictor state row; plus requests
+accepted, rejected or finished at that boundary, and the instance's stats.
+One message per round, not one per request, keeps the control path cheap; the
+receiver turns token ids into text.
+
+A batch::
+
+    {"t": wall-clock emission time, "round": n, "round_ms": last round's time,
+     "stats": {...}, "items": [item, ...]}
+
+Items (all carry ``"id"``): ``{"accepted": add_ms, "prompt_tokens": n}``,
+``{"error": message, "status": 400 | 429 | 500}``, and step items
+``{"ids": [...], "steps": rounds so far, "heavy": next step is prefill or
+recompute, "row": [...] or absent, "done": None | {"finish_reason", "rounds",
+"completion_tokens"}}``.
 """
 
 from __future__ import annotations
@@ -12,13 +28,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.instance import Instance
-from engine.sequence import SamplingParams
+from engine.sched_types import StepKind
+from engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
-Event = dict
+Batch = dict
+HEAVY = (StepKind.PREFILL, StepKind.RECOMPUTE)
 
 
 class Overloaded(Exception):
@@ -27,20 +45,20 @@ class Overloaded(Exception):
 
 @dataclass
 class _Tracked:
-    sent_text: str = ""
-    prompt_tokens: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    first_token: float | None = None
-    add_ms: float | None = None  # sender's dispatch -> applied at a round boundary
+    sent: int = 0  # output token ids already published
 
 
 class RoundLoop:
-    def __init__(self, instance: Instance, on_event: Callable[[str, Event], None], max_waiting: int = 256,
-                 idle_wait_s: float = 0.05) -> None:
+    def __init__(self, instance: Instance, on_batch: Callable[[Batch], None], max_waiting: int = 256,
+                 idle_wait_s: float = 0.05, describe: Callable[[Sequence, float | None], list[float]] | None = None,
+                 ) -> None:
+        """``describe(seq, threshold)``: the state row a step item carries (the router's step
+        features), called after each of the request's steps with the threshold it used."""
         self.instance = instance
-        self._emit = on_event
+        self._emit = on_batch
         self.max_waiting = max_waiting
         self.idle_wait_s = idle_wait_s
+        self.describe = describe
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -53,23 +71,31 @@ class RoundLoop:
         self._thread = threading.Thread(target=self._run, name="remask-round-loop", daemon=True)
         self._thread.start()
 
-    def on_event(self, req_id: str, event: Event) -> None:
-        event["t"] = time.time()  # wall clock: the receiver measures the event's delivery time
-        self._emit(req_id, event)
-
     # ---- control (any thread) ------------------------------------------------------------
     def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams,
-               deadline: float | None = None, sent_at: float | None = None) -> None:
-        """Queue a request; ``sent_at`` (wall clock) is when its sender dispatched it."""
+               deadline: float | None = None, sent_at: float | None = None,
+               committed: list[int] | None = None) -> None:
+        """Queue a request; ``sent_at`` (wall clock) is when its sender dispatched it;
+        ``committed``: output tokens another instance already committed (resume)."""
         with self._lock:
             if self.instance.scheduler.num_waiting + self._pending >= self.max_waiting:
                 raise Overloaded(f"{self.max_waiting} requests already waiting")
             self._pending += 1
-        self._cmds.put(("add", req_id, prompt, params, deadline, sent_at))
+        self._cmds.put(("add", req_id, prompt, params, deadline, sent_at, committed))
         self._wake.set()
 
     def abort(self, req_id: str) -> None:
         self._cmds.put(("abort", req_id))
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        """Drop every request (their receiver is gone)."""
+        self._cmds.put(("abort_all",))
+        self._wake.set()
+
+    def set_thresholds(self, thresholds: dict[str, float]) -> None:
+        """Thresholds of the requests' next steps, from the next round on."""
+        self._cmds.put(("thresholds", thresholds))
         self._wake.set()
 
     def stop(self) -> None:
@@ -84,32 +110,47 @@ class RoundLoop:
                 "kv_reserved_tokens": s.kv_reserved, "alive": self._thread.is_alive()}
 
     # ---- the loop ----------------------------------------------------------------------------
-    def _apply_commands(self) -> None:
+    def _apply_commands(self, items: list[dict]) -> bool:
+        applied = False
         while True:
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
-                return
-            if cmd[0] == "add":
-                _, req_id, prompt, params, deadline, sent_at = cmd
+                return applied
+            applied = True
+            op = cmd[0]
+            if op == "add":
+                _, req_id, prompt, params, deadline, sent_at, committed = cmd
                 with self._lock:
                     self._pending -= 1
                 try:
-                    self.instance.add_request(req_id, prompt, params, deadline=deadline)
-                    seq = self.instance.seqs[req_id]
-                    self._tracked[req_id] = _Tracked(prompt_tokens=len(seq.prompt_ids),
-                                                     add_ms=None if sent_at is None else (time.time() - sent_at) * 1e3)
+                    self.instance.add_request(req_id, prompt, params, deadline=deadline, committed=committed)
                 except (ValueError, RuntimeError) as exc:
-                    self.on_event(req_id, {"type": "error", "status": 400, "message": str(exc)})
-            elif cmd[0] == "abort":
-                req_id = cmd[1]
-                if self._tracked.pop(req_id, None) is not None:
+                    items.append({"id": req_id, "error": str(exc), "status": 400})
+                    continue
+                seq = self.instance.seqs[req_id]
+                self._tracked[req_id] = _Tracked(sent=len(seq.committed))
+                items.append({"id": req_id, "accepted": None if sent_at is None else (time.time() - sent_at) * 1e3,
+                              "prompt_tokens": len(seq.prompt_ids) - len(seq.committed)})
+            elif op == "abort":
+                if self._tracked.pop(cmd[1], None) is not None:
+                    self.instance.abort(cmd[1])
+            elif op == "abort_all":
+                for req_id in list(self._tracked):
                     self.instance.abort(req_id)
+                self._tracked.clear()
+            elif op == "thresholds":
+                for req_id, t in cmd[1].items():
+                    if req_id in self._tracked:
+                        self.instance.set_threshold(req_id, t)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._apply_commands()
+            items: list[dict] = []
+            applied = self._apply_commands(items)
             if not self.instance.has_work():
+                if applied:
+                    self._send(items)
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
                 continue
@@ -121,37 +162,46 @@ class RoundLoop:
                 log.exception("round failed")
                 for req_id in list(self._tracked):
                     self.instance.abort(req_id)
-                    self.on_event(req_id, {"type": "error", "status": 500, "message": f"round failed: {exc}"})
+                    items.append({"id": req_id, "error": f"round failed: {exc}", "status": 500})
                 self._tracked.clear()
+                self._send(items)
                 continue
             self.rounds += 1
             self.filled_slots += len(plan.slots)
-            finished = {r.req_id: r for r in done}
+            finished = {r.req_id for r in done}
             for slot in plan.slots:
-                self._publish(slot.req_id, finished.get(slot.req_id))
+                item = self._step_item(slot.req_id, slot.req_id in finished)
+                if item is not None:
+                    items.append(item)
+            self._send(items)
 
-    def _publish(self, req_id: str, finished) -> None:
+    def _step_item(self, req_id: str, finished: bool) -> dict | None:
         tr = self._tracked.get(req_id)
         if tr is None:
-            return
-        if finished is not None:
+            return None
+        if finished:
             out = self.instance.outputs.pop(req_id)
-            text, ids = out.text, out.token_ids
+            ids = out.token_ids
+            seq = None
         else:
             seq = self.instance.seqs[req_id]
             ids = seq.output_ids()
-            text = self.instance.engine.tokenizer.decode(ids)
-        if len(text) > len(tr.sent_text) and text.startswith(tr.sent_text):
-            if tr.first_token is None:
-                tr.first_token = time.monotonic()
-            self.on_event(req_id, {"type": "delta", "text": text[len(tr.sent_text):]})
-            tr.sent_text = text
-        if finished is not None:
+        item = {"id": req_id, "ids": ids[tr.sent:], "done": None}
+        tr.sent = max(tr.sent, len(ids))
+        if finished:
             del self._tracked[req_id]
-            now = time.monotonic()
-            self.on_event(req_id, {
-                "type": "done", "finish_reason": "length" if out.finish_reason == "length" else "stop",
-                "text": text, "prompt_tokens": tr.prompt_tokens, "completion_tokens": len(ids),
-                "rounds": out.rounds, "ttft_s": (tr.first_token or now) - tr.arrival, "e2e_s": now - tr.arrival,
-                "add_ms": tr.add_ms,
-            })
+            item["done"] = {"finish_reason": "length" if out.finish_reason == "length" else "stop",
+                            "rounds": out.rounds, "completion_tokens": len(ids)}
+            item["steps"], item["heavy"] = out.rounds, False
+        else:
+            item["steps"], item["heavy"] = seq.rounds, seq.next_kind() in HEAVY
+            if self.describe is not None:
+                item["row"] = self.describe(seq, seq.threshold)
+        return item
+
+    def _send(self, items: list[dict]) -> None:
+        try:
+            self._emit({"t": time.time(), "round": self.rounds, "round_ms": self.last_round_s * 1e3,
+                        "stats": self.stats(), "items": items})
+        except Exception:  # the receiver's problem must not stop the rounds
+            log.exception("publishing a round's progress failed")

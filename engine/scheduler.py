@@ -101,7 +101,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        """Requests in the last round's batch."""
+        """Requests of the last round's batch that are still unfinished."""
         return len(self._running)
 
     @property
@@ -245,6 +245,7 @@ class Scheduler:
                     req.first_block_time = now
                 req.residency = Residency.FINISHED
                 self._release(req)
+                self._running.discard(req.req_id)
                 del self.requests[req.req_id]
                 self.finished.append(req)
                 done.append(req)

@@ -115,6 +115,7 @@ class Sequence:
         self.first_hidden: torch.Tensor | None = None  # pooled rows of the first denoising round's block
         self.first_confidences: torch.Tensor | None = None  # that round's confidences of the masked positions
         self.refined_rounds: float | None = None  # set once by the engine's refine hook
+        self.last_confidences: torch.Tensor | None = None  # the last step's confidences of masked positions
 
     # ---- what the scheduler needs -------------------------------------------------
     @property
@@ -181,6 +182,7 @@ class Sequence:
         span = self.blocks[self.block_idx]
         masked = self._masked(span)
         conf, tok = confidence(logits[masked - self.cfg.logits_shift - q_start], self.cfg.mask_token_id)
+        self.last_confidences = conf
         chosen = self.rule.select(conf, self.step_in_block, self.masked_at_start, self.threshold)
         self.tokens[masked[chosen]] = tok[chosen]
         self.step_in_block += 1

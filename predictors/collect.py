@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from predictors.features import admission_row, confidence_stats, step_row
+from predictors.features import admission_row, confidence_stats, state_row
 
 DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -99,7 +99,7 @@ def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", pr
                     blocks[seq.seq_id].append(in_block[seq.seq_id])
                     in_block[seq.seq_id] = 0
                 if not rep.finished:
-                    steps[seq.seq_id].append((_state_row(seq, t, rep), seq.rounds))
+                    steps[seq.seq_id].append((state_row(seq, t), seq.rounds))
             finished = sum(s.finished for s in live)
             live = [s for s in live if not s.finished]
             bar.update(finished)
@@ -123,19 +123,6 @@ def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", pr
             engine.sequences.pop(seq.seq_id, None)
     bar.close()
     return ds
-
-
-def _state_row(seq, threshold: float, rep) -> list[float]:
-    out = seq.tokens[seq.out_start : seq.out_end]
-    unmasked = int((out != seq.cfg.mask_token_id).sum())
-    if seq.block_idx < len(seq.blocks):
-        bs, be = seq.blocks[seq.block_idx]
-        block_len = be - bs
-        block_unmasked = block_len - seq._masked((bs, be)).numel()
-    else:
-        block_len, block_unmasked = 1, 1
-    return step_row(threshold, seq.gen_len, unmasked, block_unmasked, block_len,
-                    len(seq.blocks) - seq.block_idx, seq.step_in_block, confidence_stats(rep.confidences).tolist())
 
 
 def heldout_and_train(n_train: int, n_heldout: int, seed: int = 0):

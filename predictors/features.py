@@ -49,6 +49,22 @@ def step_row(threshold: float, output_len: int, unmasked: int, block_unmasked: i
             float(blocks_left), float(step_in_block), *conf_stats]
 
 
+def state_row(seq, threshold: float | None) -> list[float]:
+    """The step row of an engine ``Sequence`` right after its step at ``threshold``: collection
+    records it for training, and a replica's round loop sends it to the router."""
+    out = seq.tokens[seq.out_start : seq.out_end]
+    unmasked = int((out != seq.cfg.mask_token_id).sum())
+    if seq.block_idx < len(seq.blocks):
+        bs, be = seq.blocks[seq.block_idx]
+        block_len = be - bs
+        block_unmasked = block_len - seq._masked((bs, be)).numel()
+    else:
+        block_len, block_unmasked = 1, 1
+    return step_row(DEFAULT_THRESHOLD if threshold is None else threshold, seq.gen_len, unmasked, block_unmasked,
+                    block_len, len(seq.blocks) - seq.block_idx, seq.step_in_block,
+                    confidence_stats(seq.last_confidences).tolist())
+
+
 def with_thresholds(rows: np.ndarray, thresholds: Sequence[float]) -> np.ndarray:
     """Every row once per candidate threshold: shape [n * m, 11], threshold-major within a row."""
     rows = np.asarray(rows, dtype=np.float64)

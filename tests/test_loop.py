@@ -14,15 +14,24 @@ from tests.conftest import make_model
 
 
 class Collector:
+    """Gathers a loop's batches into per-request items."""
+
     def __init__(self) -> None:
-        self.events: dict[str, list[dict]] = {}
+        self.items: dict[str, list[dict]] = {}
+        self.batches: list[dict] = []
         self.done = threading.Event()
         self.expect = 0
 
-    def __call__(self, req_id: str, event: dict) -> None:
-        self.events.setdefault(req_id, []).append(event)
-        if sum(e[-1]["type"] in ("done", "error") for e in self.events.values()) >= self.expect:
+    def __call__(self, batch: dict) -> None:
+        self.batches.append(batch)
+        for item in batch["items"]:
+            self.items.setdefault(item["id"], []).append(item)
+        ended = sum(any(i.get("done") or "error" in i for i in its) for its in self.items.values())
+        if ended >= self.expect:
             self.done.set()
+
+    def ids(self, req_id: str) -> list[int]:
+        return [t for i in self.items[req_id] for t in i.get("ids", [])]
 
 
 def test_round_loop_streams_every_request_to_completion(tok):
@@ -37,11 +46,14 @@ def test_round_loop_streams_every_request_to_completion(tok):
         loop.submit("long", "x" * 600, SamplingParams(max_tokens=8))  # longer than the context
         assert sink.done.wait(30)
         for i, r in enumerate(ref):
-            events = sink.events[f"q{i}"]
-            assert events[-1]["type"] == "done" and events[-1]["text"] == r.text
-            assert "".join(e["text"] for e in events if e["type"] == "delta") == r.text
-            assert events[-1]["completion_tokens"] == len(r.token_ids)
-        assert sink.events["long"][-1]["type"] == "error" and sink.events["long"][-1]["status"] == 400
+            items = sink.items[f"q{i}"]
+            assert items[0]["accepted"] is None and items[0]["prompt_tokens"] > 0
+            done = items[-1]["done"]
+            assert done["completion_tokens"] == len(r.token_ids) and done["rounds"] == r.rounds
+            assert sink.ids(f"q{i}") == r.token_ids  # every committed token exactly once
+            assert [i["steps"] for i in items[1:]] == sorted(i["steps"] for i in items[1:])
+        assert sink.items["long"][-1]["status"] == 400 and "context" in sink.items["long"][-1]["error"]
+        assert len(sink.batches) <= loop.rounds + 4  # one batch per round, not one message per request
         stats = loop.stats()
         assert stats["rounds"] > 0 and stats["resident"] == 0 and stats["kv_reserved_tokens"] == 0
     finally:
@@ -70,7 +82,7 @@ def test_abort_and_overload(tok):
         while inst.has_work() and time.time() < deadline:
             time.sleep(0.05)
         assert not inst.has_work() and inst.scheduler.kv_reserved == 0
-        assert sink.events["a"] and all(e["type"] == "delta" for e in sink.events["a"])  # streamed, never done
+        assert sink.ids("a") and not any(i.get("done") for i in sink.items["a"])  # streamed, never done
         loop._stop.set()  # freeze the loop so the queue fills
         loop._thread.join(timeout=5)
         loop.submit("b", "abc", SamplingParams())

@@ -175,11 +175,12 @@ def test_disconnect_frees_slot_and_kv(app_url):
                 break  # one chunk, then hang up mid-generation
     state = {}
     for _ in range(100):
-        state = httpx.get(app_url + "/debug/instances", timeout=30).json()["1"]
+        (state,) = httpx.get(app_url + "/debug/instances", timeout=30).json()["instances"].values()
         if state["running"] == 0 and state["resident"] == 0 and state["kv_reserved_tokens"] == 0:
             break
         time.sleep(0.1)
     assert state["running"] == 0 and state["resident"] == 0 and state["kv_reserved_tokens"] == 0, state
+    assert state["requests"] == 0  # the router forgot it too
 
 
 def test_control_path_is_measured(app_url):

@@ -162,6 +162,46 @@ class Router:
         if forget is not None:
             forget(req.req_id)
 
+    # ---- a changing cluster (the live ingress: replicas join, die and are replaced) -----------
+    def add_instance(self, inst_id: int, tp: int) -> InstanceState:
+        if inst_id in self.by_id:
+            raise ValueError(f"duplicate instance id {inst_id}")
+        if tp not in self.latency.profiles:
+            raise ValueError(f"no latency profile for TP-{tp}; profiled degrees: {self.latency.degrees}")
+        inst = InstanceState(inst_id, tp)
+        self.instances.append(inst)
+        self.by_id[inst_id] = inst
+        self.cap = cluster_capacity(self.latency, self.instances, 5.0, 0.1)
+        return inst
+
+    def remove_instance(self, inst_id: int) -> list[RequestState]:
+        """Drop an instance; its requests (still active here, unplaced) are returned for ``place``."""
+        inst = self.by_id.pop(inst_id)
+        self.instances.remove(inst)
+        orphans = [self.requests[r] for r in inst.requests if r in self.requests]
+        for req in orphans:
+            inst.remove(req)
+            if req.full_sequence:  # wherever it goes, it rebuilds its KV first
+                req.next_heavy = True
+            req.migrations += 1
+        self.cap = cluster_capacity(self.latency, self.instances, 5.0, 0.1)
+        return orphans
+
+    def place(self, req: RequestState, exclude: int | None = None) -> int | None:
+        """Place an active request again (its instance died or refused it); None: nowhere to go."""
+        if req.instance is not None:
+            self.by_id[req.instance].remove(req)
+        candidates = [i for i in self.instances if i.inst_id != exclude]
+        if not candidates:
+            return None
+        saved, self.instances = self.instances, candidates
+        try:
+            inst = self.policy.place(self, req)
+        finally:
+            self.instances = saved
+        inst.add(req)
+        return inst.inst_id
+
     # ---- helpers for policies -----------------------------------------------------------------
     def move(self, req: RequestState, src: InstanceState, dst: InstanceState) -> None:
         """Account ``req`` to ``dst``. No KV travels: a full-sequence request moved at a cached

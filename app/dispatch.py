@@ -1,0 +1,393 @@
+"""The ingress's view of the cluster: the router core driving live instances.
+
+``Dispatcher`` (asyncio, no Ray) owns one control channel per instance and
+the cluster router (``app.router.Router``). For each request it
+
+- places it on arrival (the router policy; Alg. 3 for ``remask``) and sends
+  it with the threshold of its first step;
+- turns each instance's per-round progress batch into the router's step
+  events (``on_step``), the request's streamed text, and new thresholds for
+  the instance's requests (``plan_thresholds``, Alg. 1 within the load
+  control caps of Alg. 2), sent back as one message per round;
+- migrates requests the router moves (abort on the source, resume on the
+  destination from the committed tokens: no KV travels);
+- resumes every request of an instance that dies on the others, from the
+  tokens it had committed, so nothing is lost (or fails it cleanly when no
+  instance is left or it failed ``max_resumes`` times);
+- cancels a request whose client went away.
+
+Text is decoded here from committed token ids; the instance only sends ids.
+A request's events (``RequestStream``): ``accepted`` once, then ``delta``
+text, then ``done`` or ``error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from app.channel import Link
+from app.router import RequestState, Router
+
+log = logging.getLogger(__name__)
+
+
+class DispatchError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class InstanceLink:
+    inst_id: int
+    replica: str
+    tp: int
+    link: Link
+    last_seen: float
+    stats: dict = field(default_factory=dict)
+    task: asyncio.Task | None = None
+
+
+@dataclass(eq=False)
+class _Live:
+    req_id: str
+    prompt: str
+    max_tokens: int
+    fixed: float | None  # the client's own threshold: the router never changes it
+    state: RequestState
+    queue: asyncio.Queue
+    arrival: float
+    committed: list[int] = field(default_factory=list)
+    text: str = ""
+    first_token: float | None = None
+    accepted: bool = False
+    sent_threshold: float | None = None
+    resumes: int = 0
+
+
+class RequestStream:
+    """One request's events, for the HTTP handler."""
+
+    def __init__(self, dispatcher: Dispatcher, live: _Live) -> None:
+        self._d, self._live = dispatcher, live
+        self.ended = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        if self.ended:
+            raise StopAsyncIteration
+        event = await self._live.queue.get()
+        if event["type"] in ("done", "error"):
+            self.ended = True
+        return event
+
+    def cancel(self) -> None:
+        """The client went away: free the request's slot and KV on its instance."""
+        if not self.ended:
+            self.ended = True
+            self._d.cancel(self._live.req_id)
+
+
+class Dispatcher:
+    def __init__(self, router: Router, decode: Callable[[list[int]], str], *, block_tokens: int,
+                 full_sequence: bool, per_instance_limit: int, default_slo_s: float = 60.0, max_resumes: int = 3,
+                 dead_after_s: float = 5.0, on_batch: Callable[[dict, float], None] | None = None,
+                 on_migration: Callable[[], None] | None = None) -> None:
+        """``per_instance_limit``: requests an instance may hold (slots, residents and its waiting
+        queue); past it on every instance, new requests get 429. ``on_batch(batch, now)`` sees every
+        progress batch (control-path timing, metrics)."""
+        self.router, self.decode = router, decode
+        self.block_tokens, self.full_sequence = block_tokens, full_sequence
+        self.per_instance_limit, self.default_slo_s = per_instance_limit, default_slo_s
+        self.max_resumes, self.dead_after_s = max_resumes, dead_after_s
+        self.on_batch, self.on_migration = on_batch, on_migration
+        self.instances: dict[int, InstanceLink] = {}
+        self.by_replica: dict[str, int] = {}
+        self.live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self.stats = {"resumed": 0, "migrated": 0, "failed_over": 0, "instances_lost": 0}
+        self._watchdog: asyncio.Task | None = None
+
+    # ---- instances ---------------------------------------------------------------------------
+    async def connect(self, replica: str, tp: int, host: str, port: int, secret: str) -> int:
+        """Open a replica's channel and add it to the router (idempotent per live replica)."""
+        if replica in self.by_replica:
+            inst = self.instances[self.by_replica[replica]]
+            inst.last_seen = time.monotonic()
+            return inst.inst_id
+        link = await Link.open(host, port, secret)
+        if replica in self.by_replica:  # registered twice while connecting
+            link.close()
+            return self.by_replica[replica]
+        inst_id = next(self._ids)
+        self.router.add_instance(inst_id, tp)
+        inst = InstanceLink(inst_id, replica, tp, link, time.monotonic())
+        self.instances[inst_id] = inst
+        self.by_replica[replica] = inst_id
+        inst.task = asyncio.get_running_loop().create_task(self._read(inst))
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        log.info("instance %d (TP-%d, replica %s) joined at %s:%d", inst_id, tp, replica, host, port)
+        return inst_id
+
+    def drop(self, inst_id: int, reason: str = "lost") -> None:
+        """An instance is gone: resume its requests elsewhere."""
+        inst = self.instances.pop(inst_id, None)
+        if inst is None:
+            return
+        self.by_replica.pop(inst.replica, None)
+        inst.link.close()
+        self.stats["instances_lost"] += 1
+        log.warning("instance %d (replica %s) %s; resuming its requests", inst_id, inst.replica, reason)
+        for state in self.router.remove_instance(inst_id):
+            live = self.live.get(state.req_id)
+            if live is not None:
+                self.stats["failed_over"] += 1
+                self._resume(live, None, f"its instance was {reason}")
+
+    async def _read(self, inst: InstanceLink) -> None:
+        while True:
+            msg = await inst.link.recv()
+            if msg is None:
+                break
+            inst.last_seen = time.monotonic()
+            op = msg.get("op")
+            if op == "batch":
+                try:
+                    self.handle_batch(inst.inst_id, msg)
+                except Exception:  # one bad batch must not stop the instance's stream
+                    log.exception("handling a progress batch of instance %d failed", inst.inst_id)
+            elif op == "tick":
+                inst.stats = msg.get("stats", inst.stats)
+        if inst.inst_id in self.instances:
+            self.drop(inst.inst_id, "disconnected")
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.dead_after_s / 2))
+            now = time.monotonic()
+            for inst in list(self.instances.values()):
+                if now - inst.last_seen > self.dead_after_s:
+                    self.drop(inst.inst_id, f"silent for {now - inst.last_seen:.1f} s")
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, req_id: str, prompt: str, prompt_tokens: int, max_tokens: int, *, threshold: float | None = None,
+               slo_ms: float | None = None, priority: int = 0) -> RequestStream:
+        if req_id in self.live:
+            raise DispatchError(400, f"duplicate request id {req_id!r}")
+        if not self.instances:
+            raise DispatchError(503, "no model instance is ready yet; retry shortly")
+        if all(i.n >= self.per_instance_limit for i in self.router.instances):
+            raise DispatchError(429, f"every instance holds {self.per_instance_limit} requests")
+        now = time.monotonic()
+        slo_s = slo_ms / 1000.0 if slo_ms is not None else self.default_slo_s
+        canvas = -(-max_tokens // self.block_tokens) * self.block_tokens
+        state = RequestState(req_id, now, now + slo_s, prompt_tokens, canvas, self.block_tokens, priority,
+                             self.full_sequence)
+        live = _Live(req_id, prompt, max_tokens, threshold, state, asyncio.Queue(), now)
+        if threshold is not None:
+            state.threshold = threshold
+        inst_id = self.router.add_request(state, now)
+        if self.router.by_id[inst_id].n > self.per_instance_limit:  # the policy chose a full one: the least full
+            inst_id = self._least_full(state)
+        self.live[req_id] = live
+        self._send_add(live, inst_id)
+        return RequestStream(self, live)
+
+    def _least_full(self, state: RequestState) -> int:
+        src = self.router.by_id[state.instance]
+        src.remove(state)
+        dst = min(self.router.instances, key=lambda i: (i.n, i.inst_id))
+        dst.add(state)
+        return dst.inst_id
+
+    def cancel(self, req_id: str) -> None:
+        live = self.live.pop(req_id, None)
+        if live is None:
+            return
+        inst_id = live.state.instance
+        self.router.finish(live.state)
+        if inst_id is not None and inst_id in self.instances:
+            self.instances[inst_id].link.send({"op": "abort", "id": req_id})
+
+    def _threshold_for(self, live: _Live, inst_id: int) -> float | None:
+        if live.fixed is not None:
+            return live.fixed
+        return self.router.plan_thresholds(inst_id, [live.state], time.monotonic())[0]
+
+    def _send_add(self, live: _Live, inst_id: int) -> None:
+        t = self._threshold_for(live, inst_id)
+        live.sent_threshold = t
+        left_s = live.state.deadline - time.monotonic()
+        ok = self.instances[inst_id].link.send({
+            "op": "add", "id": live.req_id, "prompt": live.prompt, "max_tokens": live.max_tokens, "threshold": t,
+            "slo_left_s": left_s, "sent_at": time.time(), "committed": live.committed})
+        if not ok:  # its channel just broke: the reader's drop resumes it, or do it now
+            self.drop(inst_id, "unreachable")
+
+    def _resume(self, live: _Live, exclude: int | None, why: str) -> None:
+        """Send an active request (unplaced in the router) to another instance from its committed tokens."""
+        live.resumes += 1
+        if live.resumes > self.max_resumes:
+            return self._fail(live, 500, f"request failed on {live.resumes} instances ({why})")
+        if len(live.committed) >= live.max_tokens:  # it had finished everything but its done message
+            return self._finish(live, {"finish_reason": "length", "rounds": live.state.steps_done,
+                                       "completion_tokens": len(live.committed)})
+        inst_id = self.router.place(live.state, exclude)
+        if inst_id is None:
+            return self._fail(live, 503, f"{why} and no other instance is available")
+        self.stats["resumed"] += 1
+        self._send_add(live, inst_id)
+
+    def _fail(self, live: _Live, status: int, message: str) -> None:
+        self.live.pop(live.req_id, None)
+        self.router.finish(live.state)
+        live.queue.put_nowait({"type": "error", "status": status, "message": message,
+                               "accepted": live.accepted})
+
+    def _finish(self, live: _Live, done: dict) -> None:
+        self.live.pop(live.req_id, None)
+        self.router.finish(live.state)
+        now = time.monotonic()
+        used = live.state.thresholds_used
+        live.queue.put_nowait({
+            "type": "done", "finish_reason": done["finish_reason"], "text": live.text,
+            "prompt_tokens": live.state.prompt_tokens, "completion_tokens": len(live.committed),
+            "rounds": live.state.steps_done, "ttft_s": (live.first_token or now) - live.arrival,
+            "e2e_s": now - live.arrival, "threshold": sum(used) / len(used) if used else live.sent_threshold,
+            "migrations": live.state.migrations, "resumes": live.resumes})
+
+    # ---- progress ----------------------------------------------------------------------------------
+    def handle_batch(self, inst_id: int, batch: dict) -> None:
+        now = time.monotonic()
+        inst = self.instances.get(inst_id)
+        if inst is None:
+            return
+        inst.stats = batch.get("stats", inst.stats)
+        if self.on_batch is not None:
+            self.on_batch(batch, now)
+        stepped, finished = [], []
+        for item in batch.get("items", ()):
+            live = self.live.get(item.get("id"))
+            if live is None or live.state.instance != inst_id:
+                continue  # finished, cancelled, or moved away since: stale
+            if "error" in item:
+                self._item_error(live, inst_id, item)
+            elif "accepted" in item:
+                if not live.accepted:
+                    live.accepted = True
+                    live.queue.put_nowait({"type": "accepted", "add_ms": item.get("accepted")})
+            else:
+                done = self._item_step(live, item, now)
+                stepped.append((live.state, bool(item.get("heavy")), done is not None))
+                if done is not None:
+                    finished.append((live, done))
+        if not stepped:
+            return
+        moves = self.router.on_step(inst_id, stepped, now)
+        for live, done in finished:
+            self._finish(live, done)
+        for state, dst in moves:
+            self._migrate(self.live[state.req_id], inst_id, dst)
+        self._plan(inst_id, now)
+
+    def _item_step(self, live: _Live, item: dict, now: float) -> dict | None:
+        ids = item.get("ids") or []
+        st = live.state
+        if ids:
+            live.committed.extend(ids)
+            text = self.decode(live.committed)
+            if len(text) > len(live.text) and text.startswith(live.text):
+                if live.first_token is None:
+                    live.first_token = now
+                live.queue.put_nowait({"type": "delta", "text": text[len(live.text):]})
+                live.text = text
+        row = item.get("row")
+        if row:  # the replica's step features (predictors.features.STEP_FEATURES order)
+            st.progress, st.block_progress = row[2], row[3]
+            st.blocks_left, st.step_in_block, st.conf_stats = max(int(row[4]), 1), int(row[5]), tuple(row[6:11])
+        else:
+            st.progress = len(live.committed) / max(st.output_tokens, 1)
+            st.blocks_left = max(1, -(-(st.output_tokens - len(live.committed)) // self.block_tokens))
+        return item.get("done")
+
+    def _item_error(self, live: _Live, inst_id: int, item: dict) -> None:
+        status = int(item.get("status", 500))
+        if status == 429:  # that instance's queue is full: another one, else shed
+            if len(self.router.instances) > 1 and live.resumes < self.max_resumes:
+                return self._resume(live, inst_id, "its instance was full")
+            return self._fail(live, 429, f"server overloaded: {item['error']}")
+        self._fail(live, status, item["error"])
+
+    def _migrate(self, live: _Live, src: int, dst: int) -> None:
+        self.instances[src].link.send({"op": "abort", "id": live.req_id})
+        self.stats["migrated"] += 1
+        if self.on_migration is not None:
+            self.on_migration()
+        self._send_add(live, dst)
+
+    def _plan(self, inst_id: int, now: float) -> None:
+        """New thresholds for the instance's requests whose threshold the router chooses."""
+        if not self.router.policy.dynamic:
+            return
+        inst = self.router.by_id[inst_id]
+        lives = [self.live[r] for r in inst.requests if r in self.live and self.live[r].fixed is None]
+        if not lives:
+            return
+        changed = {}
+        for live, t in zip(lives, self.router.plan_thresholds(inst_id, [lv.state for lv in lives], now)):
+            if t != live.sent_threshold:
+                changed[live.req_id] = t
+                live.sent_threshold = t
+        if changed:
+            self.instances[inst_id].link.send({"op": "thresholds", "map": changed})
+
+    # ---- views -----------------------------------------------------------------------------------
+    def describe(self) -> dict:
+        return {str(i.inst_id): {"replica": i.replica, "tp": i.tp, "requests": self.router.by_id[i.inst_id].n,
+                                 **i.stats} for i in self.instances.values()}
+
+
+def build_router(cfg, model_cfg) -> Router:
+    """The router of an app (``AppConfig``) serving a model (``ModelConfig``): latency profiles per
+    configured TP degree, and the model's trained step predictor when shipped (without one the
+    thresholds stay fixed: a dynamic policy needs step estimates)."""
+    from app.router import FeatureStepEstimator, RouterConfig, StepShape, TpLatencyModel
+    from engine.profile import load_tp_profiles
+
+    thresholds = tuple(sorted(cfg.thresholds, reverse=True))
+    shape = StepShape(block_tokens=model_cfg.block_size,
+                      sequence_tokens=int(model_cfg.extra.get("gen_length", 128)) + 64,
+                      full_sequence=model_cfg.attention != "block_causal")
+    latency = TpLatencyModel(load_tp_profiles(cfg.profile_name(), cfg.tp_degrees), cfg.slots, shape)
+    policy, every = cfg.router_policy, 1
+    try:
+        from predictors.bundle import load_predictors
+
+        step = load_predictors(cfg.model).step
+        estimator = FeatureStepEstimator(step.predict_rows, thresholds)
+        every = step.interval
+    except ValueError as exc:  # PredictorError: none shipped for this model
+        estimator = BlocksLeft(thresholds)
+        if policy not in ("fixed-threshold", "infaas", "llumnix"):
+            log.warning("no step predictor (%s): router policy %r falls back to fixed-threshold", exc, policy)
+            policy = "fixed-threshold"
+    rcfg = RouterConfig(thresholds=thresholds, fixed_threshold=thresholds[0], estimate_every=every)
+    return Router(policy, latency, estimator, [], rcfg)
+
+
+class BlocksLeft:
+    """Step estimate without a trained predictor: one step per block left (a lower bound)."""
+
+    def __init__(self, thresholds) -> None:
+        self.thresholds = tuple(thresholds)
+
+    def predict(self, states):
+        return [[float(s.blocks_left)] * len(self.thresholds) for s in states]

@@ -1,0 +1,154 @@
+"""The ingress's dispatcher against real instances on their control channels, in-process (no Ray):
+placement across instances, streamed text, thresholds from the router, cancellation, and requests
+resumed when an instance dies."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from app.channel import ChannelError, Link, encode
+from app.config import AppConfig
+from app.dispatch import Dispatcher, DispatchError, build_router
+from app.replica import ReplicaServer
+from engine import tasks
+from engine.instance import Instance
+from engine.loading import load_engine
+from predictors.bundle import load_predictors
+from predictors.features import state_row
+
+
+def make_replica(slots: int = 8, max_waiting: int = 64) -> ReplicaServer:
+    engine = load_engine("tiny-bd", max_slots=slots, max_gen_length=256)
+    inst = Instance(engine, slots=slots)
+    load_predictors("tiny-bd").attach(inst)
+    return ReplicaServer(inst, max_waiting=max_waiting, describe=state_row, tick_s=0.2)
+
+
+def make_dispatcher(**kw) -> Dispatcher:
+    from engine.loading import resolve_model
+    from engine.models.loader import load_config
+    from engine.tokenizer import load_tokenizer
+
+    cfg = AppConfig(model="tiny-bd", slots=8, **kw)
+    path = resolve_model("tiny-bd")
+    mcfg = load_config(path)
+    return Dispatcher(build_router(cfg, mcfg), load_tokenizer(path).decode, block_tokens=mcfg.block_size,
+                      full_sequence=False, per_instance_limit=cfg.slots * 8 + cfg.max_waiting, dead_after_s=2.0)
+
+
+async def collect(stream) -> tuple[str, dict]:
+    text, last = "", None
+    async for event in stream:
+        if event["type"] == "delta":
+            text += event["text"]
+        last = event
+    return text, last
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    reps = [make_replica(), make_replica()]
+    yield reps
+    for r in reps:
+        r.close()
+
+
+def examples(n: int):
+    return [e for e in tasks.heldout_set(400) if e.category in ("reverse", "choice", "arith")][:n]
+
+
+def test_requests_spread_over_instances_and_stream_correct_answers(replicas):
+    async def main():
+        d = make_dispatcher()
+        for i, r in enumerate(replicas):
+            await d.connect(f"r{i}", 1, **r.info())
+        exs = examples(24)
+        streams = [d.submit(f"q{i}", e.prompt, 20, 16, slo_ms=30_000) for i, e in enumerate(exs)]
+        placed = {d.live[f"q{i}"].state.instance for i in range(len(exs))}
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        return d, exs, results, placed
+
+    d, exs, results, placed = asyncio.run(main())
+    assert placed == {0, 1}  # the router used both instances
+    assert all(last["type"] == "done" for _, last in results)
+    assert all(text == last["text"] for text, last in results)  # the deltas add up to the answer
+    correct = sum(e.check(text) for e, (text, _) in zip(exs, results))
+    assert correct >= 0.8 * len(exs), correct
+    # the router chose each request's thresholds from the candidates, step by step
+    used = {last["threshold"] for _, last in results}
+    assert used and all(0.7 <= t <= 0.9 for t in used)
+    assert not d.live and all(i.n == 0 for i in d.router.instances)
+
+
+def test_a_dead_instance_loses_no_request():
+    async def main():
+        reps = [make_replica(slots=4), make_replica(slots=4)]
+        d = make_dispatcher()
+        for i, r in enumerate(reps):
+            await d.connect(f"k{i}", 1, **r.info())
+        exs = examples(16)
+        # one token per step: long enough to be caught mid-way
+        streams = [d.submit(f"q{i}", e.prompt, 20, 16, threshold=0.9999) for i, e in enumerate(exs)]
+        victims = [rid for rid, lv in d.live.items() if lv.state.instance == 0]
+        for _ in range(200):  # kill instance 0 once some of its requests have committed text
+            await asyncio.sleep(0.02)
+            if any(d.live.get(r) is not None and d.live[r].committed for r in victims):
+                break
+        reps[0].close()
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        reps[1].close()
+        return d, exs, results, victims
+
+    d, exs, results, victims = asyncio.run(main())
+    assert victims
+    assert len(results) == len(exs) and all(last["type"] == "done" for _, last in results), results
+    assert all(text == last["text"] for text, last in results)
+    assert d.stats["instances_lost"] == 1 and d.stats["failed_over"] >= 1
+    assert sum(last["resumes"] for _, last in results) == d.stats["failed_over"]
+    correct = sum(e.check(text) for e, (text, _) in zip(exs, results))
+    assert correct >= 0.75 * len(exs), correct
+
+
+def test_cancel_frees_the_instance_and_errors_are_clean(replicas):
+    async def main():
+        d = make_dispatcher()
+        with pytest.raises(DispatchError) as none_ready:
+            d.submit("x", "rev: abc", 10, 16)
+        await d.connect("c0", 1, **replicas[0].info())
+        s = d.submit("long", "story: owl 8", 12, 200, threshold=0.999)
+        first = await s.__anext__()
+        assert first["type"] == "accepted"
+        s.cancel()
+        state = {}
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            state = replicas[0].loop.stats()
+            if state["resident"] == 0 and state["kv_reserved_tokens"] == 0:
+                break
+        bad = d.submit("bad", "x" * 600, 700, 16)  # the instance refuses it: a clean 400
+        _, last = await collect(bad)
+        return none_ready.value, state, last, d
+
+    none_ready, state, last, d = asyncio.run(main())
+    assert none_ready.status == 503
+    assert state["resident"] == 0 and state["kv_reserved_tokens"] == 0, state
+    assert last["type"] == "error" and last["status"] == 400
+    assert not d.live
+
+
+def test_channel_refuses_a_wrong_secret_and_oversized_frames(replicas):
+    host, port = replicas[1].channel.address
+
+    async def main():
+        with pytest.raises(ChannelError):
+            await Link.open(host, port, "not-the-secret", timeout_s=5)
+
+    asyncio.run(main())
+    with socket.create_connection((host, port)) as sock:  # a frame header claiming 4 GiB
+        sock.sendall(b"\xff\xff\xff\xff")
+        sock.settimeout(5)
+        assert sock.recv(16) == b""  # the replica hung up, without reading the rest
+    assert len(encode({"op": "tick"})) < 64
