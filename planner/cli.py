@@ -32,7 +32,7 @@ def cmd_plan(args) -> int:
     config = Stage1Config(utilisation=args.utilisation, slo_scale=args.slo_scale, solver=args.solver,
                           single_batch=args.single_batch)
     report = plan_report(cluster, classes, args.profile, args.degrees, config,
-                         StepModel(block_tokens=args.block, kv_cache=args.kv_cache), args.solver)
+                         StepModel(block_tokens=args.block, kv_cache=args.kv_cache), args.solver, args.reference)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
@@ -52,5 +52,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--kv-cache", default="approx", choices=["approx", "none"])
     p.add_argument("--single-batch", action="store_true", help="one batch size per TP degree (slower)")
     p.add_argument("--solver", default="auto", choices=["auto", "highs", "gurobi"])
+    p.add_argument("--reference", action="store_true",
+                   help="Stage 1 with its first formulation (cvxpy, per-threshold shares), for comparison")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)

@@ -47,16 +47,20 @@ def capacity_dict(plan: CapacityPlan) -> dict:
 
 def plan_report(cluster: Cluster, classes: list[WorkloadClass], profile: str = "h200-llada8b",
                 degrees: tuple[int, ...] = (1, 2, 4), stage1: Stage1Config | None = None,
-                steps: StepModel | None = None, solver: str = "auto") -> dict:
+                steps: StepModel | None = None, solver: str = "auto", reference: bool = False) -> dict:
+    """``reference``: Stage 1 with its first formulation (``stage1_reference``), for comparison."""
     profiles = load_tp_profiles(profile, degrees)
-    plan = plan_capacity(classes, cluster.gpus, profiles, steps, stage1, cluster.slots(degrees))
+    solve = plan_capacity
+    if reference:
+        from planner.stage1_reference import plan_capacity_reference as solve
+    plan = solve(classes, cluster.gpus, profiles, steps, stage1, cluster.slots(degrees))
     start = [Instance(f"init-{n}-{k}", n, 1) for n, g in enumerate(cluster.gpus_per_node) for k in range(g)]
     trans = plan_transition(cluster, start, plan.counts, Stage2Config(solver=solver))
     return {
         "nodes": len(cluster.gpus_per_node), "gpus": cluster.gpus, "profile": profile,
         "workload": [{"name": c.name, "rate": round(c.rate, 4), "input_tokens": c.input_tokens,
                       "output_tokens": c.output_tokens} for c in classes],
-        "stage1": capacity_dict(plan),
+        "stage1": capacity_dict(plan) | {"formulation": "reference" if reference else "aggregated"},
         "stage2_from_all_tp1": {"kept": len(trans.kept), "starts": sum(a.kind == "start" for a in trans.actions),
                                 "stops": sum(a.kind == "stop" for a in trans.actions), "unplaced": trans.unplaced,
                                 "solver": trans.solve.solver, "solve_ms": round(trans.solve.seconds * 1e3, 2)},

@@ -26,7 +26,7 @@ HIGHS_OPTIONS = {"mip_rel_gap": 1e-6, "mip_heuristic_run_feasibility_jump": Fals
 class SolveInfo:
     solver: str  # the solver that produced the answer
     status: str
-    seconds: float  # wall time, including cvxpy's compilation
+    seconds: float  # wall time, including model building (cvxpy compilation or, for Stage 1, its arrays)
     fallback: str | None = None  # why the preferred solver was not used
 
 
