@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # CPU build of torch (a local wheel on these machines); an unpinned torch pulls a CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: test serve demo lint install clean
+.PHONY: test test-faults serve demo lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,11 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q
+
+# Fault injection (a few minutes): 200 streamed requests, two Denoiser replicas killed under load;
+# fails unless every request completed or failed cleanly.
+test-faults: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/remask faults --requests 200 --kills 2
 
 # The Ray Serve application on this machine (CPU, embedded tiny-bd model), on 127.0.0.1:8000.
 serve: $(STAMP)

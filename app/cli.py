@@ -171,6 +171,25 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_faults(args) -> int:
+    from app.faults import run_faults
+
+    if args.requests < 1 or args.kills < 0 or args.rate <= 0 or args.replicas < 2:
+        raise ValueError("need --requests >= 1, --kills >= 0, --rate > 0 and --replicas >= 2")
+    res = run_faults(args.requests, args.kills, args.rate, args.replicas, args.port)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"{res['requests']} requests, {res['kills']} replica kills: {res['completed']} completed, "
+              f"{res['failed']} failed cleanly, {res['lost']} lost; accuracy {res['accuracy']:.3f}")
+        for k in res["kill_reports"]:
+            print(f"  kill {k['replica']} ({k['requests_held']} requests): dropped by the ingress after "
+                  f"{k.get('detected_s')} s; silence of its requests {k.get('resume_gap_s')} s; replacement "
+                  f"joined after {k.get('replaced_s')} s")
+        print(f"  dispatcher: {res['dispatch']}")
+    return 0 if res["lost"] == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remask", description="Serve diffusion language models with SLOs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -254,6 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--rounds", type=int, default=6)
     f.add_argument("--device", default="cpu")
     f.set_defaults(func=cmd_profile)
+
+    x = sub.add_parser("faults", help="fault injection: kill Denoiser replicas of a live app under load")
+    x.add_argument("--requests", type=int, default=200)
+    x.add_argument("--kills", type=int, default=2)
+    x.add_argument("--rate", type=float, default=8.0, help="requests per second")
+    x.add_argument("--replicas", type=int, default=3, help="TP-1 Denoiser replicas")
+    x.add_argument("--port", type=int, default=8790)
+    x.add_argument("--json", action="store_true")
+    x.set_defaults(func=cmd_faults)
 
     from predictors.cli import add_parsers as predictor_parsers
 

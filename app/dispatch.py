@@ -51,6 +51,7 @@ class InstanceLink:
     last_seen: float
     stats: dict = field(default_factory=dict)
     task: asyncio.Task | None = None
+    meta: dict = field(default_factory=dict)  # what the replica told about itself (e.g. its Ray actor name)
 
 
 @dataclass(eq=False)
@@ -116,7 +117,7 @@ class Dispatcher:
         self._watchdog: asyncio.Task | None = None
 
     # ---- instances ---------------------------------------------------------------------------
-    async def connect(self, replica: str, tp: int, host: str, port: int, secret: str) -> int:
+    async def connect(self, replica: str, tp: int, host: str, port: int, secret: str, meta: dict | None = None) -> int:
         """Open a replica's channel and add it to the router (idempotent per live replica)."""
         if replica in self.by_replica:
             inst = self.instances[self.by_replica[replica]]
@@ -128,7 +129,7 @@ class Dispatcher:
             return self.by_replica[replica]
         inst_id = next(self._ids)
         self.router.add_instance(inst_id, tp)
-        inst = InstanceLink(inst_id, replica, tp, link, time.monotonic())
+        inst = InstanceLink(inst_id, replica, tp, link, time.monotonic(), meta=dict(meta or {}))
         self.instances[inst_id] = inst
         self.by_replica[replica] = inst_id
         inst.task = asyncio.get_running_loop().create_task(self._read(inst))
@@ -352,7 +353,7 @@ class Dispatcher:
     # ---- views -----------------------------------------------------------------------------------
     def describe(self) -> dict:
         return {str(i.inst_id): {"replica": i.replica, "tp": i.tp, "requests": self.router.by_id[i.inst_id].n,
-                                 **i.stats} for i in self.instances.values()}
+                                 **i.meta, **i.stats} for i in self.instances.values()}
 
 
 def build_router(cfg, model_cfg) -> Router:

@@ -49,6 +49,7 @@ class Denoiser:
         self.loop, self.channel = self.server.loop, self.server.channel
         ctx = serve.get_replica_context()
         self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
+        self.actor_name = ctx.replica_id.to_full_id_str()  # its Ray actor (namespace "serve")
         self._stopped = threading.Event()
         threading.Thread(target=self._register, name="remask-register", daemon=True).start()
 
@@ -108,7 +109,7 @@ class Denoiser:
         """Tell the app's Ingress where this replica's channel is, until an ingress connects;
         again whenever no ingress has been connected for a few seconds."""
         handle = None
-        info = {"replica": self.replica_id, "tp": self.tp, **self.server.info()}
+        info = {"replica": self.replica_id, "tp": self.tp, "actor": self.actor_name, **self.server.info()}
         while not self._stopped.is_set():
             if not self.channel.connected and time.monotonic() - self.channel.last_peer > 2.0:
                 try:

@@ -25,7 +25,9 @@ def app_url():
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app({"model": "tiny-bd", "slots": 16, "max_waiting": 64, "max_tokens_limit": 256}),
+    # two TP-1 replicas: the router spreads requests, and one can be killed
+    serve.run(build_app({"model": "tiny-bd", "slots": 16, "max_waiting": 64, "max_tokens_limit": 256,
+                         "replicas": {1: 2}}),
               name="remask", route_prefix="/", blocking=False)
     # the same model with tensor parallelism 2 (gloo on CPU), as a second application
     # (small queues: the overload test fills them)
@@ -37,7 +39,8 @@ def app_url():
 
     for _ in range(240):
         try:
-            if all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200 for p in ("", "/tp2")):
+            if all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200 for p in ("", "/tp2")) and \
+                    len(httpx.get(f"{BASE}/debug/instances", timeout=2).json()["instances"]) == 2:
                 break
         except httpx.HTTPError:
             pass
@@ -175,7 +178,8 @@ def test_disconnect_frees_slot_and_kv(app_url):
                 break  # one chunk, then hang up mid-generation
     state = {}
     for _ in range(100):
-        (state,) = httpx.get(app_url + "/debug/instances", timeout=30).json()["instances"].values()
+        views = httpx.get(app_url + "/debug/instances", timeout=30).json()["instances"].values()
+        state = {k: sum(v[k] for v in views) for k in ("running", "resident", "kv_reserved_tokens", "requests")}
         if state["running"] == 0 and state["resident"] == 0 and state["kv_reserved_tokens"] == 0:
             break
         time.sleep(0.1)
@@ -190,3 +194,51 @@ def test_control_path_is_measured(app_url):
     assert res["events"] > 6 and res["median_ms"] is not None and res["add_median_ms"] is not None
     text = httpx.get(app_url + "/metrics").text
     assert "remask_control_event_seconds_count" in text
+
+
+def test_killed_replica_loses_no_request(app_url):
+    """Kill the Denoiser replica holding the most requests mid-stream: its requests resume on the other
+    replica from their committed tokens, every stream completes, and Serve's replacement joins."""
+    import time
+
+    from engine import tasks
+
+    examples = [e for e in tasks.heldout_set(200) if e.category in ("reverse", "choice")][:16]
+    results = [None] * len(examples)
+
+    def run(i, ex):
+        text, finish = "", None
+        with httpx.stream("POST", app_url + "/v1/completions", timeout=300, json={
+                "prompt": ex.prompt, "max_tokens": 16, "threshold": 0.9999, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    finish = choice["finish_reason"] or finish
+        results[i] = (r.status_code, text, finish)
+
+    threads = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(examples)]
+    for t in threads:
+        t.start()
+    victim = None
+    for _ in range(200):  # the busiest replica, once it holds requests
+        views = httpx.get(app_url + "/debug/instances", timeout=30).json()["instances"]
+        busy = max(views.values(), key=lambda v: v["requests"])
+        if busy["requests"] >= 2:
+            victim = busy
+            break
+        time.sleep(0.02)
+    assert victim is not None
+    ray.kill(ray.get_actor(victim["actor"], namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(300)
+    assert all(r is not None and r[0] == 200 and r[2] == "stop" for r in results), results
+    assert sum(e.check(r[1]) for e, r in zip(examples, results)) >= 0.8 * len(examples)
+    dispatch = httpx.get(app_url + "/debug/instances", timeout=30).json()["dispatch"]
+    assert dispatch["instances_lost"] >= 1 and dispatch["failed_over"] >= 1, dispatch
+    for _ in range(600):  # Serve replaces the replica; it registers with the ingress
+        views = httpx.get(app_url + "/debug/instances", timeout=30).json()["instances"]
+        if len(views) == 2 and victim["replica"] not in {v["replica"] for v in views.values()}:
+            break
+        time.sleep(0.1)
+    assert len(views) == 2, views
