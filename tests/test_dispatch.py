@@ -152,3 +152,39 @@ def test_channel_refuses_a_wrong_secret_and_oversized_frames(replicas):
         sock.settimeout(5)
         assert sock.recv(16) == b""  # the replica hung up, without reading the rest
     assert len(encode({"op": "tick"})) < 64
+
+
+def test_router_migrates_requests_to_a_new_instance():
+    """tiny-mdm (full-sequence, approximate cache): requests piled on one instance move to a second one
+    that joins, at block boundaries (their next step recomputes anyway), and still finish correctly."""
+    from engine.loading import resolve_model
+    from engine.models.loader import load_config
+    from engine.tokenizer import load_tokenizer
+
+    def mdm_replica() -> ReplicaServer:
+        engine = load_engine("tiny-mdm", max_slots=8, max_gen_length=256)
+        inst = Instance(engine, slots=8)
+        load_predictors("tiny-mdm").attach(inst)
+        return ReplicaServer(inst, describe=state_row, tick_s=0.2)
+
+    async def main():
+        reps = [mdm_replica(), mdm_replica()]
+        cfg = AppConfig(model="tiny-mdm", slots=8)
+        path = resolve_model("tiny-mdm")
+        mcfg = load_config(path)
+        d = Dispatcher(build_router(cfg, mcfg), load_tokenizer(path).decode, block_tokens=mcfg.block_size,
+                       full_sequence=True, per_instance_limit=200)
+        await d.connect("m0", 1, **reps[0].info())
+        exs = [e for e in tasks.heldout_set(400) if e.category == "prose"][:12]
+        streams = [d.submit(f"q{i}", e.prompt, 20, 96, slo_ms=4_000) for i, e in enumerate(exs)]
+        await d.connect("m1", 1, **reps[1].info())
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        for r in reps:
+            r.close()
+        return d, exs, results
+
+    d, exs, results = asyncio.run(main())
+    assert all(last["type"] == "done" and text == last["text"] for text, last in results)
+    assert d.stats["migrated"] >= 1 and d.router.stats["migrations"] >= 1
+    assert sum(last["migrations"] for _, last in results) >= 1
+    assert sum(e.check(text) for e, (text, _) in zip(exs, results)) >= 0.5 * len(exs)
