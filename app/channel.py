@@ -62,6 +62,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
+def _hang_up(sock: socket.socket) -> None:
+    """Close now: shutdown sends the FIN and wakes a thread blocked in recv (close alone does neither
+    while another thread is inside a call on the socket)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
 def recv_frame(sock: socket.socket) -> dict | None:
     """One frame from a blocking socket; None at a clean end of stream."""
     head = _recv_exact(sock, HEADER.size)
@@ -120,11 +130,11 @@ class ReplicaChannel:
 
     def close(self) -> None:
         self._closed.set()
-        self._server.close()
+        _hang_up(self._server)
         with self._lock:
             conn, self._conn = self._conn, None
         if conn is not None:
-            conn.close()
+            _hang_up(conn)
 
     # ---- threads ---------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -153,7 +163,7 @@ class ReplicaChannel:
             old, self._conn = self._conn, conn
             self.last_peer = time.monotonic()
         if old is not None:  # a restarted ingress: the old one's requests have no receiver
-            old.close()
+            _hang_up(old)
             self.on_disconnect()
         self.send({"op": "ready"})
         try:
@@ -171,7 +181,7 @@ class ReplicaChannel:
             current = self._conn is conn
             if current:
                 self._conn = None
-        conn.close()
+        _hang_up(conn)
         if current:
             self.on_disconnect()
 

@@ -69,6 +69,7 @@ class _Live:
     accepted: bool = False
     sent_threshold: float | None = None
     resumes: int = 0
+    parked_at: float = 0.0
 
 
 class RequestStream:
@@ -99,15 +100,17 @@ class RequestStream:
 class Dispatcher:
     def __init__(self, router: Router, decode: Callable[[list[int]], str], *, block_tokens: int,
                  full_sequence: bool, per_instance_limit: int, default_slo_s: float = 60.0, max_resumes: int = 3,
-                 dead_after_s: float = 5.0, on_batch: Callable[[dict, float], None] | None = None,
+                 dead_after_s: float = 5.0, park_s: float = 30.0, on_batch: Callable[[dict, float], None] | None = None,
                  on_migration: Callable[[], None] | None = None) -> None:
         """``per_instance_limit``: requests an instance may hold (slots, residents and its waiting
-        queue); past it on every instance, new requests get 429. ``on_batch(batch, now)`` sees every
-        progress batch (control-path timing, metrics)."""
+        queue); past it on every instance, new requests get 429. ``park_s``: while no instance is up,
+        requests (new or resuming) wait this long for one to join, then get 503. ``on_batch(batch, now)``
+        sees every progress batch (control-path timing, metrics)."""
         self.router, self.decode = router, decode
         self.block_tokens, self.full_sequence = block_tokens, full_sequence
         self.per_instance_limit, self.default_slo_s = per_instance_limit, default_slo_s
-        self.max_resumes, self.dead_after_s = max_resumes, dead_after_s
+        self.max_resumes, self.dead_after_s, self.park_s = max_resumes, dead_after_s, park_s
+        self.parked: list[_Live] = []  # requests waiting for an instance to join
         self.on_batch, self.on_migration = on_batch, on_migration
         self.instances: dict[int, InstanceLink] = {}
         self.by_replica: dict[str, int] = {}
@@ -135,6 +138,7 @@ class Dispatcher:
         inst.task = asyncio.get_running_loop().create_task(self._read(inst))
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        self._unpark()
         log.info("instance %d (TP-%d, replica %s) joined at %s:%d", inst_id, tp, replica, host, port)
         return inst_id
 
@@ -177,15 +181,27 @@ class Dispatcher:
             for inst in list(self.instances.values()):
                 if now - inst.last_seen > self.dead_after_s:
                     self.drop(inst.inst_id, f"silent for {now - inst.last_seen:.1f} s")
+            self._expire_parked(now)
+
+    def _expire_parked(self, now: float) -> None:
+        keep = []
+        for live in self.parked:
+            if self.live.get(live.req_id) is not live:
+                continue
+            if now - live.parked_at > self.park_s:
+                self._fail(live, 503, f"no model instance joined within {self.park_s:.0f} s")
+            else:
+                keep.append(live)
+        self.parked = keep
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, req_id: str, prompt: str, prompt_tokens: int, max_tokens: int, *, threshold: float | None = None,
                slo_ms: float | None = None, priority: int = 0) -> RequestStream:
         if req_id in self.live:
             raise DispatchError(400, f"duplicate request id {req_id!r}")
-        if not self.instances:
-            raise DispatchError(503, "no model instance is ready yet; retry shortly")
-        if all(i.n >= self.per_instance_limit for i in self.router.instances):
+        if not self.instances and (self.park_s <= 0 or len(self.parked) >= self.per_instance_limit):
+            raise DispatchError(503, "no model instance is ready; retry shortly")
+        if self.instances and all(i.n >= self.per_instance_limit for i in self.router.instances):
             raise DispatchError(429, f"every instance holds {self.per_instance_limit} requests")
         now = time.monotonic()
         slo_s = slo_ms / 1000.0 if slo_ms is not None else self.default_slo_s
@@ -195,12 +211,37 @@ class Dispatcher:
         live = _Live(req_id, prompt, max_tokens, threshold, state, asyncio.Queue(), now)
         if threshold is not None:
             state.threshold = threshold
-        inst_id = self.router.add_request(state, now)
-        if self.router.by_id[inst_id].n > self.per_instance_limit:  # the policy chose a full one: the least full
-            inst_id = self._least_full(state)
         self.live[req_id] = live
-        self._send_add(live, inst_id)
+        if not self.instances:  # none yet (starting, or between a reconfiguration's stops and starts): wait
+            self._park(live)
+        else:
+            self._admit(live, now)
         return RequestStream(self, live)
+
+    def _admit(self, live: _Live, now: float) -> None:
+        inst_id = self.router.add_request(live.state, now)
+        if self.router.by_id[inst_id].n > self.per_instance_limit:  # the policy chose a full one: the least full
+            inst_id = self._least_full(live.state)
+        self._send_add(live, inst_id)
+
+    def _park(self, live: _Live) -> None:
+        """Hold a request until an instance joins (``park_s`` at most, then 503)."""
+        live.parked_at = time.monotonic()
+        self.parked.append(live)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    def _unpark(self) -> None:
+        parked, self.parked = self.parked, []
+        now = time.monotonic()
+        for live in parked:
+            if self.live.get(live.req_id) is not live:
+                continue  # cancelled meanwhile
+            if live.state.req_id in self.router.requests:  # an active request whose instance died: resume it
+                inst_id = self.router.place(live.state)
+                self._send_add(live, inst_id)
+            else:
+                self._admit(live, now)
 
     def _least_full(self, state: RequestState) -> int:
         src = self.router.by_id[state.instance]
@@ -213,6 +254,8 @@ class Dispatcher:
         live = self.live.pop(req_id, None)
         if live is None:
             return
+        if live in self.parked:
+            self.parked.remove(live)
         inst_id = live.state.instance
         self.router.finish(live.state)
         if inst_id is not None and inst_id in self.instances:
@@ -243,7 +286,10 @@ class Dispatcher:
                                        "completion_tokens": len(live.committed)})
         inst_id = self.router.place(live.state, exclude)
         if inst_id is None:
-            return self._fail(live, 503, f"{why} and no other instance is available")
+            if self.park_s <= 0 or self.instances:  # the only other instance refused it, or waiting is off
+                return self._fail(live, 503, f"{why} and no other instance is available")
+            self.stats["resumed"] += 1
+            return self._park(live)  # the next instance to join takes it
         self.stats["resumed"] += 1
         self._send_add(live, inst_id)
 

@@ -115,9 +115,18 @@ def test_a_dead_instance_loses_no_request():
 def test_cancel_frees_the_instance_and_errors_are_clean(replicas):
     async def main():
         d = make_dispatcher()
+        d.park_s = 0.3
+        early = d.submit("early", "rev: abc", 10, 16)  # no instance yet: it waits, then 503
+        _, gave_up = await collect(early)
+        assert gave_up["type"] == "error" and gave_up["status"] == 503, gave_up
+        d.park_s = 0
         with pytest.raises(DispatchError) as none_ready:
             d.submit("x", "rev: abc", 10, 16)
+        d.park_s = 30
+        waiting = d.submit("waits", "rev: abc", 10, 16)  # served once an instance joins
         await d.connect("c0", 1, **replicas[0].info())
+        text, last = await collect(waiting)
+        assert last["type"] == "done" and text == "cba", last
         s = d.submit("long", "story: owl 8", 12, 200, threshold=0.999)
         first = await s.__anext__()
         assert first["type"] == "accepted"
@@ -188,3 +197,33 @@ def test_router_migrates_requests_to_a_new_instance():
     assert d.stats["migrated"] >= 1 and d.router.stats["migrations"] >= 1
     assert sum(last["migrations"] for _, last in results) >= 1
     assert sum(e.check(text) for e, (text, _) in zip(exs, results)) >= 0.5 * len(exs)
+
+
+PROSE = ["story: fox 8", "story: owl 6"]
+
+
+def test_requests_wait_for_a_replacement_when_the_only_instance_dies():
+    async def main():
+        first = make_replica(slots=4)
+        d = make_dispatcher()
+        await d.connect("only", 1, **first.info())
+        streams = [d.submit(f"w{i}", p, 12, 200, threshold=0.9999) for i, p in enumerate(PROSE)]
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if any(len(lv.committed) > 1 for lv in d.live.values()):
+                break
+        first.close()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if d.parked:
+                break
+        parked = len(d.parked)
+        second = make_replica(slots=4)  # the replacement joins; the parked requests resume on it
+        await d.connect("replacement", 1, **second.info())
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        second.close()
+        return parked, results
+
+    parked, results = asyncio.run(main())
+    assert parked >= 1
+    assert all(last["type"] == "done" and tasks.check("prose", p, text) for p, (text, last) in zip(PROSE, results))
