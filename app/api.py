@@ -14,9 +14,9 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 ErrorType = Literal["invalid_request_error", "rate_limit_error", "server_error", "not_found_error"]
 CHAT_ROLES = ("system", "user", "assistant")
@@ -28,6 +28,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: ErrorType = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -42,6 +43,12 @@ class APIError(Exception):
     def __repr__(self) -> str:
         return (f"APIError({self.status}, {self.message!r}, type={self.type!r}, param={self.param!r}, "
                 f"code={self.code!r})")
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates (valid in JSON strings, not in UTF-8) escaped, so an error that quotes
+    a client's string can always be encoded."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -66,9 +73,28 @@ def not_found_error(message: str) -> APIError:
     return APIError(404, message, type="not_found_error", code="not_found")
 
 
+def body_too_large(limit: int) -> APIError:
+    """A 413 for a request body over ``limit`` bytes."""
+    return APIError(413, f"The request body is too large: at most {limit} bytes are accepted.",
+                    code="request_too_large")
+
+
+def check_content_length(header: str | None, limit: int) -> None:
+    """Raise 413 early when a declared ``Content-Length`` is over ``limit`` (the body is still counted as
+    it arrives: the header may be absent or wrong)."""
+    if header is not None and header.strip().isdigit() and int(header) > limit:
+        raise body_too_large(limit)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Request models
 # ---------------------------------------------------------------------------------------------------------------
+
+
+# The models below validate (through :func:`parse_request`, whose messages follow OpenAI's) and document
+# (:func:`request_schema`, the OpenAPI request bodies). Fields typed loosely so that the parser can word its
+# own errors carry the schema of what they accept.
+_STR_OR_STRS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
 
 
 def _check_str_or_str_list(value: Any, what: str) -> Any:
@@ -89,19 +115,23 @@ class _CommonRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    max_tokens: int | None = None
+    model: str | None = Field(None, description="the served model; the only one when absent")
+    max_tokens: int | None = Field(None, description="tokens to generate at most (the default when absent)",
+                                   json_schema_extra={"minimum": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(default=None, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, allow_inf_nan=False)
-    n: int | None = 1
-    stop: Any = None
+    temperature: float | None = Field(default=None, allow_inf_nan=False, description="accepted, not used")
+    top_p: float | None = Field(default=None, allow_inf_nan=False, description="accepted, not used")
+    n: int | None = Field(1, description="only 1 is supported", json_schema_extra={"minimum": 1, "maximum": 1})
+    stop: Annotated[Any, WithJsonSchema(_STR_OR_STRS)] = None
     user: str | None = None
     # Remask extensions
-    slo_ms: float | None = Field(default=None, allow_inf_nan=False)
-    priority: int = 0
-    threshold: float | None = Field(default=None, allow_inf_nan=False)
+    slo_ms: float | None = Field(default=None, allow_inf_nan=False, json_schema_extra={"minimum": 0},
+                                 description="Remask: end-to-end latency objective in milliseconds")
+    priority: int = Field(0, description="Remask: scheduling priority")
+    threshold: float | None = Field(default=None, allow_inf_nan=False,
+                                    json_schema_extra={"exclusiveMinimum": 0, "maximum": 1},
+                                    description="Remask: a fixed confidence threshold for parallel unmasking")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -112,7 +142,9 @@ class _CommonRequest(BaseModel):
 class CompletionRequest(_CommonRequest):
     """``POST /v1/completions``; ``prompt`` is one string (an array holding one string is accepted)."""
 
-    prompt: Any = None
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"required": ["prompt"]})
+    prompt: Annotated[Any, WithJsonSchema({"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}]})] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -124,8 +156,10 @@ class ChatMessage(BaseModel):
     """One chat message; ``content`` is a string (an array of text parts is flattened into one)."""
 
     model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
+    content: Annotated[str, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]})]
 
     @field_validator("content", mode="before")
     @classmethod
@@ -141,8 +175,43 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_CommonRequest):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` is read when ``max_tokens`` is absent."""
 
-    messages: list[ChatMessage] | None = None
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"required": ["messages"]})
+    messages: list[ChatMessage] | None = Field(None, json_schema_extra={"minItems": 1})
+    max_completion_tokens: int | None = Field(None, description="read when max_tokens is absent",
+                                              json_schema_extra={"minimum": 1})
+
+
+def _inline(node: Any, defs: dict) -> Any:
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
+
+def request_schema(kind: str, model: str | None = None, max_tokens_limit: int | None = None) -> dict:
+    """The JSON schema of a completion (``kind="completion"``) or chat body, without ``$ref``s (it sits inline in
+    the OpenAPI document); ``model`` and ``max_tokens_limit`` narrow it to one application's values."""
+    cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
+    raw = cls.model_json_schema()
+    schema = _inline(raw, raw.get("$defs", {}))
+    props = schema["properties"]
+    if model is not None:
+        props["model"] = {"anyOf": [{"enum": [model]}, {"type": "null"}], "default": None,
+                          "description": props["model"].get("description", "")}
+    if max_tokens_limit is not None:
+        for name in ("max_tokens", "max_completion_tokens"):
+            if name in props:
+                props[name]["maximum"] = max_tokens_limit
+    return schema
+
+
+def openapi_body(kind: str, model: str | None = None, max_tokens_limit: int | None = None) -> dict:
+    """The ``openapi_extra`` of a POST route whose handler reads the raw body: its documented request body."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": request_schema(kind, model, max_tokens_limit)}}}}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -243,7 +312,7 @@ def _max_tokens(value: int | None, param: str, limit: int, default: int) -> int:
         raise invalid(f"Invalid '{param}': integer below minimum value. Expected a value >= 1, but got {value} "
                       "instead.", param=param, code="integer_below_min_value")
     if value > limit:
-        raise invalid(f"{param} is too large: {value}. This model supports at most {limit} completion tokens, "
+        raise invalid(f"{param} is too large: {value}. At most {limit} completion tokens may be requested, "
                       f"whereas you provided {value}.", param=param, code="integer_above_max_value")
     return value
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.auth import ApiKeySpec
+
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -35,6 +37,9 @@ class AppConfig(BaseModel):
                                                        "requests resume elsewhere")
     cpus_per_replica: float = Field(0.5, gt=0, description="logical CPUs per Denoiser replica")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per TP rank (0 on CPU)")
+    api_keys: list[ApiKeySpec] = Field([], description="API keys (app.auth); when any are given, /v1/* and "
+                                                        "/debug/* need `Authorization: Bearer <key>`")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; larger ones get 413")
 
     @field_validator("tp_degrees")
     @classmethod
