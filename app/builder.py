@@ -13,12 +13,29 @@ def build_app(args: dict):
     cfg = AppConfig(**(args or {}))
     config = cfg.model_dump()
     handles = {}
+    initial = None
+    if cfg.planner is not None:
+        from app.autoscaling import initial_counts
+
+        initial = initial_counts(cfg)
     for d in cfg.tp_degrees:
         bundles = [{"CPU": cfg.cpus_per_replica, **({"GPU": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})}]
         bundles += [{"CPU": 0.01, **({"GPU": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})}] * (d - 1)
-        dep = Denoiser.options(name=f"Denoiser_TP{d}", num_replicas=cfg.replicas.get(d, 1),
-                               placement_group_bundles=bundles, placement_group_strategy="PACK",
+        if initial is None:
+            scaling = {"num_replicas": cfg.replicas.get(d, 1)}
+        else:  # the planner sets the count (app.autoscaling); the deployment's own policy holds it
+            scaling = {"autoscaling_config": {
+                "min_replicas": 0, "max_replicas": max(cfg.planner.gpus // d, 1), "initial_replicas": initial[d],
+                "metrics_interval_s": 1.0, "look_back_period_s": 2.0, "upscale_delay_s": 0.0,
+                "downscale_delay_s": 0.0, "policy": {"policy_function": "app.autoscaling:hold_policy"}}}
+        dep = Denoiser.options(name=f"Denoiser_TP{d}", placement_group_bundles=bundles,
+                               placement_group_strategy="PACK", **scaling,
                                ray_actor_options={"num_cpus": cfg.cpus_per_replica,
                                                   **({"num_gpus": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})})
         handles[d] = dep.bind(config, d)
-    return Ingress.bind(handles, config)
+    ingress = Ingress
+    if initial is not None:  # one replica, autoscaled only so that its metrics reach the policy
+        ingress = Ingress.options(autoscaling_config={
+            "min_replicas": 1, "max_replicas": 1, "metrics_interval_s": 1.0, "look_back_period_s": 2.0,
+            "policy": {"policy_function": "app.autoscaling:hold_policy"}})
+    return ingress.bind(handles, config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.auth import ApiKeySpec
+from app.autoscaling import PlannerArgs
 
 
 class AppConfig(BaseModel):
@@ -35,6 +36,9 @@ class AppConfig(BaseModel):
                                                   "else h200-llada8b")
     dead_after_s: float = Field(5.0, gt=0, description="an instance silent this long is declared dead and its "
                                                        "requests resume elsewhere")
+    planner: PlannerArgs | None = Field(None, description="size the TP groups with the planner (app.autoscaling); "
+                                                          "needs the app-level autoscaling_policy "
+                                                          "app.autoscaling:planner_policy in the serve config")
     cpus_per_replica: float = Field(0.5, gt=0, description="logical CPUs per Denoiser replica")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per TP rank (0 on CPU)")
     api_keys: list[ApiKeySpec] = Field([], description="API keys (app.auth); when any are given, /v1/* and "

@@ -101,17 +101,22 @@ class Dispatcher:
     def __init__(self, router: Router, decode: Callable[[list[int]], str], *, block_tokens: int,
                  full_sequence: bool, per_instance_limit: int, default_slo_s: float = 60.0, max_resumes: int = 3,
                  dead_after_s: float = 5.0, park_s: float = 30.0, on_batch: Callable[[dict, float], None] | None = None,
-                 on_migration: Callable[[], None] | None = None) -> None:
+                 on_migration: Callable[[], None] | None = None,
+                 on_arrival: Callable[[int, int], None] | None = None,
+                 on_instances: Callable[[dict[int, int]], None] | None = None) -> None:
         """``per_instance_limit``: requests an instance may hold (slots, residents and its waiting
         queue); past it on every instance, new requests get 429. ``park_s``: while no instance is up,
         requests (new or resuming) wait this long for one to join, then get 503. ``on_batch(batch, now)``
-        sees every progress batch (control-path timing, metrics)."""
+        sees every progress batch (control-path timing, metrics); ``on_arrival(prompt_tokens, max_tokens)``
+        every accepted request (the planner's workload); ``on_instances({tp: count})`` the joined
+        instances whenever one joins or leaves."""
         self.router, self.decode = router, decode
         self.block_tokens, self.full_sequence = block_tokens, full_sequence
         self.per_instance_limit, self.default_slo_s = per_instance_limit, default_slo_s
         self.max_resumes, self.dead_after_s, self.park_s = max_resumes, dead_after_s, park_s
         self.parked: list[_Live] = []  # requests waiting for an instance to join
         self.on_batch, self.on_migration = on_batch, on_migration
+        self.on_arrival, self.on_instances = on_arrival, on_instances
         self.instances: dict[int, InstanceLink] = {}
         self.by_replica: dict[str, int] = {}
         self.live: dict[str, _Live] = {}
@@ -140,6 +145,7 @@ class Dispatcher:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         self._unpark()
         log.info("instance %d (TP-%d, replica %s) joined at %s:%d", inst_id, tp, replica, host, port)
+        self._instances_changed()
         return inst_id
 
     def drop(self, inst_id: int, reason: str = "lost") -> None:
@@ -150,12 +156,20 @@ class Dispatcher:
         self.by_replica.pop(inst.replica, None)
         inst.link.close()
         self.stats["instances_lost"] += 1
+        self._instances_changed()
         log.warning("instance %d (replica %s) %s; resuming its requests", inst_id, inst.replica, reason)
         for state in self.router.remove_instance(inst_id):
             live = self.live.get(state.req_id)
             if live is not None:
                 self.stats["failed_over"] += 1
                 self._resume(live, None, f"its instance was {reason}")
+
+    def _instances_changed(self) -> None:
+        if self.on_instances is not None:
+            counts: dict[int, int] = {}
+            for inst in self.instances.values():
+                counts[inst.tp] = counts.get(inst.tp, 0) + 1
+            self.on_instances(counts)
 
     async def _read(self, inst: InstanceLink) -> None:
         while True:
@@ -211,6 +225,8 @@ class Dispatcher:
         live = _Live(req_id, prompt, max_tokens, threshold, state, asyncio.Queue(), now)
         if threshold is not None:
             state.threshold = threshold
+        if self.on_arrival is not None:
+            self.on_arrival(prompt_tokens, max_tokens)
         self.live[req_id] = live
         if not self.instances:  # none yet (starting, or between a reconfiguration's stops and starts): wait
             self._park(live)

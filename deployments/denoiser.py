@@ -122,11 +122,6 @@ class Denoiser:
     async def stats(self) -> dict:
         return {"tp": self.tp, "replica": self.replica_id, "connected": self.channel.connected, **self.loop.stats()}
 
-    def record_autoscaling_stats(self) -> dict:
-        """Custom metrics for the application's autoscaling policy (the planner)."""
-        s = self.loop.stats()
-        return {"running": s["running"], "waiting": s["waiting"], "resident": s["resident"]}
-
     def check_health(self) -> None:
         if not self.loop.stats()["alive"]:
             raise RuntimeError("round loop died")

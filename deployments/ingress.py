@@ -86,6 +86,14 @@ class Ingress:
             full_sequence=self.model_cfg.attention != "block_causal",
             per_instance_limit=self.cfg.slots * 8 + self.cfg.max_waiting, default_slo_s=self.cfg.default_slo_ms / 1e3,
             dead_after_s=self.cfg.dead_after_s, on_batch=self._on_batch, on_migration=self.metrics.migration)
+        self.planner = None
+        if self.cfg.planner is not None:  # the TP groups' sizes follow the planner (app.autoscaling)
+            from app.autoscaling import build_service
+
+            self.planner = build_service(self.cfg, self.model_cfg)
+            self.dispatcher.on_arrival = self.planner.observe
+            self.dispatcher.on_instances = self.planner.set_live
+            self.planner.start()
         self.started = time.time()
         self._document()
 
@@ -133,6 +141,15 @@ class Ingress:
         body = {"status": "ok" if ready else "starting", "model": self.cfg.name, "tp_degrees": sorted(self.denoisers),
                 "instances": len(self.dispatcher.instances), "ready_tp_degrees": ready}
         return JSONResponse(body, status_code=200 if ready else 503)
+
+    def record_autoscaling_stats(self) -> dict:
+        """The planner's replica-count targets, read by the app-level autoscaling policy."""
+        return self.planner.metrics() if self.planner is not None else {}
+
+    @web.get("/debug/planner")
+    async def planner_state(self) -> dict:
+        """The planner's targets, the joined instances, the transition under way and the last decision."""
+        return self.planner.describe() if self.planner is not None else {"enabled": False}
 
     @web.get("/v1/models")
     async def models(self, request: Request) -> dict:

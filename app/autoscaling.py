@@ -1,0 +1,227 @@
+"""Planner-driven autoscaling: how many Denoiser replicas of each TP degree run.
+
+Two halves:
+
+- ``PlannerService`` runs beside the ingress, which sees every arrival. It
+  feeds the planner's workload monitor, and a background thread calls
+  ``Planner.maybe_replan`` (Stage 1 every period, the 10% hysteresis, Stage 2's
+  minimum-disruption transition). A transition is followed one action at a
+  time: the service publishes the replica counts after the next action, and
+  moves on once the instances that joined the ingress's router match them
+  (or after ``step_timeout_s``). So capacity only drops where Stage 2 said it
+  must, e.g. stop two TP-1 replicas before the TP-2 one that needs their GPUs.
+  The Ingress reports these targets as custom autoscaling metrics
+  (``record_autoscaling_stats``: ``target_tp<d>``).
+- ``planner_policy`` is the application-level ``autoscaling_policy`` (set it in
+  the serve config: ``autoscaling_policy: {policy_function:
+  app.autoscaling:planner_policy}``). It runs in Serve's controller, reads the
+  Ingress replica's latest ``target_tp<d>`` values, and returns them as the
+  replica counts of the ``Denoiser_TP<d>`` deployments. The planner itself never
+  runs on the controller's control loop; the policy only reads a cached
+  decision.
+
+Requests on a replica that Serve stops are resumed on the others from their
+committed tokens (``app.dispatch``); while no instance is up they wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
+INGRESS = "Ingress"
+DENOISER_PREFIX = "Denoiser_TP"
+
+
+class PlannerArgs(BaseModel):
+    """``AppConfig.planner``: the cluster the planner sizes and how often it re-plans."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1, description="GPUs (or logical GPUs) per node")
+    period_s: float = Field(300.0, gt=0, description="re-plan this often")
+    window_s: float = Field(300.0, gt=0, description="arrival-rate window of the workload monitor")
+    min_gain: float = Field(0.10, ge=0, description="act only when an objective improves this much")
+    profile: str | None = Field(None, description="latency profile; default: the router's")
+    check_s: float = Field(1.0, gt=0, description="how often the background thread looks")
+    step_timeout_s: float = Field(180.0, gt=0, description="move to the next transition step after this long")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def pack(counts: dict[int, int], gpus_per_node: tuple[int, ...]):
+    """Planner ``Instance`` objects for replica counts, largest degree first, first node that fits."""
+    from planner.transition import Instance
+
+    free = list(gpus_per_node)
+    out = []
+    for d in sorted(counts, reverse=True):
+        for k in range(counts[d]):
+            node = next((n for n, f in enumerate(free) if f >= d), None)
+            if node is None:
+                raise ValueError(f"{counts} does not fit nodes of {list(gpus_per_node)} GPUs")
+            free[node] -= d
+            out.append(Instance(f"tp{d}-{k}", node, d))
+    return out
+
+
+class PlannerService:
+    """The planner beside the ingress: arrivals in, replica-count targets out (thread-safe)."""
+
+    def __init__(self, planner, degrees: list[int], initial: dict[int, int], check_s: float = 1.0,
+                 step_timeout_s: float = 180.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.planner, self.degrees, self.clock = planner, sorted(degrees), clock
+        self.check_s, self.step_timeout_s = check_s, step_timeout_s
+        self.targets = {d: initial.get(d, 0) for d in self.degrees}
+        self.live = {d: 0 for d in self.degrees}
+        self.steps: list[dict[int, int]] = []  # the transition's later count steps
+        self.step_started = clock()
+        self.transitions = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- inputs (ingress thread) -------------------------------------------------------------
+    def observe(self, input_tokens: int, output_tokens: int) -> None:
+        with self._lock:
+            self.planner.observe(input_tokens, output_tokens)
+
+    def set_live(self, counts: dict[int, int]) -> None:
+        """Instances per TP degree that have joined the router."""
+        with self._lock:
+            self.live = {d: counts.get(d, 0) for d in self.degrees}
+
+    # ---- the background thread -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="remask-planner", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.check_s):
+            try:
+                self.tick()
+            except Exception:  # a failed plan must not stop the service; the next period tries again
+                log.exception("planner tick failed")
+
+    def tick(self, now: float | None = None) -> None:
+        now = self.clock() if now is None else now
+        with self._lock:
+            if self.steps:  # a transition is under way: its next step once this one took effect
+                done = self.live == self.targets
+                if done or now - self.step_started > self.step_timeout_s:
+                    if not done:
+                        log.warning("planner: replicas %s did not reach %s within %.0f s; moving on",
+                                    self.live, self.targets, self.step_timeout_s)
+                    self._step(self.steps.pop(0), now)
+                return
+            before = list(self.planner.current)
+            plan = self.planner.maybe_replan(now)
+            if plan is None:
+                return
+            steps = plan.count_steps(before)
+            log.info("planner: transition %s -> %s in %d steps", self.targets, plan.counts(), len(steps))
+            self.transitions += 1
+            if steps:
+                self._step(steps[0], now)
+                self.steps = steps[1:]
+
+    def _step(self, counts: dict[int, int], now: float) -> None:
+        self.targets = {d: counts.get(d, 0) for d in self.degrees}
+        self.step_started = now
+
+    # ---- outputs -----------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Custom autoscaling metrics of the Ingress replica."""
+        with self._lock:
+            return {f"target_tp{d}": float(n) for d, n in self.targets.items()}
+
+    def describe(self) -> dict:
+        with self._lock:
+            dec = self.planner.last_decision
+            return {"targets": self.targets, "live": self.live, "pending_steps": self.steps,
+                    "transitions": self.transitions,
+                    "offered_rps": round(self.planner.monitor.total_rate(self.clock()), 3),
+                    "last_decision": None if dec is None else {
+                        "act": dec.act, "reason": dec.reason, "proposal": dec.proposal.counts,
+                        "current": dec.current.counts}}
+
+
+def build_service(cfg, model_cfg=None, clock: Callable[[], float] = time.monotonic) -> PlannerService:
+    """The service of an app (``AppConfig`` with ``planner`` set)."""
+    from engine.profile import load_tp_profiles
+    from planner.planner import Planner, PlannerConfig
+    from planner.stage2 import Cluster
+    from planner.workload import WorkloadMonitor
+
+    args: PlannerArgs = cfg.planner
+    cluster = Cluster.uniform(args.nodes, args.gpus_per_node)
+    initial = initial_counts(cfg)
+    profiles = load_tp_profiles(args.profile or cfg.profile_name(), cfg.tp_degrees)
+    planner = Planner(cluster, profiles, PlannerConfig(period_s=args.period_s, min_gain=args.min_gain),
+                      monitor=WorkloadMonitor(window_s=args.window_s),
+                      current=pack(initial, cluster.gpus_per_node), clock=clock)
+    return PlannerService(planner, cfg.tp_degrees, initial, args.check_s, args.step_timeout_s, clock=clock)
+
+
+def initial_counts(cfg) -> dict[int, int]:
+    """Replicas per TP degree at start: ``cfg.replicas`` where given, else every GPU in the smallest degree."""
+    degrees = cfg.tp_degrees
+    if cfg.replicas:
+        counts = {d: cfg.replicas.get(d, 0) for d in degrees}
+    else:
+        counts = {d: 0 for d in degrees}
+        counts[degrees[0]] = cfg.planner.gpus // degrees[0]
+    used = sum(d * n for d, n in counts.items())
+    if used > cfg.planner.gpus:
+        raise ValueError(f"initial replicas {counts} need {used} GPUs; the planner's cluster has {cfg.planner.gpus}")
+    return counts
+
+
+# ---- Serve's side (runs in the controller) ---------------------------------------------------------
+def _latest(ctx, name: str) -> float | None:
+    """The newest value of a custom metric over the context's replicas (raw series first)."""
+    try:
+        raw = ctx.raw_metrics or {}
+    except Exception:  # lazily evaluated; a failure here means no data yet
+        raw = {}
+    series = raw.get(name)
+    if series:
+        points = [p for values in series.values() for p in values]
+        if points:
+            return float(max(points, key=lambda p: p.timestamp).value)
+    agg = (ctx.aggregated_metrics or {}).get(name)
+    if agg:
+        return float(max(agg.values()))
+    return None
+
+
+def planner_policy(contexts: dict) -> tuple[dict, dict]:
+    """Application-level autoscaling policy: Denoiser_TP<d> replicas = the Ingress's ``target_tp<d>``."""
+    ingress = next((c for c in contexts.values() if c.deployment_name == INGRESS), None)
+    decisions, state = {}, {}
+    for dep_id, ctx in contexts.items():
+        state[dep_id] = {}
+        decisions[dep_id] = ctx.target_num_replicas
+        if ctx.deployment_name.startswith(DENOISER_PREFIX) and ingress is not None:
+            target = _latest(ingress, f"target_tp{ctx.deployment_name[len(DENOISER_PREFIX):]}")
+            if target is not None:
+                decisions[dep_id] = int(round(target))
+    return decisions, state
+
+
+def hold_policy(ctx) -> tuple[int, dict]:
+    """Deployment-level fallback for the Denoisers: keep the current count (only the application-level
+    ``planner_policy`` changes it). Without it Serve's default policy would scale replicas that receive
+    no Serve requests down to their minimum."""
+    return ctx.target_num_replicas, {}
