@@ -34,6 +34,8 @@ class AppConfig(BaseModel):
     profile: str | None = Field(None, description="latency profile (profiles/<name>.json) the router predicts "
                                                   "step times with; default cpu-<model> on CPU when measured, "
                                                   "else h200-llada8b")
+    shed_over_capacity: bool = Field(True, description="429 for a new request when load control finds the "
+                                                       "cluster over capacity even at the lowest thresholds")
     dead_after_s: float = Field(5.0, gt=0, description="an instance silent this long is declared dead and its "
                                                        "requests resume elsewhere")
     planner: PlannerArgs | None = Field(None, description="size the TP groups with the planner (app.autoscaling); "

@@ -100,13 +100,16 @@ class RequestStream:
 class Dispatcher:
     def __init__(self, router: Router, decode: Callable[[list[int]], str], *, block_tokens: int,
                  full_sequence: bool, per_instance_limit: int, default_slo_s: float = 60.0, max_resumes: int = 3,
-                 dead_after_s: float = 5.0, park_s: float = 30.0, on_batch: Callable[[dict, float], None] | None = None,
+                 dead_after_s: float = 5.0, park_s: float = 30.0, shed_over_capacity: bool = True,
+                 on_batch: Callable[[dict, float], None] | None = None,
                  on_migration: Callable[[], None] | None = None,
                  on_arrival: Callable[[int, int], None] | None = None,
                  on_instances: Callable[[dict[int, int]], None] | None = None) -> None:
         """``per_instance_limit``: requests an instance may hold (slots, residents and its waiting
         queue); past it on every instance, new requests get 429. ``park_s``: while no instance is up,
-        requests (new or resuming) wait this long for one to join, then get 503. ``on_batch(batch, now)``
+        requests (new or resuming) wait this long for one to join, then get 503. ``shed_over_capacity``:
+        a new request gets 429 when, with the work ahead of it, it cannot finish within its SLO even at
+        the lowest thresholds (``Router.admissible``), so the admitted ones keep theirs. ``on_batch(batch, now)``
         sees every progress batch (control-path timing, metrics); ``on_arrival(prompt_tokens, max_tokens)``
         every accepted request (the planner's workload); ``on_instances({tp: count})`` the joined
         instances whenever one joins or leaves."""
@@ -114,6 +117,7 @@ class Dispatcher:
         self.block_tokens, self.full_sequence = block_tokens, full_sequence
         self.per_instance_limit, self.default_slo_s = per_instance_limit, default_slo_s
         self.max_resumes, self.dead_after_s, self.park_s = max_resumes, dead_after_s, park_s
+        self.shed_over_capacity = shed_over_capacity
         self.parked: list[_Live] = []  # requests waiting for an instance to join
         self.on_batch, self.on_migration = on_batch, on_migration
         self.on_arrival, self.on_instances = on_arrival, on_instances
@@ -121,7 +125,7 @@ class Dispatcher:
         self.by_replica: dict[str, int] = {}
         self.live: dict[str, _Live] = {}
         self._ids = itertools.count()
-        self.stats = {"resumed": 0, "migrated": 0, "failed_over": 0, "instances_lost": 0}
+        self.stats = {"resumed": 0, "migrated": 0, "failed_over": 0, "instances_lost": 0, "shed": 0}
         self._watchdog: asyncio.Task | None = None
 
     # ---- instances ---------------------------------------------------------------------------
@@ -225,18 +229,32 @@ class Dispatcher:
         live = _Live(req_id, prompt, max_tokens, threshold, state, asyncio.Queue(), now)
         if threshold is not None:
             state.threshold = threshold
+        # the admission predictor's prompt features (predictors.features.ADMISSION_FEATURES, less the threshold)
+        state.extra["admission"] = (float(len(prompt.split())), float(prompt.count("\n")), float(prompt_tokens))
         if self.on_arrival is not None:
             self.on_arrival(prompt_tokens, max_tokens)
         self.live[req_id] = live
         if not self.instances:  # none yet (starting, or between a reconfiguration's stops and starts): wait
             self._park(live)
-        else:
-            self._admit(live, now)
+            return RequestStream(self, live)
+        self.router.add_request(state, now)
+        if self.shed_over_capacity and not self.router.admissible(state, now):
+            self.router.reject(state)
+            self.live.pop(req_id, None)
+            self.stats["shed"] += 1
+            raise DispatchError(429, "over capacity: with the requests ahead of it, this one cannot finish "
+                                     "within its SLO even at the lowest threshold; retry later")
+        self._place(live)
         return RequestStream(self, live)
 
     def _admit(self, live: _Live, now: float) -> None:
-        inst_id = self.router.add_request(live.state, now)
-        if self.router.by_id[inst_id].n > self.per_instance_limit:  # the policy chose a full one: the least full
+        self.router.add_request(live.state, now)
+        self._place(live)
+
+    def _place(self, live: _Live) -> None:
+        """Send a request the router has just placed (to the least full instance if the policy chose a full one)."""
+        inst_id = live.state.instance
+        if self.router.by_id[inst_id].n > self.per_instance_limit:
             inst_id = self._least_full(live.state)
         self._send_add(live, inst_id)
 
@@ -423,6 +441,7 @@ def build_router(cfg, model_cfg) -> Router:
     configured TP degree, and the model's trained step predictor when shipped (without one the
     thresholds stay fixed: a dynamic policy needs step estimates)."""
     from app.router import FeatureStepEstimator, RouterConfig, StepShape, TpLatencyModel
+    from app.router.estimator import AdmissionStepEstimator
     from engine.profile import load_tp_profiles
 
     thresholds = tuple(sorted(cfg.thresholds, reverse=True))
@@ -434,9 +453,10 @@ def build_router(cfg, model_cfg) -> Router:
     try:
         from predictors.bundle import load_predictors
 
-        step = load_predictors(cfg.model).step
-        estimator = FeatureStepEstimator(step.predict_rows, thresholds)
-        every = step.interval
+        bundle = load_predictors(cfg.model)
+        estimator = AdmissionStepEstimator(bundle.admission.predict_one,
+                                           FeatureStepEstimator(bundle.step.predict_rows, thresholds))
+        every = bundle.step.interval
     except ValueError as exc:  # PredictorError: none shipped for this model
         estimator = BlocksLeft(thresholds)
         if policy not in ("fixed-threshold", "infaas", "llumnix"):

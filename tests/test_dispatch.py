@@ -227,3 +227,26 @@ def test_requests_wait_for_a_replacement_when_the_only_instance_dies():
     parked, results = asyncio.run(main())
     assert parked >= 1
     assert all(last["type"] == "done" and tasks.check("prose", p, text) for p, (text, last) in zip(PROSE, results))
+
+
+def test_load_control_sheds_arrivals_the_cluster_cannot_serve_in_time(replicas):
+    async def main():
+        d = make_dispatcher()
+        await d.connect("s0", 1, **replicas[0].info())
+        relaxed = [d.submit(f"ok{i}", "story: fox 8", 12, 200, slo_ms=60_000) for i in range(8)]
+        shed_relaxed = d.stats["shed"]
+        tight, refused = [], 0
+        for i in range(80):  # a burst whose SLOs the one instance cannot all meet
+            try:
+                tight.append(d.submit(f"t{i}", "story: owl 6", 12, 200, slo_ms=500))
+            except DispatchError as exc:
+                assert exc.status == 429
+                refused += 1
+        results = await asyncio.gather(*(collect(s) for s in relaxed + tight))
+        return d, shed_relaxed, refused, len(tight), results
+
+    d, shed_relaxed, refused, admitted, results = asyncio.run(main())
+    assert shed_relaxed == 0
+    assert refused > 0 and admitted > 0 and d.stats["shed"] == refused
+    assert all(last["type"] == "done" for _, last in results)  # what was admitted completes
+    assert not d.live and not d.router.requests

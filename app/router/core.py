@@ -162,6 +162,26 @@ class Router:
         if forget is not None:
             forget(req.req_id)
 
+    def admissible(self, req: RequestState, now: float) -> bool:
+        """Load control's test for an arrival against its own SLO: the work of every active request
+        that goes before or with it (priority at least its own), all at the lowest threshold, plus its
+        own, fits what the cluster serves by its deadline. When it does not, admitting it would make it,
+        or requests behind it, miss their SLOs whatever thresholds Alg. 1 picks."""
+        cap, last = self.cap, len(self.cfg.thresholds) - 1
+        ahead = 0.0
+        for r in self.requests.values():
+            if r.priority >= req.priority and r.est:
+                ahead += request_load(r, last, cap.heavy_cost, cap.light_cost)
+        return ahead <= cap.within((req.deadline - now) * 1000.0, self.cfg.capacity_util)
+
+    def reject(self, req: RequestState) -> None:
+        """Undo ``add_request`` for a request shed on arrival: it leaves, and its load at the lowest
+        threshold (what the arrival took from the headroom) goes back."""
+        if self.policy.load_control and req.est:
+            self._headroom += request_load(req, len(self.cfg.thresholds) - 1, self.cap.heavy_cost,
+                                           self.cap.light_cost)
+        self.finish(req)
+
     # ---- a changing cluster (the live ingress: replicas join, die and are replaced) -----------
     def add_instance(self, inst_id: int, tp: int) -> InstanceState:
         if inst_id in self.by_id:

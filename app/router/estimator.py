@@ -105,3 +105,30 @@ class FeatureStepEstimator:
         values = list(self.predict_rows(rows))
         m = len(self.thresholds)
         return [[max(float(v), 0.0) for v in values[i * m:(i + 1) * m]] for i in range(len(states))]
+
+
+class AdmissionStepEstimator:
+    """Live estimator: the admission predictor until a request's first step, the step predictor after.
+
+    Before its first step a request has no step features (no confidences, no progress), and the step
+    model would be asked about states it never saw; the admission model (DWISE: prompt features and
+    the threshold -> total steps) answers instead. The owner puts the prompt features in
+    ``state.extra["admission"]`` (words, newlines, prompt tokens); the threshold is appended.
+    """
+
+    def __init__(self, admission: Callable[[list[float]], float], step: FeatureStepEstimator) -> None:
+        self.admission, self.step = admission, step
+        self.thresholds = step.thresholds
+
+    def predict(self, states):
+        fresh = [i for i, s in enumerate(states) if not s.conf_stats and "admission" in s.extra]
+        if not fresh:
+            return self.step.predict(states)
+        out: list[list[float] | None] = [None] * len(states)
+        for i in fresh:
+            feats = list(states[i].extra["admission"])
+            out[i] = [max(float(self.admission([*feats, t])), 1.0) for t in self.thresholds]
+        rest = [i for i in range(len(states)) if out[i] is None]
+        for i, row in zip(rest, self.step.predict([states[i] for i in rest])):
+            out[i] = row
+        return out
