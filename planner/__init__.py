@@ -3,8 +3,10 @@
 Pieces (each usable alone):
 
 - ``workload.WorkloadMonitor``: requests classified by input and output size, per-class arrival
-  rates over a sliding window times a safety buffer -> ``list[WorkloadClass]``.
-- ``stage1.plan_capacity``: instances per TP degree and a threshold per class (MILP, cvxpy).
+  rates over a sliding window times a safety buffer (optionally at the window's busiest slice)
+  -> ``list[WorkloadClass]``.
+- ``stage1.plan_capacity``: instances per TP degree and a threshold per class (a MILP built as arrays
+  and solved by HiGHS directly, ``planner.milp``; ``stage1_reference`` keeps the first, cvxpy formulation).
 - ``stage2.plan_transition``: the least disruptive way from the running instances to those counts,
   as an ordered ``transition.TransitionPlan``.
 - ``planner.Planner``: the periodic, hysteretic loop over the three.

@@ -2,7 +2,11 @@
 
 Requests are classified by input and output size into a grid of classes; the monitor keeps each
 class's arrivals of the last ``window_s`` seconds and reports their rate times ``1 + buffer`` (the
-safety buffer against short-term bursts). Output size is the request's output budget
+safety buffer against short-term bursts). With ``slices`` > 1 the level is that of the window's
+busiest slice (of ``window_s / slices`` seconds) when it is above the window's mean, the class mix
+still the whole window's: the planner then sizes for the recent peak, so a load that is still
+rising is not met with less capacity (as a Kubernetes autoscaler's stabilisation window keeps the
+highest recommendation before it scales down). Output size is the request's output budget
 (``max_tokens``), known at arrival for a diffusion model's fixed-length canvas. Pure Python:
 ``record`` is O(1) amortised (a deque per class, evicted lazily).
 """
@@ -11,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -66,12 +70,14 @@ class _ClassWindow:
 class WorkloadMonitor:
     """Per-class arrival rates over a sliding window, with a safety buffer."""
 
-    def __init__(self, grid: ClassGrid | None = None, window_s: float = 300.0, buffer: float = 0.2) -> None:
-        if window_s <= 0 or buffer < 0:
-            raise ValueError("window_s must be > 0 and buffer >= 0")
+    def __init__(self, grid: ClassGrid | None = None, window_s: float = 300.0, buffer: float = 0.2,
+                 slices: int = 1) -> None:
+        if window_s <= 0 or buffer < 0 or slices < 1:
+            raise ValueError("window_s must be > 0, buffer >= 0 and slices >= 1")
         self.grid = grid or ClassGrid()
         self.window_s = window_s
         self.buffer = buffer
+        self.slices = slices
         self._windows: dict[tuple[int, int], _ClassWindow] = {}
         self._start: float | None = None
 
@@ -103,7 +109,18 @@ class WorkloadMonitor:
                 continue
             out.append(WorkloadClass(self.grid.name(key), n / span * (1.0 + self.buffer),
                                      w.sum_in / n, max(w.sum_out / n, 1.0)))
-        return out
+        scale = self._peak_ratio(now, span) if self.slices > 1 and out else 1.0
+        return [replace(c, rate=c.rate * scale) for c in out] if scale > 1.0 else out
+
+    def _peak_ratio(self, now: float, span: float) -> float:
+        """Arrivals per second in the busiest slice of the observed span over the span's mean (>= 1)."""
+        width = span / self.slices
+        counts = [0] * self.slices
+        for w in self._windows.values():
+            for t, _, _ in w.events:
+                counts[min(int((now - t) / width), self.slices - 1)] += 1
+        total = sum(counts)
+        return max(counts) * self.slices / total if total else 1.0
 
     def total_rate(self, now: float) -> float:
         return sum(c.rate for c in self.classes(now))

@@ -287,3 +287,25 @@ def test_cli_plan_json_stdout_is_only_json():
     r = json.loads(out)  # nothing else (no solver banner) on stdout
     assert r["gpus"] == 16 and r["stage1"]["gpus_used"] <= 16
     assert r["stage1"]["solver"] in ("HIGHS", "GUROBI") and r["stage1"]["solve_ms"] > 0
+
+
+def test_monitor_slices_size_for_the_busiest_slice_and_keep_the_mix():
+    flat, peak = WorkloadMonitor(window_s=300.0, buffer=0.0), WorkloadMonitor(window_s=300.0, buffer=0.0, slices=5)
+    t = 0.0
+    while t < 300.0:  # 1 req/s for four minutes, then 5 req/s; a quarter of the requests are long
+        rate = 1.0 if t < 240.0 else 5.0
+        for m in (flat, peak):
+            m.record(t, 2000 if int(t * rate) % 4 == 0 else 100, 64)
+        t += 1.0 / rate
+    mean, busy = flat.classes(300.0), peak.classes(300.0)
+    assert sum(c.rate for c in mean) == pytest.approx(1.8, rel=0.02)
+    assert sum(c.rate for c in busy) == pytest.approx(5.0, rel=0.02)
+    assert [c.name for c in busy] == [c.name for c in mean]
+    for a, b in zip(mean, busy):  # same mix and sizes, scaled
+        assert b.rate / a.rate == pytest.approx(5.0 / 1.8, rel=0.02) and b.input_tokens == a.input_tokens
+    falling = WorkloadMonitor(window_s=300.0, buffer=0.0, slices=5)
+    for k in range(480):  # 2 req/s for four minutes, then nothing: the window's busiest slice still counts
+        falling.record(k * 0.5, 100, 64)
+    assert falling.total_rate(300.0) == pytest.approx(2.0, rel=0.02)  # the window's mean is 1.6
+    with pytest.raises(ValueError):
+        WorkloadMonitor(slices=0)
