@@ -21,6 +21,14 @@ on arrival. Accuracy: requests that kept one threshold take the model's
 answer at that threshold; requests whose threshold changed are decoded again
 by the model with the same schedule over progress (``threshold_table.replay``),
 so their answers are the model's own.
+
+Instances can come and go while the simulation runs (``add_instance``, ``drain_instance``; the
+planner-driven reconfiguration of ``sim/reconfig.py`` uses them). A drained instance takes no new
+requests at once and, at its next round boundary (now, if idle), hands every request it holds to
+the best remaining instance through the router, as a migration: prompt and committed tokens, a
+recompute on arrival. Nothing is dropped: ``ClusterResult`` counts arrivals, evacuated requests and
+requests held while no instance served, and ``lost`` (arrived but never finished) must stay 0.
+``call_at(t, fn)`` runs ``fn(now)`` in virtual time; ``on_arrival(spec, now)`` sees every arrival.
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ import itertools
 import math
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.router import Router, RouterConfig, StepShape, TableStepEstimator, TpLatencyModel
-from app.router.state import RequestState
+from app.router.placement import best_instance
+from app.router.state import InstanceState, RequestState
 from engine.clock import VirtualClock
 from engine.policies import make_policy
 from engine.profile import LatencyProfile
@@ -81,6 +91,8 @@ class _Truth:
 class _Inst:
     def __init__(self, inst_id: int, tp: int, profile: LatencyProfile, sched: Scheduler) -> None:
         self.inst_id, self.tp, self.profile, self.sched = inst_id, tp, profile, sched
+        self.state = "serving"  # serving -> draining (no new requests; evacuates at a round boundary) -> stopped
+        self.on_stopped: Callable[[float], None] | None = None
         self.busy = False
         self.rounds = 0
         self.slots_filled = 0
@@ -98,6 +110,17 @@ class ClusterResult:
     load_control_runs: int = 0
     threshold_steps: Counter = field(default_factory=Counter)
     mean_in_system: float = 0.0  # time-average number of requests in the cluster (Little's law)
+    arrived: int = 0
+    evacuated: int = 0  # requests moved off drained instances
+    held: int = 0  # requests that waited because no instance was serving
+    redirected: int = 0  # migrations whose target started draining while they travelled
+    instances_started: int = 0  # after the initial ones
+    instances_stopped: int = 0
+
+    @property
+    def lost(self) -> int:
+        """Requests that arrived and never finished (0 unless something dropped them)."""
+        return self.arrived - len(self.finished)
 
 
 class ClusterSimulator:
@@ -106,48 +129,139 @@ class ClusterSimulator:
         self.profiles = profiles
         self.clock = VirtualClock()
         shape = StepShape(cfg.block_tokens, cfg.sequence_tokens, full_sequence=True)
-        self.latency = TpLatencyModel({d: profiles[d] for d in set(cfg.tp_degrees)}, cfg.slots, shape)
+        self.latency = TpLatencyModel(dict(profiles), cfg.slots, shape)  # every degree an instance may have
         self.truth: dict[str, _Truth] = {}
         estimator = TableStepEstimator(cfg.router.thresholds, lambda s: self.truth[s.req_id].spec.steps,
                                        sigma=cfg.estimator_sigma, seed=seed)
         self.router = Router(policy, self.latency, estimator, list(enumerate(cfg.tp_degrees)), cfg.router)
         base = profiles[min(profiles)]
-        costs = base.step_costs(cfg.block_tokens, cfg.sequence_tokens, batch=cfg.slots)
-        self.insts = []
-        for i, tp in enumerate(cfg.tp_degrees):
-            scfg = SchedulerConfig(slots=cfg.slots, kv_capacity_tokens=cfg.kv_capacity_tokens,
-                                   block_size=cfg.block_tokens)
-            sched = Scheduler(make_policy(cfg.instance_policy, costs=costs), scfg, self.clock)
-            self.insts.append(_Inst(i, tp, profiles[tp], sched))
+        self._costs = base.step_costs(cfg.block_tokens, cfg.sequence_tokens, batch=cfg.slots)
+        self.insts: list[_Inst] = []
+        for tp in cfg.tp_degrees:
+            self._new_inst(tp)
         self._events: list = []
         self._seq = itertools.count()
         self.states: dict[str, RequestState] = {}
+        self.res = ClusterResult()
+        self._th_index = {t: i for i, t in enumerate(cfg.router.thresholds)}
+        self.on_arrival: Callable[[ClusterRequestSpec, float], None] | None = None
+        self._held: list[RequestState] = []  # evacuated while no instance served
+        self._held_specs: list[ClusterRequestSpec] = []  # arrived while no instance served
+        self._pending_arrivals = 0
+        self._in_system = 0
+
+    def _new_inst(self, tp: int) -> _Inst:
+        scfg = SchedulerConfig(slots=self.cfg.slots, kv_capacity_tokens=self.cfg.kv_capacity_tokens,
+                               block_size=self.cfg.block_tokens)
+        sched = Scheduler(make_policy(self.cfg.instance_policy, costs=self._costs), scfg, self.clock)
+        inst = _Inst(len(self.insts), tp, self.profiles[tp], sched)
+        self.insts.append(inst)
+        return inst
+
+    # ---- reconfiguration -------------------------------------------------------------------
+    def serving(self) -> list[_Inst]:
+        return [i for i in self.insts if i.state == "serving"]
+
+    def active(self) -> bool:
+        """Arrivals still to come or requests still in the cluster."""
+        return self._pending_arrivals > 0 or self._in_system > 0
+
+    def call_at(self, t: float, fn: Callable[[float], None]) -> None:
+        self._push(max(t, self.clock.now()), "call", fn)
+
+    def add_instance(self, tp: int) -> int:
+        """A TP-``tp`` instance that serves from now (start-up delays are the caller's); returns its id."""
+        if tp not in self.profiles:
+            raise ValueError(f"no latency profile for TP-{tp}")
+        inst = self._new_inst(tp)
+        self.router.add_instance(inst.inst_id, tp)
+        self.res.instances_started += 1
+        held, self._held = self._held, []
+        for st in held:  # requests evacuated while nothing served
+            self._relocate(st, None)
+        specs, self._held_specs = self._held_specs, []
+        for spec in specs:
+            self._admit(spec)
+        return inst.inst_id
+
+    def drain_instance(self, inst_id: int, on_stopped: Callable[[float], None] | None = None) -> None:
+        """Stop placing requests on ``inst_id``; at its next round boundary (now, if idle) its requests
+        move to the best serving instances and it stops (then ``on_stopped(now)``)."""
+        inst = self.insts[inst_id]
+        if inst.state != "serving":
+            raise ValueError(f"instance {inst_id} is {inst.state}")
+        inst.state = "draining"
+        inst.on_stopped = on_stopped
+        # out of placement and migration targets now; still known by id (its round in flight reports to it)
+        state = self.router.by_id[inst_id]
+        self.router.instances = [i for i in self.router.instances if i is not state]
+        if not inst.busy:
+            self._evacuate(inst)
+
+    def _evacuate(self, inst: _Inst) -> None:
+        src = self.router.by_id[inst.inst_id]
+        for req_id in list(inst.sched.requests):
+            inst.sched.abort(req_id)
+            self.res.evacuated += 1
+            self._relocate(self.states[req_id], src)
+        inst.state = "stopped"
+        self.res.instances_stopped += 1
+        if inst.on_stopped is not None:
+            inst.on_stopped(self.clock.now())
+
+    def _relocate(self, st: RequestState, src: InstanceState | None) -> None:
+        """Move ``st`` (accounted to ``src``, or to no instance) to the best serving instance, as a migration;
+        with none serving it waits for the next instance."""
+        dst, _ = best_instance(self.latency, self.router.instances, st.next_heavy)
+        if dst is None:
+            if src is not None:
+                src.remove(st)
+            self._held.append(st)
+            self.res.held += 1
+            return
+        if src is not None:
+            self.router.move(st, src, dst)
+        else:
+            st.next_heavy = True  # no KV travels: it recomputes on arrival
+            dst.add(st)
+        self._push(self.clock.now() + self.router.migration_cost_ms(st) / 1000.0, "migrate", (st, dst.inst_id))
 
     # ---- events --------------------------------------------------------------------------
     def _push(self, t: float, kind: str, data) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, data))
 
     def run(self, specs: list[ClusterRequestSpec]) -> ClusterResult:
-        res = ClusterResult()
+        res = self.res
         for s in specs:
             self._push(s.arrival, "arrive", s)
-        in_system, area, last_t = 0, 0.0, specs[0].arrival if specs else 0.0
+        self._pending_arrivals = len(specs)
+        area, last_t = 0.0, specs[0].arrival if specs else 0.0
         first = last_t
         while self._events:
             t, _, kind, data = heapq.heappop(self._events)
-            area += in_system * (t - last_t)
+            area += self._in_system * (t - last_t)
             last_t = t
             self.clock.set(t)
             if kind == "arrive":
-                in_system += 1
+                self._in_system += 1
+                self._pending_arrivals -= 1
+                res.arrived += 1
+                if self.on_arrival is not None:
+                    self.on_arrival(data, t)
                 self._arrive(data)
             elif kind == "kick":
                 self._start(self.insts[data])
             elif kind == "done":
-                in_system -= self._done(*data, res)
+                self._in_system -= self._done(*data, res)
             elif kind == "migrate":
                 st, dst = data
-                self._enter(st, dst)
+                if self.insts[dst].state != "serving":  # it started draining while the request travelled
+                    res.redirected += 1
+                    self._relocate(st, self.router.by_id[dst])
+                else:
+                    self._enter(st, dst)
+            elif kind == "call":
+                data(t)
         res.makespan_s = last_t - first
         res.mean_in_system = area / res.makespan_s if res.makespan_s else 0.0
         res.migrations = self.router.stats["migrations"]
@@ -159,6 +273,13 @@ class ClusterSimulator:
         return res
 
     def _arrive(self, spec: ClusterRequestSpec) -> None:
+        if not self.router.instances:  # nothing serves (mid-reconfiguration): it waits for the next instance
+            self._held_specs.append(spec)
+            self.res.held += 1
+            return
+        self._admit(spec)
+
+    def _admit(self, spec: ClusterRequestSpec) -> None:
         blocks = max(1, math.ceil(spec.output_tokens / self.cfg.block_tokens))
         self.truth[spec.req_id] = _Truth(spec, blocks)
         st = RequestState(spec.req_id, spec.arrival, spec.arrival + spec.slo_s, spec.prompt_tokens,
@@ -183,7 +304,7 @@ class ClusterSimulator:
             self._push(self.clock.now(), "kick", inst_id)
 
     def _start(self, inst: _Inst) -> None:
-        if inst.busy or not inst.sched.has_work():
+        if inst.busy or inst.state != "serving" or not inst.sched.has_work():
             return
         plan = inst.sched.schedule()
         states = [self.states[s.req_id] for s in plan.slots]
@@ -204,7 +325,7 @@ class ClusterSimulator:
 
     def _done(self, inst: _Inst, plan: RoundPlan, states: list[RequestState], ths: list[float],
               res: ClusterResult) -> int:
-        index = {t: i for i, t in enumerate(self.cfg.router.thresholds)}
+        index = self._th_index
         outcomes, stepped = [], []
         finished = 0
         for slot, st, t in zip(plan.slots, states, ths):
@@ -244,7 +365,10 @@ class ClusterSimulator:
                 req.est_rounds = self.router.remaining_steps(st)
                 req.key = inst.sched.policy.key(req)
         inst.busy = False
-        self._start(inst)
+        if inst.state == "draining":
+            self._evacuate(inst)
+        else:
+            self._start(inst)
         return finished
 
 
