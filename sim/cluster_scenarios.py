@@ -20,6 +20,9 @@ need the GPU issue's model runs.
 - ``dilaserve-ablation``: the same cluster; fixed 0.9, dynamic thresholds
   without load control, and dynamic + load control.
 - ``*-all-thresholds``: the same with every threshold of 0.5..0.9 a candidate.
+- ``dilaserve-trace``: these requests on a 2-hour BurstGPT-like diurnal trace, the 16 GPUs
+  reconfigured by the planner and compared with static instance mixes (``sim/cluster_trace.py``;
+  ``--requests`` sets the time compression, ``--rate`` the mean rate, one router policy).
 
 Candidate thresholds (DiLaServe 4.1: the administrator's set) are read off
 the model's measured accuracy: those whose held-out accuracy, used for every
@@ -69,6 +72,8 @@ class ClusterScenario:
     quality_tolerance: float | None = 2.0  # candidates: thresholds within this many accuracy points of 0.9's
 
 
+TRACE_SLO_FACTOR = 2.0  # dilaserve-trace: tight enough that instance latency, not only capacity, decides SLOs
+
 CLUSTER_SCENARIOS = {
     "dilaserve-bench": ClusterScenario("dilaserve-bench", ("infaas", "llumnix", "remask")),
     "dilaserve-ablation": ClusterScenario("dilaserve-ablation",
@@ -77,6 +82,8 @@ CLUSTER_SCENARIOS = {
 for _name in list(CLUSTER_SCENARIOS):  # every threshold of 0.5..0.9 a candidate, however much accuracy it costs
     CLUSTER_SCENARIOS[f"{_name}-all-thresholds"] = replace(CLUSTER_SCENARIOS[_name], name=f"{_name}-all-thresholds",
                                                            quality_tolerance=None)
+# the requests of the reconfiguration trace (instances and rates come from sim/cluster_trace.py)
+CLUSTER_SCENARIOS["dilaserve-trace"] = ClusterScenario("dilaserve-trace", ("remask",), slo_factor=TRACE_SLO_FACTOR)
 
 
 def candidate_thresholds(table: ThresholdTable, tolerance: float | None) -> tuple[float, ...]:
@@ -90,9 +97,10 @@ def candidate_thresholds(table: ThresholdTable, tolerance: float | None) -> tupl
 
 
 def make_specs(sc: ClusterScenario, table: ThresholdTable, n: int, rate: float, seed: int, profiles,
-               thresholds: tuple[float, ...] | None = None) -> list[ClusterRequestSpec]:
-    """n requests drawn from the table by the scenario's mix, Poisson arrivals at ``rate``; their
-    steps and answers are listed for ``thresholds`` (default: the table's), highest first."""
+               thresholds: tuple[float, ...] | None = None, arrivals=None) -> list[ClusterRequestSpec]:
+    """n requests drawn from the table by the scenario's mix, Poisson arrivals at ``rate`` (or at the
+    sorted times ``arrivals``, seconds); their steps and answers are listed for ``thresholds``
+    (default: the table's), highest first."""
     cols = [table.thresholds.index(t) for t in (thresholds or table.thresholds)]
     rng = random.Random(seed)
     mix = MIXES[sc.mix]
@@ -104,7 +112,7 @@ def make_specs(sc: ClusterScenario, table: ThresholdTable, n: int, rate: float, 
     base = profiles[1]
     specs, t = [], 0.0
     for k in range(n):
-        t += rng.expovariate(rate)
+        t = t + rng.expovariate(rate) if arrivals is None else float(arrivals[k])
         p = rng.choice(by_cat[rng.choices(cats, weights=[mix[c] for c in cats])[0]])
         steps = tuple(float(min(blocks + sc.steps_scale * (table.rounds[p][c] - 1), sc.output_tokens)) for c in cols)
         prompt_tokens = max(sc.block_tokens // 2, sc.prompt_scale * len(table.prompts[p]))
@@ -153,6 +161,13 @@ def get_cluster_scenario(name: str) -> ClusterScenario:
 def run_cluster_scenario(name: str, policies: list[str] | None, n: int, seed: int = 0, rate: float | None = None,
                          progress: bool = False, **overrides) -> dict:
     sc = replace(get_cluster_scenario(name), **overrides)
+    if name == "dilaserve-trace":
+        from sim.cluster_trace import TraceScenario, run_trace
+
+        if policies is not None and len(policies) != 1:
+            raise ValueError("dilaserve-trace compares instance mixes under one router policy; give one")
+        trace = TraceScenario(requests=sc, policy=(policies or sc.policies)[0])
+        return run_trace(trace, n, seed, rate, progress=progress)
     rate = sc.rate if rate is None else rate
     if rate <= 0:
         raise ValueError("rate must be positive")

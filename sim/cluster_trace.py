@@ -1,0 +1,396 @@
+"""Scenario ``dilaserve-trace``: a BurstGPT-like diurnal trace on 16 GPUs, reconfigured by the planner.
+
+DiLaServe §5.2 / Fig. 8: a 2-hour trace whose rate rises and falls (and bursts), served by a
+16-GPU cluster that the two-stage ILP reconfigures every 5 minutes; compared here with static
+instance mixes of the same GPUs.
+
+- Requests: those of the other cluster scenarios (``cluster_scenarios``: LLaDA-8B-shaped, 256-token
+  canvas, steps and answers from the embedded model's threshold table, ``h200-llada8b`` TP-1/2/4
+  profiles), arriving by ``loadgen.arrivals``' diurnal process: one sinusoidal "day" over the
+  trace, peak-to-mean ``amplitude``, short bursts.
+- Scale: rates are fractions of the cluster's capacity, the highest rate at which Stage 1 finds 16
+  TP-1 instances stable and within SLO for this workload (``capacity_rps``): mean ``mean_load``.
+- Time compression: simulating 2 hours of a 16-GPU cluster request by request takes too long on two
+  cores, so the trace's *slow* time scale is compressed: ``requests`` arrivals over the 2-hour shape
+  at the real rates make a trace ``compression`` times shorter, and the planner's period and
+  window, the instances' start-up delay and the reporting windows shrink by the same factor.
+  Request-level time (step latencies, SLOs, migrations) is real. The report states the factor.
+- Reconfiguration: ``planner.Planner`` (Stage 1 + 10% hysteresis + Stage 2) on the cluster's nodes,
+  its workload monitor fed by the arrivals, its step model measured on this workload
+  (``step_model``), its SLO scale the scenario's; ``sim.reconfig.PlannerController`` carries the
+  transitions out (start-up delay, drain and migrate, nothing dropped).
+- Static configurations: every mix in ``statics`` (TP-1, TP-2, TP-4 counts) for the whole trace.
+
+``run_trace`` returns a JSON-able report (per configuration: ``cluster.summarize``; per reporting
+window: offered rate, instances per TP degree, SLO attainment); ``plot_trace`` draws it.
+``python -m sim.cluster_trace --plot out.png --json`` runs it; ``remask simulate --scenario
+dilaserve-trace`` prints the same report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from app.router import RouterConfig
+from engine.profile import load_tp_profiles
+from loadgen.arrivals import ArrivalParams, arrivals
+from planner import Cluster, Planner, PlannerConfig, Stage1Config, StepModel, WorkloadMonitor, plan_capacity
+from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterResult, ClusterSimulator, summarize
+from sim.cluster_scenarios import CLUSTER_SCENARIOS, ClusterScenario, candidate_thresholds, make_specs
+from sim.reconfig import PlannerController
+from sim.threshold_table import ThresholdTable, load_table
+
+
+@dataclass(frozen=True)
+class TraceScenario:
+    name: str = "dilaserve-trace"
+    requests: ClusterScenario = CLUSTER_SCENARIOS["dilaserve-trace"]  # request shape, SLO factor, model table
+    policy: str = "remask"
+    nodes: tuple[int, ...] = (4, 4, 4, 4)  # 16 GPUs, 4 per node (DiLaServe's GH200 cluster)
+    degrees: tuple[int, ...] = (1, 2, 4)
+    trace_s: float = 7200.0  # the trace's real length
+    mean_load: float = 0.4  # mean rate / capacity
+    amplitude: float = 0.65  # sinusoid peak-to-mean
+    start_phase: float = 0.75  # where in the "day" the trace starts (0.75: the trough, so night -> peak -> night)
+    bursts: float = 8.0  # over the whole trace
+    burst_s: float = 60.0  # real seconds
+    burst_factor: float = 1.3
+    period_s: float = 300.0  # planner period, real seconds
+    window_s: float = 300.0  # workload monitor window, real seconds
+    buffer: float = 0.2  # monitor's safety buffer on rates
+    monitor_slices: int = 5  # the monitor sizes for the busiest minute of its window (1: the window's mean)
+    min_gain: float = 0.10  # hysteresis
+    single_batch: bool = False  # Stage 1 with one recompute and one cached batch per TP degree (the paper's z, z')
+    start_delay_s: float = 30.0  # a new instance serves this long after its start (model load; real seconds)
+    report_windows: int = 48  # reporting windows over the trace (2.5 minutes each)
+    statics: tuple[tuple[int, int, int], ...] = ((16, 0, 0), (12, 0, 1), (8, 0, 2), (4, 0, 3), (0, 0, 4),
+                                                 (0, 8, 0), (8, 4, 0))
+
+
+def step_model(specs: list[ClusterRequestSpec], thresholds: tuple[float, ...], block: int) -> StepModel:
+    """Steps per output token at each candidate threshold, measured on the workload's requests."""
+    spt = {t: statistics.fmean(s.steps[i] / s.output_tokens for s in specs) for i, t in enumerate(thresholds)}
+    return StepModel(steps_per_token=spt, block_tokens=block, kv_cache="approx")
+
+
+def _stage1(sc: TraceScenario, steps: StepModel) -> Stage1Config:
+    batches = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= sc.requests.slots)
+    return Stage1Config(slo_scale=sc.requests.slo_factor, batches=batches, solver="auto", single_batch=sc.single_batch)
+
+
+def capacity_rps(sc: TraceScenario, specs: list[ClusterRequestSpec], profiles, steps: StepModel) -> float:
+    """Highest rate at which all-TP-1 on the cluster is feasible for Stage 1 (stable, within SLO), by bisection."""
+    monitor = WorkloadMonitor(window_s=1.0, buffer=0.0)
+    for s in specs:
+        monitor.record(0.0, s.prompt_tokens, s.output_tokens)
+    shape = monitor.classes(0.0)
+    total = sum(c.rate for c in shape)
+    gpus = sum(sc.nodes)
+    cfg, fixed = _stage1(sc, steps), {d: (gpus if d == 1 else 0) for d in sc.degrees}
+
+    def ok(rate: float) -> bool:
+        classes = [replace(c, rate=c.rate * rate / total) for c in shape]
+        return plan_capacity(classes, gpus, profiles, steps, cfg, fixed_counts=fixed).feasible
+
+    lo, hi = 0.0, 8.0 * gpus
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        if hi - lo < 0.05:
+            break
+    return lo
+
+
+@dataclass
+class _Run:
+    res: ClusterResult
+    wall_s: float
+    controller: PlannerController | None = None
+
+
+def _simulate(sc: TraceScenario, specs, profiles, rcfg: RouterConfig, seq_tokens: int, tps: tuple[int, ...],
+              seed: int, planner: Callable[[Callable[[], float]], Planner] | None = None, start_delay_s: float = 0.0,
+              tick_s: float = 1.0) -> _Run:
+    """One run: the static instances ``tps``, or (``planner``: a factory given the virtual clock) the
+    planner's starting placement, reconfigured as it decides."""
+    q = sc.requests
+    cfg = ClusterConfig(tps, q.slots, q.block_tokens, seq_tokens, router=rcfg)
+    t0 = time.perf_counter()
+    sim = ClusterSimulator(cfg, profiles, sc.policy, seed)
+    ctl = None
+    if planner is not None:
+        ctl = PlannerController(sim, planner(sim.clock.now), start_delay_s, tick_s)
+        ctl.begin(specs[0].arrival)
+    res = sim.run(specs)
+    return _Run(res, time.perf_counter() - t0, ctl)
+
+
+def _static_name(mix: tuple[int, int, int], degrees) -> str:
+    return "static-" + "+".join(f"{n}xTP{d}" for n, d in zip(mix, degrees) if n)
+
+
+def run_trace(sc: TraceScenario | None = None, n: int = 6000, seed: int = 0, mean_rate: float | None = None,
+              statics: tuple[tuple[int, int, int], ...] | None = None, progress: bool = False,
+              workers: int = 1, table: ThresholdTable | None = None) -> dict:
+    """Simulate the trace with planner-driven reconfiguration and with each static mix (``workers`` > 1:
+    the static mixes run in ``workers - 1`` other processes while this one runs the reconfiguration).
+    ``table``: the requests' per-threshold truth (default: the scenario model's cached table)."""
+    sc = sc or TraceScenario()
+    q = sc.requests
+    statics = sc.statics if statics is None else statics
+    gpus = sum(sc.nodes)
+    for mix in statics:
+        if sum(k * d for k, d in zip(mix, sc.degrees)) > gpus:
+            raise ValueError(f"static mix {mix} needs more than {gpus} GPUs")
+    if table is None:
+        table = load_table(q.model, q.table_prompts, thresholds=RouterConfig().thresholds, progress=progress)
+    rcfg = RouterConfig(thresholds=candidate_thresholds(table, q.quality_tolerance))
+    profiles = load_tp_profiles(q.profile, sc.degrees)
+    probe = make_specs(q, table, 4000, 1.0, seed + 1, profiles, rcfg.thresholds)
+    steps = step_model(probe, rcfg.thresholds, q.block_tokens)
+    cap = capacity_rps(sc, probe, profiles, steps)
+    rate = mean_rate if mean_rate is not None else sc.mean_load * cap
+    duration = n / rate  # compressed trace length
+    compression = sc.trace_s / duration
+    params = ArrivalParams(rate=rate, period_s=duration, amplitude=sc.amplitude, bursts_per_period=sc.bursts,
+                           burst_s=sc.burst_s / compression, burst_factor=sc.burst_factor)
+    times = arrivals("diurnal", int(n * (1.5 + sc.start_phase)) + 100, params, np.random.default_rng(seed))
+    times = times[times >= sc.start_phase * duration][:n]  # the generator's day starts at its mean, rising
+    if len(times) < n:
+        raise ValueError("the diurnal generator gave too few arrivals; lower start_phase")
+    times = times - sc.start_phase * duration
+    specs = make_specs(q, table, n, rate, seed, profiles, rcfg.thresholds, arrivals=times)
+    seq_tokens = sum(s.prompt_tokens + s.output_tokens for s in specs) // len(specs)
+
+    cluster = Cluster(tuple(sc.nodes))
+    pcfg = PlannerConfig(period_s=sc.period_s / compression, min_gain=sc.min_gain, stage1=_stage1(sc, steps),
+                         steps=steps)
+
+    def planner(clock: Callable[[], float]) -> Planner:  # first re-plan a period after the trace starts (t = 0)
+        monitor = WorkloadMonitor(window_s=sc.window_s / compression, buffer=sc.buffer, slices=sc.monitor_slices)
+        return Planner(cluster, profiles, pcfg, monitor, clock=clock)
+
+    runs: dict[str, _Run] = {}
+    if progress:
+        print(f"dilaserve-trace: {n} requests, mean {rate:.1f} req/s (capacity {cap:.1f}), "
+              f"compression {compression:.1f}x", file=sys.stderr)
+    jobs = {_static_name(mix, sc.degrees): tuple(d for k, d in zip(mix, sc.degrees) for _ in range(k))
+            for mix in statics}
+    pool = futures = None
+    if workers > 1 and jobs:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("fork"))
+        futures = {name: pool.submit(_simulate, sc, specs, profiles, rcfg, seq_tokens, tps, seed)
+                   for name, tps in jobs.items()}
+    runs["reconfig"] = _simulate(sc, specs, profiles, rcfg, seq_tokens, (), seed, planner,
+                                 sc.start_delay_s / compression, tick_s=min(1.0, sc.period_s / compression / 10))
+    for name, tps in jobs.items():
+        runs[name] = futures[name].result() if futures else _simulate(sc, specs, profiles, rcfg, seq_tokens, tps, seed)
+        if progress:
+            print(f"  {name}: {runs[name].wall_s:.1f}s", file=sys.stderr)
+    if pool is not None:
+        pool.shutdown()
+    return _report(sc, n, seed, rate, cap, compression, duration, steps, rcfg, table, specs, runs)
+
+
+def _accuracy(table: ThresholdTable, res: ClusterResult, thresholds) -> tuple[list[bool], int]:
+    """The table's answers of finished requests that kept one threshold (no model replays here)."""
+    col = {t: table.thresholds.index(t) for t in thresholds}
+    out = [table.correct[spec.prompt_idx][col[sched[0][1]]] for spec, _, sched in res.finished if len(sched) == 1]
+    return out, len(out)
+
+
+def _report(sc, n, seed, rate, cap, compression, duration, steps, rcfg, table, specs, runs) -> dict:
+    W = sc.report_windows
+    t0 = specs[0].arrival
+    width = duration / W
+    edges = t0 + width * np.arange(W + 1)
+    arr = np.array([s.arrival for s in specs])
+    offered = np.histogram(arr, edges)[0] / width
+    configs, per_window = {}, {}
+    for name, run in runs.items():
+        correct, kept = _accuracy(table, run.res, rcfg.thresholds)
+        summary = summarize(run.res, specs, correct)
+        summary.update({"accuracy_scope": f"{kept} requests that kept one threshold (table answers)",
+                        "arrived": run.res.arrived, "lost": run.res.lost, "evacuated": run.res.evacuated,
+                        "held": run.res.held, "wall_s": round(run.wall_s, 1)})
+        configs[name] = summary
+        met = np.zeros(W)
+        tot = np.zeros(W)
+        for spec, lat, _ in run.res.finished:
+            k = min(int((spec.arrival - t0) / width), W - 1)
+            tot[k] += 1
+            met[k] += lat <= spec.slo_s + 1e-9
+        per_window[name] = [round(float(m / t), 4) if t else None for m, t in zip(met, tot)]
+    statics = [k for k in configs if k.startswith("static-")]
+    best = max(statics, key=lambda k: (configs[k]["slo_attainment"], configs[k]["mean_threshold"])) if statics else None
+    ctl = runs["reconfig"].controller
+    counts = _window_counts(ctl.log.timeline, edges, sc.degrees)
+    lo_w, hi_w = _terciles(offered)
+    mix = {"low_load": _mean_counts(counts, lo_w, sc.degrees), "peak_load": _mean_counts(counts, hi_w, sc.degrees)}
+    scale = compression / 60.0  # compressed seconds -> trace minutes
+    return {
+        "scenario": sc.name, "requests": n, "seed": seed, "profile": sc.requests.profile,
+        "gpus": sum(sc.nodes), "nodes": list(sc.nodes), "slots": sc.requests.slots,
+        "arrival_rate_rps": round(rate, 3), "capacity_rps_all_tp1": round(cap, 2),
+        "peak_window_rps": round(float(offered.max()), 2), "low_window_rps": round(float(offered.min()), 2),
+        "slo_factor": sc.requests.slo_factor, "mix": sc.requests.mix,
+        "candidate_thresholds": list(rcfg.thresholds),
+        "steps_per_token": {f"{t:g}": round(v, 4) for t, v in steps.steps_per_token.items()},
+        "time_compression": round(compression, 2), "trace_minutes": round(sc.trace_s / 60, 1),
+        "simulated_seconds": round(duration, 1),
+        "planner": {"period_s_trace": sc.period_s, "period_s_simulated": round(sc.period_s / compression, 3),
+                    "window_s_trace": sc.window_s, "buffer": sc.buffer, "monitor_slices": sc.monitor_slices,
+                    "single_batch": sc.single_batch,
+                    "min_gain": sc.min_gain,
+                    "start_delay_s_trace": sc.start_delay_s, "plans": ctl.log.plans, "starts": ctl.log.starts,
+                    "stops": ctl.log.stops, "decisions": ctl.log.decisions},
+        "reconfig_beats_best_static": None if best is None else
+        configs["reconfig"]["slo_attainment"] > configs[best]["slo_attainment"],
+        "best_static": best,
+        "instances_by_load": mix,
+        "policies": configs,
+        "windows": {"minutes": [round(float((e - t0) * scale), 2) for e in edges[:-1]],
+                    "offered_rps": [round(float(x), 3) for x in offered],
+                    "instances": {str(d): [round(c[d], 3) for c in counts] for d in sc.degrees},
+                    "slo_attainment": per_window},
+        "timeline": [{"minute": round((t - t0) * scale, 3), **{str(d): c[d] for d in sc.degrees}}
+                     for t, c in ctl.log.timeline],
+    }
+
+
+def _window_counts(timeline, edges, degrees) -> list[dict[int, float]]:
+    """Time-average serving instances per TP degree in each window (the timeline is a step function)."""
+    out = []
+    pts = [(t, c) for t, c in timeline]
+    for a, b in zip(edges[:-1], edges[1:]):
+        acc = {d: 0.0 for d in degrees}
+        for i, (t, c) in enumerate(pts):
+            nxt = pts[i + 1][0] if i + 1 < len(pts) else math.inf
+            lo, hi = max(a, t), min(b, nxt)
+            if hi > lo:
+                for d in degrees:
+                    acc[d] += c[d] * (hi - lo)
+        out.append({d: acc[d] / (b - a) for d in degrees})
+    return out
+
+
+def _terciles(offered: np.ndarray) -> tuple[list[int], list[int]]:
+    order = np.argsort(offered)
+    k = max(len(order) // 3, 1)
+    return [int(i) for i in order[:k]], [int(i) for i in order[-k:]]
+
+
+def _mean_counts(counts, idx, degrees) -> dict[str, float]:
+    m = {str(d): round(statistics.fmean(counts[i][d] for i in idx), 2) for d in degrees}
+    m["instances"] = round(sum(m[str(d)] for d in degrees), 2)
+    m["gpus"] = round(sum(d * m[str(d)] for d in degrees), 2)
+    return m
+
+
+def plot_trace(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w = report["windows"]
+    x = w["minutes"]
+    width = x[1] - x[0] if len(x) > 1 else 1.0
+    fig, ax = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    ax[0].step(x, w["offered_rps"], where="post", color="k", label="offered (per window)")
+    ax[0].axhline(report["capacity_rps_all_tp1"], ls="--", color="grey", lw=0.8,
+                  label="Stage 1's capacity of all TP-1")
+    ax[0].set_ylabel("offered rate (req/s)")
+    ax[0].legend(loc="upper right")
+    ax[0].set_title(f"{report['scenario']}: {report['gpus']} GPUs, {report['requests']} requests, "
+                    f"time compressed {report['time_compression']}x (SLO {report['slo_factor']}x isolated TP-1)")
+    tl = report["timeline"]
+    tx = [p["minute"] for p in tl] + [x[-1] + width]
+    for d, color in zip(sorted(w["instances"], key=int), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+        ax[1].step(tx, [p[d] for p in tl] + [tl[-1][d]], where="post", label=f"TP-{d}", color=color)
+    ax[1].set_ylabel("instances (reconfig)")
+    ax[1].legend(loc="upper right")
+    att = w["slo_attainment"]
+    best = report["best_static"]
+    for name, series in att.items():
+        if name in ("reconfig", best):
+            continue
+        ax[2].plot(x, [np.nan if v is None else v for v in series], color="lightgrey", lw=0.8)
+    if best:
+        ax[2].plot(x, [np.nan if v is None else v for v in att[best]], color="tab:purple",
+                   label=f"best static ({best[7:]}): {report['policies'][best]['slo_attainment']:.3f}")
+    ax[2].plot(x, [np.nan if v is None else v for v in att["reconfig"]], color="tab:red",
+               label=f"reconfig: {report['policies']['reconfig']['slo_attainment']:.3f}")
+    ax[2].set_ylabel("SLO attainment per window")
+    ax[2].set_xlabel("trace time (minutes)")
+    ax[2].set_ylim(-0.02, 1.02)
+    ax[2].legend(loc="lower left", title="grey: other static mixes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_report(r: dict) -> str:
+    lines = [f"{r['scenario']}: {r['requests']} requests, mean {r['arrival_rate_rps']} req/s "
+             f"(windows {r['low_window_rps']}-{r['peak_window_rps']}; all-TP-1 capacity {r['capacity_rps_all_tp1']}), "
+             f"{r['gpus']} GPUs, SLO {r['slo_factor']}x, time compressed {r['time_compression']}x "
+             f"({r['trace_minutes']} trace minutes in {r['simulated_seconds']} s)"]
+    for name, s in sorted(r["policies"].items(), key=lambda kv: -kv[1]["slo_attainment"]):
+        lines.append(f"  {name:28s} SLO {s['slo_attainment']:.4f}  mean {s['mean_latency_s']:6.2f}s  "
+                     f"p99 {s['p99_latency_s']:6.2f}s  mean threshold {s['mean_threshold']:.3f}  "
+                     f"lost {s['lost']}  evacuated {s['evacuated']}  ({s['wall_s']}s)")
+    p = r["planner"]
+    lines.append(f"  planner: {p['plans']} transitions ({p['starts']} starts, {p['stops']} stops); "
+                 f"low load {r['instances_by_load']['low_load']}, peak {r['instances_by_load']['peak_load']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sim.cluster_trace", description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=6000, help="arrivals over the trace (sets the compression)")
+    ap.add_argument("--rate", type=float, help="mean rate, req/s (default: mean_load x capacity)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slo-factor", type=float, help="SLO = k x isolated TP-1 latency")
+    ap.add_argument("--single-batch", action="store_true", help="Stage 1 with one batch per TP degree")
+    ap.add_argument("--slices", type=int, help="monitor: size for the busiest of this many slices (1: the mean)")
+    ap.add_argument("--statics", help="static mixes to compare, e.g. '16,0,0;4,0,3' (TP-1,TP-2,TP-4 counts)")
+    ap.add_argument("--plot", help="write the figure here (PNG)")
+    ap.add_argument("--out", help="write the JSON report here")
+    ap.add_argument("--json", action="store_true", help="print the JSON report")
+    ap.add_argument("--workers", type=int, default=1, help="processes (2: the static mixes beside the reconfig run)")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    sc = TraceScenario()
+    if args.slo_factor is not None:
+        sc = replace(sc, requests=replace(sc.requests, slo_factor=args.slo_factor))
+    if args.slices is not None:
+        sc = replace(sc, monitor_slices=args.slices)
+    if args.single_batch:
+        sc = replace(sc, single_batch=True)
+    statics = None
+    if args.statics:
+        statics = tuple(tuple(int(v) for v in part.split(",")) for part in args.statics.split(";") if part.strip())
+    report = run_trace(sc, args.requests, args.seed, args.rate, statics, progress=not args.quiet, workers=args.workers)
+    if args.plot:
+        plot_trace(report, args.plot)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
