@@ -172,8 +172,23 @@ def cmd_profile(args) -> int:
 
 
 def cmd_faults(args) -> int:
-    from app.faults import run_faults
+    from app import faults
 
+    if args.scenario == "overload":
+        res = faults.run_overload(args.factor, args.seconds, args.port)
+        print(json.dumps(res) if args.json else
+              f"offered {res['offered_rps']} req/s ({args.factor:g} x the planner's {res['planner_rate_rps']}) for "
+              f"{res['seconds']:g} s: {res['status_codes']}; admitted {res['admitted_rps']} req/s, SLO "
+              f"({res['slo_ms']} ms) attainment {res['admitted_slo_attainment']:.3f}; lost {res['lost']}; replica "
+              f"memory {res['rss_mb_before']} -> {res['rss_mb_after']} MB")
+        return 0 if res["lost"] == 0 else 1
+    if args.scenario == "cancel":
+        res = faults.run_cancel(args.cycles, port=args.port)
+        print(json.dumps(res) if args.json else
+              f"{res['cycles']} connect-disconnect cycles in {res['wall_s']} s; after: {res['state_after']}; "
+              f"replica memory growth {res['rss_growth_mb']} MB; a request after them: {res['served_after']!r}")
+        return 0 if not any(v for k, v in res["state_after"].items() if k != "settle_s") else 1
+    run_faults = faults.run_faults
     if args.requests < 1 or args.kills < 0 or args.rate <= 0 or args.replicas < 2:
         raise ValueError("need --requests >= 1, --kills >= 0, --rate > 0 and --replicas >= 2")
     res = run_faults(args.requests, args.kills, args.rate, args.replicas, args.port)
@@ -275,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_profile)
 
     x = sub.add_parser("faults", help="fault injection: kill Denoiser replicas of a live app under load")
+    x.add_argument("--scenario", choices=["kill", "overload", "cancel"], default="kill",
+                   help="kill: replica kills under load; overload: 10x the planner's rate; cancel: "
+                        "connect-disconnect cycles")
+    x.add_argument("--factor", type=float, default=10.0, help="overload: offered / planner rate")
+    x.add_argument("--seconds", type=float, default=20.0, help="overload: how long to offer it")
+    x.add_argument("--cycles", type=int, default=1000, help="cancel: connect-disconnect cycles")
     x.add_argument("--requests", type=int, default=200)
     x.add_argument("--kills", type=int, default=2)
     x.add_argument("--rate", type=float, default=8.0, help="requests per second")

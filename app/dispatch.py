@@ -118,6 +118,7 @@ class Dispatcher:
         self.per_instance_limit, self.default_slo_s = per_instance_limit, default_slo_s
         self.max_resumes, self.dead_after_s, self.park_s = max_resumes, dead_after_s, park_s
         self.shed_over_capacity = shed_over_capacity
+        self.calibrate = True  # scale the latency profile by measured round times (TpLatencyModel.calibrate)
         self.parked: list[_Live] = []  # requests waiting for an instance to join
         self.on_batch, self.on_migration = on_batch, on_migration
         self.on_arrival, self.on_instances = on_arrival, on_instances
@@ -372,6 +373,10 @@ class Dispatcher:
                     finished.append((live, done))
         if not stepped:
             return
+        if self.calibrate and batch.get("round_ms"):  # the profile under this deployment's real load
+            router_inst = self.router.by_id[inst_id]
+            heavy = round(len(stepped) * router_inst.n_heavy / max(router_inst.n, 1))
+            self.router.latency.calibrate(router_inst.tp, heavy, len(stepped) - heavy, float(batch["round_ms"]))
         moves = self.router.on_step(inst_id, stepped, now)
         for live, done in finished:
             self._finish(live, done)

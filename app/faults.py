@@ -15,8 +15,10 @@ the kill until every request the dead replica held has streamed text again
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
 import statistics
 import time
 
@@ -26,9 +28,11 @@ PROMPTS_CATEGORIES = ("reverse", "choice", "arith", "prose")
 async def _one(client, url: str, body: dict, timeout: float, log: list) -> dict:
     """Stream one completion; ``log`` gets (time, request index) per content chunk."""
     out = {"outcome": "lost", "text": "", "chunks": [], "status": None}
+    t0 = time.monotonic()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
             out["status"] = r.status_code
+            out["retry_after"] = r.headers.get("retry-after")
             if r.status_code != 200:
                 raw = await r.aread()
                 try:
@@ -57,6 +61,7 @@ async def _one(client, url: str, body: dict, timeout: float, log: list) -> dict:
                     finished = True
     except Exception as exc:  # a broken connection or a timeout: lost
         out["error"] = f"{type(exc).__name__}: {exc}"
+    out["e2e_s"] = time.monotonic() - t0
     return out
 
 
@@ -138,8 +143,9 @@ def _recovery(results: list, reports: list) -> None:
         del rep["t"]
 
 
-def run_faults(requests: int = 200, kills: int = 2, rate: float = 8.0, replicas: int = 3, port: int = 8790,
-               timeout: float = 180.0) -> dict:
+@contextlib.contextmanager
+def local_app(args: dict, replicas: int, port: int):
+    """The app on a fresh local Ray cluster; yields its URL once ``replicas`` instances have joined."""
     import ray
     from ray import serve
 
@@ -149,14 +155,20 @@ def run_faults(requests: int = 200, kills: int = 2, rate: float = 8.0, replicas:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"model": "tiny-bd", "replicas": {1: replicas}, "slots": 16, "max_tokens_limit": 256,
-                             "dead_after_s": 5.0}), name="remask", route_prefix="/", blocking=False)
+        serve.run(build_app(args), name="remask", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url, replicas)
-        results, reports, dispatch, wall = asyncio.run(_drive(url, requests, rate, kills, timeout))
+        yield url
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def run_faults(requests: int = 200, kills: int = 2, rate: float = 8.0, replicas: int = 3, port: int = 8790,
+               timeout: float = 180.0) -> dict:
+    args = {"model": "tiny-bd", "replicas": {1: replicas}, "slots": 16, "max_tokens_limit": 256, "dead_after_s": 5.0}
+    with local_app(args, replicas, port) as url:
+        results, reports, dispatch, wall = asyncio.run(_drive(url, requests, rate, kills, timeout))
     _recovery(results, reports)
     outcomes = {k: sum(r["outcome"] == k for r in results) for k in ("completed", "failed", "lost")}
     done = [r for r in results if r["outcome"] == "completed"]
@@ -179,3 +191,171 @@ def _wait_ready(url: str, replicas: int, limit_s: float = 300.0) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"the app did not get {replicas} ready instances within {limit_s:.0f} s")
+
+
+# ---- overload and cancellation ----------------------------------------------------------------------
+def _replica_rss_mb() -> dict[str, float]:
+    """Resident memory of this app's Serve replica processes (Ingress, Denoisers), by process title."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for p in psutil.process_iter(["cmdline", "memory_info"]):
+        title = " ".join(p.info["cmdline"] or [])
+        found = re.search(r"ServeReplica:remask:([A-Za-z0-9_]+)", title)
+        if found and p.info["memory_info"] is not None:  # the title may carry the running method after a dot
+            out[found.group(1)] = out.get(found.group(1), 0.0) + p.info["memory_info"].rss / 2**20
+    return {k: round(v, 1) for k, v in sorted(out.items())}
+
+
+def planner_rate(max_tokens: int, prompt_tokens: int, profile: str = "cpu-tiny-bd") -> tuple[float, float]:
+    """The highest request rate Stage 1 says one TP-1 instance holds for this request shape (bisection
+    on feasibility with the configuration fixed), and the SLO it plans for (ms)."""
+    from engine.profile import load_tp_profiles
+    from planner.stage1 import plan_capacity
+    from planner.workload import WorkloadClass
+
+    profiles = load_tp_profiles(profile, [1])
+
+    def plan(rate: float):
+        return plan_capacity([WorkloadClass("req", rate, prompt_tokens, max_tokens)], 1, profiles,
+                             fixed_counts={1: 1})
+
+    lo, hi = 0.0, 1.0
+    while plan(hi).feasible and hi < 1e4:
+        lo, hi = hi, hi * 2
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if plan(mid).feasible else (lo, mid)
+    return lo, plan(max(lo, 1e-3)).slo_ms["req"]
+
+
+async def _offer(url: str, rate: float, seconds: float, body, timeout: float) -> list[dict]:
+    import httpx
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096)) as client:
+        jobs, t0, i = [], time.monotonic(), 0
+        while time.monotonic() - t0 < seconds:
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+            jobs.append(asyncio.create_task(_one(client, url, body(i), timeout, [])))
+            i += 1
+        return await asyncio.gather(*jobs)
+
+
+def run_overload(factor: float = 10.0, seconds: float = 20.0, port: int = 8790, max_tokens: int = 32) -> dict:
+    """Offer ``factor`` x the rate the planner says one TP-1 instance holds, with the planner's SLO on
+    every request: how much is shed (429 + Retry-After), whether the admitted requests meet their SLO,
+    and whether the replicas' memory stays bounded."""
+    import httpx
+
+    from engine import tasks
+
+    examples = [e for e in tasks.heldout_set(400) if e.category in ("reverse", "choice", "arith")]
+    prompt_tokens = 20
+    rate, slo_ms = planner_rate(max_tokens, prompt_tokens)
+    offered = factor * rate
+    args = {"model": "tiny-bd", "replicas": {1: 1}, "slots": 32, "max_tokens_limit": 256}
+
+    def body(i: int) -> dict:
+        return {"prompt": examples[i % len(examples)].prompt, "max_tokens": max_tokens, "stream": True,
+                "slo_ms": slo_ms}
+
+    with local_app(args, 1, port) as url:
+        before = _replica_rss_mb()
+        t0 = time.monotonic()
+        results = asyncio.run(_offer(url, offered, seconds, body, timeout=120))
+        sent_s = time.monotonic() - t0
+        after = _replica_rss_mb()
+        router = httpx.get(f"{url}/debug/instances", timeout=10).json()["router"]
+        server = _slo_counters(httpx.get(f"{url}/metrics", timeout=10).text)
+    codes: dict[str, int] = {}
+    for r in results:
+        codes[str(r["status"])] = codes.get(str(r["status"]), 0) + 1
+    admitted = [r for r in results if r["status"] == 200]
+    shed = [r for r in results if r["status"] == 429]
+    met = [r for r in admitted if r["outcome"] == "completed" and r["e2e_s"] * 1000 <= slo_ms]
+    return {"planner_rate_rps": round(rate, 2), "slo_ms": round(slo_ms, 1), "offered_rps": round(offered, 2),
+            "seconds": seconds, "requests": len(results), "sent_rps": round(len(results) / sent_s, 2),
+            "status_codes": codes, "latency_scale": router.get("latency_scale"),
+            "shed_with_retry_after": sum(r.get("retry_after") is not None for r in shed),
+            "admitted": len(admitted), "admitted_rps": round(len(admitted) / seconds, 2),
+            "admitted_slo_attainment": round(len(met) / max(len(admitted), 1), 3),
+            "admitted_e2e_ms": _quantiles([r["e2e_s"] * 1000 for r in admitted]),
+            # measured by the ingress from the request's arrival there (without the HTTP proxy's queue)
+            "ingress_slo_attainment": round(server["met"] / max(server["met"] + server["missed"], 1), 3),
+            "lost": sum(r["outcome"] == "lost" for r in results),
+            "rss_mb_before": before, "rss_mb_after": after}
+
+
+async def _cancel_cycles(url: str, cycles: int, concurrency: int) -> int:
+    import httpx
+
+    done = 0
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(client) -> None:
+        nonlocal done
+        async with sem:
+            body = {"prompt": "story: fox 8", "max_tokens": 200, "threshold": 0.999, "stream": True}
+            async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # the first chunk, then hang up mid-generation
+            done += 1
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency * 2)) as client:
+        await asyncio.gather(*(one(client) for _ in range(cycles)))
+    return done
+
+
+def run_cancel(cycles: int = 1000, concurrency: int = 8, port: int = 8790) -> dict:
+    """``cycles`` clients that connect, read one chunk and disconnect: every slot and KV reservation
+    must come back, and the replicas' memory must not grow."""
+    import httpx
+
+    args = {"model": "tiny-bd", "replicas": {1: 1}, "slots": 32, "max_tokens_limit": 256}
+    with local_app(args, 1, port) as url:
+        asyncio.run(_cancel_cycles(url, 100, concurrency))  # warm-up: allocator pools, caches
+        idle = _settle(url)
+        before = _replica_rss_mb()
+        t0 = time.monotonic()
+        n = asyncio.run(_cancel_cycles(url, cycles, concurrency))
+        wall = time.monotonic() - t0
+        state = _settle(url)
+        after = _replica_rss_mb()
+        probe = httpx.post(f"{url}/v1/completions", json={"prompt": "rev: abc", "max_tokens": 8}, timeout=60).json()
+    growth = {k: round(after.get(k, 0.0) - v, 1) for k, v in before.items()}
+    return {"cycles": n, "wall_s": round(wall, 1), "idle_after_warmup": idle, "state_after": state,
+            "rss_mb_before": before, "rss_mb_after": after, "rss_growth_mb": growth,
+            "served_after": probe["choices"][0]["text"]}
+
+
+def _slo_counters(text: str) -> dict[str, float]:
+    out = {"met": 0.0, "missed": 0.0}
+    for line in text.splitlines():
+        for key in out:
+            if line.startswith(f"remask_slo_{key}_total "):
+                out[key] = float(line.split()[1])
+    return out
+
+
+def _quantiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    v = sorted(values)
+    return {q: round(v[min(len(v) - 1, int(f * len(v)))], 1) for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
+
+
+def _settle(url: str, limit_s: float = 30.0) -> dict:
+    """Wait until no request is running, resident or holding KV on any instance; that state."""
+    import httpx
+
+    keys = ("running", "resident", "kv_reserved_tokens", "requests")
+    t0 = time.monotonic()
+    while True:
+        view = httpx.get(f"{url}/debug/instances", timeout=10).json()
+        state = {k: sum(v.get(k, 0) for v in view["instances"].values()) for k in keys}
+        state["live"] = view.get("live", 0)
+        if not any(state.values()) or time.monotonic() - t0 > limit_s:
+            state["settle_s"] = round(time.monotonic() - t0, 2)
+            return state
+        time.sleep(0.2)

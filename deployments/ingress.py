@@ -173,7 +173,10 @@ class Ingress:
         """Every instance's state as its last progress batch or tick reported it, and the dispatcher's counts."""
         self._authorize(request)
         return {"instances": self.dispatcher.describe(), "dispatch": self.dispatcher.stats,
-                "router": self.dispatcher.router.stats}
+                "router": {**self.dispatcher.router.stats,
+                           "latency_scale": round(self.dispatcher.router.latency.scale, 3)},
+                "live": len(self.dispatcher.live),
+                "parked": len(self.dispatcher.parked)}
 
     @web.post("/v1/completions", openapi_extra=api.openapi_body("completion"))
     async def completions(self, request: Request):

@@ -204,3 +204,35 @@ def test_estimates_count_down_between_predictor_updates():
     for k in range(3):
         router.on_step(0, [(r, False, False)], 0.02 + k)
     assert len(calls) == 2 and r.est[0] == pytest.approx(90.0)  # the fourth step asked the model again
+
+
+def test_calibration_scales_latencies_toward_measured_rounds():
+    lat = latency(slots=8)
+    base = lat.round_ms(1, 1, 3)
+    for _ in range(200):  # rounds measured at twice the profile
+        lat.calibrate(1, 1, 3, 2.0 * base)
+    assert lat.scale == pytest.approx(2.0, rel=0.01)
+    assert lat.round_ms(1, 1, 3) == pytest.approx(2.0 * base, rel=0.01)
+    for _ in range(500):  # absurd measurements are clamped
+        lat.calibrate(1, 1, 3, 1000.0 * base)
+    assert lat.scale == pytest.approx(8.0, rel=0.01)
+    assert lat.calibrate(1, 0, 0, 5.0) == lat.scale  # an empty round says nothing
+
+
+def test_admission_against_the_arrivals_own_slo():
+    totals = {f"a{i}": (40.0, 35.0, 30.0, 25.0, 20.0) for i in range(200)}
+    totals["late"] = totals["a0"]
+    router = make_router("remask", tps=(1,), totals=totals)
+    admitted = 0
+    for i in range(200):
+        r = req(f"a{i}", slo=2.0)
+        router.add_request(r, 0.0)
+        if router.admissible(r, 0.0):
+            admitted += 1
+        else:
+            router.reject(r)
+    # the work of the admitted ones at the lowest threshold fits one instance's 2 s
+    assert 0 < admitted < 200 and len(router.requests) == admitted
+    relaxed = req("late", slo=3600.0)
+    router.add_request(relaxed, 0.0)
+    assert router.admissible(relaxed, 0.0)  # a long SLO leaves room for the same work

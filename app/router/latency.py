@@ -35,6 +35,7 @@ class TpLatencyModel:
             raise ValueError("slots must be at least 1")
         self.profiles, self.slots = profiles, slots
         self.shape = shape or StepShape()
+        self.scale = 1.0  # measured / profiled round time (``calibrate``): the profile under this deployment's load
         s = self.shape
         heavy, light = ("recompute", "cached") if s.full_sequence else ("prefill", "denoise")
         ctx = s.sequence_tokens
@@ -58,9 +59,9 @@ class TpLatencyModel:
         steps queued; above the slot count the requests share rounds (latency x n / slots)."""
         n = n_heavy + n_light
         if n <= self.slots:
-            return self._heavy[tp][n_heavy] + self._light[tp][n_light]
+            return (self._heavy[tp][n_heavy] + self._light[tp][n_light]) * self.scale
         h = round(n_heavy * self.slots / n)
-        return (self._heavy[tp][h] + self._light[tp][self.slots - h]) * n / self.slots
+        return (self._heavy[tp][h] + self._light[tp][self.slots - h]) * n / self.slots * self.scale
 
     def step_ms(self, tp: int, batch: int, kind: str = "cached") -> float:
         """Latency of a round of ``batch`` steps all of ``kind`` ('recompute'/'prefill' or 'cached'/'denoise')."""
@@ -75,4 +76,20 @@ class TpLatencyModel:
 
     def isolated_ms(self, tp: int, heavy_steps: int, light_steps: int) -> float:
         """End-to-end latency of one request alone on a TP-``tp`` instance."""
-        return heavy_steps * self._heavy[tp][1] + light_steps * self._light[tp][1]
+        return (heavy_steps * self._heavy[tp][1] + light_steps * self._light[tp][1]) * self.scale
+
+    def calibrate(self, tp: int, n_heavy: int, n_light: int, measured_ms: float, weight: float = 0.05,
+                  bounds: tuple[float, float] = (0.25, 8.0)) -> float:
+        """Fold one measured round into ``scale`` (an exponential average of measured / profiled time).
+
+        A profile is measured on an idle machine; a live deployment's rounds also pay for whatever shares
+        it (on a small machine the HTTP proxy and the ingress, on any machine a slower or faster GPU than
+        the profile's), and the router's latencies and load control's capacity follow that ratio."""
+        n = n_heavy + n_light
+        if n <= 0 or measured_ms <= 0.0:
+            return self.scale
+        profiled = self.round_ms(tp, n_heavy, n_light) / self.scale
+        if profiled > 0.0:
+            ratio = min(max(measured_ms / profiled, bounds[0]), bounds[1])
+            self.scale += weight * (ratio - self.scale)
+        return self.scale
