@@ -307,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     from predictors.cli import add_parsers as predictor_parsers
 
     predictor_parsers(sub)
+    from sim.report.cli import add_parsers as report_parsers
+
+    report_parsers(sub)  # remask report
     return p
 
 

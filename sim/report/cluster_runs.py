@@ -1,0 +1,183 @@
+"""Cluster-level experiments (DiLaServe, and DWISE inside its instances).
+
+The cluster simulator (``sim.cluster``) takes the instance scheduling policy (``ClusterConfig.
+instance_policy``) and the router policy independently, so the combined policy and each part alone
+run on the same requests:
+
+- ``infaas/fcfs``, ``llumnix/fcfs``: DiLaServe's baselines (fixed threshold 0.9, FCFS instances, as
+  the vLLM instances they were adapted to);
+- ``remask/fcfs``: DiLaServe alone (Alg. 1-3 across instances, FCFS inside);
+- ``infaas/dwise``, ``llumnix/dwise``: DWISE alone (SRPT inside each instance, fixed 0.9, the
+  baselines' dispatch: DWISE has no cluster level);
+- ``remask/dwise``: Remask, the combination.
+
+Migration ablation router variants (objects, not registered): ``remask-no-migration`` and
+``remask-any-step`` (moves at any step, as Llumnix does, so a move at a cached step costs a recompute).
+
+Accuracy is the embedded model's (``sim.cluster_scenarios.accuracy_of``): requests that kept one
+threshold take the table's answer; mixed-threshold requests are decoded again. ``max_replays`` caps
+those replays per run (quick mode): the mixed-threshold requests' accuracy is then estimated from a
+seeded random sample, and the report says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+
+from app.router import RouterConfig
+from app.router.placement import best_instance, migration_gain_ms
+from app.router.policies import RemaskPolicy
+from engine.profile import load_tp_profiles
+from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterResult, ClusterSimulator, summarize
+from sim.cluster_scenarios import ClusterScenario, accuracy_of, candidate_thresholds, get_cluster_scenario, make_specs
+from sim.report.checks import trace_hash
+from sim.threshold_table import ThresholdTable, load_table
+
+ROLES = {
+    "infaas/fcfs": "INFaaS (baseline)",
+    "llumnix/fcfs": "Llumnix (baseline)",
+    "remask/fcfs": "DiLaServe alone",
+    "infaas/dwise": "DWISE alone",
+    "llumnix/dwise": "DWISE alone (Llumnix dispatch)",
+    "remask/dwise": "Remask (combined)",
+}
+INSTANCE = {"fcfs": "fcfs-mixed", "dwise": "dwise"}
+
+
+class NoMigration(RemaskPolicy):
+    name = "remask-no-migration"
+
+    def migrations(self, router, src, stepped):
+        return []
+
+
+class AnyStepMigration(RemaskPolicy):
+    """Remask's gain test, but at any step boundary: a move at a cached step makes the next step a
+    recompute (``Router.move``), a cost this variant does not price in."""
+
+    name = "remask-any-step"
+
+    def migrations(self, router, src, stepped):
+        out, dst, lat = [], None, 0.0
+        for req in stepped:
+            if dst is None:
+                dst, lat = best_instance(router.latency, router.instances, req.next_heavy, exclude=src.inst_id)
+                if dst is None:
+                    break
+            steps_ahead = req.est[req.cap] / max(req.blocks_left, 1) if req.est else 1.0
+            gain = migration_gain_ms(router.latency, req, src, lat * (1.0 + router.cfg.migration_margin), steps_ahead)
+            if gain > router.migration_cost_ms(req) + 0.5 * lat:
+                out.append((req, dst))
+                router.move(req, src, dst)
+                dst = None
+        return out
+
+
+ROUTER_VARIANTS = {"remask-no-migration": NoMigration, "remask-any-step": AnyStepMigration}
+
+
+@dataclass
+class ClusterSetup:
+    sc: ClusterScenario
+    table: ThresholdTable
+    rcfg: RouterConfig
+    profiles: dict
+    specs: list[ClusterRequestSpec]
+    cfg: ClusterConfig
+    rate: float
+    seed: int
+
+    @property
+    def offered_hash(self) -> str:
+        return trace_hash((s.req_id, s.arrival) for s in self.specs)
+
+
+@functools.lru_cache(maxsize=4)
+def _table(model: str, prompts: int) -> ThresholdTable:
+    return load_table(model, prompts, thresholds=RouterConfig().thresholds)
+
+
+def setup(n: int, rate: float, seed: int = 0, *, all_thresholds: bool = False, arrivals=None,
+          **overrides) -> ClusterSetup:
+    """The ``dilaserve-bench`` requests (``overrides``: any ``ClusterScenario`` field, e.g. ``slo_factor``,
+    ``tp_degrees``, ``output_tokens``, ``prompt_scale``), Poisson at ``rate`` or at ``arrivals``."""
+    sc = replace(get_cluster_scenario("dilaserve-bench"), **overrides)
+    if all_thresholds:
+        sc = replace(sc, quality_tolerance=None)
+    table = _table(sc.model, sc.table_prompts)
+    rcfg = RouterConfig(thresholds=candidate_thresholds(table, sc.quality_tolerance))
+    profiles = load_tp_profiles(sc.profile, sorted(set(sc.tp_degrees) | {1}))
+    specs = make_specs(sc, table, n, rate, seed, profiles, rcfg.thresholds, arrivals=arrivals)
+    seq = sum(s.prompt_tokens + s.output_tokens for s in specs) // max(len(specs), 1)
+    cfg = ClusterConfig(sc.tp_degrees, sc.slots, sc.block_tokens, seq, router=rcfg)
+    return ClusterSetup(sc, table, rcfg, profiles, specs, cfg, rate, seed)
+
+
+@dataclass
+class ClusterRun:
+    combo: str  # "router/instance"
+    summary: dict
+    latencies: list[float]
+    little: dict
+    finished_hash: str
+    wall_s: float
+    per_request: list[tuple[float, float, float, float]] = field(default_factory=list)  # arrival, lat, slo, thr
+
+    def attainment(self, slo_scale: float = 1.0) -> float:
+        """SLO attainment with every SLO scaled by ``slo_scale`` (for policies that never read SLOs)."""
+        pr = self.per_request
+        return sum(lat <= slo * slo_scale + 1e-9 for _, lat, slo, _ in pr) / max(len(pr), 1)
+
+
+def mean_threshold(schedule: list[tuple[float, float]]) -> float:
+    """Progress-weighted threshold of one request's schedule [(progress where it changed, threshold)]."""
+    if not schedule:
+        return float("nan")
+    out = 0.0
+    for (p, t), nxt in zip(schedule, [*schedule[1:], (1.0, 0.0)]):
+        out += (min(nxt[0], 1.0) - p) * t
+    return out / max(1.0 - schedule[0][0], 1e-9)
+
+
+def estimate_accuracy(table: ThresholdTable, res: ClusterResult, model: str, max_replays: int | None,
+                      seed: int) -> tuple[float, str]:
+    """Accuracy over finished requests; with ``max_replays``, mixed-threshold answers are sampled."""
+    fin = res.finished
+    if not fin:
+        return 0.0, "no requests"
+    single = [f for f in fin if len({t for _, t in f[2]}) <= 1]
+    mixed = [f for f in fin if len({t for _, t in f[2]}) > 1]
+    if max_replays is None or len(mixed) <= max_replays:
+        ok = accuracy_of(table, fin, model)
+        return sum(ok) / len(ok), f"all {len(fin)} answers ({len(mixed)} mixed-threshold replays)"
+    sample = random.Random(seed).sample(mixed, max_replays)
+    ok_single = accuracy_of(table, single, model)
+    ok_sample = accuracy_of(table, sample, model)
+    acc = (sum(ok_single) + len(mixed) * sum(ok_sample) / len(sample)) / len(fin)
+    return acc, f"{len(single)} single-threshold answers + {len(mixed)} mixed estimated from {len(sample)} replays"
+
+
+def run_combo(st: ClusterSetup, combo: str, max_replays: int | None = None, accuracy: bool = True) -> ClusterRun:
+    router, inst = combo.split("/")
+    policy = ROUTER_VARIANTS[router]() if router in ROUTER_VARIANTS else router
+    cfg = replace(st.cfg, instance_policy=INSTANCE.get(inst, inst))
+    t0 = time.perf_counter()
+    res = ClusterSimulator(cfg, st.profiles, policy, st.seed).run(st.specs)
+    summary = summarize(res, st.specs, [])
+    summary["instances"] = len(cfg.tp_degrees)
+    summary["in_system_per_instance"] = round(res.mean_in_system / max(len(cfg.tp_degrees), 1), 2)
+    if accuracy:
+        acc, scope = estimate_accuracy(st.table, res, st.sc.model, max_replays, st.seed)
+        summary["accuracy"], summary["accuracy_scope"] = round(acc, 4), scope
+    else:
+        summary["accuracy"], summary["accuracy_scope"] = None, "not computed"
+    lat = [f[1] for f in res.finished]
+    x = len(lat) / res.makespan_s if res.makespan_s else 0.0
+    little = {"L": res.mean_in_system, "X": x, "W": statistics.fmean(lat) if lat else 0.0}
+    per = [(s.arrival, lat_s, s.slo_s, mean_threshold(sched)) for s, lat_s, sched in res.finished]
+    fh = trace_hash((s.req_id, s.arrival) for s, _, _ in res.finished)
+    return ClusterRun(combo, summary, lat, little, fh, time.perf_counter() - t0, per)
