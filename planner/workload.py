@@ -6,7 +6,10 @@ safety buffer against short-term bursts). With ``slices`` > 1 the level is that 
 busiest slice (of ``window_s / slices`` seconds) when it is above the window's mean, the class mix
 still the whole window's: the planner then sizes for the recent peak, so a load that is still
 rising is not met with less capacity (as a Kubernetes autoscaler's stabilisation window keeps the
-highest recommendation before it scales down). Output size is the request's output budget
+highest recommendation before it scales down). With ``lookahead_s`` > 0 as well, the level is at
+least where the slices' linear trend reaches ``lookahead_s`` after now (a configuration chosen now
+serves until the next re-plan: on a ramp, size it for the end of that time, not for its start).
+Output size is the request's output budget
 (``max_tokens``), known at arrival for a diffusion model's fixed-length canvas. Pure Python:
 ``record`` is O(1) amortised (a deque per class, evicted lazily).
 """
@@ -71,9 +74,12 @@ class WorkloadMonitor:
     """Per-class arrival rates over a sliding window, with a safety buffer."""
 
     def __init__(self, grid: ClassGrid | None = None, window_s: float = 300.0, buffer: float = 0.2,
-                 slices: int = 1) -> None:
-        if window_s <= 0 or buffer < 0 or slices < 1:
-            raise ValueError("window_s must be > 0, buffer >= 0 and slices >= 1")
+                 slices: int = 1, lookahead_s: float = 0.0) -> None:
+        if window_s <= 0 or buffer < 0 or slices < 1 or lookahead_s < 0:
+            raise ValueError("window_s must be > 0, buffer >= 0, slices >= 1 and lookahead_s >= 0")
+        if lookahead_s > 0 and slices < 2:
+            raise ValueError("a trend (lookahead_s > 0) needs slices >= 2")
+        self.lookahead_s = lookahead_s
         self.grid = grid or ClassGrid()
         self.window_s = window_s
         self.buffer = buffer
@@ -113,14 +119,24 @@ class WorkloadMonitor:
         return [replace(c, rate=c.rate * scale) for c in out] if scale > 1.0 else out
 
     def _peak_ratio(self, now: float, span: float) -> float:
-        """Arrivals per second in the busiest slice of the observed span over the span's mean (>= 1)."""
-        width = span / self.slices
-        counts = [0] * self.slices
+        """The busiest slice's arrival rate (or the trend's ``lookahead_s`` ahead, if higher) over the
+        span's mean rate; at least 1."""
+        S = self.slices
+        width = span / S
+        counts = [0] * S  # counts[0]: the newest slice
         for w in self._windows.values():
             for t, _, _ in w.events:
-                counts[min(int((now - t) / width), self.slices - 1)] += 1
+                counts[min(int((now - t) / width), S - 1)] += 1
         total = sum(counts)
-        return max(counts) * self.slices / total if total else 1.0
+        if not total:
+            return 1.0
+        ratio = max(counts) * S / total
+        if self.lookahead_s > 0:  # least-squares line through (slice centre, count), centre of the span at 0
+            xs = [span / 2 - (k + 0.5) * width for k in range(S)]
+            mean = total / S
+            slope = sum(x * (c - mean) for x, c in zip(xs, counts)) / sum(x * x for x in xs)  # per second
+            ratio = max(ratio, (mean + slope * (span / 2 + self.lookahead_s)) / mean)
+        return ratio
 
     def total_rate(self, now: float) -> float:
         return sum(c.rate for c in self.classes(now))

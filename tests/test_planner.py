@@ -309,3 +309,24 @@ def test_monitor_slices_size_for_the_busiest_slice_and_keep_the_mix():
     assert falling.total_rate(300.0) == pytest.approx(2.0, rel=0.02)  # the window's mean is 1.6
     with pytest.raises(ValueError):
         WorkloadMonitor(slices=0)
+
+
+def test_monitor_lookahead_sizes_for_where_a_ramp_is_heading():
+    ramp = WorkloadMonitor(window_s=300.0, buffer=0.0, slices=5, lookahead_s=300.0)
+    peak = WorkloadMonitor(window_s=300.0, buffer=0.0, slices=5)
+    t = 0.0
+    while t < 300.0:  # the rate climbs linearly from 1 to 3 req/s
+        for m in (ramp, peak):
+            m.record(t, 100, 64)
+        t += 1.0 / (1.0 + 2.0 * t / 300.0)
+    # a line through the slices reaches ~3 + 2 = 5 req/s 300 s after the window's end; the busiest slice ~2.8
+    assert peak.total_rate(300.0) == pytest.approx(2.8, rel=0.05)
+    assert ramp.total_rate(300.0) == pytest.approx(5.0, rel=0.05)
+    down = WorkloadMonitor(window_s=300.0, buffer=0.0, slices=5, lookahead_s=300.0)
+    t = 0.0
+    while t < 300.0:  # falling from 3 to 1 req/s: never below the busiest slice
+        down.record(t, 100, 64)
+        t += 1.0 / (3.0 - 2.0 * t / 300.0)
+    assert down.total_rate(300.0) == pytest.approx(2.8, rel=0.05)
+    with pytest.raises(ValueError):
+        WorkloadMonitor(lookahead_s=10.0)  # a trend needs slices
