@@ -7,7 +7,8 @@ instance mixes of the same GPUs.
 - Requests: those of the other cluster scenarios (``cluster_scenarios``: LLaDA-8B-shaped, 256-token
   canvas, steps and answers from the embedded model's threshold table, ``h200-llada8b`` TP-1/2/4
   profiles), arriving by ``loadgen.arrivals``' diurnal process: one sinusoidal "day" over the
-  trace, peak-to-mean ``amplitude``, short bursts.
+  trace, started at its night trough (night -> peak -> night), peak-to-mean ``amplitude``, short
+  bursts.
 - Scale: rates are fractions of the cluster's capacity, the highest rate at which Stage 1 finds 16
   TP-1 instances stable and within SLO for this workload (``capacity_rps``): mean ``mean_load``.
 - Time compression: simulating 2 hours of a 16-GPU cluster request by request takes too long on two
@@ -16,7 +17,8 @@ instance mixes of the same GPUs.
   window, the instances' start-up delay and the reporting windows shrink by the same factor.
   Request-level time (step latencies, SLOs, migrations) is real. The report states the factor.
 - Reconfiguration: ``planner.Planner`` (Stage 1 + 10% hysteresis + Stage 2) on the cluster's nodes,
-  its workload monitor fed by the arrivals, its step model measured on this workload
+  its workload monitor fed by the arrivals (sized for the window's busiest minute and for where its
+  trend is a period ahead, plus the 20% buffer), its step model measured on this workload
   (``step_model``), its SLO scale the scenario's; ``sim.reconfig.PlannerController`` carries the
   transitions out (start-up delay, drain and migrate, nothing dropped).
 - Static configurations: every mix in ``statics`` (TP-1, TP-2, TP-4 counts) for the whole trace.
@@ -68,6 +70,7 @@ class TraceScenario:
     window_s: float = 300.0  # workload monitor window, real seconds
     buffer: float = 0.2  # monitor's safety buffer on rates
     monitor_slices: int = 5  # the monitor sizes for the busiest minute of its window (1: the window's mean)
+    monitor_lookahead_s: float = 300.0  # ... or for where the window's trend is a period ahead, if higher (0: off)
     min_gain: float = 0.10  # hysteresis
     single_batch: bool = False  # Stage 1 with one recompute and one cached batch per TP degree (the paper's z, z')
     start_delay_s: float = 30.0  # a new instance serves this long after its start (model load; real seconds)
@@ -176,7 +179,8 @@ def run_trace(sc: TraceScenario | None = None, n: int = 6000, seed: int = 0, mea
                          steps=steps)
 
     def planner(clock: Callable[[], float]) -> Planner:  # first re-plan a period after the trace starts (t = 0)
-        monitor = WorkloadMonitor(window_s=sc.window_s / compression, buffer=sc.buffer, slices=sc.monitor_slices)
+        monitor = WorkloadMonitor(window_s=sc.window_s / compression, buffer=sc.buffer, slices=sc.monitor_slices,
+                                  lookahead_s=sc.monitor_lookahead_s / compression)
         return Planner(cluster, profiles, pcfg, monitor, clock=clock)
 
     runs: dict[str, _Run] = {}
@@ -252,6 +256,7 @@ def _report(sc, n, seed, rate, cap, compression, duration, steps, rcfg, table, s
         "simulated_seconds": round(duration, 1),
         "planner": {"period_s_trace": sc.period_s, "period_s_simulated": round(sc.period_s / compression, 3),
                     "window_s_trace": sc.window_s, "buffer": sc.buffer, "monitor_slices": sc.monitor_slices,
+                    "monitor_lookahead_s_trace": sc.monitor_lookahead_s,
                     "single_batch": sc.single_batch,
                     "min_gain": sc.min_gain,
                     "start_delay_s_trace": sc.start_delay_s, "plans": ctl.log.plans, "starts": ctl.log.starts,
@@ -363,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, help="mean rate, req/s (default: mean_load x capacity)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slo-factor", type=float, help="SLO = k x isolated TP-1 latency")
+    ap.add_argument("--lookahead", type=float, help="monitor: trend look-ahead, trace seconds (0: off)")
     ap.add_argument("--single-batch", action="store_true", help="Stage 1 with one batch per TP degree")
     ap.add_argument("--slices", type=int, help="monitor: size for the busiest of this many slices (1: the mean)")
     ap.add_argument("--statics", help="static mixes to compare, e.g. '16,0,0;4,0,3' (TP-1,TP-2,TP-4 counts)")
@@ -377,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         sc = replace(sc, requests=replace(sc.requests, slo_factor=args.slo_factor))
     if args.slices is not None:
         sc = replace(sc, monitor_slices=args.slices)
+    if args.lookahead is not None:
+        sc = replace(sc, monitor_lookahead_s=args.lookahead)
     if args.single_batch:
         sc = replace(sc, single_batch=True)
     statics = None
