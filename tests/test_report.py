@@ -213,3 +213,37 @@ def test_tiny_report_instance_sections(tmp_path):
     assert "DWISE Table 3" in text and "545.5" in text  # the paper's figure beside Remask's
     assert (tmp_path / "round_composition.png").stat().st_size > 10_000
     assert (tmp_path / "results.json").exists()
+
+
+def test_accuracy_estimate_with_sampled_replays(monkeypatch):
+    """Mixed-threshold requests whose thresholds agree in the table take that answer corrected by sampled
+    replays; those that disagree are replayed; with every replay allowed the result is exact."""
+    from sim.cluster import ClusterRequestSpec, ClusterResult
+    from sim.report import cluster_runs
+    from sim.threshold_table import ThresholdTable
+
+    ths = (0.9, 0.8, 0.7)
+    correct = ((True, True, True), (True, False, False), (False, False, False))
+    table = ThresholdTable("m", ths, ("a", "b", "c"), ("prose",) * 3, ((4, 3, 2),) * 3, correct)
+    fins, truth = [], {}
+    for k in range(60):
+        p = k % 3
+        sched = [(0.0, 0.9)] if k < 6 else [(0.0, 0.9), (0.5, 0.7)]
+        spec = ClusterRequestSpec(f"r{k}", p, "prose", 0.0, 40, 256, (4.0, 3.0, 2.0), correct[p], 1.0)
+        fins.append((spec, 1.0, sched))
+        truth[f"r{k}"] = correct[p][0] if k < 6 or p != 1 else (k % 2 == 0)  # p1 mixed: half right when replayed
+
+    def fake_replays(table_, finished, model):
+        return [truth[f[0].req_id] for f in finished]
+
+    monkeypatch.setattr(cluster_runs, "accuracy_of", fake_replays)
+    res = ClusterResult(finished=fins)
+    exact = sum(truth.values()) / len(truth)
+    acc, half, scope = cluster_runs.estimate_accuracy(table, res, "m", None, 0)
+    assert acc == pytest.approx(exact) and half == 0.0
+    acc, half, scope = cluster_runs.estimate_accuracy(table, res, "m", 30, 0)
+    assert acc == pytest.approx(exact)  # the disagreeing ones all replayed; the agreeing ones' answers hold
+    assert half > 0 and "corrected" in scope
+    truth.update({f"r{k}": not truth[f"r{k}"] for k in range(6, 60) if k % 3 == 0})  # replays contradict the table
+    acc, half, _ = cluster_runs.estimate_accuracy(table, res, "m", 30, 0)
+    assert abs(acc - sum(truth.values()) / len(truth)) <= half  # unbiased, and the interval says how far off

@@ -23,6 +23,7 @@ seeded random sample, and the report says so.
 from __future__ import annotations
 
 import functools
+import math
 import random
 import statistics
 import time
@@ -35,7 +36,7 @@ from engine.profile import load_tp_profiles
 from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterResult, ClusterSimulator, summarize
 from sim.cluster_scenarios import ClusterScenario, accuracy_of, candidate_thresholds, get_cluster_scenario, make_specs
 from sim.report.checks import trace_hash
-from sim.threshold_table import ThresholdTable, load_table
+from sim.threshold_table import ThresholdTable, load_table, step_thresholds
 
 ROLES = {
     "infaas/fcfs": "INFaaS (baseline)",
@@ -144,21 +145,56 @@ def mean_threshold(schedule: list[tuple[float, float]]) -> float:
 
 
 def estimate_accuracy(table: ThresholdTable, res: ClusterResult, model: str, max_replays: int | None,
-                      seed: int) -> tuple[float, str]:
-    """Accuracy over finished requests; with ``max_replays``, mixed-threshold answers are sampled."""
+                      seed: int) -> tuple[float, float, str]:
+    """(accuracy, 95% half-width, scope) over finished requests.
+
+    Requests whose model steps kept one threshold take the table's answer. Without ``max_replays`` every
+    mixed-threshold request is decoded again (exact). With it, mixed requests split into those whose
+    thresholds all give the same answer in the table (A: that answer, corrected by the mean difference
+    replay - table answer over a random sample of replays: a control variate) and the rest (B: replayed, a
+    random sample if more than ``max_replays``)."""
     fin = res.finished
     if not fin:
-        return 0.0, "no requests"
-    single = [f for f in fin if len({t for _, t in f[2]}) <= 1]
-    mixed = [f for f in fin if len({t for _, t in f[2]}) > 1]
-    if max_replays is None or len(mixed) <= max_replays:
-        ok = accuracy_of(table, fin, model)
-        return sum(ok) / len(ok), f"all {len(fin)} answers ({len(mixed)} mixed-threshold replays)"
-    sample = random.Random(seed).sample(mixed, max_replays)
-    ok_single = accuracy_of(table, single, model)
-    ok_sample = accuracy_of(table, sample, model)
-    acc = (sum(ok_single) + len(mixed) * sum(ok_sample) / len(sample)) / len(fin)
-    return acc, f"{len(single)} single-threshold answers + {len(mixed)} mixed estimated from {len(sample)} replays"
+        return 0.0, 0.0, "no requests"
+    col = {t: i for i, t in enumerate(table.thresholds)}
+    exact: list[bool] = []
+    agree, disagree = [], []
+    for f in fin:
+        spec, _, sched = f
+        used = set(step_thresholds(table, spec.prompt_idx, sched))
+        answers = {table.correct[spec.prompt_idx][col[t]] for t in used}
+        if len(used) == 1:
+            exact.append(next(iter(answers)))
+        elif len(answers) == 1:
+            agree.append((f, next(iter(answers))))
+        else:
+            disagree.append(f)
+    mixed = len(agree) + len(disagree)
+    if max_replays is None or mixed <= max_replays:
+        ok = accuracy_of(table, [f for f, _ in agree] + disagree, model)
+        return (sum(exact) + sum(ok)) / len(fin), 0.0, f"all {len(fin)} answers ({mixed} mixed-threshold replays)"
+    rng = random.Random(seed)
+    n_b = min(len(disagree), max_replays)
+    sample_b = rng.sample(disagree, n_b) if n_b < len(disagree) else disagree
+    ok_b = accuracy_of(table, sample_b, model)
+    k_a = min(len(agree), max(10, max_replays - n_b))
+    sample_a = rng.sample(agree, k_a)
+    ok_a = accuracy_of(table, [f for f, _ in sample_a], model)
+    diffs = [int(o) - int(proxy) for o, (_, proxy) in zip(ok_a, sample_a)]
+    p_b = sum(ok_b) / max(n_b, 1)
+    d_a = sum(diffs) / max(k_a, 1)
+    total = sum(exact) + len(disagree) * p_b + sum(proxy for _, proxy in agree) + len(agree) * d_a
+    var = 0.0
+    if n_b < len(disagree) and n_b > 1:
+        var += len(disagree) ** 2 * p_b * (1 - p_b) / n_b * (1 - n_b / len(disagree))
+    if k_a:  # the differences' variance, with the mismatch rate smoothed ((k + 1) / (n + 2)) so 0 of n is not certainty
+        q = (sum(d != 0 for d in diffs) + 1) / (k_a + 2)
+        var += len(agree) ** 2 * q * (1 - q) / k_a * (1 - k_a / len(agree))
+    half = 1.96 * math.sqrt(var) / len(fin)
+    scope = (f"{len(exact)} one-threshold answers from the table; {len(disagree)} mixed whose thresholds disagree "
+             f"in the table, {n_b} replayed; {len(agree)} mixed whose thresholds agree, table answer corrected by "
+             f"{k_a} replays ({sum(d != 0 for d in diffs)} differed)")
+    return total / len(fin), half, scope
 
 
 def run_combo(st: ClusterSetup, combo: str, max_replays: int | None = None, accuracy: bool = True) -> ClusterRun:
@@ -171,10 +207,10 @@ def run_combo(st: ClusterSetup, combo: str, max_replays: int | None = None, accu
     summary["instances"] = len(cfg.tp_degrees)
     summary["in_system_per_instance"] = round(res.mean_in_system / max(len(cfg.tp_degrees), 1), 2)
     if accuracy:
-        acc, scope = estimate_accuracy(st.table, res, st.sc.model, max_replays, st.seed)
-        summary["accuracy"], summary["accuracy_scope"] = round(acc, 4), scope
+        acc, half, scope = estimate_accuracy(st.table, res, st.sc.model, max_replays, st.seed)
+        summary["accuracy"], summary["accuracy_ci95"], summary["accuracy_scope"] = round(acc, 4), round(half, 4), scope
     else:
-        summary["accuracy"], summary["accuracy_scope"] = None, "not computed"
+        summary["accuracy"], summary["accuracy_ci95"], summary["accuracy_scope"] = None, None, "not computed"
     lat = [f[1] for f in res.finished]
     x = len(lat) / res.makespan_s if res.makespan_s else 0.0
     little = {"L": res.mean_in_system, "X": x, "W": statistics.fmean(lat) if lat else 0.0}

@@ -16,8 +16,17 @@ from dataclasses import replace
 import numpy as np
 
 from sim.report import checks as ck
+from sim.report import paper as P
 from sim.report.cluster_runs import ClusterRun, ClusterSetup, run_combo, setup
-from sim.report.instance import PROFILE, InstanceRun, extend_budget, poisson_arrivals, rescale_blocks, run_instance
+from sim.report.instance import (
+    PROFILE,
+    InstanceRun,
+    calibrate_extra,
+    extend_budget,
+    poisson_arrivals,
+    rescale_blocks,
+    run_instance,
+)
 from sim.report.plan import Plan
 from sim.workload import dwise_workload, set_arrivals
 
@@ -40,6 +49,7 @@ class Runner:
         self.runs: dict = {}
         self.timing: dict[str, tuple[float, float]] = {}
         self.pending: list[str] = []
+        self.errors: dict[str, str] = {}  # section -> the exception it raised
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -71,8 +81,16 @@ class Runner:
             self._bar.close()
 
     def section(self, name: str, fn) -> None:
+        """Run one section; an exception is recorded (the report says so) and the next section runs."""
         t0, c0 = time.perf_counter(), time.process_time()
-        fn(self)
+        try:
+            fn(self)
+        except Exception as e:  # noqa: BLE001 - reported in REPORT.md and by the exit status
+            import traceback
+
+            self.errors[name] = "".join(traceback.format_exception_only(e)).strip()
+            if self._bar is not None:
+                self._bar.write(f"section {name} failed:\n{traceback.format_exc()}")
         self.timing[name] = (time.perf_counter() - t0, time.process_time() - c0)
 
     # ---- bookkeeping of checks -----------------------------------------------------------------
@@ -146,9 +164,12 @@ def instance_sweeps(r: Runner) -> None:
         blocks[b] = {"mean_rounds": statistics.fmean(s.true_rounds for s in specs),
                      "runs": r.inst_group(f"block {b}", specs, pols, block=b)}
     budgets = {}
+    top = max(p.budgets)
+    target = P.DWISE_T14["B"].get(top, (None,))[0]  # the paper's mean output at the largest budget
+    mu = calibrate_extra(base, target, top, r.seed) if target and top > 256 else 680.0
     for arr in ("burst", "burst-poisson"):
         for bud in p.budgets:
-            specs = extend_budget(base, bud, r.seed)
+            specs = extend_budget(base, bud, r.seed, mu)
             set_arrivals(specs, arr, DWISE_RATE, r.seed)
             budgets[(arr, bud)] = {"mean_tokens": statistics.fmean(s.output_tokens for s in specs),
                                    "mean_rounds": statistics.fmean(s.true_rounds for s in specs),
@@ -158,7 +179,10 @@ def instance_sweeps(r: Runner) -> None:
     def summ(d):
         return {k: v for k, v in d.items() if k != "runs"} | {pol: run.summary for pol, run in d["runs"].items()}
 
-    r.data["sweeps"] = {"sglang_burst_rps": sglang_rps, "load": {str(m): summ(v) for m, v in load.items()},
+    r.runs["sweeps"]["mean_extra"] = mu
+    r.runs["sweeps"]["calibration"] = (target, top) if target and top > 256 else None
+    r.data["sweeps"] = {"sglang_burst_rps": sglang_rps, "mean_extra_tokens": mu,
+                        "load": {str(m): summ(v) for m, v in load.items()},
                         "blocks": {str(b): summ(v) for b, v in blocks.items()},
                         "budgets": {f"{a}/{b}": summ(v) for (a, b), v in budgets.items()}}
 
@@ -239,17 +263,25 @@ def cluster_ablations(r: Runner) -> None:
 GRID4 = ("infaas/fcfs", "remask/fcfs", "infaas/dwise", "remask/dwise")
 
 
-def _iso_mean(st: ClusterSetup) -> float:
-    return statistics.fmean(s.slo_s for s in st.specs) / st.sc.slo_factor
+def _work_ms(st: ClusterSetup, batch: int = 32) -> float:
+    """Mean TP-1 instance time a request's steps at 0.9 take in full rounds of ``batch`` (its share)."""
+    prof, blk = st.profiles[1], st.sc.block_tokens
+    out = 0.0
+    for s in st.specs:
+        seq, blocks = s.prompt_tokens + s.output_tokens, -(-s.output_tokens // blk)
+        heavy = prof.round_ms([("recompute", seq, 0)] * batch) / batch
+        light = prof.round_ms([("cached", blk, seq)] * batch) / batch
+        out += blocks * heavy + max(s.steps[0] - blocks, 0.0) * light
+    return out / len(st.specs)
 
 
 def cluster_lengths(r: Runner) -> None:
     p = r.plan
-    ref = _iso_mean(setup(200, p.length_rate, r.seed))
+    ref = _work_ms(setup(200, p.length_rate, r.seed))
     out = {}
     for tokens, scale in p.lengths:
         probe = setup(200, p.length_rate, r.seed, output_tokens=tokens, prompt_scale=scale)
-        rate = p.length_rate * ref / _iso_mean(probe)  # the same offered work as the default lengths
+        rate = p.length_rate * ref / _work_ms(probe)  # the same offered work as the default lengths
         st = setup(p.cl_n, rate, r.seed, output_tokens=tokens, prompt_scale=scale)
         runs = r.cl_group(f"output {tokens} prompt x{scale}", st, GRID4)
         out[f"{tokens}/{scale}"] = {"rate": rate, "output_tokens": tokens, "prompt_scale": scale,

@@ -189,18 +189,39 @@ def rescale_blocks(specs: list[SimRequestSpec], block: int) -> list[SimRequestSp
     return out
 
 
-EXTRA_TOKENS_MEAN = 680.0  # calibrated so the mean output matches DWISE Table 14's "Tok." column (see the report)
+def _continuation(seed: int, i: int) -> random.Random:
+    return random.Random(seed * 1_000_003 + i)  # per request: the same continuation at every budget
 
 
-def extend_budget(specs: list[SimRequestSpec], budget: int, seed: int) -> list[SimRequestSpec]:
+def calibrate_extra(specs: list[SimRequestSpec], target_mean_tokens: float, budget: int, seed: int) -> float:
+    """The mean continuation (tokens) that makes ``extend_budget(specs, budget, seed, it)``'s mean output
+    ``target_mean_tokens`` (bisection; the mean output grows with it)."""
+    e = [_continuation(seed, i).expovariate(1.0) for i in range(len(specs))]
+
+    def mean_tokens(mu: float) -> float:
+        tot = 0
+        for s, x in zip(specs, e):
+            extra = min(mu * x, budget - BUDGET_TOKENS)
+            tot += s.output_tokens + (int(extra) if s.output_tokens >= BUDGET_TOKENS and extra >= 1 else 0)
+        return tot / len(specs)
+
+    lo, hi = 0.0, 100.0 * budget
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_tokens(mid) < target_mean_tokens else (lo, mid)
+    return (lo + hi) / 2
+
+
+def extend_budget(specs: list[SimRequestSpec], budget: int, seed: int, mean_extra: float = 680.0
+                  ) -> list[SimRequestSpec]:
     """The workload under a larger output budget: requests that used the whole 256-token budget continue
-    for an exponential number of tokens (mean ``EXTRA_TOKENS_MEAN``, cut at the budget); each extra block
-    needs about the request's own mean rounds per block (log-normal, sigma 0.3). Estimates are drawn again
-    with DWISE's measured rank correlations (0.74 admission, 0.87 refined)."""
+    for an exponential number of tokens (mean ``mean_extra``, cut at the budget); each extra block needs
+    about the request's own mean rounds per block (log-normal, sigma 0.3). Estimates are drawn again with
+    DWISE's measured rank correlations (0.74 admission, 0.87 refined)."""
     out = []
     for i, s in enumerate(specs):
-        rng = random.Random(seed * 1_000_003 + i)  # per request: the same continuation at every budget
-        extra = min(rng.expovariate(1.0 / EXTRA_TOKENS_MEAN), budget - BUDGET_TOKENS)
+        rng = _continuation(seed, i)
+        extra = min(mean_extra * rng.expovariate(1.0), budget - BUDGET_TOKENS)
         if budget <= BUDGET_TOKENS or s.output_tokens < BUDGET_TOKENS or extra < 1:
             out.append(replace(s, extra=dict(s.extra)))
             continue

@@ -57,7 +57,7 @@ FULL = Plan(
     migration_rate=75.0, migration_tps=(4, 4, 2, 2, 1, 1, 1, 1),
     length_rate=75.0, lengths=((128, 4), (512, 4), (256, 2), (256, 8)),
     burst_n=2000, burst_rate=15.0, burst_tps=(1, 1, 1, 1), burst_frac=0.4,
-    diurnal_n=4000, diurnal_rate=60.0, cl_seeds=(0, 1, 2, 3, 4), cl_seed_rate=85.0, max_replays=None,
+    diurnal_n=4000, diurnal_rate=60.0, cl_seeds=(0, 1, 2, 3, 4), cl_seed_rate=110.0, max_replays=None,
     trace_n=6000, trace_statics=None, predictors=True)
 
 QUICK = Plan(
@@ -69,7 +69,7 @@ QUICK = Plan(
     migration_rate=75.0, migration_tps=(4, 4, 2, 2, 1, 1, 1, 1),
     length_rate=75.0, lengths=((512, 4), (256, 8)),
     burst_n=1000, burst_rate=15.0, burst_tps=(1, 1, 1, 1), burst_frac=0.4,
-    diurnal_n=1500, diurnal_rate=60.0, cl_seeds=(0, 1, 2), cl_seed_rate=85.0, max_replays=40,
+    diurnal_n=1500, diurnal_rate=60.0, cl_seeds=(0, 1, 2, 3), cl_seed_rate=110.0, max_replays=80,
     trace_n=1500, trace_statics=((16, 0, 0), (0, 0, 4)), predictors=True)
 
 TINY = Plan(

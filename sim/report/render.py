@@ -123,6 +123,8 @@ def write_report(r, out: Path, mode_cmd: str, wall_s: float, cpu_s: float) -> Pa
               ]
     if r.pending:
         lines.append("- Pending: " + "; ".join(r.pending) + ".")
+    for name, err in r.errors.items():
+        lines.append(f"- **Section `{name}` did not run to the end**: `{err}`.")
     lines.append("")
     lines += checks_section(checks, r)
     if inst:
@@ -139,7 +141,7 @@ def write_report(r, out: Path, mode_cmd: str, wall_s: float, cpu_s: float) -> Pa
         if part:
             lines += part + [""]
     if inst:
-        lines += ri.differences(inst, n) + [""]
+        lines += ri.differences(inst, n, sweeps) + [""]
     lines += ri.predictors(r.data.get("predictors")) + [""]
     cl = [rc.rates(r.data), rc.slo(r.data), rc.ablations(r.data), rc.lengths(r.data), rc.burst(r.data),
           rc.diurnal(r.data), rc.cluster_seeds(r.data)]
@@ -149,7 +151,8 @@ def write_report(r, out: Path, mode_cmd: str, wall_s: float, cpu_s: float) -> Pa
             if part:
                 lines += part + [""]
         if "cluster_trace" in r.timing:
-            lines += rc.trace(r.data, r.pending) + [""]
+            errs = [f"The scenario raised `{r.errors['cluster_trace']}`."] if "cluster_trace" in r.errors else []
+            lines += rc.trace(r.data, r.pending + errs) + [""]
     lines += rc.combined(r.data) + [""]
     lines += ["## Plots\n"] + [f"- {k}: `{v}`" for k, v in pngs.items() if v] + [""]
     lines += ["## Not reproduced here\n",

@@ -18,10 +18,17 @@ def _cell(s: dict | None, key: str, digits: int = 3) -> str:
     return fmt(v, digits) if v is not None else "—"
 
 
+def _acc(s: dict) -> str:
+    if s.get("accuracy") is None:
+        return "—"
+    ci = s.get("accuracy_ci95")
+    return f"{s['accuracy']:.3f}" + (f" ± {ci:.3f}" if ci else "")
+
+
 def policy_table(runs: dict[str, dict], roles: bool = True) -> str:
     rows = []
     for c, s in runs.items():
-        rows.append([c, ROLES.get(c, "") if roles else "", fmt(s["slo_attainment"], 3), _cell(s, "accuracy"),
+        rows.append([c, ROLES.get(c, "") if roles else "", fmt(s["slo_attainment"], 3), _acc(s),
                      f"{s['mean_latency_s']:.2f} / {s['p99_latency_s']:.2f}", fmt(s["mean_threshold"], 3),
                      fmt(s["filled_slots_per_round"], 1), fmt(s["migrations"])])
     return md_table(["router/instance", "role", "SLO attainment", "accuracy", "mean / p99 latency (s)",
@@ -32,19 +39,23 @@ def setup_text(data: dict) -> list[str]:
     scope = None
     for runs in data.get("cluster_rates", {}).values():
         for s in runs.values():
-            if s.get("accuracy_scope") and "mixed" in s["accuracy_scope"]:
+            if s.get("accuracy_scope") and "corrected" in s["accuracy_scope"]:
                 scope = s["accuracy_scope"]
     roles = md_table(["router/instance", "role", "router", "instance scheduler"],
                      [[c, r, c.split("/")[0], {"fcfs": "fcfs-mixed (FCFS, vLLM-like)", "dwise": "dwise (SRPT)"}
                        [c.split("/")[1]]] for c, r in ROLES.items()])
+    est = ("" if not scope or "corrected" not in scope else
+           " This run samples the replays: requests whose thresholds all give the same answer in the table take "
+           "that answer, corrected by the mean difference over a random sample of real replays (a control "
+           "variate); those whose thresholds disagree are replayed. Accuracy cells carry the estimate's 95% "
+           f"half-width, e.g. \"{scope}\".")
     return ["## Cluster level (DiLaServe) and the combined policy\n",
             "Unless noted: 16 TP-1 instances, B = 32 slots each, the `h200-llada8b` profile, LLaDA-8B-shaped "
             "requests (256-token canvas in 8 blocks, approximate KV cache) whose rounds and answers are the "
             "embedded tiny-bd model's, scaled (`sim/cluster_scenarios.py`), Poisson arrivals, SLO = 5x the "
             "request's isolated TP-1 latency at threshold 0.9, candidate thresholds 0.9/0.8/0.7 (those within 2 "
             "accuracy points of 0.9's). Accuracy is the tiny model's on its task suite, not LLaDA's on GSM8K; "
-            "requests whose threshold changed are decoded again by the model"
-            + (f" (this run caps the replays: e.g. \"{scope}\")" if scope and "estimated" in scope else "") + ".\n",
+            "requests whose threshold changed are decoded again by the model." + est + "\n",
             "The cluster simulator takes the router policy and the instance scheduling policy independently "
             "(`ClusterConfig.instance_policy`), so every pair runs on the same requests:\n", roles,
             "\nNote: the README's cluster figures label pairs by router only; they all ran with DWISE instances "
@@ -156,7 +167,8 @@ def lengths(data: dict) -> list[str]:
     f12 = P.DILA["fig12"]
     return ["### Input and output length (DiLaServe Figure 12)\n",
             f"Each point's rate is scaled so its offered work matches {d['base_rate']:g} req/s at the default lengths "
-            "(256 output tokens, 4 prompt tokens per character).\n",
+            "(256 output tokens, 4 prompt tokens per character): work is a request's steps at 0.9 priced at their "
+            "share of a full 32-slot TP-1 round (recompute and cached steps apart).\n",
             md_table(["output", "mean prompt tokens", "rate", "infaas/fcfs", "remask/fcfs", "infaas/dwise",
                       "remask/dwise", "Remask vs INFaaS SLO", "accuracy"], rows),
             f"\nPaper ({f12['source']}): up to +{f12['input_len_slo_pp_max']} pp over INFaaS across input lengths "
@@ -202,8 +214,7 @@ def trace(data: dict, pending: list[str]) -> list[str]:
     out = ["### Reconfiguration over the 2-hour trace (DiLaServe Figures 8 and 11)\n"]
     rep = data.get("cluster_trace")
     if not rep:
-        out.append("PENDING: the `dilaserve-trace` scenario (`sim/cluster_trace.py`) is not in this checkout; "
-                   "this section runs it by name (`sim.cluster_trace.run_trace`) once it is committed. "
+        out.append("PENDING: no result from the `dilaserve-trace` scenario (`sim.cluster_trace.run_trace`). "
                    + " ".join(pending) + "\n")
         return out
     rows = []
@@ -317,6 +328,15 @@ def combined(data: dict) -> list[str]:
                      "filled slots / round (combined, of 32)", "in system per instance (combined)", "verdict"],
                     rows),
            f"\n**{n_ok} of {len(vs)} scenarios meet the target.**"]
+    d = data.get("cluster_seeds")
+    if d and COMBINED in d["slo_attainment"] and DILA in d["slo_attainment"] and len(d["seeds"]) > 1:
+        s, lat = d["slo_attainment"], d["mean_latency_s"]
+        ds = [a - b for a, b in zip(s[COMBINED], s[DILA])]
+        dl = [a / b - 1 for a, b in zip(lat[COMBINED], lat[DILA])]
+        out.append(f"\nPaired over {len(ds)} seeds at {d['rate']:g} req/s (same requests per seed), combined minus "
+                   f"DiLaServe alone: SLO {100 * statistics.fmean(ds):+.2f} +- {100 * statistics.stdev(ds):.2f} pp "
+                   f"(per seed: {', '.join(f'{100 * x:+.1f}' for x in ds)}), mean latency "
+                   f"{100 * statistics.fmean(dl):+.2f} +- {100 * statistics.stdev(dl):.2f}%.")
     expl = ["\nWhy, from these runs:",
             "- The router sets thresholds and places requests; SRPT inside an instance only decides which of its "
             "requests get the B = 32 slots of the next round. When an instance holds at most 32 requests every one "
@@ -339,13 +359,28 @@ def combined(data: dict) -> list[str]:
                     v["scenario"] for v in other) + "), the gain can only come from queueing peaks above B or from "
                     "the order in which the router sees a round's requests; treat it as a tie of the mechanisms.")
     lost = [v for v in vs if not v["ok"]]
-    if lost:
-        expl.append("- Where it misses (" + "; ".join(f"{v['scenario']}: {v['verdict']}" for v in lost) + "), two "
-                    "mechanisms of the code can cost it (this report does not isolate which did): SRPT serves the "
-                    "longest requests last, and their SLOs are 5x their own isolated latency, so pausing them behind "
-                    "short ones can miss deadlines FCFS would meet; and Alg. 1 (`app/router/thresholds.py`) "
-                    "predicts a request's remaining latency from its instance's step time, not from the rounds it "
-                    "will sit paused under SRPT, so it keeps thresholds too high for paused requests.")
+    order = [v for v in lost if v["dila"]["slo_attainment"] > v["combined"]["slo_attainment"] + tol_slo
+             or v["dila"]["mean_latency_s"] < v["combined"]["mean_latency_s"] * (1 - tol_lat)]
+    router = [v for v in lost if v not in order]
+    if order:
+        expl.append("- Where DiLaServe alone (the same router, FCFS instances) beats it (" + "; ".join(
+                    f"{v['scenario']}: SLO {v['combined']['slo_attainment']:.3f} vs {v['dila']['slo_attainment']:.3f}"
+                    for v in order) + "), the difference is the order inside instances. Two mechanisms of the code "
+                    "can cost SRPT attainment (this report does not isolate which did): SLOs are 5x each request's "
+                    "own isolated latency, so FCFS, which serves the oldest request first, is closer to deadline "
+                    "order, while SRPT pauses the longest requests whenever an instance holds more than 32, even "
+                    "briefly, and they miss their deadlines; and Alg. 1 (`app/router/thresholds.py`) predicts a "
+                    "request's remaining latency from its instance's step time, not from the rounds it will sit "
+                    "paused, so it keeps thresholds too high for paused requests. SRPT minimises mean latency, "
+                    "not deadline misses; a deadline-aware key inside instances is the obvious next step.")
+    if router:
+        expl.append("- Where DWISE alone (INFaaS dispatch, threshold 0.9) beats it (" + "; ".join(
+                    f"{v['scenario']}: mean {v['combined']['mean_latency_s']:.2f} vs "
+                    f"{v['dwise']['mean_latency_s']:.2f} s" for v in router) + "), DiLaServe alone is no better "
+                    "than the combination there (see the table), so the cost is the router's: its placement and "
+                    "migrations (each a control delay, a transfer and half a round's wait at the target) add "
+                    "latency that least-outstanding-tokens dispatch without migration does not pay, and its lower "
+                    "thresholds have nothing to buy where SLOs are met at 0.9.")
     p99 = [v for v in vs if v["combined"]["p99_latency_s"] > max(v["dila"]["p99_latency_s"],
                                                                   v["dwise"]["p99_latency_s"]) * (1 + tol_lat)]
     if p99:
