@@ -45,6 +45,7 @@ ROLES = {
     "infaas/dwise": "DWISE alone",
     "llumnix/dwise": "DWISE alone (Llumnix dispatch)",
     "remask/dwise": "Remask (combined)",
+    "remask-arrival-walk/dwise": "Remask, migration walk in arrival order (diagnostic)",
 }
 INSTANCE = {"fcfs": "fcfs-mixed", "dwise": "dwise"}
 
@@ -78,7 +79,18 @@ class AnyStepMigration(RemaskPolicy):
         return out
 
 
-ROUTER_VARIANTS = {"remask-no-migration": NoMigration, "remask-any-step": AnyStepMigration}
+class ArrivalWalk(RemaskPolicy):
+    """Remask's router, but after a round it considers the round's requests for migration oldest first,
+    whatever order the instance scheduler ranked them in (the shipped router walks them in plan order)."""
+
+    name = "remask-arrival-walk"
+
+    def migrations(self, router, src, stepped):
+        return super().migrations(router, src, sorted(stepped, key=lambda r: (r.arrival, r.req_id)))
+
+
+ROUTER_VARIANTS = {"remask-no-migration": NoMigration, "remask-any-step": AnyStepMigration,
+                   "remask-arrival-walk": ArrivalWalk}
 
 
 @dataclass
@@ -197,13 +209,32 @@ def estimate_accuracy(table: ThresholdTable, res: ClusterResult, model: str, max
     return total / len(fin), half, scope
 
 
+def _count_full_rounds(sim: ClusterSimulator) -> dict[str, int]:
+    """Counts, over every instance's rounds, those planned while the instance held more requests than its
+    B slots (only then does the order inside an instance decide who runs)."""
+    cnt = {"rounds": 0, "over": 0}
+    for inst in sim.insts:
+        sched, plan = inst.sched, inst.sched.schedule
+
+        def counted(sched=sched, plan=plan):
+            cnt["rounds"] += 1
+            cnt["over"] += len(sched.requests) > sched.cfg.slots
+            return plan()
+
+        sched.schedule = counted
+    return cnt
+
+
 def run_combo(st: ClusterSetup, combo: str, max_replays: int | None = None, accuracy: bool = True) -> ClusterRun:
     router, inst = combo.split("/")
     policy = ROUTER_VARIANTS[router]() if router in ROUTER_VARIANTS else router
     cfg = replace(st.cfg, instance_policy=INSTANCE.get(inst, inst))
     t0 = time.perf_counter()
-    res = ClusterSimulator(cfg, st.profiles, policy, st.seed).run(st.specs)
+    sim = ClusterSimulator(cfg, st.profiles, policy, st.seed)
+    over = _count_full_rounds(sim)
+    res = sim.run(st.specs)
     summary = summarize(res, st.specs, [])
+    summary["over_b_rounds_frac"] = round(over["over"] / max(over["rounds"], 1), 4)
     summary["instances"] = len(cfg.tp_degrees)
     summary["in_system_per_instance"] = round(res.mean_in_system / max(len(cfg.tp_degrees), 1), 2)
     if accuracy:

@@ -292,7 +292,7 @@ def cluster_lengths(r: Runner) -> None:
 
 def cluster_burst(r: Runner) -> None:
     p = r.plan
-    combos = GRID4
+    combos = (*GRID4, "remask-arrival-walk/dwise")
     rng = random.Random(r.seed + 31)
     k = int(p.burst_n * p.burst_frac)
     t, arr = 0.0, []
@@ -307,7 +307,7 @@ def cluster_burst(r: Runner) -> None:
                                "tp_degrees": list(p.burst_tps), "policies": _summ(runs)}
 
 
-DIURNAL = ("infaas/fcfs", "llumnix/fcfs", "remask/fcfs", "infaas/dwise", "remask/dwise")
+DIURNAL = ("infaas/fcfs", "llumnix/fcfs", "remask/fcfs", "infaas/dwise", "remask/dwise", "remask-arrival-walk/dwise")
 
 
 def cluster_diurnal(r: Runner) -> None:
@@ -325,7 +325,8 @@ def cluster_diurnal(r: Runner) -> None:
                                  "seconds": round(period, 1), "policies": _summ(runs)}
 
 
-SEED_COMBOS = ("infaas/fcfs", DILA_ALONE, COMBINED)
+ARRIVAL_WALK = "remask-arrival-walk/dwise"
+SEED_COMBOS = ("infaas/fcfs", DILA_ALONE, COMBINED, ARRIVAL_WALK)
 
 
 def cluster_seeds(r: Runner) -> None:
@@ -408,7 +409,7 @@ def units(p: Plan) -> dict[str, int]:
         "cluster_slo": len(FIXED_COMBOS) + len(DYNAMIC_COMBOS) * len(p.slo_factors),
         "cluster_ablations": len(ABLATION) * (1 + p.ablation_all_thresholds) + len(MIGRATION),
         "cluster_lengths": len(GRID4) * len(p.lengths),
-        "cluster_burst": len(GRID4),
+        "cluster_burst": len(GRID4) + 1,
         "cluster_diurnal": len(DIURNAL),
         "cluster_seeds": len(SEED_COMBOS) * len(p.cl_seeds) + 1,
         "cluster_trace": 1,

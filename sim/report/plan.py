@@ -46,7 +46,9 @@ class Plan:
 
 ALL_INSTANCE = ("fcfs-prefill-first", "mlfq-prefill-first", "ssjf-prefill-first", "fcfs-mixed", "mlfq", "ssjf",
                 "dwise-prefill-rank", "dwise-admission", "dwise", "oracle")
-GRID = ("infaas/fcfs", "llumnix/fcfs", "remask/fcfs", "infaas/dwise", "llumnix/dwise", "remask/dwise")
+GRID = ("infaas/fcfs", "llumnix/fcfs", "remask/fcfs", "infaas/dwise", "llumnix/dwise", "remask/dwise",
+        "remask-arrival-walk/dwise")
+GRID_QUICK = ("infaas/fcfs", "llumnix/fcfs", "remask/fcfs", "infaas/dwise", "remask/dwise", "remask-arrival-walk/dwise")
 
 FULL = Plan(
     name="full", inst_n=4096, inst_policies=ALL_INSTANCE, sweep_n=2048,
@@ -64,7 +66,7 @@ QUICK = Plan(
     name="quick", inst_n=4096, inst_policies=ALL_INSTANCE, sweep_n=1024,
     load_mults=(0.5, 1.0, 2.0, 4.0), blocks=(16, 32, 64), budgets=(256, 1024, 2048),
     seeds=(0, 1, 2), seed_n=2048,
-    cl_n=1000, cl_rates=(65.0, 85.0, 110.0), cl_combos=GRID,
+    cl_n=1000, cl_rates=(65.0, 85.0, 110.0), cl_combos=GRID_QUICK,
     slo_rate=75.0, slo_factors=(2.0, 3.0, 5.0), ablation_rate=110.0, ablation_all_thresholds=False,
     migration_rate=75.0, migration_tps=(4, 4, 2, 2, 1, 1, 1, 1),
     length_rate=75.0, lengths=((512, 4), (256, 8)),

@@ -134,13 +134,15 @@ def slo_vs_rate(data: dict, slo: dict | None, out: Path) -> str | None:
     for c in combos:
         style = dict(lw=2.4) if c == "remask/dwise" else dict(lw=1.2, ls="--" if c.endswith("fcfs") else "-")
         axes[0].plot(rates, [by_rate[x][c]["slo_attainment"] for x in rates], marker="o", label=c, **style)
-        axes[1].plot(rates, [by_rate[x][c]["accuracy"] or np.nan for x in rates], marker="o", label=c, **style)
+        acc = [by_rate[x][c]["accuracy"] if by_rate[x][c]["accuracy"] is not None else np.nan for x in rates]
+        ci = [by_rate[x][c].get("accuracy_ci95") or 0.0 for x in rates]
+        axes[1].errorbar(rates, acc, yerr=ci, marker="o", capsize=3, label=c, **style)
     axes[0].set_xlabel("arrival rate (req/s)")
     axes[0].set_ylabel("SLO attainment")
     axes[0].set_title("16 x TP-1, SLO 5x isolated")
     axes[1].set_xlabel("arrival rate (req/s)")
     axes[1].set_ylabel("accuracy (task suite)")
-    axes[1].set_title("accuracy")
+    axes[1].set_title("accuracy (bars: 95% interval of sampled replays)")
     for ax in axes[:2]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
