@@ -92,6 +92,12 @@ def _simulate_cluster(args) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     report = run_cluster_scenario(args.scenario, policies, args.requests or 2000, args.seed, args.rate,
                                   progress=not args.quiet)
+    if args.plot:
+        if "windows" not in report:
+            raise ValueError(f"--plot draws the reconfiguration timeline of dilaserve-trace, not {args.scenario}")
+        from sim.cluster_trace import plot_trace
+
+        plot_trace(report, args.plot)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -253,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--requests", type=int, help="default 4096 (model in the loop: 512; cluster scenarios: 2000)")
     s.add_argument("--rate", type=float, help="cluster scenarios: arrival rate, requests per second")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--plot", help="dilaserve-trace: write the offered rate, instance mix and SLO attainment "
+                                  "over time to this PNG")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_simulate)
