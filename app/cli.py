@@ -89,12 +89,12 @@ def _simulate_cluster(args) -> int:
     from sim.cluster_scenarios import run_cluster_scenario
 
     torch.set_num_threads(1)  # the tiny model's decodes: a second thread only spins on a shared machine
+    if args.plot and args.scenario != "dilaserve-trace":
+        raise ValueError(f"--plot draws the reconfiguration timeline of dilaserve-trace, not of {args.scenario}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     report = run_cluster_scenario(args.scenario, policies, args.requests or 2000, args.seed, args.rate,
                                   progress=not args.quiet)
     if args.plot:
-        if "windows" not in report:
-            raise ValueError(f"--plot draws the reconfiguration timeline of dilaserve-trace, not {args.scenario}")
         from sim.cluster_trace import plot_trace
 
         plot_trace(report, args.plot)

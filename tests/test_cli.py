@@ -29,3 +29,10 @@ def test_generate_shows_the_canvas(capsys):
     assert main(["generate", "--model", "tiny-bd", "--prompt", "rev: abcde", "--show-steps"]) == 0
     out = capsys.readouterr().out
     assert "edcba" in out and "denoise" in out and "prefill" in out
+
+
+def test_bad_arguments_get_a_clear_error_before_any_work(capsys):
+    assert main(["simulate", "--scenario", "dilaserve-bench", "--plot", "x.png"]) == 2
+    assert "dilaserve-trace" in capsys.readouterr().err
+    assert main(["faults", "--replicas", "1"]) == 2
+    assert "--replicas >= 2" in capsys.readouterr().err
