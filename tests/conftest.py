@@ -40,3 +40,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def wait_until(cond, limit_s: float = 120.0, step_s: float = 0.5) -> bool:
+    """Poll ``cond()`` until it holds (True) or ``limit_s`` passes (False); HTTP errors count as not yet."""
+    import time
+
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        try:
+            if cond():
+                return True
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(step_s)
+    return False

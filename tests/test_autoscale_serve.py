@@ -50,11 +50,10 @@ def planner() -> dict:
 
 
 def wait_for(cond, limit_s: float) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        if cond():
-            return
-        time.sleep(0.5)
+    from tests.conftest import wait_until
+
+    if wait_until(cond, limit_s):
+        return
     apps = {name: (a.status, a.message) for name, a in serve.status().applications.items()}
     raise AssertionError(f"timed out after {limit_s} s; planner state {planner()}; apps {apps}")
 

@@ -35,16 +35,10 @@ def app_url():
                          "max_tokens_limit": 256}),
               name="remask-tp2", route_prefix="/tp2", blocking=False)
     # wait for the app to answer
-    import time
+    from tests.conftest import wait_until
 
-    for _ in range(240):
-        try:
-            if all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200 for p in ("", "/tp2")) and \
-                    len(httpx.get(f"{BASE}/debug/instances", timeout=2).json()["instances"]) == 2:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    wait_until(lambda: all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200 for p in ("", "/tp2"))
+               and len(httpx.get(f"{BASE}/debug/instances", timeout=2).json()["instances"]) == 2)
     yield BASE
     serve.shutdown()
     ray.shutdown()

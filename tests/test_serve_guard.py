@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.conftest import wait_until
+
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
@@ -51,13 +53,7 @@ def app_url(tmp_path_factory):
         "api_keys": [{"name": "main", "key_env": "REMASK_GUARD_KEY"},
                      {"name": "tight", "key_file": str(key_file), "max_concurrent": 1, "max_prompt_tokens": 48,
                       "max_tokens": 4}]}), name="remask-guard", route_prefix="/", blocking=False)
-    for _ in range(240):
-        try:
-            if httpx.get(f"{BASE}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    wait_until(lambda: httpx.get(f"{BASE}/health", timeout=2).status_code == 200)
     yield BASE
     serve.shutdown()
     ray.shutdown()
