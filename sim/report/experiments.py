@@ -215,7 +215,11 @@ def _summ(runs: dict[str, ClusterRun]) -> dict:
 
 def cluster_rates(r: Runner) -> None:
     p = r.plan
-    out = {rate: r.cl_group(f"rate {rate:g}", setup(p.cl_n, rate, r.seed), p.cl_combos) for rate in p.cl_rates}
+    out = {}
+    for rate in p.cl_rates:
+        st = setup(p.cl_n, rate, r.seed)
+        r.data["cluster_candidates"] = list(st.rcfg.thresholds)
+        out[rate] = r.cl_group(f"rate {rate:g}", st, p.cl_combos)
     r.runs["rates"] = out
     r.data["cluster_rates"] = {str(rate): _summ(runs) for rate, runs in out.items()}
 

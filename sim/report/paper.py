@@ -24,9 +24,9 @@ DWISE_T2 = {
         "P": {"SGLang": 3.76, "MLFQ": 4.00, "SSJF": 3.91, "LTR": 3.97, "S3": 3.67, "TRAIL": 3.59, "DWISE": 8.21},
     },
 }
-# DWISE §6.2 text (Figures 6 and 7), LLaDA2.x range.
-DWISE_P50_SPEEDUP = {"source": "DWISE §6.2 / Figure 6 (LLaDA2.x range)", "B": "6.2-11x", "P": "14-42x"}
-DWISE_P99_SPEEDUP = {"source": "DWISE §6.2 / Figure 7 (LLaDA2.x range)", "B": "1.9-2.3x", "P": "1.9-2.3x"}
+# DWISE end-to-end text on Figures 6 and 7, LLaDA2.x range.
+DWISE_P50_SPEEDUP = {"source": "DWISE Figure 6 (text, LLaDA2.x range)", "B": "6.2-11x", "P": "14-42x"}
+DWISE_P99_SPEEDUP = {"source": "DWISE Figure 7 (text, LLaDA2.x range)", "B": "1.9-2.3x", "P": "1.9-2.3x"}
 
 # DWISE Table 3 (LLaDA2.1-mini).
 DWISE_T3 = {

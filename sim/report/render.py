@@ -118,7 +118,10 @@ def write_report(r, out: Path, mode_cmd: str, wall_s: float, cpu_s: float) -> Pa
               + (f", **{n_fail} FAIL**" if n_fail else "") + " (details below).",
               (f"- Combined policy (DWISE inside + DiLaServe across): meets the target in "
                f"{sum(v['ok'] for v in verdicts)} of {len(verdicts)} cluster scenarios; "
-               + "; ".join(f"{v['scenario']}: {v['verdict']}" for v in verdicts) + ".") if verdicts else
+               + "; ".join(f"{v['scenario']}: {v['verdict']}" for v in verdicts) + "."
+               + (f" With the router's migration walk in arrival order (diagnostic variant): "
+                  f"{sum(v.get('walk_ok', False) for v in verdicts)} of {sum('walk' in v for v in verdicts)} "
+                  "scenarios where it ran." if any("walk" in v for v in verdicts) else "")) if verdicts else
               "- Combined policy: no cluster scenario in this run.",
               ]
     if r.pending:
@@ -141,7 +144,7 @@ def write_report(r, out: Path, mode_cmd: str, wall_s: float, cpu_s: float) -> Pa
         if part:
             lines += part + [""]
     if inst:
-        lines += ri.differences(inst, n, sweeps) + [""]
+        lines += ri.differences(inst, n, sweeps, (r.data.get("instance_seeds") or {}).get("requests")) + [""]
     lines += ri.predictors(r.data.get("predictors")) + [""]
     cl = [rc.rates(r.data), rc.slo(r.data), rc.ablations(r.data), rc.lengths(r.data), rc.burst(r.data),
           rc.diurnal(r.data), rc.cluster_seeds(r.data)]

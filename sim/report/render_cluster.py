@@ -53,8 +53,9 @@ def setup_text(data: dict) -> list[str]:
             "Unless noted: 16 TP-1 instances, B = 32 slots each, the `h200-llada8b` profile, LLaDA-8B-shaped "
             "requests (256-token canvas in 8 blocks, approximate KV cache) whose rounds and answers are the "
             "embedded tiny-bd model's, scaled (`sim/cluster_scenarios.py`), Poisson arrivals, SLO = 5x the "
-            "request's isolated TP-1 latency at threshold 0.9, candidate thresholds 0.9/0.8/0.7 (those within 2 "
-            "accuracy points of 0.9's). Accuracy is the tiny model's on its task suite, not LLaDA's on GSM8K; "
+            "request's isolated TP-1 latency at threshold 0.9, candidate thresholds "
+            + "/".join(f"{t:g}" for t in data.get("cluster_candidates", ())) + " (those within 2 accuracy points of "
+            "0.9's). Accuracy is the tiny model's on its task suite, not LLaDA's on GSM8K; "
             "requests whose threshold changed are decoded again by the model." + est + "\n",
             "The cluster simulator takes the router policy and the instance scheduling policy independently "
             "(`ClusterConfig.instance_policy`), so every pair runs on the same requests:\n", roles,
@@ -228,6 +229,7 @@ def trace(data: dict, pending: list[str]) -> list[str]:
         return m["gpus"] / m["instances"] if m.get("instances") else float("nan")
 
     shift = mean_tp(lo) > mean_tp(hi)
+    pol = rep["policies"]
     pl = rep["planner"]
     out += [f"`sim.cluster_trace.run_trace`: {rep['requests']:,} requests, mean {rep['arrival_rate_rps']} req/s "
             f"(windows {rep['low_window_rps']}-{rep['peak_window_rps']}; all-TP-1 capacity "
@@ -240,7 +242,11 @@ def trace(data: dict, pending: list[str]) -> list[str]:
             f"{lo} (mean TP {mean_tp(lo):.2f}); at peak {hi} (mean TP {mean_tp(hi):.2f}). DiLaServe Figure 11: "
             f"\"{P.DILA['fig11']['text']}\" -> direction {'reproduced' if shift else 'NOT reproduced'} here. "
             f"Reconfiguration beats the best static mix ({rep.get('best_static')}) on SLO attainment: "
-            f"{rep.get('reconfig_beats_best_static')}. Plot: `tp_configuration_over_time.png`.\n"]
+            f"{rep.get('reconfig_beats_best_static')}"
+            + (f" ({pp(pol['reconfig']['slo_attainment'], pol[rep['best_static']]['slo_attainment'])}, one seed, "
+               f"{rep['requests']:,} requests: no spread is measured for this gap here)"
+               if rep.get("best_static") in pol and "reconfig" in pol else "")
+            + ". Plot: `tp_configuration_over_time.png`.\n"]
     return out
 
 
@@ -398,8 +404,8 @@ def combined(data: dict) -> list[str]:
                 f"more than 32 held in {100 * v['combined'].get('over_b_rounds_frac', 0):.2f}% of rounds"
                 for v in order) + "), SRPT had almost no one to pause, so pausing is not the cause. The migration "
             "walk is: FCFS hands the router a round's requests oldest first, SRPT shortest-remaining first, and the "
-            "router moves the first that gains to the freest instance; moving old requests, nearest their "
-            "deadlines, first keeps more deadlines."
+            "router moves the first that gains to the freest instance. Moving the older requests first keeps more "
+            "deadlines here (an older request has used more of its SLO)."
             + (" Walking in arrival order whatever the instance order (the diagnostic variant) gives " + "; ".join(
                 f"{v['scenario']}: {v['walk']['slo_attainment']:.3f}" for v in walk) + "." if walk else "")
             + " The fix belongs in the router (walk a round's requests in arrival or deadline order); this report "

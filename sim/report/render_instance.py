@@ -221,15 +221,19 @@ def seeds(d: dict | None) -> list[str]:
             md_table(["seed", "SGLang mean (s)", "DWISE mean (s)", "speed-up"], rows)]
 
 
-def differences(runs: dict, n: int, sw: dict | None = None) -> list[str]:
+def differences(runs: dict, n: int, sw: dict | None = None, seeds_n: int | None = None) -> list[str]:
     """Where and why Remask's instance-level numbers differ from the paper's, from this run's numbers."""
     out = ["### Where and why the instance-level numbers differ\n"]
     pr = runs.get("burst-poisson", {})
-    sizes = {n} | ({next(iter(sw["budgets"].values()))["runs"]["dwise"].summary["requests"]} if sw and
-                   sw.get("budgets") else set())
-    if sizes != {4096}:
-        out.append(f"- Some tables here use {', '.join(f'{x:,}' for x in sorted(sizes))} requests, not 4,096: under "
-                   "burst arrivals latency grows with the backlog, so those tables' absolute latencies are not "
+    sizes = {"Tables 2-4 and Figure 8": n}
+    if sw and sw.get("budgets"):
+        sizes["the sweeps"] = next(iter(sw["budgets"].values()))["runs"]["dwise"].summary["requests"]
+    if seeds_n:
+        sizes["the seeds"] = seeds_n
+    other = {k: v for k, v in sizes.items() if v != 4096}
+    if other:
+        out.append("- " + "; ".join(f"{k} use {v:,} requests" for k, v in other.items()) + " (the paper: 4,096). "
+                   "Under burst arrivals latency grows with the backlog, so those absolute latencies are not "
                    "comparable with the paper's; their speed-ups are.")
     load = (sw or {}).get("load") or {}
     if 0.5 in load and 1.0 in load:
@@ -247,8 +251,8 @@ def differences(runs: dict, n: int, sw: dict | None = None) -> list[str]:
             f"- DWISE's throughput here is {thr:.2f} req/s against the paper's 8.21 (burst+Poisson). Its rounds "
             f"average {dw.rounds['mean_round_ms']:.0f} ms with {dw.rounds['filled_slots_per_round']:.0f} filled slots; "
             f"the paper's imply about {paper_round:.0f} ms (4,096 requests / 8.21 req/s over 2,819 rounds, derived "
-            "from its Tables 2 and 3; its median round is 95 ms, §6.5). The simulator charges a round only the "
-            "latency profile's time for its composition (`profiles/gh200-llada2-mini`), with no per-round "
+            "from its Tables 2 and 3; its median round is 95 ms, Figure 11's text). The simulator charges a round "
+            "only the latency profile's time for its composition (`profiles/gh200-llada2-mini`), with no per-round "
             "overhead beyond the profile's, no preemption or KV-management cost and no predictor cost; so rounds "
             "that are full are cheaper here than on the GPU, the backlog drains sooner and DWISE's absolute "
             "latency is lower.")
@@ -299,7 +303,7 @@ def predictors(d: dict | None) -> list[str]:
         [f"step MAPE, online (every {step.get('interval')} step)", fmt(step.get("online_mape"), 3),
          f"progress features -{s['progress_error_cut_pct']}%, confidence -{s['confidence_error_cut_pct']}% more"],
         ["admission inference (us / request)", fmt(d.get("admission_us"), 1), "29 us LightGBM, 0.42 ms with "
-         "tokenization (DWISE §8, Table 9)"],
+         "tokenization (DWISE Appendix § 9, Table 9)"],
     ]
     return ["## Predictors: calibration\n",
             f"The shipped predictors of the embedded `{d.get('model')}` model on its {d.get('requests')} held-out "
