@@ -15,15 +15,18 @@ class ControlTimer:
         self.add_ms: deque[float] = deque(maxlen=keep)
         self.events = 0  # total observed, so a client can take only the samples after a mark
 
-    def event(self, event: dict, now: float | None = None) -> float | None:
-        emitted = event.get("t")
+    def batch(self, batch: dict, now: float | None = None) -> float | None:
+        """One round's progress batch: its delivery time (ms, None without an emission time), and the
+        dispatch-to-round-boundary time of every request it reports accepted."""
+        for item in batch.get("items", ()):
+            if item.get("accepted") is not None:
+                self.add_ms.append(item["accepted"])
+        emitted = batch.get("t")
         if emitted is None:
             return None
         ms = ((now or time.time()) - emitted) * 1e3
         self.event_ms.append(ms)
         self.events += 1
-        if event.get("add_ms") is not None:
-            self.add_ms.append(event["add_ms"])
         return ms
 
     def summary(self, since: int = 0) -> dict:

@@ -25,8 +25,8 @@ import time
 PROMPTS_CATEGORIES = ("reverse", "choice", "arith", "prose")
 
 
-async def _one(client, url: str, body: dict, timeout: float, log: list) -> dict:
-    """Stream one completion; ``log`` gets (time, request index) per content chunk."""
+async def _one(client, url: str, body: dict, timeout: float) -> dict:
+    """Stream one completion: its outcome, status, text, the times of its content chunks, and e2e time."""
     out = {"outcome": "lost", "text": "", "chunks": [], "status": None}
     t0 = time.monotonic()
     try:
@@ -119,7 +119,7 @@ async def _drive(url: str, n: int, rate: float, kills: int, timeout: float) -> t
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
             body = {"prompt": ex.prompt, "max_tokens": 96 if ex.category == "prose" else 24, "stream": True,
                     "threshold": 0.999, "slo_ms": 30_000}
-            jobs.append(asyncio.create_task(_one(client, url, body, timeout, [])))
+            jobs.append(asyncio.create_task(_one(client, url, body, timeout)))
         results = await asyncio.gather(*jobs)
         await injector
         dispatch = (await client.get(f"{url}/debug/instances", timeout=30)).json()["dispatch"]
@@ -236,7 +236,7 @@ async def _offer(url: str, rate: float, seconds: float, body, timeout: float) ->
         jobs, t0, i = [], time.monotonic(), 0
         while time.monotonic() - t0 < seconds:
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
-            jobs.append(asyncio.create_task(_one(client, url, body(i), timeout, [])))
+            jobs.append(asyncio.create_task(_one(client, url, body(i), timeout)))
             i += 1
         return await asyncio.gather(*jobs)
 

@@ -64,5 +64,4 @@ class ReplicaServer:
             self.loop.submit(rid, msg["prompt"], params, None if left is None else time.monotonic() + left,
                              sent_at=msg.get("sent_at"), committed=msg.get("committed") or None)
         except Overloaded as exc:
-            self.channel.send({"op": "batch", "t": time.time(), "stats": self.loop.stats(),
-                               "items": [{"id": rid, "error": f"server overloaded: {exc}", "status": 429}]})
+            self.loop.reject(rid, f"server overloaded: {exc}", 429)

@@ -119,9 +119,6 @@ class Denoiser:
                     log.info("registering with the ingress failed (%s); retrying", exc)
             self._stopped.wait(1.0)
 
-    async def stats(self) -> dict:
-        return {"tp": self.tp, "replica": self.replica_id, "connected": self.channel.connected, **self.loop.stats()}
-
     def check_health(self) -> None:
         if not self.loop.stats()["alive"]:
             raise RuntimeError("round loop died")

@@ -294,12 +294,9 @@ class Ingress:
 
     def _on_batch(self, batch: dict, now: float) -> None:
         if batch.get("items"):
-            ms = self.control.event(batch)
+            ms = self.control.batch(batch)
             if ms is not None:
                 self.metrics.control.observe(ms / 1e3)
-            for item in batch["items"]:
-                if item.get("accepted") is not None:
-                    self.control.add_ms.append(item["accepted"])
             stepped = sum("steps" in item for item in batch["items"])
             if stepped:
                 self.metrics.round_observed(stepped)

@@ -98,6 +98,10 @@ class RoundLoop:
         self._cmds.put(("thresholds", thresholds))
         self._wake.set()
 
+    def reject(self, req_id: str, message: str, status: int) -> None:
+        """Publish an error item for a request refused before it reached the loop (any thread)."""
+        self._send([{"id": req_id, "error": message, "status": status}])
+
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
