@@ -25,27 +25,36 @@ def _cdf(ax, values, label, **kw) -> None:
         ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=label, **kw)
 
 
-def instance_cdfs(runs: dict, out: Path) -> str | None:
-    """Latency CDFs of every instance policy, burst and burst+Poisson."""
-    if not runs:
+def _cdf_panels(groups: dict[str, dict], out: Path, name: str, *, highlight: str, width: float, fmt: str,
+                xlabel: str, log: bool = False, title=lambda key: key) -> str | None:
+    """One panel of latency CDFs per group ({title key: {policy: run}}); ``highlight`` drawn thicker."""
+    groups = {k: v for k, v in groups.items() if v}
+    if not groups:
         return None
     plt = _plt()
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.2), squeeze=False)
-    for ax, (arr, pol_runs) in zip(axes[0], runs.items()):
-        for pol, run in pol_runs.items():
-            _cdf(ax, run.latencies, f"{pol} ({run.summary['mean_latency_s']:.0f} s)",
-                 lw=2.2 if pol == "dwise" else 1.1)
-        ax.set_xscale("log")
-        ax.set_xlabel("end-to-end latency (s, log)")
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), squeeze=False)
+    for ax, (key, runs) in zip(axes[0], groups.items()):
+        for pol, run in runs.items():
+            _cdf(ax, run.latencies, f"{pol} ({run.summary['mean_latency_s']:{fmt}} s)",
+                 lw=width if pol == highlight else 1.1)
+        if log:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("fraction of requests")
-        ax.set_title(f"one instance, B = 128, {arr}")
+        ax.set_title(title(key))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    name = "instance_latency_cdf.png"
     fig.savefig(out / name, dpi=DPI)
     plt.close(fig)
     return name
+
+
+def instance_cdfs(runs: dict, out: Path) -> str | None:
+    """Latency CDFs of every instance policy, burst and burst+Poisson."""
+    return _cdf_panels(runs, out, "instance_latency_cdf.png", highlight="dwise", width=2.2, fmt=".0f",
+                       xlabel="end-to-end latency (s, log)", log=True,
+                       title=lambda arr: f"one instance, B = 128, {arr}")
 
 
 def round_composition(runs: dict, out: Path, slots: int = 128) -> str | None:
@@ -165,25 +174,8 @@ def slo_vs_rate(data: dict, slo: dict | None, out: Path) -> str | None:
 
 
 def cluster_cdfs(groups: dict[str, dict], out: Path) -> str | None:
-    groups = {k: v for k, v in groups.items() if v}
-    if not groups:
-        return None
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), squeeze=False)
-    for ax, (title, runs) in zip(axes[0], groups.items()):
-        for c, run in runs.items():
-            _cdf(ax, run.latencies, f"{c} ({run.summary['mean_latency_s']:.2f} s)",
-                 lw=2.4 if c == "remask/dwise" else 1.1)
-        ax.set_xlabel("latency (s)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    name = "cluster_latency_cdf.png"
-    fig.savefig(out / name, dpi=DPI)
-    plt.close(fig)
-    return name
+    return _cdf_panels(groups, out, "cluster_latency_cdf.png", highlight="remask/dwise", width=2.4, fmt=".2f",
+                       xlabel="latency (s)")
 
 
 def _windows(per_request, edges, fn):
