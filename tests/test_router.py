@@ -113,6 +113,29 @@ def test_migration_only_at_recompute_steps():
     assert "r0" in router.instances[1].requests and "r0" not in router.instances[0].requests
 
 
+def _one_move_pays(priorities=(0, 0, 0, 0)):
+    """Four requests on instance 0 (r0 oldest), one on instance 1: moving one of them to instance 1 pays,
+    after that move a second does not."""
+    totals = {f"r{i}": (60.0, 50.0, 40.0, 30.0, 20.0) for i in range(5)}
+    router = make_router("remask", tps=(1, 1), totals=totals)
+    for i in range(5):
+        r = req(f"r{i}", arrival=0.01 * i, priority=priorities[i] if i < 4 else 0)
+        router.requests[r.req_id] = r
+        r.est = list(totals[r.req_id])
+        router.instances[0 if i < 4 else 1].add(r)
+    # handed back newest first: an instance's plan order (SRPT's, say) need not be arrival order
+    return router, [(router.requests[f"r{i}"], True, False) for i in (3, 2, 1, 0)]
+
+
+def test_migration_walks_a_round_in_arrival_order_not_the_instances_order():
+    router, stepped = _one_move_pays()
+    moves = router.on_step(0, stepped, now=0.1)
+    assert [(r.req_id, dst) for r, dst in moves] == [("r0", 1)]  # the oldest, though handed last
+    # load control's order: a higher priority goes ahead of older arrivals
+    router, stepped = _one_move_pays(priorities=(0, 0, 3, 0))
+    assert [r.req_id for r, _ in router.on_step(0, stepped, now=0.1)] == ["r2"]
+
+
 def test_baseline_dispatch_rules_and_llumnix_migration():
     totals = {f"r{i}": (60.0, 50.0, 40.0, 30.0, 20.0) for i in range(8)}
     infaas = make_router("infaas", tps=(1, 1, 1), totals=totals)
