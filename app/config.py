@@ -38,6 +38,9 @@ class AppConfig(BaseModel):
                                                        "cluster over capacity even at the lowest thresholds")
     dead_after_s: float = Field(5.0, gt=0, description="an instance silent this long is declared dead and its "
                                                        "requests resume elsewhere")
+    round_timeout_s: float = Field(120.0, gt=0, description="a round running longer than this fails the "
+                                                            "replica's health check (a hung rank): Serve "
+                                                            "replaces it and its requests resume elsewhere")
     planner: PlannerArgs | None = Field(None, description="size the TP groups with the planner (app.autoscaling); "
                                                           "needs the app-level autoscaling_policy "
                                                           "app.autoscaling:planner_policy in the serve config")

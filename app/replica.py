@@ -3,7 +3,8 @@
 ``ReplicaServer`` joins a ``RoundLoop`` (the instance's rounds, in their own
 thread) to a ``ReplicaChannel``: commands from the ingress become round-loop
 commands, each round's progress batch becomes one frame, and a lost ingress
-aborts every request it had sent. The Denoiser deployment is this plus model
+aborts every request it had sent. A broken instance (``InstanceBroken``)
+hangs up, so the ingress resumes its requests on the other instances. The Denoiser deployment is this plus model
 loading and registration; tests run it in-process.
 """
 
@@ -25,7 +26,8 @@ log = logging.getLogger(__name__)
 class ReplicaServer:
     def __init__(self, instance: Instance, *, max_waiting: int = 256, describe: Callable | None = None,
                  host: str = "127.0.0.1", tick_s: float = 1.0) -> None:
-        self.loop = RoundLoop(instance, self._publish, max_waiting=max_waiting, describe=describe)
+        self.loop = RoundLoop(instance, self._publish, max_waiting=max_waiting, describe=describe,
+                              on_fatal=self._broken)
         self.channel = ReplicaChannel(self._command, self.loop.abort_all, secrets.token_hex(16), host=host,
                                       tick_s=tick_s, stats=self.loop.stats)
 
@@ -37,6 +39,11 @@ class ReplicaServer:
     def close(self) -> None:
         self.channel.close()
         self.loop.stop()
+
+    def _broken(self, exc: Exception) -> None:  # round-loop thread, which has ended
+        """The instance can run no more rounds: hang up, so the ingress resumes its requests elsewhere
+        (they are not failed here), and refuse new connections."""
+        self.channel.close()
 
     def _publish(self, batch: dict) -> None:  # round-loop thread
         batch["op"] = "batch"

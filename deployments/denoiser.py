@@ -32,7 +32,7 @@ class Denoiser:
 
         self.cfg = AppConfig(**config)
         self.tp = tp
-        self.workers = []
+        self.workers, self.worker_names = [], []
         mirror = None
         kwargs = dict(device=self.cfg.device, dtype=self.cfg.torch_dtype(), cache=self.cfg.cache,
                       max_slots=self.cfg.slots, default_gen_length=self.cfg.default_max_tokens,
@@ -89,8 +89,12 @@ class Denoiser:
         for rank in range(1, self.tp):
             strategy = (PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
                         if pg is not None else "DEFAULT")
-            self.workers.append(TPWorker.options(num_cpus=0.01, scheduling_strategy=strategy, **gpus)
+            # named (namespace "serve", like the replica's own actor) so operators and fault tests find them
+            name = f"{serve.get_replica_context().replica_id.to_full_id_str()}:rank{rank}"
+            self.workers.append(TPWorker.options(num_cpus=0.01, scheduling_strategy=strategy, name=name,
+                                                 namespace="serve", **gpus)
                                 .remote(self.cfg.model_dump(), rank, self.tp, addr, port))
+            self.worker_names.append(name)
         backend = "nccl" if self.cfg.device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=0, world_size=self.tp,
                                 timeout=datetime.timedelta(seconds=120))
@@ -109,8 +113,9 @@ class Denoiser:
         """Tell the app's Ingress where this replica's channel is, until an ingress connects;
         again whenever no ingress has been connected for a few seconds."""
         handle = None
-        info = {"replica": self.replica_id, "tp": self.tp, "actor": self.actor_name, **self.server.info()}
-        while not self._stopped.is_set():
+        info = {"replica": self.replica_id, "tp": self.tp, "actor": self.actor_name,
+                "workers": self.worker_names, **self.server.info()}
+        while not self._stopped.is_set() and self.loop.broken is None:
             if not self.channel.connected and time.monotonic() - self.channel.last_peer > 2.0:
                 try:
                     handle = handle or serve.get_deployment_handle("Ingress", self.app_name)
@@ -120,8 +125,17 @@ class Denoiser:
             self._stopped.wait(1.0)
 
     def check_health(self) -> None:
-        if not self.loop.stats()["alive"]:
+        """Unhealthy (Serve replaces the replica) when the instance broke, e.g. a TP rank died, or a
+        round hangs; the ingress has already resumed, or will on the hang-up, its requests elsewhere."""
+        stats = self.loop.stats()
+        if self.loop.broken is not None:
+            raise RuntimeError(f"instance broken: {self.loop.broken}")
+        if not stats["alive"]:
             raise RuntimeError("round loop died")
+        if stats["round_running_s"] > self.cfg.round_timeout_s:
+            self.server.channel.close()  # the ingress resumes its requests now, not when the actor dies
+            raise RuntimeError(f"a round has run for {stats['round_running_s']:.0f} s "
+                               f"(round_timeout_s {self.cfg.round_timeout_s:g})")
 
     def __del__(self) -> None:
         stopped = getattr(self, "_stopped", None)

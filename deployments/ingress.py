@@ -133,7 +133,8 @@ class Ingress:
     async def register(self, info: dict) -> int:
         """A Denoiser replica announces its control channel (called over Ray, not HTTP)."""
         return await self.dispatcher.connect(info["replica"], int(info["tp"]), info["host"], int(info["port"]),
-                                             info["secret"], meta={"actor": info.get("actor")})
+                                             info["secret"],
+                                             meta={"actor": info.get("actor"), "workers": info.get("workers", [])})
 
     # ---- endpoints ----------------------------------------------------------------------
     @web.get("/health")

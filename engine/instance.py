@@ -23,6 +23,11 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
 
 
+class InstanceBroken(RuntimeError):
+    """A round failed in a way the instance cannot recover from (a tensor-parallel rank died or
+    its collective broke: the ranks' states may differ). Its requests must continue elsewhere."""
+
+
 def blocks_estimate(seq: Sequence) -> float:
     return float(len(seq.blocks))
 
@@ -100,12 +105,15 @@ class Instance:
 
     def step(self) -> tuple[RoundPlan, RoundResult, list[SchedRequest]]:
         plan = self.scheduler.schedule()
-        wait = None
-        if self.mirror is not None:
-            wait, self._commands = self.mirror(self._commands, plan), []
-        result = self.execute(plan)
-        if wait is not None:
-            wait()
+        if self.mirror is None:
+            result = self.execute(plan)
+        else:
+            try:
+                wait, self._commands = self.mirror(self._commands, plan), []
+                result = self.execute(plan)
+                wait()
+            except Exception as exc:  # a lost rank, a broken collective: the ranks no longer agree
+                raise InstanceBroken(f"tensor-parallel round failed: {type(exc).__name__}: {exc}") from exc
         done = self.scheduler.update(plan, result)
         for req in done:
             seq = self.seqs.pop(req.req_id)

@@ -19,6 +19,11 @@ Items (all carry ``"id"``): ``{"accepted": add_ms, "prompt_tokens": n}``,
 ``{"ids": [...], "steps": rounds so far, "heavy": next step is prefill or
 recompute, "row": [...] or absent, "done": None | {"finish_reason", "rounds",
 "completion_tokens"}}``.
+
+A round that raises fails the requests it held (500) and the loop goes on;
+one that raises ``InstanceBroken`` (a tensor-parallel rank is gone) ends the
+loop instead: its requests get no error, ``on_fatal`` is called, and whoever
+sent them resumes them elsewhere from their committed tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.instance import Instance
+from engine.instance import Instance, InstanceBroken
 from engine.sched_types import StepKind
 from engine.sequence import SamplingParams, Sequence
 
@@ -51,14 +56,18 @@ class _Tracked:
 class RoundLoop:
     def __init__(self, instance: Instance, on_batch: Callable[[Batch], None], max_waiting: int = 256,
                  idle_wait_s: float = 0.05, describe: Callable[[Sequence, float | None], list[float]] | None = None,
-                 ) -> None:
+                 on_fatal: Callable[[Exception], None] | None = None) -> None:
         """``describe(seq, threshold)``: the state row a step item carries (the router's step
-        features), called after each of the request's steps with the threshold it used."""
+        features), called after each of the request's steps with the threshold it used.
+        ``on_fatal(exc)``: called from the loop's thread when an ``InstanceBroken`` ends it."""
         self.instance = instance
         self._emit = on_batch
         self.max_waiting = max_waiting
         self.idle_wait_s = idle_wait_s
         self.describe = describe
+        self.on_fatal = on_fatal
+        self.broken: str | None = None  # why the loop ended, if a round broke the instance
+        self._round_t0: float | None = None  # when the running round started
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -109,9 +118,11 @@ class RoundLoop:
 
     def stats(self) -> dict:
         s = self.instance.scheduler
+        t0 = self._round_t0
         return {"running": s.num_running, "resident": len(s.resident), "waiting": s.num_waiting + self._pending,
                 "rounds": self.rounds, "filled_slots": self.filled_slots, "last_round_s": self.last_round_s,
-                "kv_reserved_tokens": s.kv_reserved, "alive": self._thread.is_alive()}
+                "kv_reserved_tokens": s.kv_reserved, "alive": self._thread.is_alive(),
+                "round_running_s": 0.0 if t0 is None else time.perf_counter() - t0}
 
     # ---- the loop ----------------------------------------------------------------------------
     def _apply_commands(self, items: list[dict]) -> bool:
@@ -159,9 +170,15 @@ class RoundLoop:
                 self._wake.clear()
                 continue
             try:
-                t0 = time.perf_counter()
+                self._round_t0 = t0 = time.perf_counter()
                 plan, _, done = self.instance.step()
                 self.last_round_s = time.perf_counter() - t0
+            except InstanceBroken as exc:  # no round can run here any more: hand the requests back
+                log.error("instance broken, round loop stopped: %s", exc)
+                self.broken = str(exc)
+                if self.on_fatal is not None:
+                    self.on_fatal(exc)
+                return
             except Exception as exc:  # a broken round must not hang every client
                 log.exception("round failed")
                 for req_id in list(self._tracked):
@@ -170,6 +187,8 @@ class RoundLoop:
                 self._tracked.clear()
                 self._send(items)
                 continue
+            finally:
+                self._round_t0 = None
             self.rounds += 1
             self.filled_slots += len(plan.slots)
             finished = {r.req_id for r in done}

@@ -20,9 +20,9 @@ from predictors.bundle import load_predictors
 from predictors.features import state_row
 
 
-def make_replica(slots: int = 8, max_waiting: int = 64) -> ReplicaServer:
+def make_replica(slots: int = 8, max_waiting: int = 64, mirror=None) -> ReplicaServer:
     engine = load_engine("tiny-bd", max_slots=slots, max_gen_length=256)
-    inst = Instance(engine, slots=slots)
+    inst = Instance(engine, slots=slots, mirror=mirror)
     load_predictors("tiny-bd").attach(inst)
     return ReplicaServer(inst, max_waiting=max_waiting, describe=state_row, tick_s=0.2)
 
@@ -83,9 +83,32 @@ def test_requests_spread_over_instances_and_stream_correct_answers(replicas):
     assert not d.live and all(i.n == 0 for i in d.router.instances)
 
 
-def test_a_dead_instance_loses_no_request():
+class Rank:
+    """A tensor-parallel follower rank as the instance sees it (``Instance(mirror=...)``), that can die."""
+
+    def __init__(self) -> None:
+        self.dead = False
+
+    def __call__(self, commands, plan):
+        if self.dead:
+            raise ConnectionError("rank 1 is gone")  # what a lost TP worker's call raises
+        return lambda: None
+
+
+@pytest.mark.parametrize("fault", ["replica", "tp-rank"])
+def test_a_dead_instance_loses_no_request(fault):
+    """The replica's process dies (its socket closes), or one of its TP ranks dies (the instance can run
+    no round: it hangs up without failing its requests): either way they resume on the other instance."""
+    rank = Rank()
+
+    def kill(rep):
+        if fault == "replica":
+            rep.close()
+        else:
+            rank.dead = True
+
     async def main():
-        reps = [make_replica(slots=4), make_replica(slots=4)]
+        reps = [make_replica(slots=4, mirror=rank), make_replica(slots=4)]
         d = make_dispatcher()
         for i, r in enumerate(reps):
             await d.connect(f"k{i}", 1, **r.info())
@@ -97,13 +120,16 @@ def test_a_dead_instance_loses_no_request():
             await asyncio.sleep(0.02)
             if any(d.live.get(r) is not None and d.live[r].committed for r in victims):
                 break
-        reps[0].close()
+        kill(reps[0])
         results = await asyncio.gather(*(collect(s) for s in streams))
-        reps[1].close()
-        return d, exs, results, victims
+        for r in reps:
+            r.close()
+        return d, exs, results, victims, reps
 
-    d, exs, results, victims = asyncio.run(main())
+    d, exs, results, victims, reps = asyncio.run(main())
     assert victims
+    if fault == "tp-rank":
+        assert "rank 1 is gone" in reps[0].loop.broken and not reps[0].loop.stats()["alive"]
     assert len(results) == len(exs) and all(last["type"] == "done" for _, last in results), results
     assert all(text == last["text"] for text, last in results)
     assert d.stats["instances_lost"] == 1 and d.stats["failed_over"] >= 1

@@ -236,3 +236,57 @@ def test_killed_replica_loses_no_request(app_url):
             break
         time.sleep(0.1)
     assert len(views) == 2, views
+
+
+def test_killed_tp_worker_fails_over_its_replica(app_url):
+    """Kill rank 1 of the TP-2 replica mid-stream: rank 0's round breaks, the replica hangs up without
+    failing its requests (they wait for an instance, then resume from their committed tokens), its health
+    check fails, and Serve's replacement serves them. Each stream ends with its answer or a clean error."""
+    import time
+
+    views = httpx.get(app_url + "/tp2/debug/instances", timeout=30).json()["instances"]
+    (victim,) = views.values()
+    assert len(victim["workers"]) == 1
+    results = [None] * 2  # the TP-2 app has 2 slots
+
+    def run(i):
+        text, finish, error = "", None, None
+        with httpx.stream("POST", app_url + "/tp2/v1/completions", timeout=300, json={
+                "prompt": f"story: {('fox', 'owl')[i]} 8", "max_tokens": 96, "threshold": 0.9999,
+                "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = chunk["error"]["message"]
+                        continue
+                    text += chunk["choices"][0]["text"]
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+        results[i] = (r.status_code, text, finish, error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for _ in range(200):  # once the replica holds them
+        if httpx.get(app_url + "/tp2/debug/instances", timeout=30).json()["live"] >= 2:
+            break
+        time.sleep(0.02)
+    ray.kill(ray.get_actor(victim["workers"][0], namespace="serve"), no_restart=True)
+    t0 = time.monotonic()
+    for t in threads:
+        t.join(300)
+    assert all(r is not None and r[0] == 200 for r in results), results
+    for i, (_, text, finish, error) in enumerate(results):  # completed (resumed text intact), or a clean error
+        completed = finish in ("stop", "length") and error is None and text.startswith(f"the {('fox', 'owl')[i]}")
+        assert completed or (error is not None and finish is None), results
+    dispatch = httpx.get(app_url + "/tp2/debug/instances", timeout=30).json()["dispatch"]
+    assert dispatch["instances_lost"] >= 1 and dispatch["failed_over"] >= 1, dispatch
+    views = {}
+    while time.monotonic() - t0 < 240:  # the broken replica is replaced
+        views = httpx.get(app_url + "/tp2/debug/instances", timeout=30).json()["instances"]
+        if views and victim["replica"] not in {v["replica"] for v in views.values()}:
+            break
+        time.sleep(0.2)
+    assert views and victim["replica"] not in {v["replica"] for v in views.values()}, views
+    r = post(app_url, "/tp2/v1/completions", {"prompt": "rev: abc", "max_tokens": 8})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "cba"
