@@ -13,6 +13,8 @@ run on the same requests:
 
 Migration ablation router variants (objects, not registered): ``remask-no-migration`` and
 ``remask-any-step`` (moves at any step, as Llumnix does, so a move at a cached step costs a recompute).
+A diagnostic variant, ``remask-plan-walk``, is the router before its migration walk followed load
+control's order: it walks a round's requests in the order the instance handed them back.
 
 Accuracy is the embedded model's (``sim.cluster_scenarios.accuracy_of``): requests that kept one
 threshold take the table's answer; mixed-threshold requests are decoded again. ``max_replays`` caps
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from app.router import RouterConfig
 from app.router.placement import best_instance, migration_gain_ms
-from app.router.policies import RemaskPolicy
+from app.router.policies import RemaskPolicy, walk_order
 from engine.profile import load_tp_profiles
 from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterResult, ClusterSimulator, summarize
 from sim.cluster_scenarios import ClusterScenario, accuracy_of, candidate_thresholds, get_cluster_scenario, make_specs
@@ -45,7 +47,7 @@ ROLES = {
     "infaas/dwise": "DWISE alone",
     "llumnix/dwise": "DWISE alone (Llumnix dispatch)",
     "remask/dwise": "Remask (combined)",
-    "remask-arrival-walk/dwise": "Remask, migration walk in arrival order (diagnostic)",
+    "remask-plan-walk/dwise": "Remask, old migration walk in the instance's plan order (diagnostic)",
 }
 INSTANCE = {"fcfs": "fcfs-mixed", "dwise": "dwise"}
 
@@ -65,7 +67,7 @@ class AnyStepMigration(RemaskPolicy):
 
     def migrations(self, router, src, stepped):
         out, dst, lat = [], None, 0.0
-        for req in stepped:
+        for req in sorted(stepped, key=walk_order):
             if dst is None:
                 dst, lat = best_instance(router.latency, router.instances, req.next_heavy, exclude=src.inst_id)
                 if dst is None:
@@ -79,18 +81,20 @@ class AnyStepMigration(RemaskPolicy):
         return out
 
 
-class ArrivalWalk(RemaskPolicy):
-    """Remask's router, but after a round it considers the round's requests for migration oldest first,
-    whatever order the instance scheduler ranked them in (the shipped router walks them in plan order)."""
+class PlanWalk(RemaskPolicy):
+    """Remask's router as it was: after a round it considers the round's requests for migration in the
+    order the instance scheduler handed them back (its plan order: oldest first under FCFS, shortest
+    remaining first under SRPT); the shipped router walks them in load control's order (priority, then
+    arrival)."""
 
-    name = "remask-arrival-walk"
+    name = "remask-plan-walk"
 
     def migrations(self, router, src, stepped):
-        return super().migrations(router, src, sorted(stepped, key=lambda r: (r.arrival, r.req_id)))
+        return self.walk(router, src, stepped)
 
 
 ROUTER_VARIANTS = {"remask-no-migration": NoMigration, "remask-any-step": AnyStepMigration,
-                   "remask-arrival-walk": ArrivalWalk}
+                   "remask-plan-walk": PlanWalk}
 
 
 @dataclass

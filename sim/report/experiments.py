@@ -33,6 +33,7 @@ from sim.workload import dwise_workload, set_arrivals
 DWISE_RATE = 16.0  # burst+Poisson rate of the DWISE scenarios (the paper's lambda for LLaDA)
 BASE, SYSTEM = "fcfs-prefill-first", "dwise"
 COMBINED, DILA_ALONE, DWISE_ALONE = "remask/dwise", "remask/fcfs", "infaas/dwise"
+PLAN_WALK = "remask-plan-walk/dwise"  # diagnostic: the router's old migration walk (cluster_runs.PlanWalk)
 
 
 def _copy(specs):
@@ -296,7 +297,7 @@ def cluster_lengths(r: Runner) -> None:
 
 def cluster_burst(r: Runner) -> None:
     p = r.plan
-    combos = (*GRID4, "remask-arrival-walk/dwise")
+    combos = (*GRID4, PLAN_WALK)
     rng = random.Random(r.seed + 31)
     k = int(p.burst_n * p.burst_frac)
     t, arr = 0.0, []
@@ -311,7 +312,7 @@ def cluster_burst(r: Runner) -> None:
                                "tp_degrees": list(p.burst_tps), "policies": _summ(runs)}
 
 
-DIURNAL = ("infaas/fcfs", "llumnix/fcfs", "remask/fcfs", "infaas/dwise", "remask/dwise", "remask-arrival-walk/dwise")
+DIURNAL = ("infaas/fcfs", "llumnix/fcfs", "remask/fcfs", "infaas/dwise", "remask/dwise", PLAN_WALK)
 
 
 def cluster_diurnal(r: Runner) -> None:
@@ -329,8 +330,7 @@ def cluster_diurnal(r: Runner) -> None:
                                  "seconds": round(period, 1), "policies": _summ(runs)}
 
 
-ARRIVAL_WALK = "remask-arrival-walk/dwise"
-SEED_COMBOS = ("infaas/fcfs", DILA_ALONE, COMBINED, ARRIVAL_WALK)
+SEED_COMBOS = ("infaas/fcfs", DILA_ALONE, COMBINED, PLAN_WALK)
 
 
 def cluster_seeds(r: Runner) -> None:

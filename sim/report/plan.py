@@ -47,8 +47,8 @@ class Plan:
 ALL_INSTANCE = ("fcfs-prefill-first", "mlfq-prefill-first", "ssjf-prefill-first", "fcfs-mixed", "mlfq", "ssjf",
                 "dwise-prefill-rank", "dwise-admission", "dwise", "oracle")
 GRID = ("infaas/fcfs", "llumnix/fcfs", "remask/fcfs", "infaas/dwise", "llumnix/dwise", "remask/dwise",
-        "remask-arrival-walk/dwise")
-GRID_QUICK = ("infaas/fcfs", "llumnix/fcfs", "remask/fcfs", "infaas/dwise", "remask/dwise", "remask-arrival-walk/dwise")
+        "remask-plan-walk/dwise")
+GRID_QUICK = ("infaas/fcfs", "llumnix/fcfs", "remask/fcfs", "infaas/dwise", "remask/dwise", "remask-plan-walk/dwise")
 
 FULL = Plan(
     name="full", inst_n=4096, inst_policies=ALL_INSTANCE, sweep_n=2048,

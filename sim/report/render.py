@@ -119,7 +119,7 @@ def write_report(r, out: Path, mode_cmd: str, wall_s: float, cpu_s: float) -> Pa
               (f"- Combined policy (DWISE inside + DiLaServe across): meets the target in "
                f"{sum(v['ok'] for v in verdicts)} of {len(verdicts)} cluster scenarios; "
                + "; ".join(f"{v['scenario']}: {v['verdict']}" for v in verdicts) + "."
-               + (f" With the router's migration walk in arrival order (diagnostic variant): "
+               + (f" With the router's old migration walk in the instance's plan order (diagnostic variant): "
                   f"{sum(v.get('walk_ok', False) for v in verdicts)} of {sum('walk' in v for v in verdicts)} "
                   "scenarios where it ran." if any("walk" in v for v in verdicts) else "")) if verdicts else
               "- Combined policy: no cluster scenario in this run.",
