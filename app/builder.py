@@ -14,6 +14,7 @@ def build_app(args: dict):
     config = cfg.model_dump()
     handles = {}
     initial = None
+    grace = cfg.drain_s + 10.0  # Serve kills a stopping replica after this: drain first (AppConfig.drain_s)
     if cfg.planner is not None:
         from app.autoscaling import initial_counts
 
@@ -29,13 +30,13 @@ def build_app(args: dict):
                 "metrics_interval_s": 1.0, "look_back_period_s": 2.0, "upscale_delay_s": 0.0,
                 "downscale_delay_s": 0.0, "policy": {"policy_function": "app.autoscaling:hold_policy"}}}
         dep = Denoiser.options(name=f"Denoiser_TP{d}", placement_group_bundles=bundles,
-                               placement_group_strategy="PACK", **scaling,
+                               placement_group_strategy="PACK", graceful_shutdown_timeout_s=grace, **scaling,
                                ray_actor_options={"num_cpus": cfg.cpus_per_replica,
                                                   **({"num_gpus": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})})
         handles[d] = dep.bind(config, d)
-    ingress = Ingress
+    ingress = Ingress.options(graceful_shutdown_timeout_s=grace)  # open streams end before it stops
     if initial is not None:  # one replica, autoscaled only so that its metrics reach the policy
-        ingress = Ingress.options(autoscaling_config={
+        ingress = ingress.options(autoscaling_config={
             "min_replicas": 1, "max_replicas": 1, "metrics_interval_s": 1.0, "look_back_period_s": 2.0,
             "policy": {"policy_function": "app.autoscaling:hold_policy"}})
     return ingress.bind(handles, config)

@@ -1,7 +1,9 @@
 """The control channel between the ingress and one Denoiser replica.
 
-One TCP connection per replica carries control messages in (add, abort,
-thresholds) and one progress batch per round out. Ray Serve handle calls cost
+A TCP connection from the ingress to each replica carries control messages in
+(add, abort, thresholds) and one progress batch per round out. A replica
+accepts several ingress connections (during a redeploy the old ingress drains
+while the new one serves); each owns the requests it sent. Ray Serve handle calls cost
 milliseconds each (a streaming item per request per round measured 7-8 ms at
 the median on 2 cores); a frame on an open socket costs tens of
 microseconds, written by the round loop the moment a round ends.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import socket
@@ -87,53 +90,64 @@ def recv_frame(sock: socket.socket) -> dict | None:
 
 
 class ReplicaChannel:
-    """Replica side: listens for the ingress, one connection at a time (a new one replaces the old).
+    """Replica side: listens for ingresses. Several may be connected at once (an ingress replica being
+    replaced and its successor, or several ingress replicas); each connection has an id.
 
-    ``on_command(msg)`` runs on the reader thread for every frame after the handshake;
-    ``on_disconnect()`` runs once when the current ingress connection is lost or replaced
-    (its requests have no receiver any more).
+    ``on_command(conn_id, msg)`` runs on that connection's reader thread for every frame after the
+    handshake; ``on_disconnect(conn_id)`` runs once when the connection is lost (the requests it sent
+    have no receiver any more).
     """
 
-    def __init__(self, on_command: Callable[[dict], None], on_disconnect: Callable[[], None], secret: str,
-                 host: str = "127.0.0.1", port: int = 0, tick_s: float = 1.0,
+    def __init__(self, on_command: Callable[[int, dict], None], on_disconnect: Callable[[int], None],
+                 secret: str, host: str = "127.0.0.1", port: int = 0, tick_s: float = 1.0,
                  stats: Callable[[], dict] | None = None) -> None:
         self.on_command, self.on_disconnect = on_command, on_disconnect
         self.secret, self.tick_s, self.stats = secret, tick_s, stats
         self._server = socket.create_server((host, port))
         self.address = (host, self._server.getsockname()[1])
-        self._conn: socket.socket | None = None
-        self._lock = threading.Lock()  # guards _conn and serialises writes
+        self._conns: dict[int, socket.socket] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # guards _conns and serialises writes
         self._closed = threading.Event()
-        self.last_peer = 0.0  # monotonic time a peer was last connected (the replica re-registers when stale)
         threading.Thread(target=self._accept, name="remask-channel-accept", daemon=True).start()
         threading.Thread(target=self._tick, name="remask-channel-tick", daemon=True).start()
 
     @property
     def connected(self) -> bool:
-        return self._conn is not None
+        return bool(self._conns)
 
-    def send(self, msg: dict) -> bool:
-        """Write one frame (any thread); False when no ingress is connected or the write failed."""
+    @property
+    def peers(self) -> list[int]:
+        return list(self._conns)
+
+    def send(self, conn_id: int, msg: dict) -> bool:
+        """Write one frame to one ingress (any thread); False when it is gone or the write failed."""
+        return self._write(conn_id, encode(msg))
+
+    def broadcast(self, msg: dict) -> None:
         frame = encode(msg)
+        for conn_id in self.peers:
+            self._write(conn_id, frame)
+
+    def _write(self, conn_id: int, frame: bytes) -> bool:
         with self._lock:
-            conn = self._conn
+            conn = self._conns.get(conn_id)
             if conn is None:
                 return False
             try:
                 conn.sendall(frame)
-                self.last_peer = time.monotonic()
                 return True
             except OSError:
                 pass
-        self._drop(conn)
+        self._drop(conn_id, conn)
         return False
 
     def close(self) -> None:
         self._closed.set()
         _hang_up(self._server)
         with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is not None:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
             _hang_up(conn)
 
     # ---- threads ---------------------------------------------------------------------------
@@ -160,35 +174,35 @@ class ReplicaChannel:
             conn.close()
             return
         with self._lock:
-            old, self._conn = self._conn, conn
-            self.last_peer = time.monotonic()
-        if old is not None:  # a restarted ingress: the old one's requests have no receiver
-            _hang_up(old)
-            self.on_disconnect()
-        self.send({"op": "ready"})
+            if self._closed.is_set():
+                _hang_up(conn)
+                return
+            conn_id = next(self._ids)
+            self._conns[conn_id] = conn
+        self.send(conn_id, {"op": "ready"})
         try:
             while True:
                 msg = recv_frame(conn)
                 if msg is None:
                     break
-                self.on_command(msg)
+                self.on_command(conn_id, msg)
         except (OSError, ValueError, ChannelError) as exc:
             log.warning("control channel: connection dropped (%s)", exc)
-        self._drop(conn)
+        self._drop(conn_id, conn)
 
-    def _drop(self, conn: socket.socket) -> None:
+    def _drop(self, conn_id: int, conn: socket.socket) -> None:
         with self._lock:
-            current = self._conn is conn
+            current = self._conns.get(conn_id) is conn
             if current:
-                self._conn = None
+                del self._conns[conn_id]
         _hang_up(conn)
         if current:
-            self.on_disconnect()
+            self.on_disconnect(conn_id)
 
     def _tick(self) -> None:
         while not self._closed.wait(self.tick_s):
-            if self._conn is not None:
-                self.send({"op": "tick", "t": time.time(), "stats": self.stats() if self.stats else {}})
+            if self._conns:
+                self.broadcast({"op": "tick", "t": time.time(), "stats": self.stats() if self.stats else {}})
 
 
 class Link:

@@ -38,6 +38,10 @@ class AppConfig(BaseModel):
                                                        "cluster over capacity even at the lowest thresholds")
     dead_after_s: float = Field(5.0, gt=0, description="an instance silent this long is declared dead and its "
                                                        "requests resume elsewhere")
+    drain_s: float = Field(20.0, ge=0, description="a stopping Denoiser (redeploy, scale-down) finishes its "
+                                                   "requests for up to this long unless the ingress moves them "
+                                                   "to another instance first; a stopping Ingress lets its "
+                                                   "streams end for as long (both get 10 s more from Serve)")
     round_timeout_s: float = Field(120.0, gt=0, description="a round running longer than this fails the "
                                                             "replica's health check (a hung rank): Serve "
                                                             "replaces it and its requests resume elsewhere")

@@ -14,6 +14,9 @@ the cluster router (``app.router.Router``). For each request it
 - resumes every request of an instance that dies on the others, from the
   tokens it had committed, so nothing is lost (or fails it cleanly when no
   instance is left or it failed ``max_resumes`` times);
+- moves the requests of an instance that is shutting down (``draining``: a
+  redeploy or a scale-down) to the others the same way, as soon as there is
+  another; until then they finish where they are;
 - cancels a request whose client went away.
 
 Text is decoded here from committed token ids; the instance only sends ids.
@@ -52,6 +55,7 @@ class InstanceLink:
     stats: dict = field(default_factory=dict)
     task: asyncio.Task | None = None
     meta: dict = field(default_factory=dict)  # what the replica told about itself (e.g. its Ray actor name)
+    draining: bool = False  # shutting down: it finishes what it holds only while no other instance can take it
 
 
 @dataclass(eq=False)
@@ -126,7 +130,7 @@ class Dispatcher:
         self.by_replica: dict[str, int] = {}
         self.live: dict[str, _Live] = {}
         self._ids = itertools.count()
-        self.stats = {"resumed": 0, "migrated": 0, "failed_over": 0, "instances_lost": 0, "shed": 0}
+        self.stats = {"resumed": 0, "migrated": 0, "failed_over": 0, "instances_lost": 0, "shed": 0, "drained": 0}
         self._watchdog: asyncio.Task | None = None
 
     # ---- instances ---------------------------------------------------------------------------
@@ -148,10 +152,36 @@ class Dispatcher:
         inst.task = asyncio.get_running_loop().create_task(self._read(inst))
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-        self._unpark()
         log.info("instance %d (TP-%d, replica %s) joined at %s:%d", inst_id, tp, replica, host, port)
         self._instances_changed()
+        self._move_off_draining()
+        self._unpark()
         return inst_id
+
+    def drain(self, inst_id: int) -> None:
+        """An instance is shutting down (redeploy, scale-down): nothing new goes to it, and its requests
+        move to the other instances from their committed tokens (as a migration: no failure is counted),
+        now if there is another instance, else when one joins; until then they go on where they are."""
+        inst = self.instances.get(inst_id)
+        if inst is not None and not inst.draining:
+            inst.draining = True
+            log.info("instance %d (replica %s) is draining", inst_id, inst.replica)
+            self._move_off_draining()
+
+    def _move_off_draining(self) -> None:
+        if all(i.draining for i in self.instances.values()):
+            return  # nowhere to go yet
+        for inst in [i for i in self.instances.values() if i.draining]:
+            del self.instances[inst.inst_id]
+            self.by_replica.pop(inst.replica, None)
+            inst.link.close()  # the replica drops what this ingress sent it
+            orphans = self.router.remove_instance(inst.inst_id)
+            self._instances_changed()
+            for state in orphans:
+                live = self.live.get(state.req_id)
+                if live is not None:
+                    self.stats["drained"] += 1
+                    self._send_add(live, self.router.place(state))
 
     def drop(self, inst_id: int, reason: str = "lost") -> None:
         """An instance is gone: resume its requests elsewhere."""
@@ -190,6 +220,8 @@ class Dispatcher:
                     log.exception("handling a progress batch of instance %d failed", inst.inst_id)
             elif op == "tick":
                 inst.stats = msg.get("stats", inst.stats)
+            elif op == "draining":
+                self.drain(inst.inst_id)
         if inst.inst_id in self.instances:
             self.drop(inst.inst_id, "disconnected")
 
@@ -235,7 +267,8 @@ class Dispatcher:
         if self.on_arrival is not None:
             self.on_arrival(prompt_tokens, max_tokens)
         self.live[req_id] = live
-        if not self.instances:  # none yet (starting, or between a reconfiguration's stops and starts): wait
+        if all(i.draining for i in self.instances.values()):
+            # none yet (starting, between a reconfiguration's stops and starts, a redeploy): wait
             self._park(live)
             return RequestStream(self, live)
         self.router.add_request(state, now)

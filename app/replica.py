@@ -3,8 +3,11 @@
 ``ReplicaServer`` joins a ``RoundLoop`` (the instance's rounds, in their own
 thread) to a ``ReplicaChannel``: commands from the ingress become round-loop
 commands, each round's progress batch becomes one frame, and a lost ingress
-aborts every request it had sent. A broken instance (``InstanceBroken``)
-hangs up, so the ingress resumes its requests on the other instances. The Denoiser deployment is this plus model
+aborts every request it had sent. Several ingresses may be connected (a
+redeploy's old and new ingress): each receives only its own requests'
+progress. A broken instance (``InstanceBroken``) hangs up, so the ingress
+resumes its requests on the other instances; a replica shutting down
+(``drain``) first tells its ingresses, which move its requests elsewhere. The Denoiser deployment is this plus model
 loading and registration; tests run it in-process.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable
 
@@ -28,7 +32,10 @@ class ReplicaServer:
                  host: str = "127.0.0.1", tick_s: float = 1.0) -> None:
         self.loop = RoundLoop(instance, self._publish, max_waiting=max_waiting, describe=describe,
                               on_fatal=self._broken)
-        self.channel = ReplicaChannel(self._command, self.loop.abort_all, secrets.token_hex(16), host=host,
+        self._owner: dict[str, int] = {}  # request id -> the connection (ingress) that sent it
+        self._lock = threading.Lock()
+        self.draining = False
+        self.channel = ReplicaChannel(self._command, self._disconnected, secrets.token_hex(16), host=host,
                                       tick_s=tick_s, stats=self.loop.stats)
 
     def info(self) -> dict:
@@ -40,35 +47,88 @@ class ReplicaServer:
         self.channel.close()
         self.loop.stop()
 
+    def drain(self, timeout_s: float) -> int:
+        """Shutting down (a redeploy, a scale-down): tell every ingress to send nothing new and to move
+        what it can elsewhere; wait up to ``timeout_s`` for the requests still here to finish. Returns how
+        many were left (the ingress resumes those elsewhere when this replica hangs up)."""
+        self.draining = True
+        self.channel.broadcast({"op": "draining"})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._owner and self.loop.broken is None:
+            time.sleep(0.05)
+        with self._lock:
+            return len(self._owner)
+
     def _broken(self, exc: Exception) -> None:  # round-loop thread, which has ended
         """The instance can run no more rounds: hang up, so the ingress resumes its requests elsewhere
         (they are not failed here), and refuse new connections."""
         self.channel.close()
 
-    def _publish(self, batch: dict) -> None:  # round-loop thread
-        batch["op"] = "batch"
-        self.channel.send(batch)
+    def _disconnected(self, conn_id: int) -> None:  # an ingress is gone: nobody receives its requests
+        with self._lock:
+            gone = [rid for rid, owner in self._owner.items() if owner == conn_id]
+            for rid in gone:
+                del self._owner[rid]
+        for rid in gone:
+            self.loop.abort(rid)
 
-    def _command(self, msg: dict) -> None:  # channel reader thread
+    def _publish(self, batch: dict) -> None:  # round-loop thread
+        """Each ingress gets the round's items of its own requests (and the instance's stats)."""
+        by_conn: dict[int, list[dict]] = {}
+        with self._lock:
+            for item in batch["items"]:
+                owner = self._owner.get(item["id"])
+                if owner is None:
+                    continue  # its ingress went away
+                by_conn.setdefault(owner, []).append(item)
+                if "error" in item or item.get("done"):
+                    del self._owner[item["id"]]
+        for conn_id, items in by_conn.items():
+            self.channel.send(conn_id, {**batch, "op": "batch", "items": items})
+
+    def _command(self, conn_id: int, msg: dict) -> None:  # channel reader thread
         op = msg.get("op")
         try:
             if op == "add":
-                self._add(msg)
+                self._add(conn_id, msg)
             elif op == "abort":
-                self.loop.abort(str(msg["id"]))
+                if self._owns(conn_id, str(msg["id"]), release=True):
+                    self.loop.abort(str(msg["id"]))
             elif op == "thresholds":
-                self.loop.set_thresholds({str(k): float(v) for k, v in msg["map"].items()})
+                self.loop.set_thresholds({str(k): float(v) for k, v in msg["map"].items()
+                                          if self._owns(conn_id, str(k))})
             else:
                 log.warning("control channel: unknown op %r", op)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("control channel: malformed %r message (%s)", op, exc)
 
-    def _add(self, msg: dict) -> None:
+    def _owns(self, conn_id: int, rid: str, release: bool = False) -> bool:
+        with self._lock:
+            mine = self._owner.get(rid) == conn_id
+            if mine and release:
+                del self._owner[rid]
+            return mine
+
+    def _add(self, conn_id: int, msg: dict) -> None:
         rid = str(msg["id"])
-        params = SamplingParams(max_tokens=msg.get("max_tokens"), threshold=msg.get("threshold"))
-        left = msg.get("slo_left_s")
+        with self._lock:
+            if rid in self._owner:  # ids are the ingress's; another ingress's request keeps its own
+                owner = self._owner[rid]
+            else:
+                owner = self._owner[rid] = conn_id
+        if owner != conn_id:
+            self.channel.send(conn_id, {"op": "batch", "t": time.time(), "round": self.loop.rounds, "round_ms": 0.0,
+                                        "stats": self.loop.stats(),
+                                        "items": [{"id": rid, "error": "duplicate request id", "status": 400}]})
+            return
+        if self.draining:
+            return self.loop.reject(rid, "this replica is shutting down", 429)
         try:
+            params = SamplingParams(max_tokens=msg.get("max_tokens"), threshold=msg.get("threshold"))
+            left = msg.get("slo_left_s")
             self.loop.submit(rid, msg["prompt"], params, None if left is None else time.monotonic() + left,
                              sent_at=msg.get("sent_at"), committed=msg.get("committed") or None)
         except Overloaded as exc:
             self.loop.reject(rid, f"server overloaded: {exc}", 429)
+        except (KeyError, TypeError, ValueError) as exc:  # its error item releases the id
+            self.loop.reject(rid, f"malformed request: {exc}", 400)

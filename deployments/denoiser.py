@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from ray import serve
 
@@ -51,6 +50,7 @@ class Denoiser:
         self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
         self.actor_name = ctx.replica_id.to_full_id_str()  # its Ray actor (namespace "serve")
         self._stopped = threading.Event()
+        self.register_s = 2.0
         threading.Thread(target=self._register, name="remask-register", daemon=True).start()
 
     def _attach_predictors(self):
@@ -110,19 +110,18 @@ class Denoiser:
         return engine, mirror
 
     def _register(self) -> None:
-        """Tell the app's Ingress where this replica's channel is, until an ingress connects;
-        again whenever no ingress has been connected for a few seconds."""
+        """Tell the app's Ingress where this replica's channel is, every ``register_s``: an ingress
+        already connected only notes it; a new one (a restart, a redeploy's successor) connects."""
         handle = None
         info = {"replica": self.replica_id, "tp": self.tp, "actor": self.actor_name,
                 "workers": self.worker_names, **self.server.info()}
         while not self._stopped.is_set() and self.loop.broken is None:
-            if not self.channel.connected and time.monotonic() - self.channel.last_peer > 2.0:
-                try:
-                    handle = handle or serve.get_deployment_handle("Ingress", self.app_name)
-                    handle.register.remote(info).result(timeout_s=30)
-                except Exception as exc:  # the ingress is starting or restarting: try again
-                    log.info("registering with the ingress failed (%s); retrying", exc)
-            self._stopped.wait(1.0)
+            try:
+                handle = handle or serve.get_deployment_handle("Ingress", self.app_name)
+                handle.register.remote(info).result(timeout_s=30)
+            except Exception as exc:  # the ingress is starting or restarting: try again
+                log.info("registering with the ingress failed (%s); retrying", exc)
+            self._stopped.wait(1.0 if not self.channel.connected else self.register_s)
 
     def check_health(self) -> None:
         """Unhealthy (Serve replaces the replica) when the instance broke, e.g. a TP rank died, or a
@@ -138,9 +137,15 @@ class Denoiser:
                                f"(round_timeout_s {self.cfg.round_timeout_s:g})")
 
     def __del__(self) -> None:
+        """Serve stops this replica (a redeploy, a scale-down, shutdown): drain first. Each ingress moves
+        the requests it can to other instances; the rest may finish here for up to ``drain_s``; whatever
+        is left then resumes elsewhere when the channel closes."""
         stopped = getattr(self, "_stopped", None)
         if stopped is not None:
             stopped.set()
         server = getattr(self, "server", None)
         if server is not None:
+            left = server.drain(self.cfg.drain_s) if server.channel.connected else 0
+            if left:
+                log.warning("%d requests did not finish within drain_s; they resume elsewhere", left)
             server.close()

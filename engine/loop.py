@@ -97,11 +97,6 @@ class RoundLoop:
         self._cmds.put(("abort", req_id))
         self._wake.set()
 
-    def abort_all(self) -> None:
-        """Drop every request (their receiver is gone)."""
-        self._cmds.put(("abort_all",))
-        self._wake.set()
-
     def set_thresholds(self, thresholds: dict[str, float]) -> None:
         """Thresholds of the requests' next steps, from the next round on."""
         self._cmds.put(("thresholds", thresholds))
@@ -150,10 +145,6 @@ class RoundLoop:
             elif op == "abort":
                 if self._tracked.pop(cmd[1], None) is not None:
                     self.instance.abort(cmd[1])
-            elif op == "abort_all":
-                for req_id in list(self._tracked):
-                    self.instance.abort(req_id)
-                self._tracked.clear()
             elif op == "thresholds":
                 for req_id, t in cmd[1].items():
                     if req_id in self._tracked:

@@ -276,3 +276,63 @@ def test_load_control_sheds_arrivals_the_cluster_cannot_serve_in_time(replicas):
     assert refused > 0 and admitted > 0 and d.stats["shed"] == refused
     assert all(last["type"] == "done" for _, last in results)  # what was admitted completes
     assert not d.live and not d.router.requests
+
+
+def test_two_ingresses_share_a_replica_and_keep_their_own_requests():
+    """A redeploy's old and new ingress both connected to one replica: each sees only its own requests'
+    progress, and the old one going away aborts only its requests."""
+    async def main():
+        rep = make_replica(slots=4)
+        old, new = make_dispatcher(), make_dispatcher()
+        await old.connect("r", 1, **rep.info())
+        await new.connect("r", 1, **rep.info())
+        keep = [new.submit(f"n{i}", p, 12, 200, threshold=0.9999) for i, p in enumerate(PROSE)]
+        old.submit("o0", "story: elk 7", 12, 200, threshold=0.9999)
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if any(len(lv.committed) > 1 for lv in new.live.values()) and len(old.live["o0"].committed) > 1:
+                break
+        both_streamed = len(old.live["o0"].committed) > 1 and all(lv.committed for lv in new.live.values())
+        old.instances[0].link.close()  # the old ingress's process ends
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if rep.loop.stats()["resident"] + rep.loop.stats()["waiting"] <= len(PROSE):
+                break
+        after_close = rep.loop.stats()
+        results = await asyncio.gather(*(collect(s) for s in keep))
+        rep.close()
+        return after_close, results, both_streamed
+
+    after_close, results, both_streamed = asyncio.run(main())
+    assert both_streamed  # both ingresses were served at once
+    assert after_close["resident"] + after_close["waiting"] <= len(PROSE), after_close  # only its own went
+    assert all(last["type"] == "done" and tasks.check("prose", p, text) for p, (text, last) in zip(PROSE, results))
+
+
+def test_a_draining_replica_hands_its_requests_over_and_takes_no_new_ones():
+    """A replica shutting down (redeploy, scale-down) says so: its requests move to the other instance
+    from their committed tokens (no failure counted), new ones go elsewhere, and it drains to empty."""
+    async def main():
+        reps = [make_replica(slots=4), make_replica(slots=4)]
+        d = make_dispatcher()
+        for i, r in enumerate(reps):
+            await d.connect(f"g{i}", 1, **r.info())
+        streams = [d.submit(f"q{i}", p, 12, 200, threshold=0.9999) for i, p in enumerate(PROSE * 2)]
+        on_first = [rid for rid, lv in d.live.items() if lv.state.instance == 0]
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if any(len(d.live[r].committed) > 1 for r in on_first if r in d.live):
+                break
+        left = await asyncio.to_thread(reps[0].drain, 30.0)
+        later = d.submit("later", "rev: abc", 10, 16)
+        results = await asyncio.gather(*(collect(s) for s in streams + [later]))
+        for r in reps:
+            r.close()
+        return d, on_first, left, results
+
+    d, on_first, left, results = asyncio.run(main())
+    assert on_first and left == 0
+    assert d.stats["drained"] == len(on_first) and d.stats["failed_over"] == 0
+    assert all(last["type"] == "done" for _, last in results), results
+    assert all(tasks.check("prose", p, text) for p, (text, _) in zip(PROSE * 2, results))
+    assert results[-1][0] == "cba" and list(d.instances) == [1]

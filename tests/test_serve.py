@@ -290,3 +290,56 @@ def test_killed_tp_worker_fails_over_its_replica(app_url):
     assert views and victim["replica"] not in {v["replica"] for v in views.values()}, views
     r = post(app_url, "/tp2/v1/completions", {"prompt": "rev: abc", "max_tokens": 8})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "cba"
+
+
+def test_redeploy_with_a_changed_config_drains_in_flight_requests(app_url):
+    """``serve.run`` of a changed config (what ``serve deploy`` does) replaces the Ingress and the Denoisers
+    while long streams run: the old Ingress lets its streams end, the old Denoisers finish or hand over
+    their requests, every stream completes, and the new config serves."""
+    import time
+
+    from app.builder import build_app
+
+    prompts = [f"story: {a} {n}" for a in ("fox", "owl", "elk", "cat") for n in (6, 8)]
+    results = [None] * len(prompts)
+
+    def run(i, prompt):
+        text, finish = "", None
+        with httpx.stream("POST", app_url + "/v1/completions", timeout=300, json={
+                "prompt": prompt, "max_tokens": 200, "threshold": 0.9999, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        finish = f"error: {chunk['error']['message']}"
+                        continue
+                    text += chunk["choices"][0]["text"]
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+        results[i] = (r.status_code, text, finish)
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for _ in range(200):  # every request is streaming
+        if httpx.get(app_url + "/debug/instances", timeout=30).json()["live"] >= len(prompts):
+            break
+        time.sleep(0.05)
+    serve.run(build_app({"model": "tiny-bd", "served_model_name": "tiny-bd-v2", "slots": 16, "max_waiting": 64,
+                         "max_tokens_limit": 256, "replicas": {1: 2}}),
+              name="remask", route_prefix="/", blocking=False)
+    for t in threads:
+        t.join(300)
+    assert all(r is not None and r[0] == 200 and r[2] == "stop" for r in results), results
+    assert all(tasks_check(p, r[1]) for p, r in zip(prompts, results)), results
+    from tests.conftest import wait_until
+
+    assert wait_until(lambda: httpx.get(app_url + "/v1/models", timeout=5).json()["data"][0]["id"] == "tiny-bd-v2"
+                      and len(httpx.get(app_url + "/debug/instances", timeout=5).json()["instances"]) == 2)
+    r = post(app_url, "/v1/completions", {"prompt": "rev: abc", "max_tokens": 8})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "cba"
+
+
+def tasks_check(prompt: str, text: str) -> bool:
+    from engine import tasks
+
+    return tasks.check("prose", prompt, text)
