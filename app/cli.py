@@ -194,6 +194,11 @@ def cmd_faults(args) -> int:
               f"{res['cycles']} connect-disconnect cycles in {res['wall_s']} s; after: {res['state_after']}; "
               f"replica memory growth {res['rss_growth_mb']} MB; a request after them: {res['served_after']!r}")
         return 0 if not any(v for k, v in res["state_after"].items() if k != "settle_s") else 1
+    if args.scenario in ("ingress", "redeploy"):
+        res = (faults.run_ingress_restart if args.scenario == "ingress" else faults.run_redeploy)(args.streams,
+                                                                                                 args.port)
+        print(json.dumps(res) if args.json else json.dumps(res, indent=1))
+        return 0
     run_faults = faults.run_faults
     if args.requests < 1 or args.kills < 0 or args.rate <= 0 or args.replicas < 2:
         raise ValueError("need --requests >= 1, --kills >= 0, --rate > 0 and --replicas >= 2")
@@ -298,9 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_profile)
 
     x = sub.add_parser("faults", help="fault injection: kill Denoiser replicas of a live app under load")
-    x.add_argument("--scenario", choices=["kill", "overload", "cancel"], default="kill",
+    x.add_argument("--scenario", choices=["kill", "overload", "cancel", "ingress", "redeploy"], default="kill",
                    help="kill: replica kills under load; overload: 10x the planner's rate; cancel: "
-                        "connect-disconnect cycles")
+                        "connect-disconnect cycles; ingress: kill the Ingress under long streams; redeploy: "
+                        "serve.run of a changed config under long streams")
+    x.add_argument("--streams", type=int, default=8, help="ingress, redeploy: long streams in flight")
     x.add_argument("--factor", type=float, default=10.0, help="overload: offered / planner rate")
     x.add_argument("--seconds", type=float, default=20.0, help="overload: how long to offer it")
     x.add_argument("--cycles", type=int, default=1000, help="cancel: connect-disconnect cycles")

@@ -329,6 +329,112 @@ def run_cancel(cycles: int = 1000, concurrency: int = 8, port: int = 8790) -> di
             "served_after": probe["choices"][0]["text"]}
 
 
+# ---- ingress restart and redeploy ---------------------------------------------------------------------
+async def _long_streams(client, url: str, n: int) -> list:
+    """``n`` long streaming completions (one token per step), started together."""
+    prompts = [f"story: {a} {k}" for a in ("fox", "owl", "elk", "cat") for k in (6, 8)]
+    body = [{"prompt": prompts[i % len(prompts)], "max_tokens": 200, "threshold": 0.9999, "stream": True}
+            for i in range(n)]
+    return [asyncio.create_task(_one(client, url, b, 300)) for b in body]
+
+
+async def _until_streaming(client, url: str, n: int, limit_s: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        if (await client.get(f"{url}/debug/instances", timeout=30)).json()["live"] >= n:
+            return
+        await asyncio.sleep(0.05)
+
+
+async def _probe(client, url: str, t0: float, limit_s: float) -> dict:
+    """A short request every 0.25 s until one succeeds: what clients got meanwhile, and when it answered."""
+    seen: dict[str, int] = {}
+    while time.monotonic() - t0 < limit_s:
+        try:
+            r = await client.post(f"{url}/v1/completions", json={"prompt": "rev: abc", "max_tokens": 8},
+                                  timeout=30)
+            key = str(r.status_code)
+            if r.status_code == 200 and r.json()["choices"][0]["text"] == "cba":
+                return {"answered_after_s": round(time.monotonic() - t0, 2), "meanwhile": seen}
+            ctype = r.headers.get("content-type", "")
+            key += " json" if ctype.startswith("application/json") and "error" in r.json() else f" {ctype or '-'}"
+        except Exception as exc:  # refused or reset while the ingress is down
+            key = type(exc).__name__
+        seen[key] = seen.get(key, 0) + 1
+        await asyncio.sleep(0.25)
+    return {"answered_after_s": None, "meanwhile": seen}
+
+
+def _stream_outcomes(results: list) -> dict:
+    out: dict[str, int] = {}
+    for r in results:
+        key = r["outcome"] if r["outcome"] != "lost" else f"cut ({r.get('error', 'no [DONE]')[:60]})"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def run_ingress_restart(streams: int = 8, port: int = 8790) -> dict:
+    """Kill the Ingress actor while ``streams`` long streams run: how they end, what new requests get
+    while it is down, and when the app answers again (Serve restarts the Ingress; the Denoisers register
+    with the new one)."""
+    import httpx
+    import ray
+
+    args = {"model": "tiny-bd", "replicas": {1: 2}, "slots": 16, "max_tokens_limit": 256}
+
+    async def drive(url: str):
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=streams + 8)) as client:
+            jobs = await _long_streams(client, url, streams)
+            await _until_streaming(client, url, streams)
+            (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if "#Ingress#" in a["name"]]
+            t0 = time.monotonic()
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            probe = await _probe(client, url, t0, 120)
+            results = await asyncio.gather(*jobs)
+            return results, probe
+
+    with local_app(args, 2, port) as url:
+        results, probe = asyncio.run(drive(url))
+    return {"streams": streams, "stream_outcomes": _stream_outcomes(results), **probe}
+
+
+def run_redeploy(streams: int = 8, port: int = 8790) -> dict:
+    """``serve.run`` of a changed config (a new served model name; what ``serve deploy`` does) while
+    ``streams`` long streams run: every one must complete; when the new config answers."""
+    import httpx
+    from ray import serve
+
+    from app.builder import build_app
+
+    args = {"model": "tiny-bd", "replicas": {1: 2}, "slots": 16, "max_tokens_limit": 256}
+
+    async def drive(url: str):
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=streams + 8)) as client:
+            jobs = await _long_streams(client, url, streams)
+            await _until_streaming(client, url, streams)
+            t0 = time.monotonic()
+            serve.run(build_app({**args, "served_model_name": "tiny-bd-v2"}), name="remask", route_prefix="/",
+                      blocking=False)
+            results = await asyncio.gather(*jobs)
+            streams_s = time.monotonic() - t0
+            new_s = None
+            while time.monotonic() - t0 < 180:
+                models = (await client.get(f"{url}/v1/models", timeout=30)).json()
+                if models.get("data") and models["data"][0]["id"] == "tiny-bd-v2":
+                    new_s = round(time.monotonic() - t0, 2)
+                    break
+                await asyncio.sleep(0.25)
+            return results, round(streams_s, 2), new_s
+
+    with local_app(args, 2, port) as url:
+        results, streams_s, new_s = asyncio.run(drive(url))
+    done = [r for r in results if r["outcome"] == "completed"]
+    return {"streams": streams, "stream_outcomes": _stream_outcomes(results),
+            "last_stream_ended_after_s": streams_s, "new_config_served_after_s": new_s,
+            "mean_stream_s": round(statistics.mean(r["e2e_s"] for r in done), 2) if done else None}
+
+
 def _slo_counters(text: str) -> dict[str, float]:
     out = {"met": 0.0, "missed": 0.0}
     for line in text.splitlines():
