@@ -34,7 +34,10 @@ def build_app(args: dict):
                                ray_actor_options={"num_cpus": cfg.cpus_per_replica,
                                                   **({"num_gpus": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})})
         handles[d] = dep.bind(config, d)
-    ingress = Ingress.options(graceful_shutdown_timeout_s=grace)  # open streams end before it stops
+    ingress = Ingress.options(graceful_shutdown_timeout_s=grace,  # open streams end before it stops
+                              max_ongoing_requests=cfg.ingress_max_ongoing,
+                              max_queued_requests=cfg.ingress_max_queued,
+                              backpressure_config={"status_code": 429, "retry_after_s": 1})
     if initial is not None:  # one replica, autoscaled only so that its metrics reach the policy
         ingress = ingress.options(autoscaling_config={
             "min_replicas": 1, "max_replicas": 1, "metrics_interval_s": 1.0, "look_back_period_s": 2.0,

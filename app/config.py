@@ -42,6 +42,12 @@ class AppConfig(BaseModel):
                                                    "requests for up to this long unless the ingress moves them "
                                                    "to another instance first; a stopping Ingress lets its "
                                                    "streams end for as long (both get 10 s more from Serve)")
+    ingress_max_ongoing: int = Field(4096, ge=1, description="requests (streams) the Ingress holds at once; "
+                                                           "past it Serve's proxy queues them")
+    ingress_max_queued: int = Field(-1, ge=-1, description="requests Serve's proxy queues for the Ingress past "
+                                                          "ingress_max_ongoing; past it the proxy answers 429 "
+                                                          "+ Retry-After itself, without reaching the Ingress "
+                                                          "(-1: no limit)")
     round_timeout_s: float = Field(120.0, gt=0, description="a round running longer than this fails the "
                                                             "replica's health check (a hung rank): Serve "
                                                             "replaces it and its requests resume elsewhere")

@@ -56,6 +56,7 @@ class InstanceLink:
     task: asyncio.Task | None = None
     meta: dict = field(default_factory=dict)  # what the replica told about itself (e.g. its Ray actor name)
     draining: bool = False  # shutting down: it finishes what it holds only while no other instance can take it
+    last_round: tuple | None = None  # (round number, emission time) of its last progress batch
 
 
 @dataclass(eq=False)
@@ -74,6 +75,51 @@ class _Live:
     sent_threshold: float | None = None
     resumes: int = 0
     parked_at: float = 0.0
+    epoch: int = -1  # the admission governor's epoch it was admitted in (-1: not counted)
+
+
+class AdmissionGovernor:
+    """Feedback on admission: the share of the cluster's modelled capacity that arrivals are admitted
+    against (``Router.admissible``'s ``util``), from the SLO attainment of the requests admitted under
+    the current share (measured here, at the ingress).
+
+    The router's capacity comes from latency profiles calibrated by measured rounds; it cannot see a
+    bottleneck outside the instances (an HTTP path or an ingress saturated by a flood shares the CPU on
+    a small machine). When requests admitted under the current share miss their SLOs (attainment over
+    a window of at least ``min_requests`` below ``low``), the share is cut (x ``cut``) and a new epoch
+    starts, so the backlog admitted before the cut does not cut it again; while arrivals are shed and
+    attainment is at least ``high``, it grows back (x ``grow`` per window) up to 1.
+    """
+
+    def __init__(self, low: float = 0.9, high: float = 0.97, cut: float = 0.7, grow: float = 1.1,
+                 window_s: float = 0.5, min_requests: int = 8, floor: float = 0.05) -> None:
+        self.low, self.high, self.cut, self.grow = low, high, cut, grow
+        self.window_s, self.min_requests, self.floor = window_s, min_requests, floor
+        self.util = 1.0
+        self.epoch = 0
+        self._met = self._n = 0
+        self._start: float | None = None
+        self._shed_at_start = 0
+        self.cuts = 0
+
+    def finished(self, met: bool, now: float, shed: int) -> None:
+        """A request admitted in the current epoch finished (``met``: within its SLO); ``shed``: the
+        dispatcher's count of arrivals shed so far."""
+        if self._start is None:
+            self._start, self._shed_at_start = now, shed
+        self._met += met
+        self._n += 1
+        if now - self._start < self.window_s or self._n < self.min_requests:
+            return
+        attainment = self._met / self._n
+        if attainment < self.low:
+            self.util = max(self.floor, self.util * self.cut)
+            self.epoch += 1
+            self.cuts += 1
+        elif attainment >= self.high and shed > self._shed_at_start and self.util < 1.0:
+            self.util = min(1.0, self.util * self.grow)
+        self._met = self._n = 0
+        self._start = None
 
 
 class RequestStream:
@@ -131,6 +177,7 @@ class Dispatcher:
         self.live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self.stats = {"resumed": 0, "migrated": 0, "failed_over": 0, "instances_lost": 0, "shed": 0, "drained": 0}
+        self.governor = AdmissionGovernor()
         self._watchdog: asyncio.Task | None = None
 
     # ---- instances ---------------------------------------------------------------------------
@@ -272,12 +319,14 @@ class Dispatcher:
             self._park(live)
             return RequestStream(self, live)
         self.router.add_request(state, now)
-        if self.shed_over_capacity and not self.router.admissible(state, now):
+        if self.shed_over_capacity and not self.router.admissible(state, now, self.governor.util):
             self.router.reject(state)
             self.live.pop(req_id, None)
             self.stats["shed"] += 1
             raise DispatchError(429, "over capacity: with the requests ahead of it, this one cannot finish "
                                      "within its SLO even at the lowest threshold; retry later")
+        if slo_ms is not None:
+            live.epoch = self.governor.epoch
         self._place(live)
         return RequestStream(self, live)
 
@@ -371,6 +420,8 @@ class Dispatcher:
         self.live.pop(live.req_id, None)
         self.router.finish(live.state)
         now = time.monotonic()
+        if live.epoch == self.governor.epoch:
+            self.governor.finished(now <= live.state.deadline, now, self.stats["shed"])
         used = live.state.thresholds_used
         live.queue.put_nowait({
             "type": "done", "finish_reason": done["finish_reason"], "text": live.text,
@@ -406,16 +457,30 @@ class Dispatcher:
                     finished.append((live, done))
         if not stepped:
             return
-        if self.calibrate and batch.get("round_ms"):  # the profile under this deployment's real load
+        round_ms = self._effective_round_ms(inst, batch)
+        if self.calibrate and round_ms:  # the profile under this deployment's real load
             router_inst = self.router.by_id[inst_id]
             heavy = round(len(stepped) * router_inst.n_heavy / max(router_inst.n, 1))
-            self.router.latency.calibrate(router_inst.tp, heavy, len(stepped) - heavy, float(batch["round_ms"]))
+            self.router.latency.calibrate(router_inst.tp, heavy, len(stepped) - heavy, round_ms)
         moves = self.router.on_step(inst_id, stepped, now)
         for live, done in finished:
             self._finish(live, done)
         for state, dst in moves:
             self._migrate(self.live[state.req_id], inst_id, dst)
         self._plan(inst_id, now)
+
+    @staticmethod
+    def _effective_round_ms(inst: InstanceLink, batch: dict) -> float:
+        """What a round really takes on this instance: from the previous round's batch to this one's when
+        the two are consecutive (the loop's own overhead, commands and whatever shares the CPU or GPU are
+        in it: throughput is what admission needs), else the round's own time."""
+        round_ms, n, t = float(batch.get("round_ms") or 0.0), batch.get("round"), batch.get("t")
+        prev, inst.last_round = inst.last_round, (n, t)
+        if prev is not None and n is not None and t is not None and prev[0] == n - 1:
+            gap_ms = (t - prev[1]) * 1e3
+            if round_ms <= gap_ms <= 3.0 * round_ms:  # longer: the loop was idle in between
+                return gap_ms
+        return round_ms
 
     def _item_step(self, live: _Live, item: dict, now: float) -> dict | None:
         ids = item.get("ids") or []

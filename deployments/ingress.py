@@ -175,7 +175,9 @@ class Ingress:
         self._authorize(request)
         return {"instances": self.dispatcher.describe(), "dispatch": self.dispatcher.stats,
                 "router": {**self.dispatcher.router.stats,
-                           "latency_scale": round(self.dispatcher.router.latency.scale, 3)},
+                           "latency_scale": round(self.dispatcher.router.latency.scale, 3),
+                           "admission_util": round(self.dispatcher.governor.util, 3),
+                           "admission_cuts": self.dispatcher.governor.cuts},
                 "live": len(self.dispatcher.live),
                 "parked": len(self.dispatcher.parked)}
 

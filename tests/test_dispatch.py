@@ -336,3 +336,31 @@ def test_a_draining_replica_hands_its_requests_over_and_takes_no_new_ones():
     assert all(last["type"] == "done" for _, last in results), results
     assert all(tasks.check("prose", p, text) for p, (text, _) in zip(PROSE * 2, results))
     assert results[-1][0] == "cba" and list(d.instances) == [1]
+
+
+def test_admission_governor_cuts_on_misses_and_grows_back_while_shedding():
+    from app.dispatch import AdmissionGovernor
+
+    g = AdmissionGovernor(window_s=0.5, min_requests=4)
+    for k in range(4):  # admitted under util 1.0: half of them miss
+        g.finished(k % 2 == 0, 0.1 * k, shed=0)
+    assert g.util == 1.0  # the window is not over yet
+    g.finished(False, 0.6, shed=0)
+    assert g.util == pytest.approx(0.7) and g.epoch == 1 and g.cuts == 1
+    for k in range(10):  # all met, but nothing shed: no reason to admit more
+        g.finished(True, 1.0 + 0.1 * k, shed=0)
+    assert g.util == pytest.approx(0.7)
+    for k in range(6):  # all met while arrivals are being shed: admit more
+        g.finished(True, 3.0 + 0.1 * k, shed=50 + k)
+    assert g.util == pytest.approx(0.77)
+
+
+def test_effective_round_time_includes_the_gaps_between_consecutive_rounds():
+    from app.dispatch import InstanceLink
+
+    inst = InstanceLink(0, "r", 1, None, 0.0)
+    eff = Dispatcher._effective_round_ms
+    assert eff(inst, {"round": 5, "t": 100.0, "round_ms": 10.0}) == 10.0  # no previous round: its own time
+    assert eff(inst, {"round": 6, "t": 100.025, "round_ms": 10.0}) == pytest.approx(25.0)  # CPU shared
+    assert eff(inst, {"round": 7, "t": 101.0, "round_ms": 10.0}) == 10.0  # idle in between
+    assert eff(inst, {"round": 9, "t": 101.015, "round_ms": 10.0}) == 10.0  # not consecutive

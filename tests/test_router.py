@@ -259,3 +259,60 @@ def test_admission_against_the_arrivals_own_slo():
     relaxed = req("late", slo=3600.0)
     router.add_request(relaxed, 0.0)
     assert router.admissible(relaxed, 0.0)  # a long SLO leaves room for the same work
+
+
+def test_block_causal_requests_count_one_prefill_step_per_prompt_block():
+    r = RequestState("b", 0.0, 1.0, prompt_tokens=20, output_tokens=32, block_tokens=8, full_sequence=False)
+    r.est = [1.0, 1.0, 1.0]
+    assert r.heavy_left == 3 and r.light_left(2) == 1.0  # 3 prompt blocks, then the denoising step on top
+    r.steps_done = 2
+    assert r.heavy_left == 1  # one prompt block left
+    r.next_heavy = False
+    assert r.heavy_left == 0 and r.light_left(0) == 1.0
+    full = RequestState("f", 0.0, 1.0, prompt_tokens=20, output_tokens=64, block_tokens=32)
+    full.est = [5.0]
+    assert full.heavy_left == 2 and full.light_left(0) == 3.0  # a recompute step is one of the est steps
+
+
+def test_admission_protects_longer_requests_from_short_arrivals():
+    """Instances serve the shortest work first: a short arrival goes ahead of every longer request, so
+    it is refused when it would make one of them miss a deadline it could still meet; a request that
+    cannot meet its deadline anyway does not block arrivals."""
+    totals = {"long": (60.0,) * 5, "hopeless": (400.0,) * 5, **{f"s{i}": (4.0,) * 5 for i in range(400)}}
+    router = make_router("remask", tps=(1,), totals=totals)
+    long = req("long", slo=1.0)
+    router.add_request(long, 0.0)
+    assert router.admissible(long, 0.0)
+    admitted, first_refused = 0, None
+    for i in range(400):  # short ones with a generous SLO of their own
+        r = req(f"s{i}", slo=30.0)
+        router.add_request(r, 0.0)
+        if router.admissible(r, 0.0):
+            admitted += 1
+        else:
+            router.reject(r)
+            first_refused = first_refused if first_refused is not None else i
+            break
+    assert first_refused is not None and admitted > 0  # refused for the long one's sake, not its own
+    cap = router.cap
+    ahead = sum(r.light_left(4) * cap.light_cost + r.heavy_left * cap.heavy_cost
+                for r in router.requests.values())
+    assert ahead <= cap.within(1000.0) < ahead + 4.0 * cap.light_cost + 2 * cap.heavy_cost + 1e-9
+    # the same short arrival is admitted once the long request is beyond hope
+    router.finish(long)
+    hopeless = req("hopeless", slo=0.01)
+    router.add_request(hopeless, 0.0)
+    late = req("s399", slo=30.0)
+    router.add_request(late, 0.0)
+    assert router.admissible(late, 0.0)
+    # and a lower util (the ingress's governor) admits less
+    assert not router.admissible(late, 0.0, util=1e-6)
+
+
+def test_calibration_trusts_the_first_rounds():
+    lat = latency((1,), slots=8)
+    base = lat.round_ms(1, 0, 4)
+    lat.calibrate(1, 0, 4, 3.0 * base)
+    assert lat.scale == pytest.approx(3.0)  # the first measurement, not 5% of the way there
+    lat.calibrate(1, 0, 4, 1.0 * base)
+    assert lat.scale == pytest.approx(2.0)  # the mean of the first rounds

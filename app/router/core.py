@@ -89,7 +89,7 @@ class Router:
         self.requests[req.req_id] = req
         req.est = self.estimator.predict([req])[0]
         lat, tp = self.latency, self._ref_tp
-        alone = req.heavy_left * lat.round_ms(tp, 1, 0) + max(req.est[0] - req.heavy_left, 0.0) * lat.round_ms(tp, 0, 1)
+        alone = req.heavy_left * lat.round_ms(tp, 1, 0) + req.light_left(0) * lat.round_ms(tp, 0, 1)
         req.slack = (req.deadline - req.arrival) * 1000.0 / max(alone, 1e-9)
         inst = self.policy.place(self, req)
         inst.add(req)
@@ -162,17 +162,35 @@ class Router:
         if forget is not None:
             forget(req.req_id)
 
-    def admissible(self, req: RequestState, now: float) -> bool:
-        """Load control's test for an arrival against its own SLO: the work of every active request
-        that goes before or with it (priority at least its own), all at the lowest threshold, plus its
-        own, fits what the cluster serves by its deadline. When it does not, admitting it would make it,
-        or requests behind it, miss their SLOs whatever thresholds Alg. 1 picks."""
+    def admissible(self, req: RequestState, now: float, util: float = 1.0) -> bool:
+        """Load control's test for an arrival (already added) against the SLOs, at the lowest threshold.
+
+        Instances serve the shortest remaining work first (DWISE), so an arrival waits for the work of
+        the active requests no longer than its own (priority at least its own), and delays every longer
+        one by its own work. It is admitted when (1) that work ahead of it plus its own fits what the
+        cluster serves by its deadline, and (2) no longer request that would still meet its deadline
+        would miss it once this one goes ahead (a request already past hope does not block arrivals).
+        Without (2) a stream of short arrivals, each admissible alone, starves the long requests.
+        ``util`` scales the capacity the test trusts (the live ingress lowers it while admitted requests
+        miss their SLOs: whatever the profile does not know, such as a saturated HTTP path)."""
         cap, last = self.cap, len(self.cfg.thresholds) - 1
-        ahead = 0.0
-        for r in self.requests.values():
-            if r.priority >= req.priority and r.est:
-                ahead += request_load(r, last, cap.heavy_cost, cap.light_cost)
-        return ahead <= cap.within((req.deadline - now) * 1000.0, self.cfg.capacity_util)
+        util *= self.cfg.capacity_util
+        own = request_load(req, last, cap.heavy_cost, cap.light_cost) if req.est else 0.0
+        others = sorted((request_load(r, last, cap.heavy_cost, cap.light_cost), r.deadline)
+                        for r in self.requests.values()
+                        if r is not req and r.priority >= req.priority and r.est)
+        ahead = own
+        for load, deadline in others:
+            if load <= own:
+                ahead += load
+                continue
+            # a longer request: everything up to it, then it, and now this arrival too, go first
+            ahead += load
+            budget = cap.within((deadline - now) * 1000.0, util)
+            if ahead - own <= budget < ahead:
+                return False
+        mine = own + sum(load for load, _ in others if load <= own)
+        return mine <= cap.within((req.deadline - now) * 1000.0, util)
 
     def reject(self, req: RequestState) -> None:
         """Undo ``add_request`` for a request shed on arrival: it leaves, and its load at the lowest

@@ -36,6 +36,7 @@ class TpLatencyModel:
         self.profiles, self.slots = profiles, slots
         self.shape = shape or StepShape()
         self.scale = 1.0  # measured / profiled round time (``calibrate``): the profile under this deployment's load
+        self.calibrations = 0  # rounds folded into ``scale``
         s = self.shape
         heavy, light = ("recompute", "cached") if s.full_sequence else ("prefill", "denoise")
         ctx = s.sequence_tokens
@@ -78,9 +79,11 @@ class TpLatencyModel:
         """End-to-end latency of one request alone on a TP-``tp`` instance."""
         return (heavy_steps * self._heavy[tp][1] + light_steps * self._light[tp][1]) * self.scale
 
-    def calibrate(self, tp: int, n_heavy: int, n_light: int, measured_ms: float, weight: float = 0.05,
+    def calibrate(self, tp: int, n_heavy: int, n_light: int, measured_ms: float, weight: float = 0.1,
                   bounds: tuple[float, float] = (0.25, 8.0)) -> float:
-        """Fold one measured round into ``scale`` (an exponential average of measured / profiled time).
+        """Fold one measured round into ``scale``: the mean of measured / profiled time over the first
+        rounds, an exponential average (``weight``) after them, so the scale is right from the first few
+        rounds (admission trusts it from the first arrivals on) and follows changes within ~1/weight rounds.
 
         A profile is measured on an idle machine; a live deployment's rounds also pay for whatever shares
         it (on a small machine the HTTP proxy and the ingress, on any machine a slower or faster GPU than
@@ -91,5 +94,6 @@ class TpLatencyModel:
         profiled = self.round_ms(tp, n_heavy, n_light) / self.scale
         if profiled > 0.0:
             ratio = min(max(measured_ms / profiled, bounds[0]), bounds[1])
-            self.scale += weight * (ratio - self.scale)
+            self.calibrations += 1
+            self.scale += max(weight, 1.0 / self.calibrations) * (ratio - self.scale)
         return self.scale

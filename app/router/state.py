@@ -47,10 +47,19 @@ class RequestState:
 
     @property
     def heavy_left(self) -> int:
-        """Remaining recompute steps: one per unfinished block, less the current block's if it ran."""
+        """Remaining heavy steps. Full-sequence models (approximate cache): one recompute step per
+        unfinished block, less the current block's if it ran. Exact-cache (block-causal) models: the
+        prefill steps, one per prompt block (an instance prefills a block per round), while they are
+        pending (a resumed request, whose steps count, is charged one)."""
         if not self.full_sequence:
-            return 0
+            return max(-(-self.prompt_tokens // self.block_tokens) - self.steps_done, 1) if self.next_heavy else 0
         return self.blocks_left - (0 if self.next_heavy else 1)
+
+    def light_left(self, i: int) -> float:
+        """Remaining cached (or denoise) steps at candidate ``i``. ``est`` counts denoising steps: a
+        recompute step is one of them (it denoises too), a prefill step comes on top (it does not)."""
+        light = self.est[i] - self.heavy_left if self.full_sequence else self.est[i]
+        return light if light > 0.0 else 0.0
 
     @property
     def tokens(self) -> int:

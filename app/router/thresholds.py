@@ -35,9 +35,7 @@ def request_load(req: RequestState, i: int, heavy_cost: float, light_cost: float
     """Load of ``req`` at candidate ``i``: its remaining recompute and cached
     steps, each times its cost (instance-ms per step at full batch); the
     cost-weighted form of DiLaServe's tokens x remaining steps."""
-    h = req.heavy_left
-    light = req.est[i] - h
-    return h * heavy_cost + (light if light > 0.0 else 0.0) * light_cost
+    return req.heavy_left * heavy_cost + req.light_left(i) * light_cost
 
 
 def load_control(ordered: Sequence[RequestState], capacity: float, heavy_cost: float, light_cost: float) -> float:
@@ -55,15 +53,14 @@ def load_control(ordered: Sequence[RequestState], capacity: float, heavy_cost: f
         return capacity
     last = len(ordered[0].est) - 1
     heavy = [r.heavy_left for r in ordered]
-    lows = [h * heavy_cost + max(r.est[last] - h, 0.0) * light_cost for r, h in zip(ordered, heavy)]
+    lows = [h * heavy_cost + r.light_left(last) * light_cost for r, h in zip(ordered, heavy)]
     headroom = capacity - sum(lows)  # capacity - committed - (this and the rest at the lowest)
     for r, h, low in zip(ordered, heavy, lows):
         cap = last
         if headroom > 0.0:
             base = h * heavy_cost - low
             for i in range(last):
-                light = r.est[i] - h
-                extra = base + (light if light > 0.0 else 0.0) * light_cost
+                extra = base + r.light_left(i) * light_cost
                 if extra <= headroom:
                     cap = i
                     headroom -= extra
