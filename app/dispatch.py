@@ -88,14 +88,16 @@ class AdmissionGovernor:
     a small machine). When requests admitted under the current share miss their SLOs (attainment over
     a window of at least ``min_requests`` below ``low``), the share is cut (x ``cut``) and a new epoch
     starts, so the backlog admitted before the cut does not cut it again; while arrivals are shed and
-    attainment is at least ``high``, it grows back (x ``grow`` per window) up to 1.
+    attainment is at least ``high``, it grows back (x ``grow`` per window) up to 1. It starts at
+    ``start`` (a slow start: the profile's scaling with the batch is least known before the first
+    large batches, and a flood into an idle cluster would otherwise admit a backlog that misses).
     """
 
     def __init__(self, low: float = 0.9, high: float = 0.97, cut: float = 0.7, grow: float = 1.1,
-                 window_s: float = 0.5, min_requests: int = 8, floor: float = 0.05) -> None:
+                 window_s: float = 0.5, min_requests: int = 8, floor: float = 0.05, start: float = 0.5) -> None:
         self.low, self.high, self.cut, self.grow = low, high, cut, grow
         self.window_s, self.min_requests, self.floor = window_s, min_requests, floor
-        self.util = 1.0
+        self.util = start
         self.epoch = 0
         self._met = self._n = 0
         self._start: float | None = None
@@ -465,9 +467,25 @@ class Dispatcher:
         moves = self.router.on_step(inst_id, stepped, now)
         for live, done in finished:
             self._finish(live, done)
+        if round_ms and self.shed_over_capacity:
+            self._foresee_misses(stepped, round_ms, now)
         for state, dst in moves:
             self._migrate(self.live[state.req_id], inst_id, dst)
         self._plan(inst_id, now)
+
+    def _foresee_misses(self, stepped: list, round_ms: float, now: float) -> None:
+        """Tell the admission governor of a request that will miss its SLO as soon as that is clear (its
+        predicted remaining steps at this instance's measured round time run past its deadline), not
+        an SLO later when it finishes: the governor then cuts admission within a window of the overload."""
+        g = self.governor
+        for state, _, done in stepped:
+            live = self.live.get(state.req_id)
+            if done or live is None or live.epoch != g.epoch:
+                continue
+            left = self.router.remaining_steps(state) + (0 if state.full_sequence else state.heavy_left)
+            if now + left * round_ms / 1000.0 > state.deadline:
+                live.epoch = -1  # counted now, not again when it finishes
+                g.finished(False, now, self.stats["shed"])
 
     @staticmethod
     def _effective_round_ms(inst: InstanceLink, batch: dict) -> float:

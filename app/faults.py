@@ -315,7 +315,10 @@ def run_overload(factor: float = 10.0, seconds: float = 20.0, port: int = 8790, 
         results = asyncio.run(_offer(url, offered, seconds, body, timeout=120))
         sent_s = time.monotonic() - t0
         after = _replica_rss_mb()
-        router = httpx.get(f"{url}/debug/instances", timeout=10).json()["router"]
+        view = httpx.get(f"{url}/debug/instances", timeout=10).json()
+        router = view["router"]
+        rounds = sum(i.get("rounds", 0) for i in view["instances"].values())
+        mean_batch = sum(i.get("filled_slots", 0) for i in view["instances"].values()) / max(rounds, 1)
         server = _slo_counters(httpx.get(f"{url}/metrics", timeout=10).text)
     codes: dict[str, int] = {}
     for r in results:
@@ -327,6 +330,7 @@ def run_overload(factor: float = 10.0, seconds: float = 20.0, port: int = 8790, 
             "offered_rps": round(offered, 2),
             "seconds": seconds, "requests": len(results), "sent_rps": round(len(results) / sent_s, 2),
             "status_codes": codes, "latency_scale": router.get("latency_scale"),
+            "rounds": rounds, "mean_batch": round(mean_batch, 1),
             "admission_util": router.get("admission_util"), "admission_cuts": router.get("admission_cuts"),
             "shed_with_retry_after": sum(r.get("retry_after") is not None for r in shed),
             "admitted": len(admitted), "admitted_rps": round(len(admitted) / seconds, 2),

@@ -295,9 +295,18 @@ def test_admission_protects_longer_requests_from_short_arrivals():
             break
     assert first_refused is not None and admitted > 0  # refused for the long one's sake, not its own
     cap = router.cap
-    ahead = sum(r.light_left(4) * cap.light_cost + r.heavy_left * cap.heavy_cost
-                for r in router.requests.values())
-    assert ahead <= cap.within(1000.0) < ahead + 4.0 * cap.light_cost + 2 * cap.heavy_cost + 1e-9
+
+    def work(r):
+        return r.light_left(4) * cap.light_cost + r.heavy_left * cap.heavy_cost
+
+    # the work before the long one fits what is left of its 1 s after its own steps (one round each at the
+    # SLO batch), and one more short request would not
+    before = sum(work(r) for r in router.requests.values() if r is not long)
+    budget = cap.within(1000.0 - work(long) * cap.batch)
+    probe = req("probe", slo=30.0)
+    probe.est = list(totals["s0"])
+    one_short = work(probe)
+    assert before <= budget < before + one_short + 1e-9
     # the same short arrival is admitted once the long request is beyond hope
     router.finish(long)
     hopeless = req("hopeless", slo=0.01)

@@ -165,32 +165,38 @@ class Router:
     def admissible(self, req: RequestState, now: float, util: float = 1.0) -> bool:
         """Load control's test for an arrival (already added) against the SLOs, at the lowest threshold.
 
-        Instances serve the shortest remaining work first (DWISE), so an arrival waits for the work of
-        the active requests no longer than its own (priority at least its own), and delays every longer
-        one by its own work. It is admitted when (1) that work ahead of it plus its own fits what the
-        cluster serves by its deadline, and (2) no longer request that would still meet its deadline
-        would miss it once this one goes ahead (a request already past hope does not block arrivals).
-        Without (2) a stream of short arrivals, each admissible alone, starves the long requests.
-        ``util`` scales the capacity the test trusts (the live ingress lowers it while admitted requests
-        miss their SLOs: whatever the profile does not know, such as a saturated HTTP path)."""
+        A request finishes after the work that goes before it has been served at the cluster's
+        throughput, plus its own steps one round each (a round at the SLO batch). Instances serve the
+        shortest remaining work first (DWISE), so the work before an arrival is that of the active
+        requests no longer than it (priority at least its own), and the arrival goes before every
+        longer one. It is admitted when (1) it finishes by its deadline, and (2) no longer request that
+        would still finish by its deadline would miss it once this one goes first (a request already
+        past hope does not block arrivals). Without (2) a stream of short arrivals, each admissible
+        alone, starves the long requests. ``util`` scales the throughput the test trusts (the live
+        ingress lowers it while admitted requests miss their SLOs: whatever the profile does not know,
+        such as a saturated HTTP path)."""
         cap, last = self.cap, len(self.cfg.thresholds) - 1
         util *= self.cfg.capacity_util
-        own = request_load(req, last, cap.heavy_cost, cap.light_cost) if req.est else 0.0
-        others = sorted((request_load(r, last, cap.heavy_cost, cap.light_cost), r.deadline)
-                        for r in self.requests.values()
+        b, hc, lc = cap.batch, cap.heavy_cost, cap.light_cost
+
+        def load_and_serial(r: RequestState) -> tuple[float, float]:
+            h, light = r.heavy_left, r.light_left(last)
+            return h * hc + light * lc, (h * hc + light * lc) * b  # work; its steps, one round each
+
+        own, own_serial = load_and_serial(req) if req.est else (0.0, 0.0)
+        others = sorted((*load_and_serial(r), r.deadline) for r in self.requests.values()
                         if r is not req and r.priority >= req.priority and r.est)
-        ahead = own
-        for load, deadline in others:
+        before_own = 0.0  # work that goes before the arrival
+        before = 0.0  # work that goes before the request being looked at
+        for load, serial, deadline in others:
             if load <= own:
-                ahead += load
-                continue
-            # a longer request: everything up to it, then it, and now this arrival too, go first
-            ahead += load
-            budget = cap.within((deadline - now) * 1000.0, util)
-            if ahead - own <= budget < ahead:
-                return False
-        mine = own + sum(load for load, _ in others if load <= own)
-        return mine <= cap.within((req.deadline - now) * 1000.0, util)
+                before_own += load
+            else:  # a longer request: would the arrival, going before it, make it miss?
+                budget = cap.within((deadline - now) * 1000.0 - serial, util)
+                if before <= budget < before + own:
+                    return False
+            before += load
+        return before_own <= cap.within((req.deadline - now) * 1000.0 - own_serial, util)
 
     def reject(self, req: RequestState) -> None:
         """Undo ``add_request`` for a request shed on arrival: it leaves, and its load at the lowest
