@@ -166,7 +166,8 @@ class Router:
         """Load control's test for an arrival (already added) against the SLOs, at the lowest threshold.
 
         A request finishes after the work that goes before it has been served at the cluster's
-        throughput, plus its own steps one round each (a round at the SLO batch). Instances serve the
+        throughput, plus its own steps one round each (rounds as full as the instances are now, up to
+        the SLO batch). Instances serve the
         shortest remaining work first (DWISE), so the work before an arrival is that of the active
         requests no longer than it (priority at least its own), and the arrival goes before every
         longer one. It is admitted when (1) it finishes by its deadline, and (2) no longer request that
@@ -177,11 +178,16 @@ class Router:
         such as a saturated HTTP path)."""
         cap, last = self.cap, len(self.cfg.thresholds) - 1
         util *= self.cfg.capacity_util
-        b, hc, lc = cap.batch, cap.heavy_cost, cap.light_cost
+        hc, lc = cap.heavy_cost, cap.light_cost
+        # its rounds hold about as many requests as an instance has now (the SLO batch at most)
+        per_instance = len(self.requests) / max(len(self.instances), 1)
+        batch = min(max(round(per_instance), 1), cap.batch)
+        lat, tp = self.latency, self._ref_tp
+        heavy_ms, light_ms = lat.round_ms(tp, batch, 0), lat.round_ms(tp, 0, batch)
 
         def load_and_serial(r: RequestState) -> tuple[float, float]:
             h, light = r.heavy_left, r.light_left(last)
-            return h * hc + light * lc, (h * hc + light * lc) * b  # work; its steps, one round each
+            return h * hc + light * lc, h * heavy_ms + light * light_ms  # work; its steps, one round each
 
         own, own_serial = load_and_serial(req) if req.est else (0.0, 0.0)
         others = sorted((*load_and_serial(r), r.deadline) for r in self.requests.values()
