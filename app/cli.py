@@ -181,9 +181,10 @@ def cmd_faults(args) -> int:
     from app import faults
 
     if args.scenario == "overload":
-        res = faults.run_overload(args.factor, args.seconds, args.port)
+        res = faults.run_overload(args.factor, args.seconds, args.port, workload=args.workload)
         print(json.dumps(res) if args.json else
-              f"offered {res['offered_rps']} req/s ({args.factor:g} x the planner's {res['planner_rate_rps']}) for "
+              f"{args.workload}: offered {res['offered_rps']} req/s ({args.factor:g} x the planner's "
+              f"{res['planner_rate_rps']}) for "
               f"{res['seconds']:g} s: {res['status_codes']}; admitted {res['admitted_rps']} req/s, SLO "
               f"({res['slo_ms']} ms) attainment {res['admitted_slo_attainment']:.3f}; lost {res['lost']}; replica "
               f"memory {res['rss_mb_before']} -> {res['rss_mb_after']} MB")
@@ -310,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--streams", type=int, default=8, help="ingress, redeploy: long streams in flight")
     x.add_argument("--factor", type=float, default=10.0, help="overload: offered / planner rate")
     x.add_argument("--seconds", type=float, default=20.0, help="overload: how long to offer it")
+    x.add_argument("--workload", choices=["short", "prose"], default="prose",
+                   help="overload: prose (200-token stories, ~20 rounds each: the model is the bottleneck, as "
+                        "with a DLM on a GPU) or short (32-token answers, a few rounds: on a 2-core machine "
+                        "the HTTP path is)")
     x.add_argument("--cycles", type=int, default=1000, help="cancel: connect-disconnect cycles")
     x.add_argument("--requests", type=int, default=200)
     x.add_argument("--kills", type=int, default=2)
