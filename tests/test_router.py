@@ -242,18 +242,27 @@ def test_calibration_scales_latencies_toward_measured_rounds():
     assert lat.calibrate(1, 0, 0, 5.0) == lat.scale  # an empty round says nothing
 
 
+def offer(router: Router, ids, slo: float, stop_at_refusal: bool = False) -> tuple[int, int | None]:
+    """Arrivals at t = 0 through the admission test: how many were admitted, and the first refused."""
+    admitted, refused = 0, None
+    for i, rid in enumerate(ids):
+        r = req(rid, slo=slo)
+        router.add_request(r, 0.0)
+        if router.admissible(r, 0.0):
+            admitted += 1
+            continue
+        router.reject(r)
+        refused = i if refused is None else refused
+        if stop_at_refusal:
+            break
+    return admitted, refused
+
+
 def test_admission_against_the_arrivals_own_slo():
     totals = {f"a{i}": (40.0, 35.0, 30.0, 25.0, 20.0) for i in range(200)}
     totals["late"] = totals["a0"]
     router = make_router("remask", tps=(1,), totals=totals)
-    admitted = 0
-    for i in range(200):
-        r = req(f"a{i}", slo=2.0)
-        router.add_request(r, 0.0)
-        if router.admissible(r, 0.0):
-            admitted += 1
-        else:
-            router.reject(r)
+    admitted, _ = offer(router, [f"a{i}" for i in range(200)], slo=2.0)
     # the work of the admitted ones at the lowest threshold fits one instance's 2 s
     assert 0 < admitted < 200 and len(router.requests) == admitted
     relaxed = req("late", slo=3600.0)
@@ -283,16 +292,8 @@ def test_admission_protects_longer_requests_from_short_arrivals():
     long = req("long", slo=1.0)
     router.add_request(long, 0.0)
     assert router.admissible(long, 0.0)
-    admitted, first_refused = 0, None
-    for i in range(400):  # short ones with a generous SLO of their own
-        r = req(f"s{i}", slo=30.0)
-        router.add_request(r, 0.0)
-        if router.admissible(r, 0.0):
-            admitted += 1
-        else:
-            router.reject(r)
-            first_refused = first_refused if first_refused is not None else i
-            break
+    # short ones with a generous SLO of their own
+    admitted, first_refused = offer(router, [f"s{i}" for i in range(400)], slo=30.0, stop_at_refusal=True)
     assert first_refused is not None and admitted > 0  # refused for the long one's sake, not its own
     cap = router.cap
 
