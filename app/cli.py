@@ -203,11 +203,12 @@ def cmd_faults(args) -> int:
     run_faults = faults.run_faults
     if args.requests < 1 or args.kills < 0 or args.rate <= 0 or args.replicas < 2:
         raise ValueError("need --requests >= 1, --kills >= 0, --rate > 0 and --replicas >= 2")
-    res = run_faults(args.requests, args.kills, args.rate, args.replicas, args.port)
+    res = run_faults(args.requests, args.kills, args.rate, args.replicas, args.port, target=args.target, tp=args.tp)
     if args.json:
         print(json.dumps(res))
     else:
-        print(f"{res['requests']} requests, {res['kills']} replica kills: {res['completed']} completed, "
+        print(f"{res['requests']} requests, {res['kills']} {res['target']} kills (TP-{res['tp']} replicas): "
+              f"{res['completed']} completed, "
               f"{res['failed']} failed cleanly, {res['lost']} lost; accuracy {res['accuracy']:.3f}")
         for k in res["kill_reports"]:
             print(f"  kill {k['replica']} ({k['requests_held']} requests): dropped by the ingress after "
@@ -319,7 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--requests", type=int, default=200)
     x.add_argument("--kills", type=int, default=2)
     x.add_argument("--rate", type=float, default=8.0, help="requests per second")
-    x.add_argument("--replicas", type=int, default=3, help="TP-1 Denoiser replicas")
+    x.add_argument("--replicas", type=int, default=3, help="Denoiser replicas")
+    x.add_argument("--tp", type=int, default=1, help="kill: their tensor-parallel degree")
+    x.add_argument("--target", choices=["replica", "tp-worker"], default="replica",
+                   help="kill: the replica's process, or its TP rank 1 (needs --tp 2 or more)")
     x.add_argument("--port", type=int, default=8790)
     x.add_argument("--json", action="store_true")
     x.set_defaults(func=cmd_faults)

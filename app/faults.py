@@ -65,9 +65,10 @@ async def _one(client, url: str, body: dict, timeout: float) -> dict:
     return out
 
 
-async def _inject(client, url: str, kill_at: list[float], reports: list) -> None:
-    """Kill the busiest Denoiser replica at each time in ``kill_at`` (seconds from now), without waiting
-    for the previous one's replacement; each kill's detection and replacement are watched apart."""
+async def _inject(client, url: str, kill_at: list[float], reports: list, target: str = "replica") -> None:
+    """Kill the busiest Denoiser replica (``target="replica"``) or its tensor-parallel rank 1
+    (``"tp-worker"``: the replica's round breaks and it fails over) at each time in ``kill_at`` (seconds
+    from now), without waiting for the previous one's replacement; each kill is watched apart."""
     import ray
 
     t0 = time.monotonic()
@@ -78,7 +79,8 @@ async def _inject(client, url: str, kill_at: list[float], reports: list) -> None
         if not view["instances"]:
             continue
         _, victim = max(view["instances"].items(), key=lambda kv: kv[1]["requests"])
-        ray.kill(ray.get_actor(victim["actor"], namespace="serve"), no_restart=True)
+        actor = victim["actor"] if target == "replica" else victim["workers"][0]
+        ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
         rep = {"replica": victim["replica"], "requests_held": victim["requests"], "t": time.monotonic()}
         reports.append(rep)
         known = {i["replica"] for i in view["instances"].values()}
@@ -102,7 +104,8 @@ async def _watch(client, url: str, rep: dict, known: set) -> None:
     rep["replaced_s"] = None
 
 
-async def _drive(url: str, n: int, rate: float, kills: int, timeout: float) -> tuple[list, list, dict, float]:
+async def _drive(url: str, n: int, rate: float, kills: int, timeout: float,
+                 target: str = "replica") -> tuple[list, list, dict, float]:
     import httpx
 
     from engine import tasks
@@ -113,7 +116,7 @@ async def _drive(url: str, n: int, rate: float, kills: int, timeout: float) -> t
         t0 = time.monotonic()
         span = n / rate
         kill_at = [span * (k + 1) / (kills + 1) for k in range(kills)]  # spread over the arrivals
-        injector = asyncio.create_task(_inject(client, url, kill_at, reports))
+        injector = asyncio.create_task(_inject(client, url, kill_at, reports, target))
         jobs = []
         for i, ex in enumerate(examples):
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
@@ -165,14 +168,17 @@ def local_app(args: dict, replicas: int, port: int):
 
 
 def run_faults(requests: int = 200, kills: int = 2, rate: float = 8.0, replicas: int = 3, port: int = 8790,
-               timeout: float = 180.0) -> dict:
-    args = {"model": "tiny-bd", "replicas": {1: replicas}, "slots": 16, "max_tokens_limit": 256, "dead_after_s": 5.0}
+               timeout: float = 180.0, target: str = "replica", tp: int = 1) -> dict:
+    if target not in ("replica", "tp-worker") or (target == "tp-worker" and tp < 2):
+        raise ValueError("target is 'replica' or 'tp-worker' (which needs tp >= 2)")
+    args = {"model": "tiny-bd", "tp_degrees": [tp], "replicas": {tp: replicas}, "slots": 16, "max_tokens_limit": 256,
+            "dead_after_s": 5.0}
     with local_app(args, replicas, port) as url:
-        results, reports, dispatch, wall = asyncio.run(_drive(url, requests, rate, kills, timeout))
+        results, reports, dispatch, wall = asyncio.run(_drive(url, requests, rate, kills, timeout, target))
     _recovery(results, reports)
     outcomes = {k: sum(r["outcome"] == k for r in results) for k in ("completed", "failed", "lost")}
     done = [r for r in results if r["outcome"] == "completed"]
-    return {"requests": requests, "kills": len(reports), **outcomes,
+    return {"requests": requests, "target": target, "tp": tp, "kills": len(reports), **outcomes,
             "accuracy": round(sum(bool(r["correct"]) for r in done) / max(len(done), 1), 3),
             "wall_s": round(wall, 1), "kill_reports": reports, "dispatch": dispatch,
             "errors": sorted({r.get("error", "") for r in results if r["outcome"] != "completed"})[:10]}
