@@ -7,8 +7,9 @@ aborts every request it had sent. Several ingresses may be connected (a
 redeploy's old and new ingress): each receives only its own requests'
 progress. A broken instance (``InstanceBroken``) hangs up, so the ingress
 resumes its requests on the other instances; a replica shutting down
-(``drain``) first tells its ingresses, which move its requests elsewhere. The Denoiser deployment is this plus model
-loading and registration; tests run it in-process.
+(``drain``) first tells its ingresses, which move its requests elsewhere.
+The Denoiser deployment is this plus model loading and registration; tests
+run it in-process.
 """
 
 from __future__ import annotations

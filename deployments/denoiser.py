@@ -41,7 +41,8 @@ class Denoiser:
         else:
             engine = load_engine(self.cfg.model, **kwargs)
         self.instance = Instance(engine, policy=self.cfg.policy, slots=self.cfg.slots,
-                                 kv_capacity_tokens=self.cfg.kv_capacity_tokens, mirror=mirror)
+                                 kv_capacity_tokens=self.cfg.kv_capacity_tokens, mirror=mirror,
+                                 followers_alive=self._followers_alive if tp > 1 else None)
         describe = self._attach_predictors() if self.cfg.predictors else None
         self.server = ReplicaServer(self.instance, max_waiting=self.cfg.max_waiting, describe=describe,
                                     host=ray.util.get_node_ip_address())
@@ -108,6 +109,15 @@ class Denoiser:
             return lambda: ray.get(refs)
 
         return engine, mirror
+
+    def _followers_alive(self) -> bool:
+        import ray
+
+        try:
+            ray.get([w.ready.remote() for w in self.workers], timeout=10)
+            return True
+        except Exception:  # an actor died, or does not answer
+            return False
 
     def _register(self) -> None:
         """Tell the app's Ingress where this replica's channel is, every ``register_s``: an ingress

@@ -38,16 +38,19 @@ class Instance:
                  estimator: Callable[[Sequence], float] = blocks_estimate,
                  refiner: Callable[[Sequence], float] | None = None, costs: StepCosts | None = None,
                  mirror: Callable[[list[tuple], RoundPlan], Callable[[], None]] | None = None,
-                 **sched_kwargs) -> None:
+                 followers_alive: Callable[[], bool] | None = None, **sched_kwargs) -> None:
         """``costs`` weights remaining work by step kind (e.g. ``profile.step_costs(...)``
         for full-sequence models, whose recompute steps cost more than cached ones).
 
         ``mirror`` (tensor parallelism) receives the control commands applied since
         the last round and this round's plan before the local forward starts, so
         follower ranks run the same round; it returns a function that waits for them.
+        ``followers_alive()`` says whether every follower rank still answers (asked after a failed
+        round; without it a failed tensor-parallel round breaks the instance: ``InstanceBroken``).
         """
         self.engine = engine
-        self.mirror = mirror
+        self.mirror, self.followers_alive = mirror, followers_alive
+        self._failed_rounds = 0
         self._commands: list[tuple] = []
         cfg = SchedulerConfig(slots=slots or engine.max_slots, kv_capacity_tokens=kv_capacity_tokens,
                               block_size=engine.cfg.block_size, **sched_kwargs)
@@ -112,8 +115,18 @@ class Instance:
                 wait, self._commands = self.mirror(self._commands, plan), []
                 result = self.execute(plan)
                 wait()
-            except Exception as exc:  # a lost rank, a broken collective: the ranks no longer agree
-                raise InstanceBroken(f"tensor-parallel round failed: {type(exc).__name__}: {exc}") from exc
+                self._failed_rounds = 0
+            except Exception as exc:
+                # a lost rank or a broken collective: the ranks can no longer run rounds together. A round
+                # that failed with every rank alive (a bad input, say) fails like any other, unless the
+                # rounds keep failing.
+                self._failed_rounds += 1
+                alive = self.followers_alive is not None and self.followers_alive()
+                if not alive or self._failed_rounds >= 3:
+                    why = "a rank is gone" if not alive else f"{self._failed_rounds} rounds failed in a row"
+                    raise InstanceBroken(f"tensor-parallel round failed ({why}): {type(exc).__name__}: {exc}") \
+                        from exc
+                raise
         done = self.scheduler.update(plan, result)
         for req in done:
             seq = self.seqs.pop(req.req_id)

@@ -91,3 +91,55 @@ def test_abort_and_overload(tok):
             loop.submit("d", "abc", SamplingParams())
     finally:
         loop.stop()
+
+
+def test_a_failed_tensor_parallel_round_breaks_the_instance_only_when_a_rank_is_gone(tok):
+    """Every follower answers: a failed round fails its requests (500) and the loop goes on, until three
+    rounds fail in a row. A follower gone: the loop ends at once, its requests get no error (the ingress
+    resumes them elsewhere) and ``on_fatal`` hears why."""
+    from engine.instance import InstanceBroken
+
+    class Followers:
+        def __init__(self) -> None:
+            self.fail, self.alive = 0, True
+
+        def __call__(self, commands, plan):
+            if self.fail:
+                self.fail -= 1
+                raise RuntimeError("collective failed")
+            return lambda: None
+
+    for alive in (True, False):
+        followers = Followers()
+        followers.alive = alive
+        inst = Instance(Engine(make_model(), tok, max_slots=4), slots=4, mirror=followers,
+                        followers_alive=lambda f=followers: f.alive)
+        sink, fatal = Collector(), []
+        loop = RoundLoop(inst, sink, on_fatal=fatal.append)
+        try:
+            followers.fail = 1
+            sink.expect = 1
+            loop.submit("a", "abc", SamplingParams(max_tokens=8))
+            if alive:  # an ordinary failure: the request fails cleanly and the instance serves the next one
+                assert sink.done.wait(30)
+                assert sink.items["a"][-1]["status"] == 500 and loop.broken is None
+                sink.done.clear()
+                sink.expect = 2
+                loop.submit("b", "abc", SamplingParams(max_tokens=8))
+                assert sink.done.wait(30) and sink.items["b"][-1]["done"] is not None
+                followers.fail = 3  # then three failed rounds in a row break it
+                for k in range(3):
+                    loop.submit(f"c{k}", "abc", SamplingParams(max_tokens=8))
+                    time.sleep(0.2)
+                deadline = time.monotonic() + 30
+                while loop.broken is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert "3 rounds failed in a row" in loop.broken
+            else:
+                deadline = time.monotonic() + 30
+                while loop.broken is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert "a rank is gone" in loop.broken and "a" not in sink.items  # no error for it
+            assert len(fatal) == 1 and isinstance(fatal[0], InstanceBroken)
+        finally:
+            loop.stop()
