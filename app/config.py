@@ -48,6 +48,8 @@ class AppConfig(BaseModel):
                                                           "ingress_max_ongoing; past it the proxy answers 429 "
                                                           "+ Retry-After itself, without reaching the Ingress "
                                                           "(-1: no limit)")
+    park_s: float = Field(30.0, ge=0, description="while no instance is up (starting, being replaced), requests "
+                                                  "wait this long for one to join, then get 503 (0: at once)")
     round_timeout_s: float = Field(120.0, gt=0, description="a round running longer than this fails the "
                                                             "replica's health check (a hung rank): Serve "
                                                             "replaces it and its requests resume elsewhere")

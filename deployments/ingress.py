@@ -85,7 +85,7 @@ class Ingress:
             build_router(self.cfg, self.model_cfg), self.tokenizer.decode, block_tokens=self.model_cfg.block_size,
             full_sequence=self.model_cfg.attention != "block_causal",
             per_instance_limit=self.cfg.slots * 8 + self.cfg.max_waiting, default_slo_s=self.cfg.default_slo_ms / 1e3,
-            dead_after_s=self.cfg.dead_after_s, shed_over_capacity=self.cfg.shed_over_capacity,
+            dead_after_s=self.cfg.dead_after_s, park_s=self.cfg.park_s, shed_over_capacity=self.cfg.shed_over_capacity,
             on_batch=self._on_batch, on_migration=self.metrics.migration)
         self.planner = None
         if self.cfg.planner is not None:  # the TP groups' sizes follow the planner (app.autoscaling)

@@ -31,8 +31,10 @@ def app_url():
               name="remask", route_prefix="/", blocking=False)
     # the same model with tensor parallelism 2 (gloo on CPU), as a second application
     # (small queues: the overload test fills them)
+    # (its one replica is replaced when a TP worker is killed: its requests wait for the replacement,
+    # which can take over 30 s on a loaded 2-core machine)
     serve.run(build_app({"model": "tiny-bd", "tp_degrees": [2], "slots": 2, "max_waiting": 2,
-                         "max_tokens_limit": 256}),
+                         "max_tokens_limit": 256, "park_s": 150}),
               name="remask-tp2", route_prefix="/tp2", blocking=False)
     # wait for the app to answer
     from tests.conftest import wait_until
