@@ -129,6 +129,7 @@ class Engine:
                 bs, be = seq.blocks[0]
                 seq.first_hidden = out.hidden[(inp.pos >= bs) & (inp.pos < be)].mean(0)
                 seq.first_confidences = reports[-1].confidences
+                seq.first_eos = self._eos_probs(seq, inp, out.logits)
                 first.append(seq)
         if first and self.refine_hook is not None:
             try:
@@ -139,6 +140,13 @@ class Engine:
         self.rounds += bool(plan)
         comp = [(i.kind.value, len(i.ids), 0 if i.ctx_pos is None else len(i.ctx_pos)) for i in inputs]
         return RoundResult(reports, time.perf_counter() - t0, comp)
+
+    def _eos_probs(self, seq: Sequence, inp, logits: torch.Tensor) -> torch.Tensor:
+        """P(EOS) at the output positions this step's logits predict (on their device, no sync):
+        the first block for a block-causal model, the whole canvas for a full-sequence one."""
+        target = inp.pos.to(logits.device) + self.cfg.logits_shift  # the position each logits row predicts
+        seen = (target >= seq.out_start) & (target < seq.out_end)
+        return torch.softmax(logits[seen].float(), dim=-1)[:, self.cfg.eos_token_id]
 
     # ---- offline API -------------------------------------------------------------------------
     def output(self, seq: Sequence) -> Output:

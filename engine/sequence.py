@@ -114,6 +114,7 @@ class Sequence:
         self.rounds = 0  # decoding steps (everything but prefill)
         self.first_hidden: torch.Tensor | None = None  # pooled rows of the first denoising round's block
         self.first_confidences: torch.Tensor | None = None  # that round's confidences of the masked positions
+        self.first_eos: torch.Tensor | None = None  # that round's P(EOS) at the output positions it saw, in order
         self.refined_rounds: float | None = None  # set once by the engine's refine hook
         self.last_confidences: torch.Tensor | None = None  # the last step's confidences of masked positions
 

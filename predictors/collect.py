@@ -3,7 +3,8 @@ the predictors learn from.
 
 Per request and threshold: the admission features, the output budget, total
 rounds and rounds per block, whether the answer was correct, the pooled
-final-layer hidden rows of the first denoising round, and one step-feature
+final-layer hidden rows of the first denoising round and its P(EOS) at the
+output positions it saw, and one step-feature
 row after every denoising step with the steps that remained after it.
 """
 
@@ -25,6 +26,7 @@ class Dataset:
     """One row per (request, threshold); step rows index back into it with ``step_req``."""
 
     model: str
+    block_size: int = 0
     category: list[str] = field(default_factory=list)
     prompt_id: list[int] = field(default_factory=list)  # the same prompt under several thresholds
     admission: list[list[float]] = field(default_factory=list)
@@ -35,6 +37,7 @@ class Dataset:
     correct: list[bool] = field(default_factory=list)
     hidden: list[np.ndarray] = field(default_factory=list)
     first_conf: list[list[float]] = field(default_factory=list)  # confidence stats of the first round
+    first_eos: list[np.ndarray] = field(default_factory=list)  # the first round's P(EOS) per output position seen
     step_rows: list[list[float]] = field(default_factory=list)
     step_remaining: list[int] = field(default_factory=list)
     step_done: list[int] = field(default_factory=list)  # steps taken when the row was recorded
@@ -45,7 +48,12 @@ class Dataset:
         blocks = np.zeros((len(self.block_rounds), width), dtype=np.int32)
         for i, b in enumerate(self.block_rounds):
             blocks[i, : len(b)] = b
+        eos = np.full((len(self.first_eos), max((len(e) for e in self.first_eos), default=0)), np.nan, np.float32)
+        for i, e in enumerate(self.first_eos):
+            eos[i, : len(e)] = e
         return {
+            "first_eos": eos,  # NaN past the positions the first round saw
+            "block_size": np.array(self.block_size),
             "category": np.array(self.category), "prompt_id": np.array(self.prompt_id, dtype=np.int32),
             "admission": np.array(self.admission, dtype=np.float64).reshape(-1, 4),
             "prompt_tokens": np.array(self.prompt_tokens, dtype=np.int32),
@@ -80,7 +88,7 @@ def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", pr
 
     from engine.sequence import SamplingParams
 
-    ds = Dataset(model)
+    ds = Dataset(model, block_size=engine.cfg.block_size)
     bar = tqdm(total=len(examples) * len(thresholds), desc=f"collect {model}", unit="req", disable=not progress)
     for t in thresholds:
         seqs = [engine.add_request(ex.prompt, SamplingParams(threshold=t)) for ex in examples]
@@ -115,6 +123,7 @@ def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", pr
             ds.correct.append(ex.check(engine.output(seq).text))
             ds.hidden.append(seq.first_hidden.float().cpu().numpy())
             ds.first_conf.append(confidence_stats(seq.first_confidences).tolist())
+            ds.first_eos.append(seq.first_eos.float().cpu().numpy())
             for row, done_steps in steps[seq.seq_id]:
                 ds.step_rows.append(row)
                 ds.step_remaining.append(seq.rounds - done_steps)
