@@ -42,6 +42,26 @@ def confidence_stats(conf: torch.Tensor | None) -> torch.Tensor:
     return torch.stack([c[0], c[round(0.25 * n)], c[round(0.5 * n)], c.mean(), c[round(0.75 * n)]])
 
 
+def expected_blocks(p_eos: list[torch.Tensor | None], block_size: int, n_blocks: Sequence[int]) -> torch.Tensor:
+    """Expected output blocks each request decodes, read off its first round's P(EOS) per output
+    position seen (``seq.first_eos``; ``n_blocks``: blocks in each request's output budget).
+
+    Answers are padded with EOS in training, so block k > 0 is decoded iff its first position is not
+    EOS: P(reach k) = 1 - P(EOS at k * block_size), made non-increasing in k. Past the positions the
+    round saw (a block-causal model sees its first block only) the answer runs on to the budget with
+    the probability that the last position seen is not EOS. ``None`` (nothing seen) counts as one
+    block. Batched on the tensors' device, no host synchronisation."""
+    seen = [torch.ones(1) if p is None or p.numel() == 0 else p.detach().float().flatten() for p in p_eos]
+    dev = seen[0].device
+    probs = torch.nn.utils.rnn.pad_sequence([p.to(dev) for p in seen], batch_first=True)  # [n, L]
+    last = torch.tensor([len(p) - 1 for p in seen], device=dev)
+    nb = torch.as_tensor(list(n_blocks), device=dev)
+    k = torch.arange(1, max(int(max(n_blocks, default=1)), 2), device=dev)  # the blocks after the first
+    idx = torch.minimum(k[None, :] * block_size, last[:, None])
+    reach = torch.cummin(1.0 - probs.gather(1, idx), dim=1).values * (k[None, :] < nb[:, None])
+    return 1.0 + reach.sum(1)
+
+
 def step_row(threshold: float, output_len: int, unmasked: int, block_unmasked: int, block_len: int,
              blocks_left: int, step_in_block: int, conf_stats: list[float]) -> list[float]:
     """One request's state after a step (``conf_stats`` from ``confidence_stats`` of that step)."""

@@ -9,7 +9,7 @@ import numpy as np
 
 from predictors.admission import AdmissionPredictor
 from predictors.bundle import Predictors
-from predictors.features import spearman
+from predictors.features import expected_blocks, spearman
 from predictors.refine import Refiner
 from predictors.step import StepPredictor, choose_interval, online_errors
 
@@ -31,10 +31,25 @@ def refine_inputs(data: dict) -> np.ndarray:
     return x.numpy()
 
 
+def decoded_blocks(data: dict) -> np.ndarray:
+    """Output blocks each request decoded."""
+    return (data["block_rounds"] > 0).sum(1)
+
+
+def first_round_blocks(data: dict) -> np.ndarray:
+    """Expected blocks per request from its first round's P(EOS) (``features.expected_blocks``)."""
+    import torch
+
+    b = int(data["block_size"])
+    rows = [torch.as_tensor(r[~np.isnan(r)]) for r in data["first_eos"]]
+    return expected_blocks(rows, b, [-(-int(t) // b) for t in data["budget"]]).numpy()
+
+
 def _subset(data: dict, keep: np.ndarray) -> dict:
     """Rows of the per-request arrays in ``keep`` (step rows follow their requests)."""
     n = len(data["rounds"])
     out = {k: v[keep] for k, v in data.items() if v.ndim and len(v) == n}
+    out.update({k: v for k, v in data.items() if not v.ndim})
     new_index = np.full(n, -1)
     new_index[np.flatnonzero(keep)] = np.arange(int(keep.sum()))
     step_keep = keep[data["step_req"]]
@@ -50,7 +65,7 @@ def train_predictors(train: dict, model: str, seed: int = 0, epochs: int = 300, 
     bar = tqdm(total=4, desc=f"train predictors {model}", disable=not progress)
     admission = AdmissionPredictor.fit(train["admission"], train["rounds"], seed=seed)
     bar.update()
-    refiner = Refiner.fit(refine_inputs(train), train["rounds"], epochs=epochs)
+    refiner = Refiner.fit(refine_inputs(train), train["rounds"], epochs=epochs, blocks=decoded_blocks(train))
     bar.update()
     # the online interval is chosen on a validation fifth of the training prompts
     val = (train["prompt_id"] % 5) == 0
@@ -65,7 +80,8 @@ def train_predictors(train: dict, model: str, seed: int = 0, epochs: int = 300, 
     bar.close()
     meta = {"model": model, "requests": int(len(train["rounds"])), "step_rows": int(len(train["step_rows"])),
             "thresholds": sorted({round(float(t), 3) for t in train["admission"][:, 3]}),
-            "max_rounds": int(train["rounds"].max()), "step_interval": interval}
+            "max_rounds": int(train["rounds"].max()), "max_blocks": int(decoded_blocks(train).max()),
+            "step_interval": interval}
     return Predictors(admission, refiner, step, meta)
 
 
@@ -76,7 +92,7 @@ def evaluate_predictors(pred: Predictors, held: dict, train: dict | None = None,
     rounds = held["rounds"]
     adm = pred.admission.predict(held["admission"])
     ref = pred.refiner.predict(held["hidden"], held["prompt_tokens"], held["budget"], held["admission"][:, 3],
-                               held["first_conf"])
+                               held["first_conf"], first_round_blocks(held))
     out = {
         "model": pred.meta.get("model"),
         "requests": int(head.sum()),
@@ -108,12 +124,12 @@ def heldout_categories(train: dict, held: dict, epochs: int = 300, progress: boo
     for c in tqdm(cats, desc="held-out categories", disable=not progress):
         part = _subset(train, train["category"] != c)
         adm = AdmissionPredictor.fit(part["admission"], part["rounds"])
-        ref = Refiner.fit(refine_inputs(part), part["rounds"], epochs=epochs)
+        ref = Refiner.fit(refine_inputs(part), part["rounds"], epochs=epochs, blocks=decoded_blocks(part))
         x = held["admission"][head]
         r = held["rounds"][head]
         pa = adm.predict(x)
         pr = ref.predict(held["hidden"][head], held["prompt_tokens"][head], held["budget"][head], x[:, 3],
-                         held["first_conf"][head])
+                         held["first_conf"][head], first_round_blocks(held)[head])
         mine = held["category"][head] == c
         within = spearman(pr[mine], r[mine])
         out[c] = {"admission": round(spearman(pa, r), 4), "refined": round(spearman(pr, r), 4),
@@ -135,10 +151,16 @@ def _time_admission(pred: Predictors, held: dict, reps: int = 3) -> float:
 def _time_refine(pred: Predictors, held: dict, batch: int = 32, reps: int = 20) -> float:
     import torch
 
+    class _Cfg:
+        block_size = int(held["block_size"])
+
     class _Seq:  # what the engine hands the hook
         def __init__(self, i: int) -> None:
+            self.cfg = _Cfg()
             self.first_hidden = torch.as_tensor(held["hidden"][i])
             self.first_confidences = torch.as_tensor(held["first_conf"][i])  # stand-in rows of the right size
+            eos = held["first_eos"][i]
+            self.first_eos = torch.as_tensor(eos[~np.isnan(eos)])
             self.prompt_ids = [0] * int(held["prompt_tokens"][i])
             self.max_tokens = int(held["budget"][i])
             self.threshold = float(held["admission"][i, 3])

@@ -10,6 +10,16 @@ distribution of total rounds, averaged over the seeds and mapped by an
 isotonic fit (training split) onto actual rounds, the scale the admission
 predictor targets, so refined and unrefined requests rank consistently.
 
+That learned estimate cannot reach past the longest requests in training (its
+hazards end at K, the isotonic map clips). A structural term covers what it has
+not seen: the first round's own P(EOS) per output position gives the expected
+number of blocks the answer reaches (``features.expected_blocks``; past the
+positions a block-causal model sees, the answer runs on to its budget), and
+every expected block beyond the most any training request decoded adds one
+round, the least a block takes. Trained with multi-block answers the term is
+about zero; trained without them, a request whose first round predicts no end
+in its first block still ranks above every single-block one.
+
 ``Refiner.hook`` runs inside the engine right after a round's forward, on the
 round's device, for every request that just ran its first denoising round;
 its result is read with the round's own results (no extra synchronisation).
@@ -24,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from predictors.features import confidence_stats
+from predictors.features import confidence_stats, expected_blocks
 
 WIDTH = 256
 SEEDS = (0, 1, 2)
@@ -62,9 +72,10 @@ def survival_nll(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 class Refiner:
     def __init__(self, mlps: list[SurvivalMLP], mean: torch.Tensor, std: torch.Tensor, iso_x: np.ndarray,
-                 iso_y: np.ndarray, k: int) -> None:
+                 iso_y: np.ndarray, k: int, max_blocks: int | None = None) -> None:
         self.mlps = [m.eval() for m in mlps]
         self.mean, self.std, self.k = mean, std, k
+        self.max_blocks = max_blocks  # the most blocks a training request decoded (None: no structural term)
         self.iso_x, self.iso_y = np.asarray(iso_x, dtype=np.float64), np.asarray(iso_y, dtype=np.float64)
 
     # ---- inputs ----------------------------------------------------------------------------
@@ -87,9 +98,17 @@ class Refiner:
     def calibrate(self, raw: np.ndarray) -> np.ndarray:
         return np.interp(np.asarray(raw, dtype=np.float64), self.iso_x, self.iso_y)
 
-    def predict(self, hidden, prompt_tokens, budget, threshold, conf_stats) -> np.ndarray:
+    def beyond_training(self, blocks) -> np.ndarray:
+        """Rounds the learned estimate cannot know about: one per expected block past the most
+        blocks any training request decoded (zero without ``blocks`` or a recorded maximum)."""
+        if blocks is None or self.max_blocks is None:
+            return np.zeros(1)
+        return np.maximum(0.0, np.asarray(blocks, dtype=np.float64) - self.max_blocks)
+
+    def predict(self, hidden, prompt_tokens, budget, threshold, conf_stats, blocks=None) -> np.ndarray:
+        """``blocks``: expected blocks per request (``features.expected_blocks``)."""
         x = self.inputs(torch.as_tensor(hidden, dtype=torch.float32), prompt_tokens, budget, threshold, conf_stats)
-        return self.calibrate(self.raw(x).cpu().numpy())
+        return self.calibrate(self.raw(x).cpu().numpy()) + self.beyond_training(blocks)
 
     def hook(self, seqs) -> None:
         """The engine's refine hook: one batched pass for the round's first-round requests."""
@@ -98,12 +117,17 @@ class Refiner:
         x = self.inputs(hidden, [len(s.prompt_ids) for s in seqs], [s.max_tokens for s in seqs],
                         [default_t if s.threshold is None else s.threshold for s in seqs],
                         torch.stack([confidence_stats(s.first_confidences) for s in seqs]).to(hidden))
-        for seq, est in zip(seqs, self.calibrate(self.raw(x).tolist())):
-            seq.refined_rounds = float(max(est, seq.rounds))
+        b = seqs[0].cfg.block_size
+        blocks = expected_blocks([s.first_eos for s in seqs], b, [-(-s.max_tokens // b) for s in seqs])
+        est = self.calibrate(self.raw(x).tolist()) + self.beyond_training(blocks.tolist())
+        for seq, e in zip(seqs, est):
+            seq.refined_rounds = float(max(e, seq.rounds))
 
     # ---- training and files -----------------------------------------------------------------
     @classmethod
-    def fit(cls, x: np.ndarray, rounds: np.ndarray, epochs: int = 300, seeds=SEEDS, lr: float = 1e-3) -> Refiner:
+    def fit(cls, x: np.ndarray, rounds: np.ndarray, epochs: int = 300, seeds=SEEDS, lr: float = 1e-3,
+            blocks: np.ndarray | None = None) -> Refiner:
+        """``blocks``: output blocks each training request decoded (enables the structural term)."""
         from sklearn.isotonic import IsotonicRegression
 
         xt = torch.as_tensor(x, dtype=torch.float32)
@@ -124,7 +148,8 @@ class Refiner:
                     loss.backward()
                     opt.step()
             mlps.append(mlp.eval())
-        ref = cls(mlps, mean, std, np.array([0.0, 1.0]), np.array([0.0, 1.0]), k)
+        ref = cls(mlps, mean, std, np.array([0.0, 1.0]), np.array([0.0, 1.0]), k,
+                  None if blocks is None else int(np.max(blocks)))
         raw = ref.raw(xt).numpy()
         iso = IsotonicRegression(out_of_bounds="clip", y_min=1.0).fit(raw, np.asarray(rounds, dtype=np.float64))
         ref.iso_x, ref.iso_y = np.asarray(iso.X_thresholds_), np.asarray(iso.y_thresholds_)
@@ -137,7 +162,8 @@ class Refiner:
         tensors.update(mean=self.mean, std=self.std, iso_x=torch.as_tensor(self.iso_x),
                        iso_y=torch.as_tensor(self.iso_y))
         save_file(tensors, str(path), metadata={"config": json.dumps({"k": self.k, "n_in": int(self.mean.numel()),
-                                                                       "seeds": len(self.mlps), "width": WIDTH})})
+                                                                       "seeds": len(self.mlps), "width": WIDTH,
+                                                                       "max_blocks": self.max_blocks})})
 
     @classmethod
     def load(cls, path: str | Path) -> Refiner:
@@ -151,4 +177,5 @@ class Refiner:
             m = SurvivalMLP(cfg["n_in"], cfg["k"], cfg["width"])
             m.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"mlp{i}.")})
             mlps.append(m)
-        return cls(mlps, tensors["mean"], tensors["std"], tensors["iso_x"].numpy(), tensors["iso_y"].numpy(), cfg["k"])
+        return cls(mlps, tensors["mean"], tensors["std"], tensors["iso_x"].numpy(), tensors["iso_y"].numpy(), cfg["k"],
+                   cfg.get("max_blocks"))

@@ -10,7 +10,7 @@ import torch
 
 from predictors.admission import AdmissionPredictor
 from predictors.bundle import PredictorError, load_predictors
-from predictors.features import confidence_stats, spearman, with_thresholds
+from predictors.features import confidence_stats, expected_blocks, spearman, with_thresholds
 from predictors.refine import Refiner, expected_rounds, survival_nll
 from predictors.step import StepPredictor, choose_interval, online_errors
 
@@ -67,6 +67,45 @@ def test_refiner_learns_hidden_signal_and_round_trips(tmp_path):
     ref.save(tmp_path / "r.safetensors")
     again = Refiner.load(tmp_path / "r.safetensors")
     assert np.allclose(again.predict(hidden[500:], [20] * 100, [64] * 100, [0.9] * 100, conf[500:]), pred)
+
+
+def test_expected_blocks_from_first_round_eos():
+    block_only = [torch.zeros(8), torch.tensor([0, 0, 0, 1, 1, 1, 1, 1.0]), None]  # a block-causal first block
+    canvas = torch.zeros(40)
+    canvas[20:] = 1.0  # a full canvas ending in block 2 of 5
+    got = expected_blocks([*block_only, canvas], 8, [21, 21, 21, 5])
+    assert got.tolist() == pytest.approx([21.0, 1.0, 1.0, 3.0])  # no end seen: runs on to its budget
+    half = expected_blocks([torch.full((8,), 0.5)], 8, [5])
+    assert half.item() == pytest.approx(3.0)
+
+
+def test_structural_term_adds_blocks_beyond_training(tmp_path):
+    rng = np.random.default_rng(3)
+    n, h = 300, 8
+    hidden = rng.normal(size=(n, h)).astype(np.float32)
+    rounds = rng.integers(1, 4, size=n)  # single-block requests only
+    conf = np.full((n, 5), 0.9)
+    x = Refiner.inputs(torch.as_tensor(hidden), [16] * n, [64] * n, [0.9] * n, conf).numpy()
+    ref = Refiner.fit(x, rounds, epochs=5, seeds=(0,), blocks=np.ones(n, dtype=int))
+    args = (hidden[:3], [16] * 3, [64] * 3, [0.9] * 3, conf[:3])
+    base = ref.predict(*args)
+    assert np.allclose(ref.predict(*args, blocks=[1.0, 1.0, 8.0]) - base, [0.0, 0.0, 7.0])
+    assert base.max() <= 3.0  # the learned part alone never passes the training maximum
+    ref.save(tmp_path / "r.safetensors")
+    assert Refiner.load(tmp_path / "r.safetensors").max_blocks == 1
+
+
+def test_engine_records_first_round_eos_without_changing_tokens():
+    from engine.loading import load_engine
+
+    engine = load_engine("tiny-bd", max_slots=4)
+    plain = engine.generate(["rev: abc"])[0].text
+    seq = engine.add_request("rev: abc")
+    while not seq.finished:
+        engine.step([seq])
+    assert engine.output(seq).text == plain == "cba"
+    assert seq.first_eos.shape == (engine.cfg.block_size,)  # block-causal: the first block only
+    assert expected_blocks([seq.first_eos], engine.cfg.block_size, [21]).item() == pytest.approx(1.0, abs=0.05)
 
 
 def test_online_step_error_beats_oneshot_and_interval_choice():
