@@ -167,15 +167,14 @@ class Router:
 
         A request finishes after the work that goes before it has been served at the cluster's
         throughput, plus its own steps one round each (rounds as full as the instances are now, up to
-        the SLO batch). Instances serve the
-        shortest remaining work first (DWISE), so the work before an arrival is that of the active
-        requests no longer than it (priority at least its own), and the arrival goes before every
-        longer one. It is admitted when (1) it finishes by its deadline, and (2) no longer request that
-        would still finish by its deadline would miss it once this one goes first (a request already
-        past hope does not block arrivals). Without (2) a stream of short arrivals, each admissible
-        alone, starves the long requests. ``util`` scales the throughput the test trusts (the live
-        ingress lowers it while admitted requests miss their SLOs: whatever the profile does not know,
-        such as a saturated HTTP path)."""
+        the SLO batch). Instances serve the shortest remaining work first (DWISE), so the work before
+        an arrival is that of the active requests no longer than it (priority at least its own), and
+        the arrival goes before every longer one. It is admitted when (1) it finishes by its deadline,
+        and (2) no longer request that would still finish by its deadline would miss it once this one
+        goes first (a request already past hope does not block arrivals). Without (2) a stream of
+        short arrivals, each admissible alone, starves the long requests. ``util`` scales the
+        throughput the test trusts (the live ingress lowers it while admitted requests miss their SLOs:
+        whatever the profile does not know, such as a saturated HTTP path)."""
         cap, last = self.cap, len(self.cfg.thresholds) - 1
         util *= self.cfg.capacity_util
         hc, lc = cap.heavy_cost, cap.light_cost
