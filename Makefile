@@ -27,7 +27,7 @@ test: $(STAMP) lint
 # Fault injection (a few minutes): 200 streamed requests, two Denoiser replicas killed under load;
 # fails unless every request completed or failed cleanly.
 test-faults: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/remask faults --requests 200 --kills 2
+	OMP_NUM_THREADS=1 $(VENV)/bin/remask faults --requests 200 --kills 2 --rate 25
 
 # The Ray Serve application on this machine (CPU, embedded tiny-bd model), on 127.0.0.1:8000.
 serve: $(STAMP)
