@@ -146,7 +146,8 @@ class Engine:
         the first block for a block-causal model, the whole canvas for a full-sequence one."""
         target = inp.pos.to(logits.device) + self.cfg.logits_shift  # the position each logits row predicts
         seen = (target >= seq.out_start) & (target < seq.out_end)
-        return torch.softmax(logits[seen].float(), dim=-1)[:, self.cfg.eos_token_id]
+        rows = logits[seen].float()  # exp(l_eos - logsumexp(l)): no second vocabulary-wide tensor as softmax makes
+        return torch.exp(rows[:, self.cfg.eos_token_id] - torch.logsumexp(rows, dim=-1))
 
     # ---- offline API -------------------------------------------------------------------------
     def output(self, seq: Sequence) -> Output:
