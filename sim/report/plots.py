@@ -19,6 +19,14 @@ def _plt():
     return plt
 
 
+def _save(fig, out: Path, name: str) -> str:
+    """Lay out, write ``out/name`` and free the figure; the file's name, for the report's links."""
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=DPI)
+    _plt().close(fig)
+    return name
+
+
 def _cdf(ax, values, label, **kw) -> None:
     v = np.sort(np.asarray(values, float))
     if len(v):
@@ -44,10 +52,7 @@ def _cdf_panels(groups: dict[str, dict], out: Path, name: str, *, highlight: str
         ax.set_title(title(key))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out / name, dpi=DPI)
-    plt.close(fig)
-    return name
+    return _save(fig, out, name)
 
 
 def instance_cdfs(runs: dict, out: Path) -> str | None:
@@ -84,11 +89,7 @@ def round_composition(runs: dict, out: Path, slots: int = 128) -> str | None:
     b.set_ylabel("%")
     b.set_title("DWISE Table 3's columns")
     b.legend(fontsize=8)
-    fig.tight_layout()
-    name = "round_composition.png"
-    fig.savefig(out / name, dpi=DPI)
-    plt.close(fig)
-    return name
+    return _save(fig, out, "round_composition.png")
 
 
 def load_sweep(sweeps: dict, out: Path) -> str | None:
@@ -124,11 +125,7 @@ def load_sweep(sweeps: dict, out: Path) -> str | None:
     b.set_ylabel("mean-latency speed-up of DWISE over SGLang")
     b.set_title("output-budget sweep")
     b.legend(fontsize=7)
-    fig.tight_layout()
-    name = "instance_sweeps.png"
-    fig.savefig(out / name, dpi=DPI)
-    plt.close(fig)
-    return name
+    return _save(fig, out, "instance_sweeps.png")
 
 
 def slo_vs_rate(data: dict, slo: dict | None, out: Path) -> str | None:
@@ -166,11 +163,7 @@ def slo_vs_rate(data: dict, slo: dict | None, out: Path) -> str | None:
         axes[2].set_title(f"SLO tightness at {slo['rate']:g} req/s")
         axes[2].grid(alpha=0.3)
         axes[2].legend(fontsize=7)
-    fig.tight_layout()
-    name = "cluster_slo_vs_rate.png"
-    fig.savefig(out / name, dpi=DPI)
-    plt.close(fig)
-    return name
+    return _save(fig, out, "cluster_slo_vs_rate.png")
 
 
 def cluster_cdfs(groups: dict[str, dict], out: Path) -> str | None:
@@ -209,11 +202,7 @@ def thresholds_over_time(diurnal: dict | None, out: Path, windows: int = 30) -> 
     for a in ax[1:]:
         a.legend(fontsize=7)
         a.grid(alpha=0.3)
-    fig.tight_layout()
-    name = "thresholds_over_time.png"
-    fig.savefig(out / name, dpi=DPI)
-    plt.close(fig)
-    return name
+    return _save(fig, out, "thresholds_over_time.png")
 
 
 def tp_over_time(trace: dict | None, out: Path) -> str | None:
@@ -248,8 +237,4 @@ def predictor_calibration(pred: dict | None, out: Path) -> str | None:
         ax.set_title(f"{key}: Spearman {sp:.3f}, median ratio {pred[key].get('median_ratio', float('nan')):.2f}")
         ax.legend(fontsize=7)
     fig.suptitle(f"predictor calibration ({pred.get('model')}, {pred.get('requests')} held-out requests)")
-    fig.tight_layout()
-    name = "predictor_calibration.png"
-    fig.savefig(out / name, dpi=DPI)
-    plt.close(fig)
-    return name
+    return _save(fig, out, "predictor_calibration.png")
