@@ -117,10 +117,9 @@ class ReplicaServer:
                 owner = self._owner[rid]
             else:
                 owner = self._owner[rid] = conn_id
-        if owner != conn_id:
-            self.channel.send(conn_id, {"op": "batch", "t": time.time(), "round": self.loop.rounds, "round_ms": 0.0,
-                                        "stats": self.loop.stats(),
-                                        "items": [{"id": rid, "error": "duplicate request id", "status": 400}]})
+        if owner != conn_id:  # straight to the sender: the loop's own reject would reach the owner
+            items = [{"id": rid, "error": "duplicate request id", "status": 400}]
+            self.channel.send(conn_id, {**self.loop.batch(items), "op": "batch"})
             return
         if self.draining:
             return self.loop.reject(rid, "this replica is shutting down", 429)

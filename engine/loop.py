@@ -213,9 +213,13 @@ class RoundLoop:
                 item["row"] = self.describe(seq, seq.threshold)
         return item
 
+    def batch(self, items: list[dict]) -> Batch:
+        """A progress batch of ``items`` at this moment (the module docstring's format)."""
+        return {"t": time.time(), "round": self.rounds, "round_ms": self.last_round_s * 1e3, "stats": self.stats(),
+                "items": items}
+
     def _send(self, items: list[dict]) -> None:
         try:
-            self._emit({"t": time.time(), "round": self.rounds, "round_ms": self.last_round_s * 1e3,
-                        "stats": self.stats(), "items": items})
+            self._emit(self.batch(items))
         except Exception:  # the receiver's problem must not stop the rounds
             log.exception("publishing a round's progress failed")
