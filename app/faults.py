@@ -25,40 +25,41 @@ import time
 PROMPTS_CATEGORIES = ("reverse", "choice", "arith", "prose")
 
 
-async def _one(client, url: str, body: dict, timeout: float) -> dict:
-    """Stream one completion: its outcome, status, text, the times of its content chunks, and e2e time."""
-    out = {"outcome": "lost", "text": "", "chunks": [], "status": None}
+async def _one(transport, body: dict, timeout: float) -> dict:
+    """Stream one completion: its outcome, status, text, the times of its content chunks, and e2e time.
+
+    ``transport``: ``loadgen.http.RawTransport`` (about 0.3 ms of client CPU per request against httpx's
+    2-4 ms: at 10x overload on two cores the client must not take the CPU the service is measured on)."""
+    out = {"outcome": "lost", "text": "", "chunks": [], "status": None, "retry_after": None}
     t0 = time.monotonic()
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
-            out["status"] = r.status_code
-            out["retry_after"] = r.headers.get("retry-after")
-            if r.status_code != 200:
-                raw = await r.aread()
+        async with asyncio.timeout(timeout), transport.stream("/v1/completions", json.dumps(body).encode(), {}) as r:
+            out["status"], out["retry_after"] = r.status, r.headers.get("retry-after")
+            if r.status != 200:  # failed cleanly: an OpenAI-style error body, or Serve's proxy's own 429 +
+                raw = await r.read()  # Retry-After (plain text); any other error (a plain 500) counts as lost
                 try:
-                    err = json.loads(raw)["error"]
-                    out["outcome"], out["error"] = "failed", err["message"]
+                    out["outcome"], out["error"] = "failed", json.loads(raw)["error"]["message"]
                 except (ValueError, KeyError, TypeError):
                     out["error"] = raw[:200].decode(errors="replace")
-                return out
-            finished = False
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    out["outcome"] = "completed" if finished else out["outcome"]
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    out["outcome"], out["error"] = "failed", chunk["error"]["message"]
-                    continue
-                choice = chunk["choices"][0]
-                if choice.get("text"):
-                    out["text"] += choice["text"]
-                    out["chunks"].append(time.monotonic())
-                if choice.get("finish_reason"):
-                    finished = True
+                    if r.status == 429 and out["retry_after"] is not None:
+                        out["outcome"] = "failed"
+            else:
+                finished = False
+                async for line in r.lines():
+                    if line == "data: [DONE]":
+                        out["outcome"] = "completed" if finished else out["outcome"]
+                        break
+                    if line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            out["outcome"], out["error"] = "failed", chunk["error"]["message"]
+                            continue
+                        choice = chunk["choices"][0]
+                        if choice.get("text"):
+                            out["text"] += choice["text"]
+                            out["chunks"].append(time.monotonic())
+                        if choice.get("finish_reason"):
+                            finished = True
     except Exception as exc:  # a broken connection or a timeout: lost
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["e2e_s"] = time.monotonic() - t0
@@ -109,10 +110,12 @@ async def _drive(url: str, n: int, rate: float, kills: int, timeout: float,
     import httpx
 
     from engine import tasks
+    from loadgen.http import RawTransport
 
     examples = [e for e in tasks.heldout_set(4 * n) if e.category in PROMPTS_CATEGORIES][:n]
     reports: list = []
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 8)) as client:
+    transport = RawTransport(url, timeout_s=timeout)
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=8)) as client:
         t0 = time.monotonic()
         span = n / rate
         kill_at = [span * (k + 1) / (kills + 1) for k in range(kills)]  # spread over the arrivals
@@ -122,8 +125,9 @@ async def _drive(url: str, n: int, rate: float, kills: int, timeout: float,
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
             body = {"prompt": ex.prompt, "max_tokens": 96 if ex.category == "prose" else 24, "stream": True,
                     "threshold": 0.999, "slo_ms": 30_000}
-            jobs.append(asyncio.create_task(_one(client, url, body, timeout)))
+            jobs.append(asyncio.create_task(_one(transport, body, timeout)))
         results = await asyncio.gather(*jobs)
+        await transport.aclose()
         await injector
         dispatch = (await client.get(f"{url}/debug/instances", timeout=30)).json()["dispatch"]
     for r, ex in zip(results, examples):
@@ -235,38 +239,6 @@ def planner_rate(max_tokens: int, prompt_tokens: int, profile: str = "cpu-tiny-b
     return lo, plan(max(lo, 1e-3)).slo_ms["req"]
 
 
-async def _one_raw(transport, body: dict, timeout: float) -> dict:
-    """``_one`` on the lean raw transport (about 0.3 ms of client CPU per request against httpx's 2-4 ms):
-    at 10x overload on two cores the client must not take the CPU the service is measured on."""
-    out = {"outcome": "lost", "status": None, "retry_after": None}
-    t0 = time.monotonic()
-    try:
-        async with asyncio.timeout(timeout), transport.stream("/v1/completions", json.dumps(body).encode(), {}) as r:
-            out["status"], out["retry_after"] = r.status, r.headers.get("retry-after")
-            if r.status != 200:  # an error status with a body: failed cleanly (Serve's proxy answers its own
-                raw = await r.read()  # 429s in plain text)
-                try:
-                    out["outcome"], out["error"] = "failed", json.loads(raw)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    out["outcome"], out["error"] = "failed", raw[:200].decode(errors="replace")
-            else:
-                finished = False
-                async for line in r.lines():
-                    if line == "data: [DONE]":
-                        out["outcome"] = "completed" if finished else out["outcome"]
-                        break
-                    if line.startswith("data: "):
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            out["outcome"], out["error"] = "failed", chunk["error"]["message"]
-                        elif chunk["choices"][0].get("finish_reason"):
-                            finished = True
-    except Exception as exc:  # a broken connection or a timeout: lost
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    out["e2e_s"] = time.monotonic() - t0
-    return out
-
-
 async def _offer(url: str, rate: float, seconds: float, body, timeout: float) -> list[dict]:
     from loadgen.http import RawTransport
 
@@ -274,7 +246,7 @@ async def _offer(url: str, rate: float, seconds: float, body, timeout: float) ->
     jobs, t0, i = [], time.monotonic(), 0
 
     async def one(i: int) -> dict:
-        out = await _one_raw(transport, body(i), timeout)
+        out = await _one(transport, body(i), timeout)
         out["sent_s"] = i / rate
         return out
 
@@ -393,12 +365,15 @@ def run_cancel(cycles: int = 1000, concurrency: int = 8, port: int = 8790) -> di
 
 
 # ---- ingress restart and redeploy ---------------------------------------------------------------------
-async def _long_streams(client, url: str, n: int) -> list:
+async def _long_streams(url: str, n: int) -> list:
     """``n`` long streaming completions (one token per step), started together."""
+    from loadgen.http import RawTransport
+
+    transport = RawTransport(url, timeout_s=300)
     prompts = [f"story: {a} {k}" for a in ("fox", "owl", "elk", "cat") for k in (6, 8)]
     body = [{"prompt": prompts[i % len(prompts)], "max_tokens": 200, "threshold": 0.9999, "stream": True}
             for i in range(n)]
-    return [asyncio.create_task(_one(client, url, b, 300)) for b in body]
+    return [asyncio.create_task(_one(transport, b, 300)) for b in body]
 
 
 async def _until_streaming(client, url: str, n: int, limit_s: float = 60.0) -> None:
@@ -447,7 +422,7 @@ def run_ingress_restart(streams: int = 8, port: int = 8790) -> dict:
 
     async def drive(url: str):
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=streams + 8)) as client:
-            jobs = await _long_streams(client, url, streams)
+            jobs = await _long_streams(url, streams)
             await _until_streaming(client, url, streams)
             (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                        if "#Ingress#" in a["name"]]
@@ -474,7 +449,7 @@ def run_redeploy(streams: int = 8, port: int = 8790) -> dict:
 
     async def drive(url: str):
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=streams + 8)) as client:
-            jobs = await _long_streams(client, url, streams)
+            jobs = await _long_streams(url, streams)
             await _until_streaming(client, url, streams)
             t0 = time.monotonic()
             serve.run(build_app({**args, "served_model_name": "tiny-bd-v2"}), name="remask", route_prefix="/",
