@@ -25,6 +25,10 @@ class AppConfig(BaseModel):
     max_waiting: int = Field(256, ge=1, description="waiting requests per instance before 429")
     predictors: bool = Field(True, description="use the model's trained work predictors (admission + refinement) "
                                                "when shipped; otherwise one round per block is assumed")
+    lookahead_blocks: int = Field(8, ge=0, description="with predictors, a block-causal request whose first "
+                                                       "block does not end its answer appends this many masked "
+                                                       "blocks to its second round to read where it ends "
+                                                       "(refinement); 0: off")
     cache: str = Field("dual", description="approximate cache of full-sequence models: none | prefix | dual")
     router_policy: str = Field("remask", description="cluster router: remask | fixed-threshold | "
                                                      "dynamic-no-load-control | infaas | llumnix")

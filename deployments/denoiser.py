@@ -59,7 +59,7 @@ class Denoiser:
         from predictors.features import state_row
 
         try:
-            load_predictors(self.cfg.model).attach(self.instance)
+            load_predictors(self.cfg.model).attach(self.instance, lookahead=self.cfg.lookahead_blocks)
         except PredictorError as exc:
             log.warning("no work predictors: %s; assuming one round per block", exc)
             return None

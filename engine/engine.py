@@ -21,7 +21,7 @@ from engine.kv_cache import ApproxCache, ExactCache
 from engine.models.transformer import DLMTransformer
 from engine.runner import TorchRunner
 from engine.sched_types import StepKind
-from engine.sequence import SamplingParams, Sequence, Status, StepReport
+from engine.sequence import SamplingParams, Sequence, Status, StepInput, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,13 @@ class Engine:
         # Called once per round with the sequences that just ran their first denoising
         # round (``seq.first_hidden`` set); it sets ``seq.refined_rounds`` (predictors/).
         self.refine_hook: Callable[[list[Sequence]], None] | None = None
+        # Lookahead (block-causal models): a block-causal first round computes only the first block,
+        # so its P(EOS) says nothing about where a longer answer ends. With ``lookahead`` = k > 0, a
+        # request whose first block does not end runs its next round with the next k still-masked
+        # blocks of its budget appended (block-causal attention keeps the real rows blind to them:
+        # logits, K/V and hidden rows unchanged; their K/V are dropped), and is refined after that
+        # round with P(EOS) over those blocks too, as a full-sequence model's first round gives it.
+        self.lookahead = 0
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -120,17 +127,29 @@ class Engine:
             self._ensure_cache(seq)
             seq.status = Status.RUNNING
         inputs = [seq.build_step() for seq in plan]
-        outputs = self.runner.run(inputs) if inputs else []
+        ran = [self._with_lookahead(seq, inp) for seq, inp in zip(plan, inputs)]
+        outputs = self.runner.run(ran) if ran else []
         reports = []
         first = []
-        for seq, inp, out in zip(plan, inputs, outputs):
-            reports.append(seq.apply(inp, out.logits, out.fresh))
-            if seq.rounds == 1 and inp.kind is not StepKind.PREFILL:  # its first denoising round
+        for seq, inp, big, out in zip(plan, inputs, ran, outputs):
+            t = len(inp.ids)
+            reports.append(seq.apply(inp, out.logits[:t], out.fresh[:, :, :, :t]))
+            if inp.kind is StepKind.PREFILL:
+                continue
+            if seq.rounds == 1:  # its first denoising round
                 bs, be = seq.blocks[0]
-                seq.first_hidden = out.hidden[(inp.pos >= bs) & (inp.pos < be)].mean(0)
+                seq.first_hidden = out.hidden[:t][(inp.pos >= bs) & (inp.pos < be)].mean(0)
                 seq.first_confidences = reports[-1].confidences
-                seq.first_eos = self._eos_probs(seq, inp, out.logits)
+                seq.first_eos = self._eos_probs(seq, big, out.logits)
                 first.append(seq)
+            elif big is not inp:  # the lookahead round: P(EOS) past what the first round saw
+                seen = seq.out_start + len(seq.first_eos)
+                ahead = self._eos_probs(seq, big, out.logits)
+                skip = seen - max(seq.out_start, int(big.pos[0]) + self.cfg.logits_shift)
+                seq.first_eos = torch.cat([seq.first_eos, ahead[max(skip, 0):]])
+                first.append(seq)
+        if self.lookahead:
+            first = self._defer_for_lookahead(first)
         if first and self.refine_hook is not None:
             try:
                 self.refine_hook(first)
@@ -138,8 +157,35 @@ class Engine:
                 log.exception("refine hook failed; refinement is off for this engine")
                 self.refine_hook = None
         self.rounds += bool(plan)
-        comp = [(i.kind.value, len(i.ids), 0 if i.ctx_pos is None else len(i.ctx_pos)) for i in inputs]
+        comp = [(i.kind.value, len(i.ids), 0 if i.ctx_pos is None else len(i.ctx_pos)) for i in ran]
         return RoundResult(reports, time.perf_counter() - t0, comp)
+
+    def _defer_for_lookahead(self, first: list[Sequence]) -> list[Sequence]:
+        """Of the requests that just ran their first round, those of a block-causal model whose
+        first block probably does not end the answer wait one round for the lookahead."""
+        fresh = [s for s in first if s.rounds == 1 and s.cfg.attention == "block_causal"]
+        if not fresh:
+            return first
+        ends = torch.stack([s.first_eos[-1] for s in fresh]).tolist()  # one host sync for the round
+        later = {id(s) for s, p in zip(fresh, ends)
+                 if p < 0.5 and not s.finished and s.out_start + len(s.first_eos) < s.out_end}
+        for s in fresh:
+            if id(s) in later:
+                s.refine_at, s.lookahead_blocks = 2, self.lookahead
+        return [s for s in first if id(s) not in later]
+
+    def _with_lookahead(self, seq: Sequence, inp: StepInput) -> StepInput:
+        """``inp``, extended by ``seq.lookahead_blocks`` masked blocks after it (within the output) when
+        this is the lookahead round of a request (``seq.refine_at`` moved to this round)."""
+        if seq.refine_at != seq.rounds + 1 or seq.rounds == 0 or inp.kind is StepKind.PREFILL:
+            return inp
+        end = int(inp.pos[-1]) + 1
+        stop = min(seq.out_end, end + seq.lookahead_blocks * self.cfg.block_size)
+        if end >= stop:
+            return inp
+        extra = torch.arange(end, stop, dtype=inp.pos.dtype)
+        ids = torch.cat([inp.ids, torch.full_like(extra, self.cfg.mask_token_id, dtype=inp.ids.dtype)])
+        return StepInput(inp.kind, ids, torch.cat([inp.pos, extra]), inp.ctx_kv, inp.ctx_pos, inp.mode)
 
     def _eos_probs(self, seq: Sequence, inp, logits: torch.Tensor) -> torch.Tensor:
         """P(EOS) at the output positions this step's logits predict (on their device, no sync):

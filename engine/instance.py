@@ -6,7 +6,8 @@ kind, which the plan carries. The admission estimate of rounds comes from an
 ``estimator`` (``predictors.bundle.Predictors.admission_estimate`` when trained
 predictors are loaded; the fallback assumes one round per output block). The
 refined estimate is whatever the engine's refine hook wrote into
-``seq.refined_rounds`` during the first denoising round, or an explicit
+``seq.refined_rounds`` after the first denoising round (the second when the engine's lookahead
+ran), or an explicit
 ``refiner(seq)`` (the simulator's calibrated stand-in).
 """
 
@@ -116,6 +117,11 @@ class Instance:
                 result = self.execute(plan)
                 wait()
                 self._failed_rounds = 0
+                # rank 0's engine chose the requests whose next round runs the lookahead: the followers'
+                # forwards must have the same shapes
+                self._commands += [("lookahead", s.req_id, seq.lookahead_blocks) for s in plan.slots
+                                   if (seq := self.seqs.get(s.req_id)) is not None and seq.rounds == 1
+                                   and seq.refine_at == 2]
             except Exception as exc:
                 # a lost rank or a broken collective: the ranks can no longer run rounds together. A round
                 # that failed with every rank alive (a bad input, say) fails like any other, unless the
@@ -151,7 +157,8 @@ def execute_plan(engine: Engine, seqs_by_id: dict[str, Sequence], plan: RoundPla
     outcomes = []
     for slot, seq, rep in zip(plan.slots, seqs, result.reports):
         refined = None
-        if seq.rounds == 1 and rep.kind.value != "prefill":  # the refinement point: after the first round
+        if seq.rounds == seq.refine_at and rep.kind.value != "prefill":  # the refinement point (round 1, or 2
+            # when the engine's lookahead ran)
             refined = refiner(seq) if refiner is not None else seq.refined_rounds
         outcomes.append(StepOutcome(slot.req_id, rep.kind, rep.committed, rep.block_done, rep.finished,
                                     None if rep.finished else seq.next_kind(), refined))
@@ -175,6 +182,10 @@ class Follower:
                 seq = self.seqs.get(cmd[1])
                 if seq is not None:
                     seq.threshold = cmd[2]
+            elif cmd[0] == "lookahead":
+                seq = self.seqs.get(cmd[1])
+                if seq is not None:
+                    seq.refine_at, seq.lookahead_blocks = 2, cmd[2]
             else:
                 seq = self.seqs.pop(cmd[1], None)
                 if seq is not None:

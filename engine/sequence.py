@@ -114,8 +114,10 @@ class Sequence:
         self.rounds = 0  # decoding steps (everything but prefill)
         self.first_hidden: torch.Tensor | None = None  # pooled rows of the first denoising round's block
         self.first_confidences: torch.Tensor | None = None  # that round's confidences of the masked positions
-        self.first_eos: torch.Tensor | None = None  # that round's P(EOS) at the output positions it saw, in order
+        self.first_eos: torch.Tensor | None = None  # P(EOS) at the output positions it saw, in order (+ lookahead)
         self.refined_rounds: float | None = None  # set once by the engine's refine hook
+        self.refine_at = 1  # the round after which it is refined (2: the engine's lookahead runs first)
+        self.lookahead_blocks = 0  # masked blocks that lookahead round appends
         self.last_confidences: torch.Tensor | None = None  # the last step's confidences of masked positions
 
     # ---- what the scheduler needs -------------------------------------------------

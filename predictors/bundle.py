@@ -17,6 +17,7 @@ from predictors.refine import Refiner
 from predictors.step import StepPredictor
 
 ARTIFACTS_DIR = Path(__file__).resolve().parent / "artifacts"
+LOOKAHEAD_BLOCKS = 8  # masked blocks a block-causal request's lookahead round appends (Engine.lookahead)
 FILES = ("admission.txt", "refine.safetensors", "step.txt", "meta.json")
 
 
@@ -44,14 +45,22 @@ class Predictors:
         row = admission_row(seq.prompt_text, len(seq.prompt_ids), seq.threshold)
         return self.admission.predict_one(row)
 
-    def attach(self, instance) -> None:
+    def attach(self, instance, lookahead: int = LOOKAHEAD_BLOCKS) -> None:
         """Admission estimates for new requests; refinement inside the engine's rounds."""
         want = instance.engine.cfg.hidden_size + 8
         if self.refiner.mean.numel() != want:
             raise PredictorError(f"these predictors take {self.refiner.mean.numel()} inputs, the model gives {want}: "
                                  f"retrain them (`remask predictors train --model {self.meta.get('model')}`)")
         instance.estimator = self.admission_estimate
-        instance.engine.refine_hook = self.refiner.hook
+        self.hook_into(instance.engine, lookahead)
+
+    def hook_into(self, engine, lookahead: int = LOOKAHEAD_BLOCKS) -> None:
+        """Refinement inside ``engine``'s rounds, with the engine's lookahead on (``lookahead`` blocks):
+        a block-causal request whose first block does not end its answer is refined after its
+        second round, with P(EOS) over the blocks after it (the refiner's structural term), as
+        when these predictors were collected."""
+        engine.refine_hook = self.refiner.hook
+        engine.lookahead = lookahead
 
     def save(self, out: str | Path) -> Path:
         out = Path(out)

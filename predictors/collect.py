@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from predictors.bundle import LOOKAHEAD_BLOCKS
 from predictors.features import admission_row, confidence_stats, state_row
 
 DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
@@ -89,6 +90,7 @@ def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", pr
     from engine.sequence import SamplingParams
 
     ds = Dataset(model, block_size=engine.cfg.block_size)
+    engine.lookahead = LOOKAHEAD_BLOCKS  # P(EOS) past the first block for longer answers, as served
     bar = tqdm(total=len(examples) * len(thresholds), desc=f"collect {model}", unit="req", disable=not progress)
     for t in thresholds:
         seqs = [engine.add_request(ex.prompt, SamplingParams(threshold=t)) for ex in examples]

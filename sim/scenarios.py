@@ -129,7 +129,7 @@ def _run_model_policy(sc: Scenario, specs, policy: str, profile):
     if sc.predictors:
         from predictors.bundle import load_predictors
 
-        engine.refine_hook = load_predictors(sc.workload).refiner.hook
+        load_predictors(sc.workload).hook_into(engine)
     fresh = [SimRequestSpec(**{**vars(s), "extra": dict(s.extra)}) for s in specs]
     return simulate(fresh, sched, ModelInTheLoopRunner(engine, profile, sc.threshold), clock)
 

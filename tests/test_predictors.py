@@ -108,6 +108,39 @@ def test_engine_records_first_round_eos_without_changing_tokens():
     assert expected_blocks([seq.first_eos], engine.cfg.block_size, [21]).item() == pytest.approx(1.0, abs=0.05)
 
 
+def test_lookahead_reads_the_whole_budget_and_leaves_decoding_alone():
+    """With lookahead, a block-causal request whose first block does not end its answer runs its
+    second round with the masked rest of its budget appended and is refined after it: tokens,
+    rounds and first-block hidden rows are those without lookahead, P(EOS) then covers the budget,
+    and a long story is expected to run several blocks. Answers that end in their first block are
+    refined after round 1 with no lookahead."""
+    from engine.loading import load_engine
+    from engine.sequence import SamplingParams
+
+    prompts = ["rev: abc", "story: cat 5", "12+7="]  # 5 sentences: past 3 blocks, within the budget
+    runs = {}
+    for lookahead in (0, 8):
+        engine = load_engine("tiny-bd", max_slots=4)
+        engine.lookahead = lookahead
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=64)) for p in prompts]
+        tokens = []
+        while not all(s.finished for s in seqs):
+            tokens.append(engine.step().composition)
+        runs[lookahead] = seqs, tokens
+    (plain, plain_rounds), (ahead, ahead_rounds) = runs[0], runs[8]
+    for a, b in zip(plain, ahead):
+        assert a.output_ids() == b.output_ids() and a.rounds == b.rounds
+        assert torch.allclose(a.first_hidden, b.first_hidden, atol=1e-5)
+    assert [s.refine_at for s in ahead] == [1, 2, 1]
+    assert [len(s.first_eos) for s in ahead] == [8, 64, 8]
+    # one round ran longer: the story's second, by the masked blocks after the one it decoded
+    extra = [sum(n for _, n, _ in a) - sum(n for _, n, _ in p) for a, p in zip(ahead_rounds, plain_rounds)]
+    assert sorted(extra)[-2] == 0 and max(extra) in (48, 56)
+    blocks = expected_blocks([s.first_eos for s in ahead], 8, [8, 8, 8])
+    assert blocks[1] > 3.0 > blocks[0] and blocks[2] < 1.5
+    assert len(ahead[1].output_ids()) > 3 * 8
+
+
 def test_online_step_error_beats_oneshot_and_interval_choice():
     rng = np.random.default_rng(2)
     rows, remaining, done, req = [], [], [], []
@@ -180,3 +213,33 @@ def test_collect_train_eval_cli(tmp_path, capsys):
     assert set(report) >= {"admission", "refined", "step", "admission_us", "refine_ms_per_round"}
     assert report["requests"] == 10 and report["step"]["interval"] >= 1
     assert main(["predictors", "eval", "--artifacts", str(tmp_path / "none"), *common]) == 2  # clear error
+
+
+def test_tensor_parallel_followers_run_the_lookahead_with_rank_0():
+    """Rank 0's engine decides which requests run the lookahead; a follower rank (its own engine,
+    no predictors) learns it from rank 0's commands, so every forward has the same shapes on both."""
+    from engine.instance import Follower, Instance
+    from engine.loading import load_engine
+    from engine.sequence import SamplingParams
+
+    def recording(engine, seen):  # each round's forward shapes
+        inner = engine.step
+        engine.step = lambda plan=None: (lambda r: (seen.append(r.composition), r)[1])(inner(plan))
+        return engine
+
+    seen, follow_seen = [], []
+    follower = Follower(recording(load_engine("tiny-bd", max_slots=4), follow_seen))
+
+    def mirror(commands, plan):
+        follower.step(commands, plan)
+        return lambda: None
+
+    engine = recording(load_engine("tiny-bd", max_slots=4), seen)
+    load_predictors("tiny-bd").hook_into(engine)
+    inst = Instance(engine, slots=4, mirror=mirror)
+    for i, p in enumerate(["story: cat 4", "rev: abc", "story: dog 2"]):
+        inst.add_request(f"r{i}", p, SamplingParams(max_tokens=96))
+    inst.run()
+    assert follow_seen == seen
+    assert any(n > 16 for comp in seen for _, n, _ in comp)  # a lookahead round ran
+    assert inst.outputs["r1"].text == "cba"
