@@ -67,8 +67,9 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.rounds = 0
-        # Called once per round with the sequences that just ran their first denoising
-        # round (``seq.first_hidden`` set); it sets ``seq.refined_rounds`` (predictors/).
+        # Called once per round with the sequences that just reached their refinement point (their
+        # first denoising round, ``seq.first_hidden`` set, or the lookahead round after it); it sets
+        # ``seq.refined_rounds`` (predictors/).
         self.refine_hook: Callable[[list[Sequence]], None] | None = None
         # Lookahead (block-causal models): a block-causal first round computes only the first block,
         # so its P(EOS) says nothing about where a longer answer ends. With ``lookahead`` = k > 0, a
@@ -142,11 +143,12 @@ class Engine:
                 seq.first_confidences = reports[-1].confidences
                 seq.first_eos = self._eos_probs(seq, big, out.logits)
                 first.append(seq)
-            elif big is not inp:  # the lookahead round: P(EOS) past what the first round saw
-                seen = seq.out_start + len(seq.first_eos)
-                ahead = self._eos_probs(seq, big, out.logits)
-                skip = seen - max(seq.out_start, int(big.pos[0]) + self.cfg.logits_shift)
-                seq.first_eos = torch.cat([seq.first_eos, ahead[max(skip, 0):]])
+            elif seq.rounds == seq.refine_at:  # the lookahead round: P(EOS) past what the first round saw
+                if big is not inp:
+                    seen = seq.out_start + len(seq.first_eos)
+                    ahead = self._eos_probs(seq, big, out.logits)
+                    skip = seen - max(seq.out_start, int(big.pos[0]) + self.cfg.logits_shift)
+                    seq.first_eos = torch.cat([seq.first_eos, ahead[max(skip, 0):]])
                 first.append(seq)
         if self.lookahead:
             first = self._defer_for_lookahead(first)
@@ -189,7 +191,8 @@ class Engine:
 
     def _eos_probs(self, seq: Sequence, inp, logits: torch.Tensor) -> torch.Tensor:
         """P(EOS) at the output positions this step's logits predict (on their device, no sync):
-        the first block for a block-causal model, the whole canvas for a full-sequence one."""
+        the first block for a block-causal model (plus the appended blocks in a lookahead round),
+        the whole canvas for a full-sequence one."""
         target = inp.pos.to(logits.device) + self.cfg.logits_shift  # the position each logits row predicts
         seen = (target >= seq.out_start) & (target < seq.out_end)
         rows = logits[seen].float()  # exp(l_eos - logsumexp(l)): no second vocabulary-wide tensor as softmax makes

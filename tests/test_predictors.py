@@ -215,6 +215,22 @@ def test_collect_train_eval_cli(tmp_path, capsys):
     assert main(["predictors", "eval", "--artifacts", str(tmp_path / "none"), *common]) == 2  # clear error
 
 
+def test_a_deferred_request_is_refined_even_with_nothing_left_to_append():
+    """A story with a two-block budget: deferred after round 1, its lookahead round may already be
+    its last block (nothing to append); it is refined after that round all the same."""
+    from engine.loading import load_engine
+    from engine.sequence import SamplingParams
+
+    engine = load_engine("tiny-bd", max_slots=4)
+    load_predictors("tiny-bd").hook_into(engine)
+    seq = engine.add_request("story: owl 4", SamplingParams(max_tokens=16))
+    while not seq.finished:
+        engine.step()
+        if seq.rounds == 1:
+            assert seq.refine_at == 2 and seq.refined_rounds is None
+    assert seq.refined_rounds is not None and seq.rounds >= 2
+
+
 def test_tensor_parallel_followers_run_the_lookahead_with_rank_0():
     """Rank 0's engine decides which requests run the lookahead; a follower rank (its own engine,
     no predictors) learns it from rank 0's commands, so every forward has the same shapes on both."""
