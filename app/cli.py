@@ -12,8 +12,13 @@ from engine.argtypes import thresholds as _thresholds
 
 def cmd_train_default(args) -> int:
     from engine.loading import DEFAULT_MODELS, DEFAULTS_DIR
-    from engine.training import train, train_default
+    from engine.training import average_checkpoints, train, train_default
 
+    if args.average:
+        if not args.out:
+            raise SystemExit("--average needs --out")
+        print(f"saved the average of {len(args.average)} checkpoints to {average_checkpoints(args.average, args.out)}")
+        return 0
     names = DEFAULT_MODELS if args.model == "all" else (args.model,)
     for name in names:
         out = args.out or str(DEFAULTS_DIR / name)
@@ -234,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int)
     t.add_argument("--init", help="start from this checkpoint directory instead of random weights")
     t.add_argument("--mix", type=_mix, help="category weights, e.g. lookup=0.4,prose=0.2,arith=0.2")
+    t.add_argument("--average", nargs="+", metavar="DIR",
+                   help="write the weight average of these checkpoints to --out instead of training")
     t.set_defaults(func=cmd_train_default)
 
     e = sub.add_parser("eval", help="accuracy and rounds on the held-out task suite")

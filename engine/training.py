@@ -264,6 +264,24 @@ def _save(model: DLMTransformer, tok: CharTokenizer, out_dir: Path, step: int, s
     tok.save(out_dir)
 
 
+def average_checkpoints(dirs: list[str | Path], out_dir: str | Path) -> Path:
+    """The element-wise mean of several checkpoints of one architecture (a weight average of runs
+    continued from the same weights: it smooths the noise each run's last steps leave)."""
+    from engine.models.checkpoint import load_remask
+
+    if len(dirs) < 2:
+        raise ValueError("average at least two checkpoints")
+    models = [load_remask(d) for d in dirs]
+    if any(m.config != models[0].config for m in models[1:]):
+        raise ValueError("checkpoints to average must share one configuration")
+    avg = DLMTransformer(models[0].config)
+    states = [m.state_dict() for m in models]
+    avg.load_state_dict({k: sum(st[k].float() for st in states) / len(states) for k in states[0]})
+    save_pretrained(avg, out_dir, metadata={"averaged": ",".join(str(Path(d).name) for d in dirs)})
+    CharTokenizer.default().save(out_dir)
+    return Path(out_dir)
+
+
 # The recipe of the shipped weights: a uniform phase, then a phase that weights
 # long-context lookup (the slowest category to learn) more heavily. Step counts
 # are those the shipped weights took on 2 CPU cores (README, "Training").

@@ -37,3 +37,15 @@ def test_short_training_lowers_the_loss_and_saves_a_loadable_checkpoint(tmp_path
     assert model.config.attention == "block_causal" and (out / "tokenizer.json").exists()
     with pytest.raises(ValueError, match="unknown default model"):
         training.default_config("nope", CharTokenizer.default())
+
+
+def test_average_checkpoints_is_the_mean_of_the_weights(tmp_path):
+    a = training.train("tiny-bd", tmp_path / "a", steps=2, batch_size=4, progress=False, seed=1)
+    b = training.train("tiny-bd", tmp_path / "b", steps=2, batch_size=4, progress=False, seed=2)
+    out = training.average_checkpoints([a, b], tmp_path / "avg")
+    ma, mb, mo = (load_remask(d).state_dict() for d in (a, b, out))
+    for k in mo:
+        torch.testing.assert_close(mo[k], (ma[k] + mb[k]) / 2)
+    assert not torch.equal(ma["lm_head.weight"], mb["lm_head.weight"])
+    with pytest.raises(ValueError, match="at least two"):
+        training.average_checkpoints([a], tmp_path / "x")
