@@ -16,7 +16,7 @@ def cmd_train_default(args) -> int:
 
     if args.average:
         if not args.out:
-            raise SystemExit("--average needs --out")
+            raise ValueError("--average needs --out")
         print(f"saved the average of {len(args.average)} checkpoints to {average_checkpoints(args.average, args.out)}")
         return 0
     names = DEFAULT_MODELS if args.model == "all" else (args.model,)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,7 +279,8 @@ def average_checkpoints(dirs: list[str | Path], out_dir: str | Path) -> Path:
     states = [m.state_dict() for m in models]
     avg.load_state_dict({k: sum(st[k].float() for st in states) / len(states) for k in states[0]})
     save_pretrained(avg, out_dir, metadata={"averaged": ",".join(str(Path(d).name) for d in dirs)})
-    CharTokenizer.default().save(out_dir)
+    for f in Path(dirs[0]).glob("tokenizer*.json"):  # the checkpoints' own tokenizer
+        shutil.copy(f, Path(out_dir) / f.name)
     return Path(out_dir)
 
 

@@ -4,7 +4,7 @@ the predictors learn from.
 Per request and threshold: the admission features, the output budget, total
 rounds and rounds per block, whether the answer was correct, the pooled
 final-layer hidden rows of the first denoising round and its P(EOS) at the
-output positions it saw, and one step-feature
+output positions it saw (with the engine's lookahead, as served), and one step-feature
 row after every denoising step with the steps that remained after it.
 """
 

@@ -48,9 +48,10 @@ def expected_blocks(p_eos: list[torch.Tensor | None], block_size: int, n_blocks:
 
     Answers are padded with EOS in training, so block k > 0 is decoded iff its first position is not
     EOS: P(reach k) = 1 - P(EOS at k * block_size), made non-increasing in k. Past the positions the
-    round saw (a block-causal model sees its first block only) the answer runs on to the budget with
-    the probability that the last position seen is not EOS. ``None`` (nothing seen) counts as one
-    block. Batched on the tensors' device, no host synchronisation."""
+    round saw (a block-causal model sees its first block, and the engine's lookahead blocks after it)
+    the answer runs on to the budget with the probability that the last position seen is not EOS.
+    ``None`` (nothing seen) counts as one block. Batched on the tensors' device, no host
+    synchronisation."""
     seen = [torch.ones(1) if p is None or p.numel() == 0 else p.detach().float().flatten() for p in p_eos]
     dev = seen[0].device
     probs = torch.nn.utils.rnn.pad_sequence([p.to(dev) for p in seen], batch_first=True)  # [n, L]

@@ -240,7 +240,13 @@ def test_tensor_parallel_followers_run_the_lookahead_with_rank_0():
 
     def recording(engine, seen):  # each round's forward shapes
         inner = engine.step
-        engine.step = lambda plan=None: (lambda r: (seen.append(r.composition), r)[1])(inner(plan))
+
+        def step(plan=None):
+            result = inner(plan)
+            seen.append(result.composition)
+            return result
+
+        engine.step = step
         return engine
 
     seen, follow_seen = [], []

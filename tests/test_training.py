@@ -47,5 +47,6 @@ def test_average_checkpoints_is_the_mean_of_the_weights(tmp_path):
     for k in mo:
         torch.testing.assert_close(mo[k], (ma[k] + mb[k]) / 2)
     assert not torch.equal(ma["lm_head.weight"], mb["lm_head.weight"])
+    assert (out / "tokenizer.json").read_text() == (a / "tokenizer.json").read_text()
     with pytest.raises(ValueError, match="at least two"):
         training.average_checkpoints([a], tmp_path / "x")
