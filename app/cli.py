@@ -29,7 +29,8 @@ def cmd_train_default(args) -> int:
                           batch_size=args.batch_size)
         else:
             train(name, out, steps=args.steps or 20000, minutes=args.minutes, batch_size=args.batch_size, lr=args.lr,
-                  seed=args.seed, device=args.device, threads=args.threads, init=args.init, mix=args.mix)
+                  seed=args.seed, device=args.device, threads=args.threads, init=args.init, mix=args.mix,
+                  lookup_canvas=args.lookup_canvas)
         print(f"saved {name} to {out}")
     return 0
 
@@ -238,7 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="cpu")
     t.add_argument("--threads", type=int)
     t.add_argument("--init", help="start from this checkpoint directory instead of random weights")
-    t.add_argument("--mix", type=_mix, help="category weights, e.g. lookup=0.4,prose=0.2,arith=0.2")
+    t.add_argument("--mix", type=_mix,
+                   help="category weights, e.g. lookup=0.4,prose=0.2,arith=0.2; 'recall' is the training-only "
+                        "associative-recall task (repeated needles with masked digits)")
+    t.add_argument("--lookup-canvas", type=int,
+                   help="cap tiny-mdm's canvas at this many tokens for lookup and recall examples (faster steps)")
     t.add_argument("--average", nargs="+", metavar="DIR",
                    help="write the weight average of these checkpoints to --out instead of training")
     t.set_defaults(func=cmd_train_default)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -85,13 +86,13 @@ def _example_bd(ex: tasks.Example, tok: CharTokenizer, rng: random.Random):
     return ids, targets, [1.0] * len(ids)
 
 
-def _example_mdm(ex: tasks.Example, tok: CharTokenizer, rng: random.Random):
+def _example_mdm(ex: tasks.Example, tok: CharTokenizer, rng: random.Random, gen_len: int = GEN_LEN):
     prompt = tok.prompt_ids(ex.prompt, BLOCK)
     ans = tok.encode(ex.answer) + [tok.eos_token_id]
     if rng.random() < 0.15:
-        canvas = GEN_LEN
+        canvas = gen_len
     else:
-        canvas = min(GEN_LEN, -(-len(ans) // BLOCK) * BLOCK + BLOCK * rng.randint(0, 2))
+        canvas = min(gen_len, -(-len(ans) // BLOCK) * BLOCK + BLOCK * rng.randint(0, 2))
     full = _pad_eos(ans, canvas, tok.eos_token_id)
     ratio = rng.random()
     if rng.random() < 0.5:
@@ -108,9 +109,58 @@ def _example_mdm(ex: tasks.Example, tok: CharTokenizer, rng: random.Random):
     return ids, targets, weights
 
 
-def build_rows(name: str, examples: list[tasks.Example], tok: CharTokenizer, rng: random.Random) -> list[tuple]:
-    build = _example_bd if name == "tiny-bd" else _example_mdm
-    return [(*build(ex, tok, rng), ex.category) for ex in examples]
+# Training-only task: associative recall. A lookup prompt in which some needles appear a second time
+# with their digits masked, so every repeated needle is a target that only matching its key can fill
+# (the suite's lookup has one such target per prompt: its answer). Its examples also carry the usual
+# query and answer.
+RECALL = "recall"
+
+
+def recall_example(rng: random.Random) -> tasks.Example:
+    """A ``recall`` example: 3-5 needles, 0-3 filler sentences, 2 or more needles repeated at the end."""
+    while True:
+        keys = rng.sample(tasks.KEYS, rng.randint(3, 5))
+        values = {k: f"{rng.randrange(100):02d}" for k in keys}
+        items = [f"{k}={values[k]}." for k in keys] + rng.sample(tasks.FILLER, rng.randint(0, 3))
+        rng.shuffle(items)
+        items += [f"{k}={values[k]}." for k in rng.sample(keys, rng.randint(2, len(keys)))]
+        query = rng.choice(keys)
+        prompt = " ".join(items) + f" {query}?"
+        if not tasks.is_heldout(prompt):
+            return tasks.Example(RECALL, prompt, values[query])
+
+
+def _repeated_digits(prompt: str) -> list[int]:
+    """Character offsets of the digits of every needle whose key already appeared earlier."""
+    seen, out = set(), []
+    for m in re.finditer(r"(?:^| )([a-z])=(\d\d)\.", prompt):
+        if m.group(1) in seen:
+            out += [m.start(2), m.start(2) + 1]
+        seen.add(m.group(1))
+    return out
+
+
+def _mask_repeats(ex: tasks.Example, tok: CharTokenizer, ids: list[int], targets: list[int]) -> None:
+    first = len(tok.prompt_ids(ex.prompt, BLOCK)) - 1 - len(ex.prompt)  # token index of the prompt's first char
+    for c in _repeated_digits(ex.prompt):
+        targets[first + c], ids[first + c] = ids[first + c], tok.mask_token_id
+
+
+def build_rows(name: str, examples: list[tasks.Example], tok: CharTokenizer, rng: random.Random,
+               lookup_canvas: int | None = None) -> list[tuple]:
+    """Training rows; ``lookup_canvas`` caps tiny-mdm's canvas for lookup and recall examples
+    (their answers are 3 tokens, so a full canvas is mostly EOS padding and doubles the step's cost)."""
+    rows = []
+    for ex in examples:
+        if name == "tiny-bd":
+            ids, tgt, w = _example_bd(ex, tok, rng)
+        else:
+            short = lookup_canvas and ex.category in ("lookup", RECALL)
+            ids, tgt, w = _example_mdm(ex, tok, rng, lookup_canvas if short else GEN_LEN)
+        if ex.category == RECALL:
+            _mask_repeats(ex, tok, ids, tgt)
+        rows.append((ids, tgt, w, ex.category))
+    return rows
 
 
 def collate(name: str, rows: list[tuple], tok: CharTokenizer) -> Batch:
@@ -136,14 +186,15 @@ def make_batch(name: str, examples: list[tasks.Example], tok: CharTokenizer, rng
 def sample_mix(rng: random.Random, mix: dict[str, float] | None) -> tasks.Example:
     if not mix:
         return tasks.sample(rng)
-    return tasks.sample(rng, rng.choices(list(mix), weights=list(mix.values()))[0])
+    category = rng.choices(list(mix), weights=list(mix.values()))[0]
+    return recall_example(rng) if category == RECALL else tasks.sample(rng, category)
 
 
 def bucketed_batches(name: str, tok: CharTokenizer, rng: random.Random, batch_size: int, pool: int = 16,
-                     mix: dict[str, float] | None = None):
+                     mix: dict[str, float] | None = None, lookup_canvas: int | None = None):
     """Endless batches; each pool of examples is sorted by length so little is padding."""
     while True:
-        rows = build_rows(name, [sample_mix(rng, mix) for _ in range(batch_size * pool)], tok, rng)
+        rows = build_rows(name, [sample_mix(rng, mix) for _ in range(batch_size * pool)], tok, rng, lookup_canvas)
         rows.sort(key=lambda r: len(r[0]))
         chunks = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
         rng.shuffle(chunks)
@@ -190,13 +241,21 @@ def train(
     init: str | Path | None = None,
     log_every: int = 200,
     mix: dict[str, float] | None = None,
+    lookup_canvas: int | None = None,
 ) -> Path:
     """Train one default model; progress is max(step / steps, elapsed / minutes).
 
-    ``mix`` weights the task categories (uniform when None); ``init`` continues
-    from a checkpoint (a second phase with its own schedule)."""
+    ``mix`` weights the task categories and the training-only ``recall`` task
+    (uniform over the categories when None); ``init`` continues from a
+    checkpoint (a later phase with its own schedule); ``lookup_canvas`` see
+    ``build_rows``."""
     from tqdm import tqdm
 
+    known = (*tasks.CATEGORIES, RECALL)
+    if mix and set(mix) - set(known):
+        raise ValueError(f"unknown categories in mix: {sorted(set(mix) - set(known))}; known: {', '.join(known)}")
+    if lookup_canvas is not None and (lookup_canvas < BLOCK or lookup_canvas % BLOCK):
+        raise ValueError(f"lookup_canvas must be a positive multiple of {BLOCK}, got {lookup_canvas}")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -217,9 +276,7 @@ def train(
     start = last_save = time.time()
     bar = tqdm(total=steps, desc=f"train {name}", disable=not progress, mininterval=2.0)
     ema: dict[str, float] = {}
-    if mix and set(mix) - set(tasks.CATEGORIES):
-        raise ValueError(f"unknown categories in mix: {sorted(set(mix) - set(tasks.CATEGORIES))}")
-    batches = bucketed_batches(name, tok, rng, batch_size, mix=mix)
+    batches = bucketed_batches(name, tok, rng, batch_size, mix=mix, lookup_canvas=lookup_canvas)
     step = 0
     while True:
         frac = step / steps

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -50,3 +51,38 @@ def test_average_checkpoints_is_the_mean_of_the_weights(tmp_path):
     assert (out / "tokenizer.json").read_text() == (a / "tokenizer.json").read_text()
     with pytest.raises(ValueError, match="at least two"):
         training.average_checkpoints([a], tmp_path / "x")
+
+
+@pytest.mark.parametrize("name", ["tiny-bd", "tiny-mdm"])
+def test_recall_examples_mask_exactly_the_repeated_needles(name):
+    tok = CharTokenizer.default()
+    rng = random.Random(3)
+    for _ in range(20):
+        ex = training.recall_example(rng)
+        assert not tasks.is_heldout(ex.prompt) and ex.category == training.RECALL
+        (ids, tgt, _, _), = training.build_rows(name, [ex], tok, rng, lookup_canvas=24)
+        first = len(tok.prompt_ids(ex.prompt, training.BLOCK)) - 1 - len(ex.prompt)
+        masked = [i - first for i, t in enumerate(tgt) if t != -100 and 0 <= i - first < len(ex.prompt)]
+        assert all(ids[first + c] == tok.mask_token_id for c in masked)
+        # the masked characters are the digits of the needles whose key came earlier, and only those
+        needles = [(m.start(2), m.group(1), m.group(2)) for m in re.finditer(r"(?:^| )([a-z])=(\d\d)\.", ex.prompt)]
+        seen, want = {}, []
+        for start, key, value in needles:
+            if key in seen:
+                assert seen[key] == value  # a repeat states the same value
+                want += [start, start + 1]
+            seen[key] = value
+        assert masked == want and len(want) >= 4
+        assert "".join(tok.decode([tgt[first + c]]) for c in masked) == "".join(
+            ex.prompt[c] for c in masked)
+
+
+def test_mix_accepts_recall_and_rejects_unknown_names(tmp_path):
+    out = training.train("tiny-mdm", tmp_path / "m", steps=2, batch_size=4, progress=False,
+                         mix={"recall": 1.0}, lookup_canvas=16)
+    assert (out / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="unknown categories in mix.*known: choice"):
+        training.train("tiny-mdm", tmp_path / "x", steps=1, batch_size=4, progress=False, mix={"nope": 1.0})
+    with pytest.raises(ValueError, match="multiple of 8"):
+        training.train("tiny-mdm", tmp_path / "x", steps=1, batch_size=4, progress=False, lookup_canvas=12)
+    assert not (tmp_path / "x").exists()  # refused before any work
