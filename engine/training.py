@@ -141,7 +141,7 @@ def _repeated_digits(prompt: str) -> list[int]:
 
 
 def _mask_repeats(ex: tasks.Example, tok: CharTokenizer, ids: list[int], targets: list[int]) -> None:
-    first = len(tok.prompt_ids(ex.prompt, BLOCK)) - 1 - len(ex.prompt)  # token index of the prompt's first char
+    first = ids.index(tok.bos_token_id) + 1  # the row starts with the chat template: the prompt's first char
     for c in _repeated_digits(ex.prompt):
         targets[first + c], ids[first + c] = ids[first + c], tok.mask_token_id
 
