@@ -1,7 +1,9 @@
 """Resolve a model name or local path and build an engine for it.
 
 Embedded default models (``tiny-bd``, ``tiny-mdm``) ship inside the package;
-anything else must be a local HF-format directory. Nothing is downloaded.
+model presets (``llada-8b-shape``, ...: random weights of a real shape, for
+profiles and benchmarks) are built in place; anything else must be a local
+HF-format directory. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -10,11 +12,15 @@ from pathlib import Path
 
 import torch
 
+from engine.models.presets import is_preset
+
 DEFAULTS_DIR = Path(__file__).parent / "defaults"
 DEFAULT_MODELS = ("tiny-bd", "tiny-mdm")
 
 
 def resolve_model(name_or_path: str) -> Path:
+    if is_preset(name_or_path):
+        raise ValueError(f"{name_or_path!r} is a model preset (random weights), not a checkpoint directory")
     if name_or_path in DEFAULT_MODELS:
         path = DEFAULTS_DIR / name_or_path
         if not (path / "config.json").exists():
@@ -33,6 +39,11 @@ def load_engine(name_or_path: str, device: str = "cpu", dtype: torch.dtype = tor
     from engine.models.loader import load_model
     from engine.tokenizer import load_tokenizer
 
+    if is_preset(name_or_path):
+        from engine.models.presets import IdTokenizer, build_preset
+
+        model = build_preset(name_or_path, device=device, dtype=dtype)
+        return Engine(model, IdTokenizer(model.config), device=device, **engine_kwargs)
     path = resolve_model(name_or_path)
     model = load_model(path, dtype=dtype, device=device)
     return Engine(model, load_tokenizer(path), device=device, **engine_kwargs)
