@@ -129,17 +129,19 @@ class Engine:
             seq.status = Status.RUNNING
         inputs = [seq.build_step() for seq in plan]
         ran = [self._with_lookahead(seq, inp) for seq, inp in zip(plan, inputs)]
-        outputs = self.runner.run(ran) if ran else []
+        rows = [seq.decode_rows(inp) for seq, inp in zip(plan, inputs)]
+        outputs = self.runner.run(ran, rows) if ran else []
         reports = []
         first = []
         for seq, inp, big, out in zip(plan, inputs, ran, outputs):
             t = len(inp.ids)
-            reports.append(seq.apply(inp, out.logits[:t], out.fresh[:, :, :, :t]))
+            reports.append(seq.apply(inp, out.logits[:t], out.fresh[:, :, :, :t], out.top1))
             if inp.kind is StepKind.PREFILL:
                 continue
             if seq.rounds == 1:  # its first denoising round
                 bs, be = seq.blocks[0]
-                seq.first_hidden = out.hidden[:t][(inp.pos >= bs) & (inp.pos < be)].mean(0)
+                p0 = int(inp.pos[0])  # step positions are consecutive: the block's rows are a slice
+                seq.first_hidden = out.hidden[max(bs - p0, 0) : be - p0].mean(0)
                 seq.first_confidences = reports[-1].confidences
                 seq.first_eos = self._eos_probs(seq, big, out.logits)
                 first.append(seq)
@@ -193,9 +195,9 @@ class Engine:
         """P(EOS) at the output positions this step's logits predict (on their device, no sync):
         the first block for a block-causal model (plus the appended blocks in a lookahead round),
         the whole canvas for a full-sequence one."""
-        target = inp.pos.to(logits.device) + self.cfg.logits_shift  # the position each logits row predicts
-        seen = (target >= seq.out_start) & (target < seq.out_end)
-        rows = logits[seen].float()  # exp(l_eos - logsumexp(l)): no second vocabulary-wide tensor as softmax makes
+        first = int(inp.pos[0]) + self.cfg.logits_shift  # the position row 0 predicts; rows are consecutive
+        lo, hi = max(seq.out_start - first, 0), max(min(seq.out_end - first, len(inp.pos)), 0)
+        rows = logits[lo:hi].float()  # exp(l_eos - logsumexp(l)): no second vocabulary-wide tensor as softmax makes
         return torch.exp(rows[:, self.cfg.eos_token_id] - torch.logsumexp(rows, dim=-1))
 
     # ---- offline API -------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 Both keep one tensor of shape [layers, 2, kv_heads, capacity, head_dim] with
 RoPE already applied to K, so context keys can be gathered in any order.
+Contexts are slices of it (a view, or one concatenation of two slices); their
+positions are small host tensors, so building a step never waits on the device.
 
 - ``ExactCache`` (block-causal models): holds the committed prefix only; it
   grows by whole blocks (a prefill block or the commit of a finished block)
@@ -38,8 +40,8 @@ class ExactCache(_Cache):
         self.length = 0
 
     def context(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K/V [layers, 2, kv_heads, C, head_dim], positions [C]) of the committed prefix."""
-        return self.kv[:, :, :, : self.length], torch.arange(self.length, device=self.kv.device)
+        """(K/V [layers, 2, kv_heads, C, head_dim], host positions [C]) of the committed prefix."""
+        return self.kv[:, :, :, : self.length], torch.arange(self.length)
 
     def append(self, fresh: torch.Tensor, start: int) -> None:
         if start != self.length:
@@ -64,10 +66,8 @@ class ApproxCache(_Cache):
         self.filled = fresh.shape[3]
 
     def context(self, q_start: int, q_end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context for a cached step whose queries cover [q_start, q_end)."""
-        dev = self.kv.device
-        if self.variant == "prefix":
-            pos = torch.arange(q_start, device=dev)
-        else:
-            pos = torch.cat((torch.arange(q_start, device=dev), torch.arange(q_end, self.filled, device=dev)))
-        return self.kv[:, :, :, pos], pos
+        """Context (K/V, host positions) for a cached step whose queries cover [q_start, q_end)."""
+        if self.variant == "prefix" or q_end >= self.filled:
+            return self.kv[:, :, :, :q_start], torch.arange(q_start)
+        kv = torch.cat((self.kv[:, :, :, :q_start], self.kv[:, :, :, q_end : self.filled]), dim=3)
+        return kv, torch.cat((torch.arange(q_start), torch.arange(q_end, self.filled)))

@@ -2,6 +2,15 @@
 
 Steps of very different lengths (a full-sequence recompute beside 8-token
 blocks) are grouped by length so that little of each forward is padding.
+
+On a GPU a round waits on the device once, at its end: inputs are built on the
+host and copied asynchronously; each forward writes its fresh K/V straight into
+a preallocated [context | query] buffer (no concatenation per layer, and the
+step outputs are views of it); the mask is turned into an additive bias in the
+model's dtype once per forward, or dropped when nothing is masked (so SDPA may
+use its flash kernel); and the (confidence, token) of the rows each request
+decodes are gathered for the whole round and copied back in one transfer.
+On CUDA the q/k/v and gate/up projections are fused into single products.
 """
 
 from __future__ import annotations
@@ -10,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.decoding import confidence
+from engine.models.flops import forward_flops
 from engine.models.masks import allowed
 from engine.models.transformer import DLMTransformer
 from engine.sequence import StepInput
@@ -20,6 +31,7 @@ class StepOutput:
     logits: torch.Tensor  # [T, V]
     fresh: torch.Tensor  # [layers, 2, kv_heads, T, head_dim]
     hidden: torch.Tensor  # [T, hidden]: final-layer hidden rows
+    top1: tuple[torch.Tensor, torch.Tensor] | None = None  # host (confidence, token) of the requested rows
 
 
 def group_by_length(inputs: list[StepInput]) -> list[list[int]]:
@@ -35,48 +47,100 @@ def group_by_length(inputs: list[StepInput]) -> list[list[int]]:
 
 
 class TorchRunner:
-    def __init__(self, model: DLMTransformer, device: str | torch.device = "cpu") -> None:
+    def __init__(self, model: DLMTransformer, device: str | torch.device = "cpu", fuse: bool | None = None) -> None:
         self.model = model
         self.cfg = model.config
         self.device = torch.device(device)
+        if fuse if fuse is not None else self.device.type == "cuda":
+            model.fuse_projections()
         self.forwards = 0
+        self.flops = 0  # counted FLOPs of every forward so far, padding included (engine/models/flops.py)
 
     @torch.inference_mode()
-    def run(self, inputs: list[StepInput]) -> list[StepOutput]:
+    def run(self, inputs: list[StepInput], rows: list[torch.Tensor | None] | None = None) -> list[StepOutput]:
+        """Forward every step. ``rows``: per step, the host indices of the logits rows whose
+        (confidence, token) the caller needs (None: none); they come back in ``StepOutput.top1``."""
         outputs: list[StepOutput | None] = [None] * len(inputs)
+        picked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, conf, token) on the device
         for group in group_by_length(inputs):
-            for i, out in zip(group, self._forward([inputs[i] for i in group])):
+            outs = self.launch([inputs[i] for i in group])
+            for i, out in zip(group, outs):
                 outputs[i] = out
+            if rows is not None:
+                picked += self._top1(group, outs, rows)
+        if picked:
+            self._fetch(outputs, picked)
         return outputs  # type: ignore[return-value]
 
-    def _forward(self, inputs: list[StepInput]) -> list[StepOutput]:
+    def _top1(self, group: list[int], outs: list[StepOutput], rows) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(confidence, token) of the requested rows of one forward's steps, computed together."""
+        want = [(i, out, rows[i]) for i, out in zip(group, outs) if rows[i] is not None]
+        if not want:
+            return []
+        sel = torch.cat([out.logits[self._to_device(r)] for _, out, r in want])
+        conf, tok = confidence(sel, self.cfg.mask_token_id)
+        counts = [len(r) for _, _, r in want]
+        return [(i, c, t) for (i, _, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
+
+    def _fetch(self, outputs: list[StepOutput], picked) -> None:
+        """One device-to-host copy for every step's (confidence, token): the round's only wait."""
+        conf = torch.cat([c for _, c, _ in picked]).cpu()
+        tok = torch.cat([t for _, _, t in picked]).cpu()
+        counts = [len(c) for _, c, _ in picked]
+        for (i, _, _), c, t in zip(picked, conf.split(counts), tok.split(counts)):
+            outputs[i].top1 = (c, t)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _mask(self, mode: str, pos, lengths, ctx_pos, ctx_lengths) -> torch.Tensor:
+        """Bool [N, 1, T, C + T] over the padded batch, built for every step at once: a query may attend a
+        key its attention mode allows, among the step's real context and query tokens; padding rows
+        attend only to themselves, so no row is empty."""
+        n, t_max = pos.shape
+        c_max = ctx_pos.shape[1]
+        q_valid = torch.arange(t_max)[None] < lengths[:, None]
+        k_valid = torch.cat((torch.arange(c_max)[None] < ctx_lengths[:, None], q_valid), 1)
+        mask = allowed(mode, pos, torch.cat((ctx_pos, pos), 1), self.cfg.block_size)
+        mask = mask & q_valid[:, :, None] & k_valid[:, None, :]
+        mask[:, :, c_max:] |= torch.eye(t_max, dtype=torch.bool)[None] & ~q_valid[:, :, None]
+        return mask[:, None]
+
+    def launch(self, inputs: list[StepInput]) -> list[StepOutput]:
+        """One padded forward over ``inputs`` (queued on the device; nothing here waits for it)."""
         cfg, dev = self.cfg, self.device
         n = len(inputs)
         t_max = max(len(s.ids) for s in inputs)
         c_max = max((0 if s.ctx_pos is None else len(s.ctx_pos)) for s in inputs)
         ids = torch.full((n, t_max), cfg.pad_token_id, dtype=torch.long)
         pos = torch.zeros((n, t_max), dtype=torch.long)
-        mask = torch.zeros((n, 1, t_max, c_max + t_max), dtype=torch.bool)
-        past = None
-        if c_max:
-            ref = next(s.ctx_kv for s in inputs if s.ctx_kv is not None)
-            shape = (cfg.num_layers, 2, n, cfg.num_kv_heads, c_max, cfg.head_dim)
-            past = torch.zeros(shape, dtype=ref.dtype, device=dev)
+        ctx_pos = torch.zeros((n, c_max), dtype=torch.long)
+        lengths, ctx_lengths = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+        dtype = next(self.model.parameters()).dtype
+        # [context padded to c_max | query]; zeros, so padded context keys and values are finite
+        shape = (cfg.num_layers, 2, n, cfg.num_kv_heads, c_max + t_max, cfg.head_dim)
+        buf = torch.zeros(shape, dtype=dtype, device=dev)
         for i, s in enumerate(inputs):
             t = len(s.ids)
-            ids[i, :t], pos[i, :t] = s.ids, s.pos
-            mask[i, 0, :t, c_max : c_max + t] = allowed(s.mode, s.pos, s.pos, cfg.block_size)
-            mask[i, 0, torch.arange(t, t_max), torch.arange(c_max + t, c_max + t_max)] = True
+            ids[i, :t], pos[i, :t], lengths[i] = s.ids, s.pos, t
             if s.ctx_pos is not None and len(s.ctx_pos):
                 c = len(s.ctx_pos)
-                mask[i, 0, :t, :c] = allowed(s.mode, s.pos, s.ctx_pos, cfg.block_size)
-                past[:, :, i, :, :c] = s.ctx_kv
-        layers_past = None if past is None else [(past[l, 0], past[l, 1]) for l in range(cfg.num_layers)]
-        logits, hidden, fresh = self.model(ids.to(dev), pos.to(dev), mask.to(dev), layers_past)
+                ctx_pos[i, :c], ctx_lengths[i] = s.ctx_pos, c
+                buf[:, :, i, :, :c] = s.ctx_kv
+        modes = {s.mode for s in inputs}
+        if len(modes) != 1:
+            raise ValueError(f"one forward takes one attention mode, got {sorted(modes)}")
+        mask = self._mask(modes.pop(), pos, lengths, ctx_pos, ctx_lengths)
+        bias = None
+        if not bool(mask.all()):  # a host tensor: no wait
+            mask = self._to_device(mask)
+            bias = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(~mask, float("-inf"))
+        layers_past = [(buf[l, 0], buf[l, 1]) for l in range(cfg.num_layers)]
+        logits, hidden, _ = self.model(self._to_device(ids), self._to_device(pos), bias, layers_past, room=True)
         self.forwards += 1
-        kv = torch.stack([torch.stack(pair) for pair in fresh])  # [layers, 2, n, kv_heads, t_max, head_dim]
-        outs = []
-        for i, s in enumerate(inputs):
-            t = len(s.ids)
-            outs.append(StepOutput(logits[i, :t], kv[:, :, i, :, :t], hidden[i, :t]))
-        return outs
+        self.flops += forward_flops(cfg, n, t_max, c_max)
+        fresh = buf[:, :, :, :, c_max:]  # [layers, 2, n, kv_heads, t_max, head_dim]
+        return [StepOutput(logits[i, :len(s.ids)], fresh[:, :, i, :, :len(s.ids)], hidden[i, :len(s.ids)])
+                for i, s in enumerate(inputs)]

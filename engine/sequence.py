@@ -165,9 +165,20 @@ class Sequence:
         start = bs - self.cfg.logits_shift
         return self._query(start, be, kind, self.cache.context(start, be))
 
+    def decode_rows(self, step: StepInput) -> torch.Tensor | None:
+        """Rows of ``step``'s logits that predict the current block's masked positions, in order (host
+        tensor), or None for a prefill step. The runner turns these rows into (confidence, token) for
+        the whole round at once, so the round waits on the device once, not once per request."""
+        if step.kind is StepKind.PREFILL:
+            return None
+        return self._masked(self.blocks[self.block_idx]) - self.cfg.logits_shift - int(step.pos[0])
+
     # ---- applying its result --------------------------------------------------------
-    def apply(self, step: StepInput, logits: torch.Tensor, fresh: torch.Tensor) -> StepReport:
-        """logits [T, V] and fresh K/V [layers, 2, kv_heads, T, head_dim] of ``step``."""
+    def apply(self, step: StepInput, logits: torch.Tensor, fresh: torch.Tensor,
+              top1: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepReport:
+        """logits [T, V] and fresh K/V [layers, 2, kv_heads, T, head_dim] of ``step``. ``top1``: the
+        (confidence, token) of the rows ``decode_rows(step)`` named, already on the host; without it
+        they are computed here from ``logits``."""
         self.history.append(step.kind)
         q_start = int(step.pos[0])
         if step.kind is StepKind.PREFILL:
@@ -184,7 +195,9 @@ class Sequence:
             self.needs_recompute = False
         span = self.blocks[self.block_idx]
         masked = self._masked(span)
-        conf, tok = confidence(logits[masked - self.cfg.logits_shift - q_start], self.cfg.mask_token_id)
+        if top1 is None:
+            top1 = confidence(logits[masked - self.cfg.logits_shift - q_start], self.cfg.mask_token_id)
+        conf, tok = top1
         self.last_confidences = conf
         chosen = self.rule.select(conf, self.step_in_block, self.masked_at_start, self.threshold)
         self.tokens[masked[chosen]] = tok[chosen]

@@ -60,16 +60,40 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, mask, past: KV | None) -> tuple[torch.Tensor, KV]:
+        self.qkv_proj: nn.Linear | None = None  # fuse(): q, k and v in one matrix product
+
+    def fuse(self) -> None:
+        """Replace q/k/v_proj by one ``qkv_proj`` (same weights, one larger product). For inference:
+        the state dict then holds the fused name, so fuse after loading and sharding, never before saving."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
+                          device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
+
+    def forward(self, x, cos, sin, mask, past: KV | None, room: bool = False) -> tuple[torch.Tensor, KV]:
+        """``room``: ``past`` holds C + T positions and this call writes its T fresh K/V into the last T in
+        place (no concatenation per layer); otherwise ``past`` is the C context positions only."""
         n, t, _ = x.shape
-        q = self.q_proj(x).view(n, t, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(n, t, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(n, t, self.nkv, self.hd).transpose(1, 2)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split((self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd), -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, t, self.nh, self.hd).transpose(1, 2)
+        k = k.view(n, t, self.nkv, self.hd).transpose(1, 2)
+        v = v.view(n, t, self.nkv, self.hd).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = k, v
-        if past is not None and past[0].shape[2]:
+        if room:
+            keys, values = past
+            keys[:, :, -t:], values[:, :, -t:] = k, v
+            k, v = keys[:, :, -t:], values[:, :, -t:]
+        elif past is not None and past[0].shape[2]:
             keys, values = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.nkv != self.nh)
         return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), (k, v)
@@ -82,7 +106,20 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+        self.gate_up_proj: nn.Linear | None = None  # fuse(): gate and up in one matrix product
+
+    def fuse(self) -> None:
+        """Replace gate/up_proj by one ``gate_up_proj`` (as Attention.fuse)."""
+        g, u = self.gate_proj, self.up_proj
+        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=False, device=g.weight.device, dtype=g.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat((g.weight, u.weight)))
+        self.gate_up_proj, self.gate_proj, self.up_proj = fused, None, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -95,8 +132,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.reduce = None  # tensor parallelism: sums the row-parallel partial outputs across ranks
 
-    def forward(self, x, cos, sin, mask, past: KV | None) -> tuple[torch.Tensor, KV]:
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+    def forward(self, x, cos, sin, mask, past: KV | None, room: bool = False) -> tuple[torch.Tensor, KV]:
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, room)
         if self.reduce is not None:
             h = self.reduce(h)
         x = x + h
@@ -125,20 +162,38 @@ class DLMTransformer(nn.Module):
         positions: torch.Tensor,
         mask: torch.Tensor | None,
         past: list[KV] | None = None,
+        room: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, list[KV]]:
         """Run the model.
 
         input_ids, positions: [N, T]. mask: bool [N, 1, T, C + T] (True = may
         attend) where C is the context length of ``past``, or None for full
         attention. past: per layer (K, V) of shape [N, kv_heads, C, head_dim],
-        RoPE already applied. Returns (logits [N, T, V], hidden [N, T, H],
-        fresh per-layer (K, V) of the T input tokens).
+        RoPE already applied. With ``room``, each layer's (K, V) in ``past``
+        holds C + T positions and the fresh K/V are written into the last T in
+        place (the runner preallocates them; the mask then is [N, 1, T, C + T]
+        over that buffer). The mask may be float (added to the scores).
+        Returns (logits [N, T, V], hidden [N, T, H], fresh per-layer (K, V) of
+        the T input tokens; views of ``past`` with ``room``).
         """
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         fresh: list[KV] = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, mask, None if past is None else past[i])
+            x, kv = layer(x, cos, sin, mask, None if past is None else past[i], room)
             fresh.append(kv)
         hidden = self.norm(x)
         return self.lm_head(hidden), hidden, fresh
+
+    def fuse_projections(self) -> DLMTransformer:
+        """Fuse q/k/v and gate/up into single products (inference only; see Attention.fuse)."""
+        for layer in self.layers:
+            if layer.self_attn.qkv_proj is None:
+                layer.self_attn.fuse()
+            if layer.mlp.gate_up_proj is None:
+                layer.mlp.fuse()
+        return self
+
+    @property
+    def fused(self) -> bool:
+        return bool(len(self.layers)) and self.layers[0].self_attn.qkv_proj is not None

@@ -1,0 +1,195 @@
+"""The fast runner path: fused projections, in-place K/V buffers, the round's single host copy,
+model presets; and (with a GPU) the same on CUDA in bf16."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine.decoding import confidence
+from engine.engine import Engine
+from engine.loading import load_engine, resolve_model
+from engine.models.flops import forward_flops
+from engine.models.masks import allowed
+from engine.models.presets import PRESETS, build_preset, preset_config, random_prompt
+from engine.runner import TorchRunner
+from engine.sequence import SamplingParams, StepInput, StepKind
+from tests.conftest import make_model
+
+PROMPTS = ["max: a1 b7 c3 d2", "12+5=", "rev: abcdef", "story: cat 3 and some more words here"]
+SMALL = "llada-8b-shape:layers=2,vocab=512,hidden=128,heads=4,kv_heads=4,intermediate=256"
+
+
+def _inputs(model, n_ctx=(5, 0, 11), t=(8, 8, 5), seed=0) -> list[StepInput]:
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for c, q in zip(n_ctx, t):
+        kv = torch.randn(cfg.num_layers, 2, cfg.num_kv_heads, c, cfg.head_dim, generator=g) if c else None
+        out.append(StepInput(StepKind.DENOISE, torch.randint(2, cfg.vocab_size, (q,), generator=g),
+                             torch.arange(c, c + q), kv, torch.arange(c) if c else None, cfg.attention))
+    return out
+
+
+def _reference(model, s: StepInput):
+    """One step alone, through the concatenating path with a bool mask."""
+    cfg = model.config
+    mask = allowed(s.mode, s.pos, s.pos, cfg.block_size)
+    past = None
+    if s.ctx_pos is not None:
+        mask = torch.cat((allowed(s.mode, s.pos, s.ctx_pos, cfg.block_size), mask), 1)
+        past = [(s.ctx_kv[i, 0][None], s.ctx_kv[i, 1][None]) for i in range(cfg.num_layers)]
+    with torch.no_grad():
+        logits, hidden, fresh = model(s.ids[None], s.pos[None], mask[None, None], past)
+    return logits[0], torch.stack([torch.stack(kv) for kv in fresh])[:, :, 0]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(qkv_bias=True), dict(qk_norm=True, attention="bidirectional")])
+def test_fused_projections_compute_the_same_function(kw):
+    model = make_model(**kw)
+    fused = copy.deepcopy(model).fuse_projections()
+    assert fused.fused and not model.fused
+    assert fused.layers[0].self_attn.q_proj is None and fused.layers[0].mlp.gate_proj is None
+    for s in _inputs(model):
+        a, fa = _reference(model, s)
+        b, fb = _reference(fused, s)
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fb, fa, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_runner_buffers_and_padding_match_each_step_alone(attention, fuse):
+    """Padded steps with different contexts in one forward, fresh K/V written into the preallocated
+    buffer: each step's logits and K/V equal those of the step run alone (concatenating path)."""
+    model = make_model(attention=attention)
+    runner = TorchRunner(copy.deepcopy(model), fuse=fuse)
+    inputs = _inputs(model)
+    outs = runner.run(inputs)
+    assert runner.forwards == 1  # lengths within 2x: one padded forward
+    for s, out in zip(inputs, outs):
+        ref_logits, ref_fresh = _reference(model, s)
+        torch.testing.assert_close(out.logits, ref_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.fresh, ref_fresh, atol=1e-5, rtol=1e-5)
+        assert out.top1 is None
+
+
+def test_runner_returns_the_requested_rows_top1_on_the_host():
+    model = make_model()
+    runner = TorchRunner(model)
+    inputs = _inputs(model, n_ctx=(5, 0, 11, 2), t=(8, 8, 5, 40))  # two forwards (40 > 2 x 8)
+    rows = [torch.tensor([0, 3, 7]), None, torch.tensor([2]), torch.arange(5, 40, 4)]
+    outs = runner.run(inputs, rows)
+    assert runner.forwards == 2
+    assert runner.flops == (forward_flops(model.config, 3, 8, 11) + forward_flops(model.config, 1, 40, 2))
+    for out, r in zip(outs, rows):
+        if r is None:
+            assert out.top1 is None
+            continue
+        conf, tok = confidence(out.logits[r], model.config.mask_token_id)
+        assert out.top1[0].device.type == "cpu"
+        torch.testing.assert_close(out.top1[0], conf)
+        assert torch.equal(out.top1[1], tok)
+
+
+@pytest.mark.parametrize("name", ["tiny-bd", "tiny-mdm"])
+def test_engine_decodes_the_same_with_fused_projections(name):
+    from engine.models.loader import load_model
+    from engine.tokenizer import load_tokenizer
+
+    path = resolve_model(name)
+    plain = Engine(load_model(path), load_tokenizer(path), max_slots=8)
+    fused = Engine(load_model(path), load_tokenizer(path), max_slots=8)
+    fused.runner = TorchRunner(fused.model, fuse=True)
+    params = SamplingParams(max_tokens=32, threshold=0.9)
+    a = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    b = [o.token_ids for o in fused.generate(PROMPTS, params)]
+    assert a == b and any(a)
+
+
+def test_presets_have_the_real_shapes():
+    llada = preset_config("llada-8b-shape")
+    assert 7.5e9 < llada.num_params < 8.5e9 and llada.attention == "bidirectional" and llada.block_size == 32
+    sdar = preset_config("sdar-8b-shape")
+    assert sdar.attention == "block_causal" and sdar.qk_norm and sdar.num_kv_heads == 8 and sdar.head_dim == 128
+    dream = preset_config("dream-7b-shape")
+    assert dream.qkv_bias and dream.logits_shift == 1 and 6.5e9 < dream.num_params < 8.5e9
+    assert set(PRESETS) == {"llada-8b-shape", "dream-7b-shape", "sdar-8b-shape"}
+    # one round of 128 slots x 32 tokens over ~300 cached tokens: about 62 TFLOP (the issue's figure)
+    assert 55e12 < forward_flops(llada, 128, 32, 300) < 66e12
+
+
+def test_preset_overrides_and_errors():
+    cfg = preset_config(SMALL)
+    assert (cfg.num_layers, cfg.vocab_size, cfg.hidden_size, cfg.head_dim) == (2, 512, 128, 32)
+    assert max(cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id) < 512
+    with pytest.raises(ValueError, match="unknown model preset 'gpt-shape'"):
+        preset_config("gpt-shape")
+    with pytest.raises(ValueError, match="bad preset override 'depth=2'"):
+        preset_config("llada-8b-shape:depth=2")
+    with pytest.raises(ValueError, match="is not an integer"):
+        preset_config("llada-8b-shape:layers=two")
+    with pytest.raises(ValueError, match="is a model preset"):
+        resolve_model("llada-8b-shape")
+
+
+def test_preset_engine_runs_on_token_ids_only():
+    engine = load_engine(SMALL, dtype=torch.float32, max_slots=4)
+    model = build_preset(SMALL, dtype=torch.bfloat16)
+    assert next(model.parameters()).dtype is torch.bfloat16
+    assert all(torch.isfinite(p.float()).all() for p in model.parameters())
+    prompts = [random_prompt(engine.cfg, 40, seed=s) for s in range(3)]
+    assert all(len(p) == 40 and engine.cfg.mask_token_id not in p for p in prompts)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32, threshold=0.9))
+    assert all(o.rounds >= 1 and o.token_ids for o in outs)
+    with pytest.raises(ValueError, match="pass the prompt as token ids"):
+        engine.add_request("hello")
+
+
+# ---- with a GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_runner_matches_float32_on_the_cpu():
+    name = "llada-8b-shape:layers=4,vocab=4096,hidden=1024,heads=8,kv_heads=8,intermediate=2816"
+    cpu = build_preset(name, device="cpu", dtype=torch.float32)
+    gpu = copy.deepcopy(cpu).to("cuda", torch.bfloat16)
+    inputs = _inputs(cpu, n_ctx=(64, 0, 33), t=(32, 32, 20))
+    rows = [torch.arange(len(s.ids)) for s in inputs]
+    ref = TorchRunner(cpu).run(inputs, rows)
+    dev_inputs = [StepInput(s.kind, s.ids, s.pos, None if s.ctx_kv is None else s.ctx_kv.to("cuda", torch.bfloat16),
+                            s.ctx_pos, s.mode) for s in inputs]
+    runner = TorchRunner(gpu, "cuda")
+    assert gpu.fused  # fused by default on CUDA
+    out = runner.run(dev_inputs, rows)
+    for a, b in zip(ref, out):
+        err = (b.logits.float().cpu() - a.logits).norm() / a.logits.norm()
+        assert err < 2e-2, err
+        assert b.top1[0].device.type == "cpu"
+
+
+@pytest.mark.gpu
+def test_cuda_round_launch_never_waits_on_the_device():
+    """Building and launching a round's forwards and gathering its rows queue work only: the one
+    wait is the final copy of (confidence, token) to the host."""
+    engine = load_engine("llada-8b-shape:layers=2,vocab=4096,hidden=512,heads=8,kv_heads=8,intermediate=1024",
+                         device="cuda", dtype=torch.bfloat16, max_slots=8)
+    seqs = [engine.add_request(random_prompt(engine.cfg, 50, seed=s), SamplingParams(max_tokens=64)) for s in range(8)]
+    for _ in range(3):  # past the first (recompute) rounds into cached ones
+        engine.step(seqs)
+    for seq in seqs:
+        engine._ensure_cache(seq)
+    inputs = [seq.build_step() for seq in seqs]
+    rows = [seq.decode_rows(inp) for seq, inp in zip(seqs, inputs)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            outs = engine.runner.launch(inputs)
+            picked = engine.runner._top1(list(range(len(inputs))), outs, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    engine.runner._fetch(outs, picked)
+    assert all(o.top1 is not None for o in outs)
