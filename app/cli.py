@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from engine.argtypes import category_mix as _mix
+from engine.argtypes import int_list
 from engine.argtypes import thresholds as _thresholds
 
 
@@ -145,10 +147,30 @@ def cmd_simulate(args) -> int:
 def cmd_bench(args) -> int:
     from app.bench import bench_scheduler
 
+    if args.what == "round":
+        from engine.bench_round import bench_round, format_round
+
+        res = bench_round(args.model or "llada-8b-shape", device=args.device, dtype=args.dtype,
+                          slots=128 if args.slots is None else args.slots, tokens=args.tokens, context=args.context, repeats=args.repeats)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1))
+        print(json.dumps(res) if args.json else format_round(res))
+        return 0
+    if args.what == "engine":
+        from engine.bench_engine import bench_engine, format_report
+
+        requests = 16 if args.requests is None else args.requests
+        res = bench_engine(args.model or "tiny-mdm", device=args.device, dtype=args.dtype or "float32",
+                           requests=requests,
+                           prompt_len=args.prompt_len, gen_length=args.gen_length, threshold=args.threshold,
+                           steps_per_block=args.steps_per_block, cache=args.cache, seed=args.seed,
+                           progress=not args.quiet)
+        print(json.dumps(res) if args.json else format_report(res))
+        return 0
     if args.what == "control":
         from app.bench_control import bench_control
 
-        res = bench_control(args.url, args.requests, args.concurrency)
+        res = bench_control(args.url, 40 if args.requests is None else args.requests, args.concurrency)
         print(json.dumps(res) if args.json else
               f"control path: median {res['median_ms']} ms per round event (p99 {res['p99_ms']} ms) over "
               f"{res['events']} events; request dispatch to round boundary median {res['add_median_ms']} ms")
@@ -164,7 +186,7 @@ def cmd_bench(args) -> int:
               f"{res['mean_ms_per_event']}) over {res['events']} events")
         return 0
     if args.what != "scheduler":
-        raise ValueError(f"unknown benchmark {args.what!r}; known: scheduler, control, router")
+        raise ValueError(f"unknown benchmark {args.what!r}; known: scheduler, control, router, engine, round")
     result = bench_scheduler(args.slots or 128, args.resident, args.rounds, args.policy, args.seed)
     print(json.dumps(result) if args.json else
           f"{args.policy}: median {result['median_ms_per_round']:.3f} ms per round "
@@ -173,13 +195,33 @@ def cmd_bench(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from engine.loading import load_engine
-    from engine.profiling import profile_engine
+    import torch
 
-    engine = load_engine(args.model, device=args.device, max_slots=max(args.batch_sizes))
-    prof = profile_engine(engine, args.name or args.model, args.batch_sizes, args.rounds, progress=True)
+    from engine.loading import load_engine
+    from engine.profile import load_profile
+    from engine.profiling import check_profile, profile_engine
+
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unknown dtype {args.dtype!r}; use float32, bfloat16 or float16")
+    if args.check is None and args.out is None:
+        raise ValueError("give --out FILE to write a profile, or --check PROFILE to test one against a real run")
+    check = load_profile(args.check) if args.check else None
+    slots = args.slots if check else max(args.batch_sizes)
+    engine = load_engine(args.model, device=args.device, dtype=dtype, max_slots=slots)
+    if check is not None:
+        res = check_profile(engine, check, requests=args.requests, slots=slots, seed=args.seed, progress=not args.json)
+        print(json.dumps(res) if args.json else
+              f"{res['rounds']} rounds of a real run ({res['requests']} requests, {res['model']} on {res['device']}): "
+              f"measured {res['measured_s']} s, profile {res['profile']} predicts {res['predicted_s']} s "
+              f"(error {res['total_error']:.1%}); per round: median error {res['median_round_error']:.1%}, "
+              f"p90 {res['p90_round_error']:.1%}")
+        return 0
+    prof = profile_engine(engine, args.name or args.model.split(":")[0], args.batch_sizes, args.rounds, progress=True,
+                          prompt_lens=tuple(args.prompt_lens or [None]), max_tokens=args.max_tokens)
     prof.save(args.out)
-    print(f"wrote {args.out}: " + ", ".join(f"{k} {len(v)} points" for k, v in prof.curves.items()))
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {len(v)} points" for k, v in prof.curves.items())
+          + f"; reference context {prof.ref_context:g} tokens, attention {prof.attn_ms_per_pair:.3g} ms per pair")
     return 0
 
 
@@ -288,11 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     planner_parsers(sub)  # remask plan
 
     b = sub.add_parser("bench", help="benchmarks that print measured numbers")
-    b.add_argument("what", choices=["scheduler", "control", "router"])
+    b.add_argument("what", choices=["scheduler", "control", "router", "engine", "round"])
     b.add_argument("--url", default="http://127.0.0.1:8000", help="control: the running app")
-    b.add_argument("--requests", type=int, default=40, help="control: streamed completions")
+    b.add_argument("--requests", type=int,
+                   help="control: streamed completions (default 40); engine: requests per contender (default 16)")
     b.add_argument("--concurrency", type=int, default=4, help="control: requests at a time")
-    b.add_argument("--slots", type=int, help="scheduler: default 128; router: slots per instance, default 32")
+    b.add_argument("--slots", type=int, help="scheduler, round: default 128; router: slots per instance, default 32")
     b.add_argument("--instances", type=int, default=16, help="router: TP-1 instances")
     b.add_argument("--active", type=int, default=1000, help="router: active requests")
     b.add_argument("--events", type=int, default=5000, help="router: step events measured")
@@ -301,6 +344,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=500)
     b.add_argument("--policy", default="dwise")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--model",
+                   help="engine: a bidirectional model (default tiny-mdm; llada-8b-shape, dream-7b-shape[:overrides], "
+                        "a local directory); round: a shape preset (default llada-8b-shape)")
+    b.add_argument("--device", default="cpu", help="engine, round: cpu, cuda, cuda:1 ...")
+    b.add_argument("--dtype", help="engine, round: float32, bfloat16 or float16 (default: engine float32; round "
+                                   "bfloat16 on CUDA, float32 on a CPU)")
+    b.add_argument("--prompt-len", type=int, default=64,
+                   help="engine: prompt tokens of a preset (random ids); task models use held-out task prompts")
+    b.add_argument("--gen-length", type=int, help="engine: max output tokens (default: the model's)")
+    b.add_argument("--threshold", type=float, default=0.9,
+                   help="engine: confidence threshold of the engine and the Fast-dLLM loop")
+    b.add_argument("--steps-per-block", type=int,
+                   help="engine: the LLaDA loop's steps per block (default: the block size, one token a step)")
+    b.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"], help="engine: the engine's cache")
+    b.add_argument("--quiet", action="store_true", help="engine: no progress bar")
+    b.add_argument("--tokens", type=int, default=32, help="round: query tokens per slot (a block)")
+    b.add_argument("--context", type=int, default=300, help="round: cached tokens per slot")
+    b.add_argument("--repeats", type=int, default=10, help="round: timed rounds per variant (median)")
+    b.add_argument("--out", help="round: also write the JSON result here")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
     from loadgen.cli import add_parsers as loadgen_parsers
@@ -308,12 +370,23 @@ def build_parser() -> argparse.ArgumentParser:
     loadgen_parsers(sub)  # remask loadgen {synth,replay,plot,overhead}, remask chat
 
     f = sub.add_parser("profile", help="measure a latency profile (round time by step kind and batch)")
-    f.add_argument("--model", default="tiny-bd")
-    f.add_argument("--out", required=True)
+    f.add_argument("--model", default="tiny-bd", help="an embedded model, a local directory or a shape preset "
+                                                      "(llada-8b-shape, dream-7b-shape, sdar-8b-shape[:overrides])")
+    f.add_argument("--out", help="write the profile here (JSON)")
+    f.add_argument("--check", metavar="PROFILE", help="instead: time a real run of mixed requests round by round "
+                                                      "and compare with this profile's predictions")
     f.add_argument("--name")
-    f.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2, 4, 8, 16, 32, 64])
+    f.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16, 32, 64])
+    f.add_argument("--prompt-lens", type=int_list, help="prompt tokens, e.g. 64,512: the first sets the curves' "
+                                                        "context, the others fit the attention term")
+    f.add_argument("--max-tokens", type=int, help="answer tokens of each profiled request (default: the model's)")
     f.add_argument("--rounds", type=int, default=6)
     f.add_argument("--device", default="cpu")
+    f.add_argument("--dtype", help="float32 (default on CPU), bfloat16 (default on CUDA) or float16")
+    f.add_argument("--requests", type=int, default=48, help="--check: requests in the recorded run")
+    f.add_argument("--slots", type=int, default=16, help="--check: batch slots")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_profile)
 
     x = sub.add_parser("faults", help="fault injection: kill Denoiser replicas of a live app under load")
