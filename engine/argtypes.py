@@ -25,3 +25,14 @@ def category_mix(text: str) -> dict[str, float]:
     if not mix or any(v < 0 for v in mix.values()) or not sum(mix.values()):
         raise argparse.ArgumentTypeError("mix weights must be non-negative and not all zero")
     return mix
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated positive integers such as ``1,8,64``."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values

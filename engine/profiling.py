@@ -1,10 +1,14 @@
-"""Measure a latency profile of an engine: round time by step kind and batch size."""
+"""Measure a latency profile of an engine (round time by step kind, tokens and context), and check a
+profile against a recorded real run (the simulator's predicted round times against the measured ones)."""
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections import defaultdict
+
+import torch
 
 from engine.engine import Engine
 from engine.profile import LatencyProfile
@@ -13,29 +17,63 @@ from engine.sequence import SamplingParams
 PROFILE_PROMPT = "story: cat 8 and a few more words"  # two or more prompt blocks
 
 
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def _prompt(engine: Engine, length: int | None, seed: int = 0):
+    """A prompt of about ``length`` tokens: token ids for a preset model (no tokenizer), text otherwise."""
+    if engine.cfg.extra.get("preset"):
+        from engine.models.presets import random_prompt
+
+        return random_prompt(engine.cfg, length or 2 * engine.cfg.block_size, seed)
+    if length is None:
+        return PROFILE_PROMPT
+    return (PROFILE_PROMPT + " ") * (length // len(PROFILE_PROMPT) + 1)[:length]
+
+
+def _timed_step(engine: Engine, seqs) -> tuple[float, list[tuple[str, int, int]]]:
+    _sync(engine)
+    t0 = time.perf_counter()
+    result = engine.step(seqs)
+    _sync(engine)
+    return (time.perf_counter() - t0) * 1000, result.composition
+
+
 def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 64), rounds: int = 6,
-                   progress: bool = False) -> LatencyProfile:
-    """Run batches of identical requests and record the median time of rounds
-    whose steps are all of one kind, against the tokens in the round."""
+                   progress: bool = False, prompt_lens: tuple[int | None, ...] = (None,),
+                   max_tokens: int | None = None) -> LatencyProfile:
+    """Run batches of identical requests and record the median time of rounds whose steps are all of
+    one kind, against the tokens in the round. The curves come from the first prompt length; rounds at
+    the other (longer) lengths fit the attention term (ms per query token x context token beyond the
+    curves' reference context), least squares through the origin."""
     samples: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     contexts: list[int] = []
-    iterator = batch_sizes
+    longer: list[tuple[str, int, float, float]] = []  # (kind, tokens, mean context, ms) at other lengths
+    grid = [(p, n) for p in prompt_lens for n in batch_sizes]
+    iterator = grid
     if progress:
         from tqdm import tqdm
 
-        iterator = tqdm(batch_sizes, desc=f"profile {name}")
-    for n in iterator:
-        seqs = [engine.add_request(PROFILE_PROMPT, SamplingParams(threshold=1.0)) for _ in range(n)]
+        iterator = tqdm(grid, desc=f"profile {name}", unit="batch")
+    params = SamplingParams(threshold=1.0, max_tokens=max_tokens)
+    for plen, n in iterator:
+        prompt = _prompt(engine, plen)
+        seqs = [engine.add_request(prompt, params) for _ in range(n)]
         for _ in range(rounds + seqs[0].prefill_blocks + 1):
             if any(s.finished for s in seqs):
                 break
-            t0 = time.perf_counter()
-            result = engine.step(seqs)
-            ms = (time.perf_counter() - t0) * 1000
-            kinds = {k for k, _, _ in result.composition}
-            if len(kinds) == 1:
-                samples[kinds.pop()][result.tokens].append(ms)
-                contexts += [c for _, _, c in result.composition]
+            ms, comp = _timed_step(engine, seqs)
+            kinds = {k for k, _, _ in comp}
+            if len(kinds) != 1:
+                continue
+            tokens = sum(t for _, t, _ in comp)
+            if plen == prompt_lens[0]:
+                samples[kinds.pop()][tokens].append(ms)
+                contexts += [c for _, _, c in comp]
+            else:
+                longer.append((kinds.pop(), tokens, statistics.mean(c for _, _, c in comp), ms))
         for s in seqs:
             engine.abort(s.seq_id)
     curves = {}
@@ -44,6 +82,68 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
     if "denoise" not in curves:  # full-sequence models: cached steps are the block-sized kind
         curves["denoise"] = curves.get("cached") or curves["recompute"]
     ref = statistics.median(contexts) if contexts else 0.0
-    return LatencyProfile(name, curves, ref_context=ref, meta={
-        "model": engine.cfg.extra.get("name", engine.cfg.arch), "device": str(engine.device),
-        "batch_sizes": list(batch_sizes), "method": "median wall time of single-kind rounds"})
+    prof = LatencyProfile(name, curves, ref_context=ref, meta={
+        "model": engine.cfg.extra.get("name", engine.cfg.arch), "device": _device_name(engine),
+        "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
+        "batch_sizes": list(batch_sizes), "prompt_lens": list(prompt_lens),
+        "method": "median wall time of single-kind rounds (device synchronised)"})
+    pairs = [(tokens * max(ctx - ref, 0.0), ms - prof.curve_ms(kind, tokens)) for kind, tokens, ctx, ms in longer]
+    denom = sum(x * x for x, _ in pairs)
+    if denom > 0:
+        prof.attn_ms_per_pair = max(sum(x * y for x, y in pairs) / denom, 0.0)
+    return prof
+
+
+def _device_name(engine: Engine) -> str:
+    if engine.device.type == "cuda":
+        return torch.cuda.get_device_name(engine.device)
+    return str(engine.device)
+
+
+def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, slots: int = 16, seed: int = 0,
+                  progress: bool = False) -> dict:
+    """A recorded real run against the profile: requests of mixed prompt and answer lengths arrive a few
+    per round (so rounds mix step kinds and batch sizes, as served), each round is timed, and the
+    profile's prediction for the round's composition (what the simulator charges) is compared.
+
+    Returns the total time measured and predicted, their relative error, and the median and 90th
+    percentile of the per-round relative error."""
+    rng = random.Random(seed)
+    block = engine.cfg.block_size
+    pending = [(_prompt(engine, rng.randint(block // 2, 4 * block), seed=i),
+                SamplingParams(threshold=rng.choice([0.7, 0.9, 1.0]), max_tokens=rng.choice([1, 2, 4]) * block))
+               for i in range(requests)]
+    live: list = []
+    measured, predicted = [], []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=requests, desc="check profile", unit="req")
+    done = 0
+    while pending or live:
+        for _ in range(rng.randint(0, 3)):
+            if pending and len(live) < slots:
+                live.append(engine.add_request(*pending.pop()))
+        if not live:
+            continue
+        ms, comp = _timed_step(engine, live)
+        measured.append(ms)
+        predicted.append(profile.round_ms(comp))
+        finished = [s for s in live if s.finished]
+        live = [s for s in live if not s.finished]
+        for s in finished:
+            engine.sequences.pop(s.seq_id, None)
+        done += len(finished)
+        if bar:
+            bar.update(len(finished))
+    if bar:
+        bar.close()
+    errors = sorted(abs(p - m) / m for p, m in zip(predicted, measured) if m > 0)
+    total_m, total_p = sum(measured), sum(predicted)
+    return {"profile": profile.name, "model": engine.cfg.extra.get("name", engine.cfg.arch),
+            "device": _device_name(engine), "rounds": len(measured), "requests": done,
+            "measured_s": round(total_m / 1000, 4), "predicted_s": round(total_p / 1000, 4),
+            "total_error": round(abs(total_p - total_m) / total_m, 4) if total_m else None,
+            "median_round_error": round(statistics.median(errors), 4) if errors else None,
+            "p90_round_error": round(errors[int(0.9 * (len(errors) - 1))], 4) if errors else None}

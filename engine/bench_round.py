@@ -1,0 +1,94 @@
+"""Time one engine round of a given shape on a shape preset: `remask bench round`.
+
+The round is what the instance runs at steady state: ``slots`` requests, each decoding a block of
+``tokens`` query tokens over ``context`` cached tokens, through the runner exactly as the engine
+calls it (padded forward, K/V written into the round's buffer, every row's (confidence, token)
+copied back once). Counted FLOPs over the median time, against the measured matmul peak, is the
+round's model FLOP utilisation. Variants time the same round with the projections unfused, and the
+forward alone (no row gather or copy back), to show where time goes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from engine.bench_engine import _sync, measure_peak, parse_dtype
+from engine.models.flops import forward_flops
+from engine.models.presets import build_preset, preset_config
+from engine.runner import TorchRunner
+from engine.sched_types import StepKind
+from engine.sequence import StepInput
+
+
+def round_inputs(cfg, slots: int, tokens: int, context: int, device, dtype, seed: int = 0) -> list[StepInput]:
+    """``slots`` block steps of ``tokens`` queries over ``context`` cached positions (random K/V, one
+    tensor shared by the slots: the runner copies each slot's context into the round's buffer anyway)."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randn(cfg.num_layers, 2, cfg.num_kv_heads, context, cfg.head_dim, generator=gen).to(device, dtype)
+    pos = torch.arange(context, context + tokens)
+    return [StepInput(StepKind.DENOISE, torch.randint(0, cfg.mask_token_id, (tokens,), generator=gen), pos,
+                      ctx if context else None, torch.arange(context) if context else None, cfg.attention)
+            for _ in range(slots)]
+
+
+def _time(fn, device, warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str | torch.dtype | None = None,
+                slots: int = 128, tokens: int = 32, context: int = 300, warmup: int = 3, repeats: int = 10,
+                variants: bool = True, peak: float | None = None) -> dict:
+    dev = torch.device(device)
+    dt = parse_dtype(dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
+    cfg = preset_config(model)
+    if min(slots, tokens) <= 0 or context < 0:
+        raise ValueError("slots and tokens must be positive and context non-negative")
+    if context + tokens > cfg.max_position_embeddings:
+        raise ValueError(f"context + tokens ({context + tokens}) exceeds the model's {cfg.max_position_embeddings}")
+    net = build_preset(model, device=dev, dtype=dt)
+    inputs = round_inputs(cfg, slots, tokens, context, dev, dt)
+    rows = [torch.arange(tokens)] * slots
+    flops = forward_flops(cfg, slots, tokens, context)
+    peak = peak or measure_peak(dev, dt)
+    runs: dict[str, list[float]] = {}
+    fused = TorchRunner(net, dev, fuse=True)
+    with torch.inference_mode():
+        runs["round"] = _time(lambda: fused.run(inputs, rows), dev, warmup, repeats)
+        if variants:
+            runs["forward only"] = _time(lambda: fused.launch(inputs), dev, warmup, repeats)
+            del fused
+            plain = TorchRunner(build_preset(model, device=dev, dtype=dt), dev, fuse=False)
+            del net
+            runs["round, unfused"] = _time(lambda: plain.run(inputs, rows), dev, warmup, repeats)
+    rows_out = []
+    for name, times in runs.items():
+        ms = statistics.median(times)
+        rows_out.append({"variant": name, "median_ms": round(ms, 3), "min_ms": round(min(times), 3),
+                         "tflops": round(flops / ms / 1e9, 2), "mfu": round(flops / (ms / 1000) / peak, 4)})
+    return {"model": model, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
+            "dtype": str(dt).removeprefix("torch."), "slots": slots, "tokens": tokens, "context": context,
+            "tflop_per_round": round(flops / 1e12, 3), "peak_tflops": round(peak / 1e12, 2),
+            "repeats": repeats, "variants": rows_out}
+
+
+def format_round(res: dict) -> str:
+    head = (f"{res['model']} on {res['device']} ({res['dtype']}): {res['slots']} slots x {res['tokens']} tokens over "
+            f"{res['context']} cached, {res['tflop_per_round']} TFLOP per round; measured peak "
+            f"{res['peak_tflops']} TFLOP/s")
+    lines = [head, f"{'variant':<16} {'median ms':>10} {'min ms':>9} {'TFLOP/s':>9} {'MFU':>7}"]
+    for r in res["variants"]:
+        lines.append(f"{r['variant']:<16} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} {r['tflops']:>9.2f} "
+                     f"{r['mfu']:>7.1%}")
+    return "\n".join(lines)

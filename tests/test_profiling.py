@@ -1,0 +1,98 @@
+"""Measured latency profiles: `remask profile` on a shape preset, and the check of a profile against a
+recorded real run (the simulator's round-time model against measured rounds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from app.cli import main
+from engine.loading import load_engine
+from engine.profile import LatencyProfile, load_profile
+from engine.profiling import check_profile, profile_engine
+
+SMALL = "llada-8b-shape:layers=2,vocab=512,hidden=128,heads=4,kv_heads=4,intermediate=256"
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    engine = load_engine(SMALL, dtype=torch.float32, max_slots=16)
+    prof = profile_engine(engine, "small", batch_sizes=(1, 4, 16), rounds=4, prompt_lens=(64, 192), max_tokens=64)
+    return engine, prof
+
+
+def test_profile_of_a_preset_has_curves_by_kind_and_an_attention_term(measured):
+    _, prof = measured
+    assert {"recompute", "cached", "denoise"} <= set(prof.curves)
+    for pts in prof.curves.values():
+        assert [t for t, _ in pts] == sorted(t for t, _ in pts) and all(ms > 0 for _, ms in pts)
+    # 16 recompute steps of 128 tokens take longer than one
+    rec = prof.curves["recompute"]
+    assert rec[-1][0] == 16 * rec[0][0] and rec[-1][1] > rec[0][1]
+    assert 64 <= prof.ref_context <= 128 and prof.attn_ms_per_pair >= 0
+    assert prof.meta["device"] == "cpu" and prof.meta["dtype"] == "float32" and prof.meta["prompt_lens"] == [64, 192]
+    again = LatencyProfile.from_dict(json.loads(json.dumps(prof.to_dict())))
+    assert again.curves == prof.curves
+
+
+def test_check_profile_compares_predicted_with_measured_rounds(measured):
+    engine, prof = measured
+    res = check_profile(engine, prof, requests=12, slots=8)
+    assert res["requests"] == 12 and res["rounds"] > 12
+    assert res["measured_s"] > 0 and res["predicted_s"] > 0
+    slow = check_profile(engine, prof.scaled(5.0), requests=12, slots=8)
+    # five times every curve: the prediction is far off, and the check says so
+    assert slow["predicted_s"] > 2.5 * slow["measured_s"] and slow["total_error"] > 1.5
+    assert slow["total_error"] > res["total_error"]
+
+
+def test_profile_cli_writes_and_checks(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", SMALL, "--out", str(out), "--batch-sizes", "1,4", "--rounds", "3",
+                 "--max-tokens", "32"]) == 0
+    assert load_profile(str(out)).name == "llada-8b-shape"
+    capsys.readouterr()
+    assert main(["profile", "--model", SMALL, "--check", str(out), "--requests", "4", "--slots", "4", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["requests"] == 4 and res["profile"] == "llada-8b-shape"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", SMALL], "give --out FILE"),
+    (["--model", SMALL, "--out", "x.json", "--dtype", "int8"], "unknown dtype 'int8'"),
+    (["--model", "gpt-shape:layers=2", "--out", "x.json"], "not an embedded model"),
+    (["--model", "llada-8b-shape:depth=2", "--out", "x.json"], "bad preset override"),
+])
+def test_profile_cli_rejects_bad_input(argv, message, capsys):
+    assert main(["profile", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_round_times_the_round_and_its_variants(tmp_path, capsys):
+    from engine.bench_round import bench_round
+    from engine.models.flops import forward_flops
+    from engine.models.presets import preset_config
+
+    res = bench_round(SMALL, slots=4, tokens=8, context=16, warmup=1, repeats=2, peak=1e9)
+    assert [v["variant"] for v in res["variants"]] == ["round", "forward only", "round, unfused"]
+    flops = forward_flops(preset_config(SMALL), 4, 8, 16)
+    assert res["tflop_per_round"] == round(flops / 1e12, 3)
+    for v in res["variants"]:
+        assert v["min_ms"] <= v["median_ms"] and v["mfu"] == pytest.approx(flops / (v["median_ms"] / 1000) / 1e9, rel=1e-3)
+    out = tmp_path / "round.json"
+    assert main(["bench", "round", "--model", SMALL, "--slots", "2", "--tokens", "8", "--context", "8",
+                 "--repeats", "1", "--json", "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["slots"] == 2 == json.loads(out.read_text())["slots"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "tiny-bd"], "unknown model preset 'tiny-bd'"),
+    (["--model", SMALL, "--slots", "0"], "slots and tokens must be positive"),
+    (["--model", SMALL, "--context", "5000"], "exceeds the model's 4096"),
+    (["--model", SMALL, "--dtype", "int8"], "unknown dtype"),
+])
+def test_bench_round_rejects_bad_input(argv, message, capsys):
+    assert main(["bench", "round", *argv]) == 2
+    assert message in capsys.readouterr().err
