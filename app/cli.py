@@ -151,7 +151,8 @@ def cmd_bench(args) -> int:
         from engine.bench_round import bench_round, format_round
 
         res = bench_round(args.model or "llada-8b-shape", device=args.device, dtype=args.dtype,
-                          slots=128 if args.slots is None else args.slots, tokens=args.tokens, context=args.context, repeats=args.repeats)
+                          slots=128 if args.slots is None else args.slots, tokens=args.tokens,
+                          context=args.context, repeats=args.repeats)
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=1))
         print(json.dumps(res) if args.json else format_round(res))

@@ -30,7 +30,8 @@ def _prompt(engine: Engine, length: int | None, seed: int = 0):
         return random_prompt(engine.cfg, length or 2 * engine.cfg.block_size, seed)
     if length is None:
         return PROFILE_PROMPT
-    return (PROFILE_PROMPT + " ") * (length // len(PROFILE_PROMPT) + 1)[:length]
+    text = (PROFILE_PROMPT + " ") * (length // len(PROFILE_PROMPT) + 1)
+    return text[:length]
 
 
 def _timed_step(engine: Engine, seqs) -> tuple[float, list[tuple[str, int, int]]]:

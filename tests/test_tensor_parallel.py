@@ -60,3 +60,5 @@ def test_shard_shapes_and_errors():
     torch.testing.assert_close(shard.layers[0].mlp.up_proj.weight, model.layers[0].mlp.up_proj.weight[32:])
     with pytest.raises(ValueError, match="does not divide"):
         shard_config(make_config(num_heads=4, num_kv_heads=2), 4)
+    with pytest.raises(ValueError, match="shard first, then fuse"):
+        shard_model(model.fuse_projections(), 0, 2, reduce=None)

@@ -44,7 +44,10 @@ def shard_tensor(name: str, tensor: torch.Tensor, rank: int, world: int) -> torc
 
 def shard_model(model: DLMTransformer, rank: int, world: int,
                 reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> DLMTransformer:
-    """This rank's shard of ``model`` (built on meta, then assigned the slices)."""
+    """This rank's shard of ``model`` (built on meta, then assigned the slices). Shard before fusing
+    projections (the runner fuses on CUDA): a fused q/k/v matrix cannot be split by rows."""
+    if model.fused:
+        raise ValueError("cannot shard a model whose projections are fused; shard first, then fuse")
     cfg = shard_config(model.config, world)
     with torch.device("meta"):
         shard = DLMTransformer(cfg)
