@@ -5,7 +5,8 @@ The round is what the instance runs at steady state: ``slots`` requests, each de
 calls it (padded forward, K/V written into the round's buffer, every row's (confidence, token)
 copied back once). Counted FLOPs over the median time, against the measured matmul peak, is the
 round's model FLOP utilisation. Variants time the same round with the projections unfused, and the
-forward alone (no row gather or copy back), to show where time goes.
+forward alone (no LM head, row gather or copy back; its FLOPs counted without the head), to show
+where time goes.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
     rows_out = []
     for name, times in runs.items():
         ms = statistics.median(times)
+        f = forward_flops(cfg, slots, tokens, context, lm_rows=0) if name == "forward only" else flops
         rows_out.append({"variant": name, "median_ms": round(ms, 3), "min_ms": round(min(times), 3),
-                         "tflops": round(flops / ms / 1e9, 2), "mfu": round(flops / (ms / 1000) / peak, 4)})
+                         "tflops": round(f / ms / 1e9, 2), "mfu": round(f / (ms / 1000) / peak, 4)})
     return {"model": model, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
             "dtype": str(dt).removeprefix("torch."), "slots": slots, "tokens": tokens, "context": context,
             "tflop_per_round": round(flops / 1e12, 3), "peak_tflops": round(peak / 1e12, 2),

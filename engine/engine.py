@@ -135,7 +135,8 @@ class Engine:
         first = []
         for seq, inp, big, out in zip(plan, inputs, ran, outputs):
             t = len(inp.ids)
-            reports.append(seq.apply(inp, out.logits[:t], out.fresh[:, :, :, :t], out.top1))
+            logits = None if out.top1 is not None else out.logits[:t]  # with top1, apply needs no logits
+            reports.append(seq.apply(inp, logits, out.fresh[:, :, :, :t], out.top1))
             if inp.kind is StepKind.PREFILL:
                 continue
             if seq.rounds == 1:  # its first denoising round
@@ -143,12 +144,12 @@ class Engine:
                 p0 = int(inp.pos[0])  # step positions are consecutive: the block's rows are a slice
                 seq.first_hidden = out.hidden[max(bs - p0, 0) : be - p0].mean(0)
                 seq.first_confidences = reports[-1].confidences
-                seq.first_eos = self._eos_probs(seq, big, out.logits)
+                seq.first_eos = self._eos_probs(seq, big, out)
                 first.append(seq)
             elif seq.rounds == seq.refine_at:  # the lookahead round: P(EOS) past what the first round saw
                 if big is not inp:
                     seen = seq.out_start + len(seq.first_eos)
-                    ahead = self._eos_probs(seq, big, out.logits)
+                    ahead = self._eos_probs(seq, big, out)
                     skip = seen - max(seq.out_start, int(big.pos[0]) + self.cfg.logits_shift)
                     seq.first_eos = torch.cat([seq.first_eos, ahead[max(skip, 0):]])
                 first.append(seq)
@@ -191,13 +192,13 @@ class Engine:
         ids = torch.cat([inp.ids, torch.full_like(extra, self.cfg.mask_token_id, dtype=inp.ids.dtype)])
         return StepInput(inp.kind, ids, torch.cat([inp.pos, extra]), inp.ctx_kv, inp.ctx_pos, inp.mode)
 
-    def _eos_probs(self, seq: Sequence, inp, logits: torch.Tensor) -> torch.Tensor:
+    def _eos_probs(self, seq: Sequence, inp, out) -> torch.Tensor:
         """P(EOS) at the output positions this step's logits predict (on their device, no sync):
         the first block for a block-causal model (plus the appended blocks in a lookahead round),
         the whole canvas for a full-sequence one."""
         first = int(inp.pos[0]) + self.cfg.logits_shift  # the position row 0 predicts; rows are consecutive
         lo, hi = max(seq.out_start - first, 0), max(min(seq.out_end - first, len(inp.pos)), 0)
-        rows = logits[lo:hi].float()  # exp(l_eos - logsumexp(l)): no second vocabulary-wide tensor as softmax makes
+        rows = out.logits_rows(lo, hi).float()  # exp(l_eos - logsumexp(l)): no second vocabulary-wide tensor
         return torch.exp(rows[:, self.cfg.eos_token_id] - torch.logsumexp(rows, dim=-1))
 
     # ---- offline API -------------------------------------------------------------------------

@@ -8,13 +8,16 @@ host and copied asynchronously; each forward writes its fresh K/V straight into
 a preallocated [context | query] buffer (no concatenation per layer, and the
 step outputs are views of it); the mask is turned into an additive bias in the
 model's dtype once per forward, or dropped when nothing is masked (so SDPA may
-use its flash kernel); and the (confidence, token) of the rows each request
-decodes are gathered for the whole round and copied back in one transfer.
+use its flash kernel); the LM head runs only on the rows whose logits are used
+(prompt rows, committed rows and padding never need them); and the
+(confidence, token) of the rows each request decodes are gathered for the
+whole round and copied back in one transfer.
 On CUDA the q/k/v and gate/up projections are fused into single products.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +31,24 @@ from engine.sequence import StepInput
 
 @dataclass
 class StepOutput:
-    logits: torch.Tensor  # [T, V]
+    """One step's results. Logits are computed on demand from the final hidden rows (``logits`` for
+    all rows, ``logits_rows`` for a slice): a round needs them only for the rows it decodes (``top1``)
+    and, in a request's first round, the rows whose P(EOS) the predictors read."""
+
+    hidden: torch.Tensor  # [T, hidden]: final-layer hidden rows (after the final norm)
     fresh: torch.Tensor  # [layers, 2, kv_heads, T, head_dim]
-    hidden: torch.Tensor  # [T, hidden]: final-layer hidden rows
+    head: Callable[[torch.Tensor], torch.Tensor]  # the LM head (counts its FLOPs)
     top1: tuple[torch.Tensor, torch.Tensor] | None = None  # host (confidence, token) of the requested rows
+    _logits: torch.Tensor | None = None
+
+    @property
+    def logits(self) -> torch.Tensor:  # [T, V]
+        if self._logits is None:
+            self._logits = self.head(self.hidden)
+        return self._logits
+
+    def logits_rows(self, lo: int, hi: int) -> torch.Tensor:
+        return self._logits[lo:hi] if self._logits is not None else self.head(self.hidden[lo:hi])
 
 
 def group_by_length(inputs: list[StepInput]) -> list[list[int]]:
@@ -77,8 +94,8 @@ class TorchRunner:
         want = [(i, out, rows[i]) for i, out in zip(group, outs) if rows[i] is not None]
         if not want:
             return []
-        sel = torch.cat([out.logits[self._to_device(r)] for _, out, r in want])
-        conf, tok = confidence(sel, self.cfg.mask_token_id)
+        sel = torch.cat([out.hidden[self._to_device(r)] for _, out, r in want])
+        conf, tok = confidence(self.head(sel), self.cfg.mask_token_id)
         counts = [len(r) for _, _, r in want]
         return [(i, c, t) for (i, _, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
 
@@ -89,6 +106,12 @@ class TorchRunner:
         counts = [len(c) for _, c, _ in picked]
         for (i, _, _), c, t in zip(picked, conf.split(counts), tok.split(counts)):
             outputs[i].top1 = (c, t)
+
+    @torch.inference_mode()
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over some final hidden rows [..., H] -> logits [..., V]."""
+        self.flops += 2 * (hidden.numel() // self.cfg.hidden_size) * self.cfg.hidden_size * self.cfg.vocab_size
+        return self.model.lm_head(hidden)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -138,9 +161,9 @@ class TorchRunner:
             mask = self._to_device(mask)
             bias = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(~mask, float("-inf"))
         layers_past = [(buf[l, 0], buf[l, 1]) for l in range(cfg.num_layers)]
-        logits, hidden, _ = self.model(self._to_device(ids), self._to_device(pos), bias, layers_past, room=True)
+        _, hidden, _ = self.model(self._to_device(ids), self._to_device(pos), bias, layers_past, room=True, head=False)
         self.forwards += 1
-        self.flops += forward_flops(cfg, n, t_max, c_max)
+        self.flops += forward_flops(cfg, n, t_max, c_max, lm_rows=0)  # the LM head is counted where it runs
         fresh = buf[:, :, :, :, c_max:]  # [layers, 2, n, kv_heads, t_max, head_dim]
-        return [StepOutput(logits[i, :len(s.ids)], fresh[:, :, i, :, :len(s.ids)], hidden[i, :len(s.ids)])
+        return [StepOutput(hidden[i, :len(s.ids)], fresh[:, :, i, :, :len(s.ids)], self.head)
                 for i, s in enumerate(inputs)]

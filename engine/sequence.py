@@ -174,11 +174,11 @@ class Sequence:
         return self._masked(self.blocks[self.block_idx]) - self.cfg.logits_shift - int(step.pos[0])
 
     # ---- applying its result --------------------------------------------------------
-    def apply(self, step: StepInput, logits: torch.Tensor, fresh: torch.Tensor,
+    def apply(self, step: StepInput, logits: torch.Tensor | None, fresh: torch.Tensor,
               top1: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepReport:
         """logits [T, V] and fresh K/V [layers, 2, kv_heads, T, head_dim] of ``step``. ``top1``: the
         (confidence, token) of the rows ``decode_rows(step)`` named, already on the host; without it
-        they are computed here from ``logits``."""
+        they are computed here from ``logits`` (which may be None when ``top1`` is given)."""
         self.history.append(step.kind)
         q_start = int(step.pos[0])
         if step.kind is StepKind.PREFILL:

@@ -163,7 +163,8 @@ class DLMTransformer(nn.Module):
         mask: torch.Tensor | None,
         past: list[KV] | None = None,
         room: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[KV]]:
+        head: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list[KV]]:
         """Run the model.
 
         input_ids, positions: [N, T]. mask: bool [N, 1, T, C + T] (True = may
@@ -174,7 +175,9 @@ class DLMTransformer(nn.Module):
         place (the runner preallocates them; the mask then is [N, 1, T, C + T]
         over that buffer). The mask may be float (added to the scores).
         Returns (logits [N, T, V], hidden [N, T, H], fresh per-layer (K, V) of
-        the T input tokens; views of ``past`` with ``room``).
+        the T input tokens; views of ``past`` with ``room``). ``head=False``
+        skips the LM head (logits None): the runner applies ``lm_head`` to the
+        rows it needs only.
         """
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
@@ -183,7 +186,7 @@ class DLMTransformer(nn.Module):
             x, kv = layer(x, cos, sin, mask, None if past is None else past[i], room)
             fresh.append(kv)
         hidden = self.norm(x)
-        return self.lm_head(hidden), hidden, fresh
+        return (self.lm_head(hidden) if head else None), hidden, fresh
 
     def fuse_projections(self) -> DLMTransformer:
         """Fuse q/k/v and gate/up into single products (inference only; see Attention.fuse)."""
