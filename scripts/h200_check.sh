@@ -2,7 +2,7 @@
 # Issue 10's device run: one call on a lent H200 that checks the CUDA path and measures the targets.
 # Run by the device tool from the repository root:   bash scripts/h200_check.sh
 # It uses the machine's own python3 (torch with CUDA; nothing is installed) and writes everything
-# under $OUT: logs, the measured profile, and results.json. About 8 minutes; each step has its own
+# under $OUT: logs, round.json and the measured profile. About 5-8 minutes; each step has its own
 # time limit so one failure leaves the rest to run. Fetch $OUT and copy the profile into profiles/.
 set -u
 OUT=${OUT:-/tmp/remask-out}
@@ -21,18 +21,21 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, record the 
     tail -n 15 "$OUT/$name.log"
 }
 step facts 60 bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'"
+# Most important first: a call stopped at its limit still returns what is under $OUT.
 # 1. correctness on the device: bf16 runner against float32 on the CPU, and a round's launch never waits
-step gpu-tests 180 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_runner.py tests/test_bench_engine.py
+step gpu-tests 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_runner.py tests/test_bench_engine.py
 # 2. the round target: 128 slots x 32 tokens over 300 cached tokens, LLaDA-8B shape (<= 110 ms)
-step round 180 $PY -m app.cli bench round --model $M --device $DEV --json --out "$OUT/round.json"
-# 3. the profile the simulator, router and planner load (block and recompute rounds, two contexts)
-step profile 240 $PY -m app.cli profile --model $M --device $DEV --name h200-llada8b-measured \
+step round 150 $PY -m app.cli bench round --model $M --device $DEV --json --out "$OUT/round.json"
+# the same round for one request: launch-bound, what single-request latency is made of
+step round-single 60 $PY -m app.cli bench round --model $M --device $DEV --slots 1 --json --out "$OUT/round-single.json"
+# 3. the engine against the reference loops (batched >= 10x, single-request latency <= Fast-dLLM loop)
+step bench-engine 200 $PY -m app.cli bench engine --model $M --device $DEV --dtype ${DTYPE:-bfloat16} --requests 16 \
+    --prompt-len 256 --gen-length 64 --quiet --json
+# 4. the profile the simulator, router and planner load (block and recompute rounds, two contexts)
+step profile 150 $PY -m app.cli profile --model $M --device $DEV --name h200-llada8b-measured \
     --batch-sizes 1,4,16,32,64,128 --prompt-lens 64,512 --max-tokens 64 --rounds 4 \
     --out "$OUT/h200-llada8b-measured.json"
-# 4. the profile against a recorded real run (within 10%)
-step profile-check 150 $PY -m app.cli profile --model $M --device $DEV --check "$OUT/h200-llada8b-measured.json" \
+# 5. the profile against a recorded real run (within 10%)
+step profile-check 100 $PY -m app.cli profile --model $M --device $DEV --check "$OUT/h200-llada8b-measured.json" \
     --requests 64 --slots 32 --json
-# 5. the engine against the reference loops (batched >= 10x, single-request latency <= Fast-dLLM loop)
-step bench-engine 240 $PY -m app.cli bench engine --model $M --device $DEV --dtype ${DTYPE:-bfloat16} --requests 16 \
-    --prompt-len 256 --gen-length 64 --quiet --json
 cat "$OUT/steps.txt"
