@@ -2,8 +2,9 @@
 
 Both keep one tensor of shape [layers, 2, kv_heads, capacity, head_dim] with
 RoPE already applied to K, so context keys can be gathered in any order.
-Contexts are slices of it (a view, or one concatenation of two slices); their
-positions are small host tensors, so building a step never waits on the device.
+Contexts are views of it (one, or two for the dual cache's prefix and suffix);
+their positions are small host tensors, so building a step never waits on the
+device.
 
 - ``ExactCache`` (block-causal models): holds the committed prefix only; it
   grows by whole blocks (a prefill block or the commit of a finished block)
@@ -65,9 +66,11 @@ class ApproxCache(_Cache):
         self.kv[:, :, :, : fresh.shape[3]] = fresh
         self.filled = fresh.shape[3]
 
-    def context(self, q_start: int, q_end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context (K/V, host positions) for a cached step whose queries cover [q_start, q_end)."""
+    def context(self, q_start: int, q_end: int) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
+        """Context (K/V, host positions) for a cached step whose queries cover [q_start, q_end). The dual
+        variant's K/V is two views (prefix, suffix), in position order: the runner copies them into the
+        round's buffer one after the other, so they are never concatenated first."""
         if self.variant == "prefix" or q_end >= self.filled:
             return self.kv[:, :, :, :q_start], torch.arange(q_start)
-        kv = torch.cat((self.kv[:, :, :, :q_start], self.kv[:, :, :, q_end : self.filled]), dim=3)
+        kv = (self.kv[:, :, :, :q_start], self.kv[:, :, :, q_end : self.filled])
         return kv, torch.cat((torch.arange(q_start), torch.arange(q_end, self.filled)))

@@ -4,9 +4,11 @@ Steps of very different lengths (a full-sequence recompute beside 8-token
 blocks) are grouped by length so that little of each forward is padding.
 
 On a GPU a round waits on the device once, at its end: inputs are built on the
-host and copied asynchronously; each forward writes its fresh K/V straight into
-a preallocated [context | query] buffer (no concatenation per layer, and the
-step outputs are views of it); the mask is turned into an additive bias in the
+host and copied asynchronously; each request's context (one cache view, or two
+for a dual cache) is copied once into the forward's [context | query] buffer,
+left uninitialised but for the context padding, and the forward writes its
+fresh K/V straight into it (no concatenation per layer, and the step outputs
+are views of it); the mask is turned into an additive bias in the
 model's dtype once per forward, or dropped when nothing is masked (so SDPA may
 use its flash kernel); the LM head runs only on the rows whose logits are used
 (prompt rows, committed rows and padding never need them); and the
@@ -142,16 +144,22 @@ class TorchRunner:
         ctx_pos = torch.zeros((n, c_max), dtype=torch.long)
         lengths, ctx_lengths = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
         dtype = next(self.model.parameters()).dtype
-        # [context padded to c_max | query]; zeros, so padded context keys and values are finite
+        # [context padded to c_max | query]: each slot's context is copied in and the model writes every
+        # query position, so only context padding is zeroed (masked, but it must be finite)
         shape = (cfg.num_layers, 2, n, cfg.num_kv_heads, c_max + t_max, cfg.head_dim)
-        buf = torch.zeros(shape, dtype=dtype, device=dev)
+        buf = torch.empty(shape, dtype=dtype, device=dev)
         for i, s in enumerate(inputs):
             t = len(s.ids)
             ids[i, :t], pos[i, :t], lengths[i] = s.ids, s.pos, t
-            if s.ctx_pos is not None and len(s.ctx_pos):
-                c = len(s.ctx_pos)
+            c = 0 if s.ctx_pos is None else len(s.ctx_pos)
+            if c:
                 ctx_pos[i, :c], ctx_lengths[i] = s.ctx_pos, c
-                buf[:, :, i, :, :c] = s.ctx_kv
+                off = 0
+                for seg in s.ctx_kv if isinstance(s.ctx_kv, tuple) else (s.ctx_kv,):
+                    buf[:, :, i, :, off : off + seg.shape[3]] = seg
+                    off += seg.shape[3]
+            if c < c_max:
+                buf[:, :, i, :, c:c_max].zero_()
         modes = {s.mode for s in inputs}
         if len(modes) != 1:
             raise ValueError(f"one forward takes one attention mode, got {sorted(modes)}")

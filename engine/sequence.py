@@ -45,7 +45,8 @@ class StepInput:
     kind: StepKind
     ids: torch.Tensor  # [T] query tokens
     pos: torch.Tensor  # [T] their positions
-    ctx_kv: torch.Tensor | None  # [layers, 2, kv_heads, C, head_dim]
+    ctx_kv: torch.Tensor | tuple[torch.Tensor, ...] | None  # [layers, 2, kv_heads, C, head_dim], or segments of it
+    # along C in position order (a dual cache's prefix and suffix)
     ctx_pos: torch.Tensor | None  # [C]
     mode: str  # attention mode
 

@@ -76,6 +76,30 @@ def test_runner_buffers_and_padding_match_each_step_alone(attention, fuse):
         assert out.top1 is None
 
 
+def test_runner_never_reads_the_uninitialised_buffer(monkeypatch):
+    """The round's buffer is allocated uninitialised: poisoned with NaN, every output stays finite and
+    equal to the step run alone (context padding is zeroed, every query position written)."""
+    import engine.runner as runner_mod
+
+    real_empty = torch.empty
+    monkeypatch.setattr(runner_mod.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    model = make_model(attention="bidirectional")
+    inputs = _inputs(model, n_ctx=(5, 0, 11), t=(8, 6, 5))
+    for s, out in zip(inputs, TorchRunner(model).run(inputs)):
+        assert torch.isfinite(out.logits).all() and torch.isfinite(out.fresh).all()
+        torch.testing.assert_close(out.logits, _reference(model, s)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_context_given_as_segments_equals_one_tensor():
+    """A dual cache hands its prefix and suffix as two views; the runner copies them in order."""
+    model = make_model(attention="bidirectional")
+    whole = _inputs(model, n_ctx=(12,), t=(8,))[0]
+    split = StepInput(whole.kind, whole.ids, whole.pos, (whole.ctx_kv[:, :, :, :5], whole.ctx_kv[:, :, :, 5:]),
+                      whole.ctx_pos, whole.mode)
+    a, b = TorchRunner(model).run([whole])[0], TorchRunner(model).run([split])[0]
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.fresh, b.fresh)
+
+
 def test_runner_returns_the_requested_rows_top1_on_the_host():
     model = make_model()
     runner = TorchRunner(model)
