@@ -4,9 +4,10 @@ The round is what the instance runs at steady state: ``slots`` requests, each de
 ``tokens`` query tokens over ``context`` cached tokens, through the runner exactly as the engine
 calls it (padded forward, K/V written into the round's buffer, every row's (confidence, token)
 copied back once). Counted FLOPs over the median time, against the measured matmul peak, is the
-round's model FLOP utilisation. Variants time the same round with the projections unfused, and the
-forward alone (no LM head, row gather or copy back; its FLOPs counted without the head), to show
-where time goes.
+round's model FLOP utilisation. Variants time the same round with the projections unfused, the
+forward alone (no LM head, row gather or copy back; its FLOPs counted without the head) and, on CUDA,
+that forward captured once in a CUDA graph and replayed, to show where time goes and whether graphs
+pay at this shape.
 """
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ def round_inputs(cfg, slots: int, tokens: int, context: int, device, dtype, seed
     return [StepInput(StepKind.DENOISE, torch.randint(0, cfg.mask_token_id, (tokens,), generator=gen), pos,
                       ctx if context else None, torch.arange(context) if context else None, cfg.attention)
             for _ in range(slots)]
+
+
+def graphed_forward(runner: TorchRunner, inputs: list[StepInput]):
+    """The runner's forward over ``inputs`` captured once in a CUDA graph: (replay, the hidden rows each
+    replay writes). The batch's device tensors are the graph's static inputs (a serving loop would copy
+    each round's into them)."""
+    batch = runner.prepare(inputs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture (allocator, kernel selection)
+        for _ in range(2):
+            runner.forward(batch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hidden = runner.forward(batch)
+    return graph.replay, hidden
 
 
 def _time(fn, device, warmup: int, repeats: int) -> list[float]:
@@ -65,10 +83,16 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
     peak = peak or measure_peak(dev, dt)
     runs: dict[str, list[float]] = {}
     fused = TorchRunner(net, dev, fuse=True)
+    notes: dict[str, str] = {}
     with torch.inference_mode():
         runs["round"] = _time(lambda: fused.run(inputs, rows), dev, warmup, repeats)
         if variants:
             runs["forward only"] = _time(lambda: fused.launch(inputs), dev, warmup, repeats)
+            if dev.type == "cuda":  # whether CUDA graphs pay at this shape: the same forward, replayed
+                try:
+                    runs["forward, CUDA graph"] = _time(graphed_forward(fused, inputs)[0], dev, warmup, repeats)
+                except Exception as exc:  # a measurement variant: report it, keep the others
+                    notes["forward, CUDA graph"] = f"{type(exc).__name__}: {exc}"
             del fused
             plain = TorchRunner(build_preset(model, device=dev, dtype=dt), dev, fuse=False)
             del net
@@ -76,21 +100,22 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
     rows_out = []
     for name, times in runs.items():
         ms = statistics.median(times)
-        f = forward_flops(cfg, slots, tokens, context, lm_rows=0) if name == "forward only" else flops
+        f = forward_flops(cfg, slots, tokens, context, lm_rows=0) if name.startswith("forward") else flops
         rows_out.append({"variant": name, "median_ms": round(ms, 3), "min_ms": round(min(times), 3),
                          "tflops": round(f / ms / 1e9, 2), "mfu": round(f / (ms / 1000) / peak, 4)})
     return {"model": model, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
             "dtype": str(dt).removeprefix("torch."), "slots": slots, "tokens": tokens, "context": context,
             "tflop_per_round": round(flops / 1e12, 3), "peak_tflops": round(peak / 1e12, 2),
-            "repeats": repeats, "variants": rows_out}
+            "repeats": repeats, "variants": rows_out, "errors": notes}
 
 
 def format_round(res: dict) -> str:
     head = (f"{res['model']} on {res['device']} ({res['dtype']}): {res['slots']} slots x {res['tokens']} tokens over "
             f"{res['context']} cached, {res['tflop_per_round']} TFLOP per round; measured peak "
             f"{res['peak_tflops']} TFLOP/s")
-    lines = [head, f"{'variant':<16} {'median ms':>10} {'min ms':>9} {'TFLOP/s':>9} {'MFU':>7}"]
+    lines = [head, f"{'variant':<20} {'median ms':>10} {'min ms':>9} {'TFLOP/s':>9} {'MFU':>7}"]
     for r in res["variants"]:
-        lines.append(f"{r['variant']:<16} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} {r['tflops']:>9.2f} "
+        lines.append(f"{r['variant']:<20} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} {r['tflops']:>9.2f} "
                      f"{r['mfu']:>7.1%}")
+    lines += [f"{name}: failed: {err}" for name, err in res.get("errors", {}).items()]
     return "\n".join(lines)

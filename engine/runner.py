@@ -53,6 +53,18 @@ class StepOutput:
         return self._logits[lo:hi] if self._logits is not None else self.head(self.hidden[lo:hi])
 
 
+@dataclass
+class Batch:
+    """One padded forward's device inputs (``TorchRunner.prepare``)."""
+
+    ids: torch.Tensor  # [N, T]
+    pos: torch.Tensor  # [N, T]
+    bias: torch.Tensor | None  # additive mask [N, 1, T, C + T], None when nothing is masked
+    buf: torch.Tensor  # [layers, 2, N, kv_heads, C + T, head_dim]: contexts copied in, fresh K/V written after
+    t_max: int
+    c_max: int
+
+
 def group_by_length(inputs: list[StepInput]) -> list[list[int]]:
     """Indices of ``inputs`` grouped so each group's lengths are within 2x."""
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].ids))
@@ -135,6 +147,22 @@ class TorchRunner:
 
     def launch(self, inputs: list[StepInput]) -> list[StepOutput]:
         """One padded forward over ``inputs`` (queued on the device; nothing here waits for it)."""
+        batch = self.prepare(inputs)
+        hidden = self.forward(batch)
+        self.forwards += 1
+        self.flops += forward_flops(self.cfg, len(inputs), batch.t_max, batch.c_max, lm_rows=0)  # head: where it runs
+        fresh = batch.buf[:, :, :, :, batch.c_max:]  # [layers, 2, n, kv_heads, t_max, head_dim]
+        return [StepOutput(hidden[i, :len(s.ids)], fresh[:, :, i, :, :len(s.ids)], self.head)
+                for i, s in enumerate(inputs)]
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """The model over a prepared batch: final hidden rows [N, T, H]; fresh K/V land in ``batch.buf``.
+        Only device work on the batch's tensors, so it can be captured in a CUDA graph."""
+        layers_past = [(batch.buf[l, 0], batch.buf[l, 1]) for l in range(self.cfg.num_layers)]
+        return self.model(batch.ids, batch.pos, batch.bias, layers_past, room=True, head=False)[1]
+
+    def prepare(self, inputs: list[StepInput]) -> Batch:
+        """Host-side batching of ``inputs`` and its asynchronous copies to the device."""
         cfg, dev = self.cfg, self.device
         n = len(inputs)
         t_max = max(len(s.ids) for s in inputs)
@@ -168,10 +196,4 @@ class TorchRunner:
         if not bool(mask.all()):  # a host tensor: no wait
             mask = self._to_device(mask)
             bias = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(~mask, float("-inf"))
-        layers_past = [(buf[l, 0], buf[l, 1]) for l in range(cfg.num_layers)]
-        _, hidden, _ = self.model(self._to_device(ids), self._to_device(pos), bias, layers_past, room=True, head=False)
-        self.forwards += 1
-        self.flops += forward_flops(cfg, n, t_max, c_max, lm_rows=0)  # the LM head is counted where it runs
-        fresh = buf[:, :, :, :, c_max:]  # [layers, 2, n, kv_heads, t_max, head_dim]
-        return [StepOutput(hidden[i, :len(s.ids)], fresh[:, :, i, :, :len(s.ids)], self.head)
-                for i, s in enumerate(inputs)]
+        return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, c_max)

@@ -219,3 +219,20 @@ def test_cuda_round_launch_never_waits_on_the_device():
         torch.cuda.set_sync_debug_mode("default")
     engine.runner._fetch(outs, picked)
     assert all(o.top1 is not None for o in outs)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_of_a_prepared_forward_matches_eager():
+    from engine.bench_round import graphed_forward, round_inputs
+
+    name = "llada-8b-shape:layers=2,vocab=4096,hidden=512,heads=8,kv_heads=8,intermediate=1024"
+    cfg = preset_config(name)
+    runner = TorchRunner(build_preset(name, device="cuda", dtype=torch.bfloat16), "cuda")
+    inputs = round_inputs(cfg, 8, 32, 64, "cuda", torch.bfloat16)
+    with torch.inference_mode():
+        eager = runner.forward(runner.prepare(inputs)).clone()
+        replay, hidden = graphed_forward(runner, inputs)
+        hidden.fill_(float("nan"))  # poisoned: the replay must write every row
+        replay()
+        torch.cuda.synchronize()
+    torch.testing.assert_close(hidden, eager)
