@@ -223,6 +223,8 @@ def cmd_profile(args) -> int:
     prof.save(args.out)
     print(f"wrote {args.out}: " + ", ".join(f"{k} {len(v)} points" for k, v in prof.curves.items())
           + f"; reference context {prof.ref_context:g} tokens, attention {prof.attn_ms_per_pair:.3g} ms per pair")
+    for line in prof.meta.get("skipped", []):
+        print(f"skipped {line}", file=sys.stderr)
     return 0
 
 

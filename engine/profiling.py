@@ -59,13 +59,19 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
 
         iterator = tqdm(grid, desc=f"profile {name}", unit="batch")
     params = SamplingParams(threshold=1.0, max_tokens=max_tokens)
+    skipped: list[str] = []
     for plen, n in iterator:
         prompt = _prompt(engine, plen)
         seqs = [engine.add_request(prompt, params) for _ in range(n)]
         for _ in range(rounds + seqs[0].prefill_blocks + 1):
             if any(s.finished for s in seqs):
                 break
-            ms, comp = _timed_step(engine, seqs)
+            try:
+                ms, comp = _timed_step(engine, seqs)
+            except torch.OutOfMemoryError:  # too large for this device: keep the points measured so far
+                skipped.append(f"batch {n} x prompt {plen}: out of memory")
+                torch.cuda.empty_cache()
+                break
             kinds = {k for k, _, _ in comp}
             if len(kinds) != 1:
                 continue
@@ -87,7 +93,7 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
         "model": engine.cfg.extra.get("name", engine.cfg.arch), "device": _device_name(engine),
         "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
         "batch_sizes": list(batch_sizes), "prompt_lens": list(prompt_lens),
-        "method": "median wall time of single-kind rounds (device synchronised)"})
+        "method": "median wall time of single-kind rounds (device synchronised)", "skipped": skipped})
     pairs = [(tokens * max(ctx - ref, 0.0), ms - prof.curve_ms(kind, tokens)) for kind, tokens, ctx, ms in longer]
     denom = sum(x * x for x, _ in pairs)
     if denom > 0:

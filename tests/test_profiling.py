@@ -108,3 +108,18 @@ def test_profile_and_check_of_an_embedded_text_model():
     assert {"prefill", "denoise"} <= set(prof.curves) and prof.attn_ms_per_pair >= 0
     res = check_profile(engine, prof, requests=6, slots=4)
     assert res["requests"] == 6 and res["rounds"] >= 6 and res["model"] == "tiny-bd"
+
+
+def test_profile_keeps_the_points_measured_before_running_out_of_memory(monkeypatch):
+    engine = load_engine(SMALL, dtype=torch.float32, max_slots=16)
+    real_step = engine.step
+
+    def step(plan=None):
+        if plan is not None and len(plan) >= 8:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_step(plan)
+
+    monkeypatch.setattr(engine, "step", step)
+    prof = profile_engine(engine, "small", batch_sizes=(1, 4, 16), rounds=3, max_tokens=64)
+    assert prof.meta["skipped"] == ["batch 16 x prompt None: out of memory"]
+    assert max(t for t, _ in prof.curves["recompute"]) < 16 * 64 and not engine.sequences  # aborted, none left
