@@ -122,10 +122,12 @@ def confidence(logits: torch.Tensor, mask_token_id: int | None = None) -> tuple[
     The mask token is never a prediction: committing it would leave the
     position masked forever.
     """
-    logits = logits.float()
     if mask_token_id is not None and 0 <= mask_token_id < logits.shape[-1]:
-        logits = logits.clone()
+        # a float copy to write into (bf16 -> float32 makes one already; float32 needs its own)
+        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
         logits[..., mask_token_id] = float("-inf")
+    else:
+        logits = logits.float()
     probs = torch.softmax(logits, dim=-1)
     conf, tokens = probs.max(dim=-1)
     return conf, tokens

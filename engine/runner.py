@@ -108,7 +108,8 @@ class TorchRunner:
         want = [(i, out, rows[i]) for i, out in zip(group, outs) if rows[i] is not None]
         if not want:
             return []
-        sel = torch.cat([out.hidden[self._to_device(r)] for _, out, r in want])
+        picks = [out.hidden[self._to_device(r)] for _, out, r in want]
+        sel = picks[0] if len(picks) == 1 else torch.cat(picks)
         conf, tok = confidence(self.head(sel), self.cfg.mask_token_id)
         counts = [len(r) for _, _, r in want]
         return [(i, c, t) for (i, _, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
@@ -191,9 +192,12 @@ class TorchRunner:
         modes = {s.mode for s in inputs}
         if len(modes) != 1:
             raise ValueError(f"one forward takes one attention mode, got {sorted(modes)}")
-        mask = self._mask(modes.pop(), pos, lengths, ctx_pos, ctx_lengths)
+        mode = modes.pop()
+        # no padding under full attention: nothing is masked, so no mask is built (host tensors: no wait)
+        unpadded = bool((lengths == t_max).all()) and bool((ctx_lengths == c_max).all())
+        mask = None if mode == "bidirectional" and unpadded else self._mask(mode, pos, lengths, ctx_pos, ctx_lengths)
         bias = None
-        if not bool(mask.all()):  # a host tensor: no wait
+        if mask is not None and not bool(mask.all()):
             mask = self._to_device(mask)
             bias = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(~mask, float("-inf"))
         return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, c_max)

@@ -120,6 +120,7 @@ class Sequence:
         self.refine_at = 1  # the round after which it is refined (2: the engine's lookahead runs first)
         self.lookahead_blocks = 0  # masked blocks that lookahead round appends
         self.last_confidences: torch.Tensor | None = None  # the last step's confidences of masked positions
+        self._decode_masked: torch.Tensor | None = None  # the block's masked positions when decode_rows ran
 
     # ---- what the scheduler needs -------------------------------------------------
     @property
@@ -172,7 +173,8 @@ class Sequence:
         the whole round at once, so the round waits on the device once, not once per request."""
         if step.kind is StepKind.PREFILL:
             return None
-        return self._masked(self.blocks[self.block_idx]) - self.cfg.logits_shift - int(step.pos[0])
+        self._decode_masked = self._masked(self.blocks[self.block_idx])  # apply() reuses it
+        return self._decode_masked - self.cfg.logits_shift - int(step.pos[0])
 
     # ---- applying its result --------------------------------------------------------
     def apply(self, step: StepInput, logits: torch.Tensor | None, fresh: torch.Tensor,
@@ -195,7 +197,7 @@ class Sequence:
             self.cache.refresh(fresh)
             self.needs_recompute = False
         span = self.blocks[self.block_idx]
-        masked = self._masked(span)
+        masked = self._masked(span) if top1 is None else self._decode_masked
         if top1 is None:
             top1 = confidence(logits[masked - self.cfg.logits_shift - q_start], self.cfg.mask_token_id)
         conf, tok = top1

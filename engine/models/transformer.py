@@ -31,9 +31,15 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype,
+                 inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape [N, 1, T, head_dim] for integer positions [N, T]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -155,6 +161,7 @@ class DLMTransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE frequencies per device
 
     def forward(
         self,
@@ -180,7 +187,11 @@ class DLMTransformer(nn.Module):
         rows it needs only.
         """
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cfg = self.config
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:  # once per device (not a buffer: models are built on the meta device)
+            inv_freq = self._inv_freq[positions.device] = rope_inv_freq(cfg.head_dim, cfg.rope_theta, positions.device)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype, inv_freq)
         fresh: list[KV] = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, cos, sin, mask, None if past is None else past[i], room)
