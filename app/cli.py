@@ -208,6 +208,16 @@ def cmd_profile(args) -> int:
     if args.check is None and args.out is None:
         raise ValueError("give --out FILE to write a profile, or --check PROFILE to test one against a real run")
     check = load_profile(args.check) if args.check else None
+    if args.tp > 1:
+        if check is not None:
+            raise ValueError("--check runs one process; check a TP profile's curves with --tp 1")
+        from engine.profiling import profile_tp
+
+        prof = profile_tp(args.model, args.tp, args.out, device=args.device, dtype=dtype, name=args.name,
+                          batch_sizes=tuple(args.batch_sizes), rounds=args.rounds, progress=True,
+                          prompt_lens=tuple(args.prompt_lens or [None]), max_tokens=args.max_tokens)
+        print(f"wrote {args.out}: TP-{args.tp}, " + ", ".join(f"{k} {len(v)} points" for k, v in prof.curves.items()))
+        return 0
     slots = args.slots if check else max(args.batch_sizes)
     engine = load_engine(args.model, device=args.device, dtype=dtype, max_slots=slots)
     if check is not None:
@@ -384,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "context, the others fit the attention term")
     f.add_argument("--max-tokens", type=int, help="answer tokens of each profiled request (default: the model's)")
     f.add_argument("--rounds", type=int, default=6)
+    f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: one process per rank (GPU r on CUDA, "
+                                                    "gloo on a CPU); name the output NAME-tpN.json for the planner")
     f.add_argument("--device", default="cpu")
     f.add_argument("--dtype", help="float32 (default on CPU), bfloat16 (default on CUDA) or float16")
     f.add_argument("--requests", type=int, default=48, help="--check: requests in the recorded run")

@@ -123,3 +123,24 @@ def test_profile_keeps_the_points_measured_before_running_out_of_memory(monkeypa
     prof = profile_engine(engine, "small", batch_sizes=(1, 4, 16), rounds=3, max_tokens=64)
     assert prof.meta["skipped"] == ["batch 16 x prompt None: out of memory"]
     assert max(t for t, _ in prof.curves["recompute"]) < 16 * 64 and not engine.sequences  # aborted, none left
+
+
+def test_tp2_profile_runs_one_process_per_rank(tmp_path):
+    out = tmp_path / "small-tp2.json"
+    assert main(["profile", "--model", SMALL, "--tp", "2", "--out", str(out), "--batch-sizes", "1,4", "--rounds", "3",
+                 "--max-tokens", "32"]) == 0
+    prof = load_profile(str(out))
+    assert prof.name == "llada-8b-shape-tp2" and prof.meta["tp"] == 2
+    assert {"recompute", "cached"} <= set(prof.curves) and all(ms > 0 for pts in prof.curves.values() for _, ms in pts)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "3", "--out", "x.json"], "TP degree 3 does not divide num_heads = 4"),
+    (["--tp", "2", "--check", "cpu-tiny-bd"], "--check runs one process"),
+    (["--tp", "2", "--device", "cuda", "--out", "x.json"], "needs 2 GPUs"),
+])
+def test_tp_profile_rejects_bad_input(argv, message, capsys):
+    if "cuda" in argv and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has two GPUs")
+    assert main(["profile", "--model", SMALL, *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -60,9 +60,15 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def build_preset(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0) -> DLMTransformer:
-    """A random-weight model of the preset's shape, made on ``device`` in ``dtype`` (no float32 copy)."""
+                 seed: int = 0, tp: int = 1) -> DLMTransformer:
+    """A random-weight model of the preset's shape, made on ``device`` in ``dtype`` (no float32 copy).
+    ``tp`` > 1: one tensor-parallel rank's shard of that shape (its heads and MLP columns; the caller
+    sets each layer's ``reduce``), for timing TP rounds without building the whole model first."""
     cfg = preset_config(name)
+    if tp > 1:
+        from engine.models.tensor_parallel import shard_config
+
+        cfg = shard_config(cfg, tp)
     with torch.device("meta"):
         model = DLMTransformer(cfg).to(dtype)
     model = model.to_empty(device=device)
