@@ -94,25 +94,28 @@ class TorchRunner:
         outputs: list[StepOutput | None] = [None] * len(inputs)
         picked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, conf, token) on the device
         for group in group_by_length(inputs):
-            outs = self.launch([inputs[i] for i in group])
+            hidden, outs = self._launch([inputs[i] for i in group])
             for i, out in zip(group, outs):
                 outputs[i] = out
             if rows is not None:
-                picked += self._top1(group, outs, rows)
+                picked += self._top1(hidden, [rows[i] for i in group], group)
         if picked:
             self._fetch(outputs, picked)
         return outputs  # type: ignore[return-value]
 
-    def _top1(self, group: list[int], outs: list[StepOutput], rows) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(confidence, token) of the requested rows of one forward's steps, computed together."""
-        want = [(i, out, rows[i]) for i, out in zip(group, outs) if rows[i] is not None]
+    def _top1(self, hidden: torch.Tensor, rows: list[torch.Tensor | None],
+              ids: list[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(confidence, token) of the requested rows of one forward (``hidden`` [N, T, H]; ``rows[k]``: slot
+        k's rows, or None), computed together: one index copy to the device, one LM head. Tagged ``ids``."""
+        want = [(k, r) for k, r in enumerate(rows) if r is not None]
         if not want:
             return []
-        picks = [out.hidden[self._to_device(r)] for _, out, r in want]
-        sel = picks[0] if len(picks) == 1 else torch.cat(picks)
+        t_max = hidden.shape[1]
+        flat = torch.cat([r + k * t_max for k, r in want])  # rows of hidden flattened to [N * T, H]
+        sel = hidden.reshape(-1, hidden.shape[-1])[self._to_device(flat)]
         conf, tok = confidence(self.head(sel), self.cfg.mask_token_id)
-        counts = [len(r) for _, _, r in want]
-        return [(i, c, t) for (i, _, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
+        counts = [len(r) for _, r in want]
+        return [(ids[k], c, t) for (k, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
 
     def _fetch(self, outputs: list[StepOutput], picked) -> None:
         """One device-to-host copy for every step's (confidence, token): the round's only wait."""
@@ -148,13 +151,16 @@ class TorchRunner:
 
     def launch(self, inputs: list[StepInput]) -> list[StepOutput]:
         """One padded forward over ``inputs`` (queued on the device; nothing here waits for it)."""
+        return self._launch(inputs)[1]
+
+    def _launch(self, inputs: list[StepInput]) -> tuple[torch.Tensor, list[StepOutput]]:
         batch = self.prepare(inputs)
         hidden = self.forward(batch)
         self.forwards += 1
         self.flops += forward_flops(self.cfg, len(inputs), batch.t_max, batch.c_max, lm_rows=0)  # head: where it runs
         fresh = batch.buf[:, :, :, :, batch.c_max:]  # [layers, 2, n, kv_heads, t_max, head_dim]
-        return [StepOutput(hidden[i, :len(s.ids)], fresh[:, :, i, :, :len(s.ids)], self.head)
-                for i, s in enumerate(inputs)]
+        return hidden, [StepOutput(hidden[i, :len(s.ids)], fresh[:, :, i, :, :len(s.ids)], self.head)
+                        for i, s in enumerate(inputs)]
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """The model over a prepared batch: final hidden rows [N, T, H]; fresh K/V land in ``batch.buf``.

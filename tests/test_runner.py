@@ -213,8 +213,8 @@ def test_cuda_round_launch_never_waits_on_the_device():
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():
-            outs = engine.runner.launch(inputs)
-            picked = engine.runner._top1(list(range(len(inputs))), outs, rows)
+            hidden, outs = engine.runner._launch(inputs)
+            picked = engine.runner._top1(hidden, rows, list(range(len(inputs))))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     engine.runner._fetch(outs, picked)
