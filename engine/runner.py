@@ -172,38 +172,42 @@ class TorchRunner:
         """Host-side batching of ``inputs`` and its asynchronous copies to the device."""
         cfg, dev = self.cfg, self.device
         n = len(inputs)
-        t_max = max(len(s.ids) for s in inputs)
-        c_max = max((0 if s.ctx_pos is None else len(s.ctx_pos)) for s in inputs)
-        ids = torch.full((n, t_max), cfg.pad_token_id, dtype=torch.long)
-        pos = torch.zeros((n, t_max), dtype=torch.long)
-        ctx_pos = torch.zeros((n, c_max), dtype=torch.long)
-        lengths, ctx_lengths = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+        lens = [len(s.ids) for s in inputs]
+        ctx_lens = [0 if s.ctx_pos is None else len(s.ctx_pos) for s in inputs]
+        t_max, c_max = max(lens), max(ctx_lens)
+        unpadded = min(lens) == t_max and min(ctx_lens) == c_max
+        modes = {s.mode for s in inputs}
+        if len(modes) != 1:
+            raise ValueError(f"one forward takes one attention mode, got {sorted(modes)}")
+        mode = modes.pop()
+        if unpadded:
+            ids, pos = torch.stack([s.ids for s in inputs]), torch.stack([s.pos for s in inputs])
+        else:
+            ids = torch.full((n, t_max), cfg.pad_token_id, dtype=torch.long)
+            pos = torch.zeros((n, t_max), dtype=torch.long)
+            for i, s in enumerate(inputs):
+                ids[i, : lens[i]], pos[i, : lens[i]] = s.ids, s.pos
         dtype = next(self.model.parameters()).dtype
         # [context padded to c_max | query]: each slot's context is copied in and the model writes every
         # query position, so only context padding is zeroed (masked, but it must be finite)
         shape = (cfg.num_layers, 2, n, cfg.num_kv_heads, c_max + t_max, cfg.head_dim)
         buf = torch.empty(shape, dtype=dtype, device=dev)
         for i, s in enumerate(inputs):
-            t = len(s.ids)
-            ids[i, :t], pos[i, :t], lengths[i] = s.ids, s.pos, t
-            c = 0 if s.ctx_pos is None else len(s.ctx_pos)
-            if c:
-                ctx_pos[i, :c], ctx_lengths[i] = s.ctx_pos, c
-                off = 0
-                for seg in s.ctx_kv if isinstance(s.ctx_kv, tuple) else (s.ctx_kv,):
-                    buf[:, :, i, :, off : off + seg.shape[3]] = seg
-                    off += seg.shape[3]
-            if c < c_max:
-                buf[:, :, i, :, c:c_max].zero_()
-        modes = {s.mode for s in inputs}
-        if len(modes) != 1:
-            raise ValueError(f"one forward takes one attention mode, got {sorted(modes)}")
-        mode = modes.pop()
-        # no padding under full attention: nothing is masked, so no mask is built (host tensors: no wait)
-        unpadded = bool((lengths == t_max).all()) and bool((ctx_lengths == c_max).all())
-        mask = None if mode == "bidirectional" and unpadded else self._mask(mode, pos, lengths, ctx_pos, ctx_lengths)
+            segments = s.ctx_kv if isinstance(s.ctx_kv, tuple) else (s.ctx_kv,) if ctx_lens[i] else ()
+            off = 0
+            for seg in segments:
+                buf[:, :, i, :, off : off + seg.shape[3]] = seg
+                off += seg.shape[3]
+            if ctx_lens[i] < c_max:
+                buf[:, :, i, :, ctx_lens[i] : c_max].zero_()
         bias = None
-        if mask is not None and not bool(mask.all()):
-            mask = self._to_device(mask)
-            bias = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(~mask, float("-inf"))
+        if not (mode == "bidirectional" and unpadded):  # otherwise nothing is masked: no mask is built
+            ctx_pos = torch.zeros((n, c_max), dtype=torch.long)
+            for i, s in enumerate(inputs):
+                if ctx_lens[i]:
+                    ctx_pos[i, : ctx_lens[i]] = s.ctx_pos
+            mask = self._mask(mode, pos, torch.tensor(lens), ctx_pos, torch.tensor(ctx_lens))
+            if not bool(mask.all()):  # host tensors: no wait
+                mask = self._to_device(mask)
+                bias = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(~mask, float("-inf"))
         return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, c_max)
