@@ -196,15 +196,12 @@ def cmd_bench(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    import torch
-
+    from engine.device import parse_dtype
     from engine.loading import load_engine
     from engine.profile import load_profile
     from engine.profiling import check_profile, profile_engine
 
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"unknown dtype {args.dtype!r}; use float32, bfloat16 or float16")
+    dtype = parse_dtype(args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     if args.check is None and args.out is None:
         raise ValueError("give --out FILE to write a profile, or --check PROFILE to test one against a real run")
     check = load_profile(args.check) if args.check else None

@@ -27,28 +27,14 @@ import time
 import torch
 
 from engine.decoding import make_rule
+from engine.device import parse_dtype
+from engine.device import sync as _sync
 from engine.reference import fastdllm_generate, llada_generate
 from engine.sequence import SamplingParams
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
 CONTENDERS = ("remask-batched", "remask-single", "fastdllm-loop", "llada-loop")
 TARGET_THROUGHPUT_RATIO = 10.0  # batched engine / best reference loop
 TARGET_LATENCY_RATIO = 1.0  # single-request engine / Fast-dLLM loop (no worse)
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; known: float32, bfloat16, float16") from None
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_peak(device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", size: int | None = None,

@@ -17,7 +17,9 @@ import time
 
 import torch
 
-from engine.bench_engine import _sync, measure_peak, parse_dtype
+from engine.bench_engine import measure_peak
+from engine.device import device_name, parse_dtype
+from engine.device import sync as _sync
 from engine.models.flops import forward_flops
 from engine.models.presets import build_preset, preset_config
 from engine.runner import TorchRunner
@@ -103,7 +105,7 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
         f = forward_flops(cfg, slots, tokens, context, lm_rows=0) if name.startswith("forward") else flops
         rows_out.append({"variant": name, "median_ms": round(ms, 3), "min_ms": round(min(times), 3),
                          "tflops": round(f / ms / 1e9, 2), "mfu": round(f / (ms / 1000) / peak, 4)})
-    return {"model": model, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
+    return {"model": model, "device": device_name(dev),
             "dtype": str(dt).removeprefix("torch."), "slots": slots, "tokens": tokens, "context": context,
             "tflop_per_round": round(flops / 1e12, 3), "peak_tflops": round(peak / 1e12, 2),
             "repeats": repeats, "variants": rows_out, "errors": notes}

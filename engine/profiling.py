@@ -10,16 +10,12 @@ from collections import defaultdict
 
 import torch
 
+from engine.device import device_name, sync
 from engine.engine import Engine
 from engine.profile import LatencyProfile
 from engine.sequence import SamplingParams
 
 PROFILE_PROMPT = "story: cat 8 and a few more words"  # two or more prompt blocks
-
-
-def _sync(engine: Engine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
 
 
 def _prompt(engine: Engine, length: int | None, seed: int = 0):
@@ -35,10 +31,10 @@ def _prompt(engine: Engine, length: int | None, seed: int = 0):
 
 
 def _timed_step(engine: Engine, seqs) -> tuple[float, list[tuple[str, int, int]]]:
-    _sync(engine)
+    sync(engine.device)
     t0 = time.perf_counter()
     result = engine.step(seqs)
-    _sync(engine)
+    sync(engine.device)
     return (time.perf_counter() - t0) * 1000, result.composition
 
 
@@ -90,7 +86,7 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
         curves["denoise"] = curves.get("cached") or curves["recompute"]
     ref = statistics.median(contexts) if contexts else 0.0
     prof = LatencyProfile(name, curves, ref_context=ref, meta={
-        "model": engine.cfg.extra.get("name", engine.cfg.arch), "device": _device_name(engine),
+        "model": engine.cfg.extra.get("name", engine.cfg.arch), "device": device_name(engine.device),
         "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
         "batch_sizes": list(batch_sizes), "prompt_lens": list(prompt_lens),
         "method": "median wall time of single-kind rounds (device synchronised)", "skipped": skipped})
@@ -171,12 +167,6 @@ def _tp_rank(rank: int, world: int, port: int, model: str, out: str, device: str
         dist.destroy_process_group()
 
 
-def _device_name(engine: Engine) -> str:
-    if engine.device.type == "cuda":
-        return torch.cuda.get_device_name(engine.device)
-    return str(engine.device)
-
-
 def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, slots: int = 16, seed: int = 0,
                   progress: bool = False) -> dict:
     """A recorded real run against the profile: requests of mixed prompt and answer lengths arrive a few
@@ -219,7 +209,7 @@ def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, s
     errors = sorted(abs(p - m) / m for p, m in zip(predicted, measured) if m > 0)
     total_m, total_p = sum(measured), sum(predicted)
     return {"profile": profile.name, "model": engine.cfg.extra.get("name", engine.cfg.arch),
-            "device": _device_name(engine), "rounds": len(measured), "requests": done,
+            "device": device_name(engine.device), "rounds": len(measured), "requests": done,
             "measured_s": round(total_m / 1000, 4), "predicted_s": round(total_p / 1000, 4),
             "total_error": round(abs(total_p - total_m) / total_m, 4) if total_m else None,
             "median_round_error": round(statistics.median(errors), 4) if errors else None,

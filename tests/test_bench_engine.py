@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from app.cli import main
-from engine.bench_engine import bench_engine, format_report, measure_peak, parse_dtype
+from engine.bench_engine import bench_engine, format_report, measure_peak
 from engine.decoding import make_rule
+from engine.device import parse_dtype
 from engine.engine import Engine
 from engine.loading import load_engine
 from engine.models.flops import forward_flops
