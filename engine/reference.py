@@ -21,8 +21,8 @@ Remask's engine can be measured against them on the same model and prompts:
 Both use the same conventions as Remask's engine (``engine/sequence.py``) so
 that the comparison is fair:
 
-- confidence is the top-1 probability of a softmax that excludes the mask
-  token (the mask token is never a prediction);
+- confidence is the engine's own ``engine.decoding.confidence``: the top-1
+  probability of a softmax that excludes the mask token (never a prediction);
 - the canvas is ``gen_length`` rounded up to whole blocks, and decoding stops
   as soon as the answer is complete: an EOS with no mask before it in the
   output, or no mask left within the first ``gen_length`` output positions.
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.decoding import confidence
 from engine.models.flops import forward_flops
 from engine.models.transformer import DLMTransformer
 
@@ -83,15 +84,6 @@ def _setup(model: DLMTransformer, prompt_ids: list[int], gen_length: int, block_
     pos = torch.arange(start + canvas, device=dev)[None]
     blocks = [(s, s + block) for s in range(start, start + canvas, block)]
     return cfg, x, pos, blocks, start
-
-
-def _confidence(logits: torch.Tensor, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-1 probability, argmax token) of each row, the mask token left out of both."""
-    logits = logits.float()
-    if 0 <= mask_token_id < logits.shape[-1]:
-        logits = logits.clone()
-        logits[..., mask_token_id] = float("-inf")
-    return torch.softmax(logits, dim=-1).max(dim=-1)
 
 
 def _masked(x: torch.Tensor, span: tuple[int, int], mask_token_id: int) -> torch.Tensor:
@@ -150,7 +142,7 @@ def llada_generate(model: DLMTransformer, prompt_ids: list[int], gen_length: int
             logits = model(x, pos, None)[0][0]
             forwards += 1
             flops += forward_flops(cfg, 1, x.shape[1])
-            conf, tok = _confidence(logits[masked - shift], mask_id)
+            conf, tok = confidence(logits[masked - shift], mask_id)
             n = masked.numel()
             k = n if step == steps_per_block - 1 else min(max(base + (step < extra), 1), n)
             chosen = torch.topk(conf, k).indices
@@ -193,7 +185,7 @@ def fastdllm_generate(model: DLMTransformer, prompt_ids: list[int], gen_length: 
         rows, offset = logits[0], 0
         while True:
             masked = _masked(x, (bs, be), mask_id)
-            conf, tok = _confidence(rows[masked - shift - offset], mask_id)
+            conf, tok = confidence(rows[masked - shift - offset], mask_id)
             chosen = conf > threshold
             if not bool(chosen.any()):
                 chosen[torch.topk(conf, 1).indices] = True
