@@ -54,6 +54,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def stacked_linear(*parts: nn.Linear) -> nn.Linear:
+    """One Linear whose outputs are those of ``parts`` in order (their weights and biases stacked)."""
+    first = parts[0]
+    fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -71,14 +83,8 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         """Replace q/k/v_proj by one ``qkv_proj`` (same weights, one larger product). For inference:
         the state dict then holds the fused name, so fuse after loading and sharding, never before saving."""
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                          device=parts[0].weight.device, dtype=parts[0].weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([p.weight for p in parts]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([p.bias for p in parts]))
-        self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
+        self.qkv_proj = stacked_linear(self.q_proj, self.k_proj, self.v_proj)
+        self.q_proj, self.k_proj, self.v_proj = None, None, None
 
     def forward(self, x, cos, sin, mask, past: KV | None, room: bool = False) -> tuple[torch.Tensor, KV]:
         """``room``: ``past`` holds C + T positions and this call writes its T fresh K/V into the last T in
@@ -116,11 +122,8 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """Replace gate/up_proj by one ``gate_up_proj`` (as Attention.fuse)."""
-        g, u = self.gate_proj, self.up_proj
-        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=False, device=g.weight.device, dtype=g.weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat((g.weight, u.weight)))
-        self.gate_up_proj, self.gate_proj, self.up_proj = fused, None, None
+        self.gate_up_proj = stacked_linear(self.gate_proj, self.up_proj)
+        self.gate_proj, self.up_proj = None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
