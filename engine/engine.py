@@ -135,8 +135,9 @@ class Engine:
         first = []
         for seq, inp, big, out in zip(plan, inputs, ran, outputs):
             t = len(inp.ids)
-            logits = None if out.top1 is not None else out.logits[:t]  # with top1, apply needs no logits
-            reports.append(seq.apply(inp, logits, out.fresh[:, :, :, :t], out.top1))
+            # the runner returned top1 for every step with decode rows (prefill steps have none and need no
+            # logits), so apply never needs the logits here
+            reports.append(seq.apply(inp, None, out.fresh[:, :, :, :t], out.top1))
             if inp.kind is StepKind.PREFILL:
                 continue
             if seq.rounds == 1:  # its first denoising round

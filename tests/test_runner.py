@@ -100,6 +100,20 @@ def test_context_given_as_segments_equals_one_tensor():
     assert torch.equal(a.logits, b.logits) and torch.equal(a.fresh, b.fresh)
 
 
+def test_prefill_steps_never_run_the_lm_head(tok):
+    engine = Engine(make_model(), tok)  # block-causal, block 8
+    seq = engine.add_request(list(range(10, 30)), SamplingParams(max_tokens=16))  # 20 tokens: 2 prefill blocks
+    heads = []
+    real = engine.runner.head
+    engine.runner.head = lambda hidden: heads.append(hidden.shape[0]) or real(hidden)
+    engine.step([seq])
+    engine.step([seq])
+    assert seq.history == [StepKind.PREFILL, StepKind.PREFILL] and heads == []
+    engine.step([seq])  # the first denoising round: positions 16-23, of which 20-23 are output (masked)
+    assert seq.history[-1] is StepKind.DENOISE
+    assert heads == [4, 4] and len(seq.first_eos) == 4  # the 4 decoded rows, then their P(EOS) rows
+
+
 def test_runner_returns_the_requested_rows_top1_on_the_host():
     model = make_model()
     runner = TorchRunner(model)
