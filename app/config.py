@@ -20,6 +20,10 @@ class AppConfig(BaseModel):
     slots: int = Field(32, ge=1, description="B: block slots per round")
     policy: str = Field("dwise", description="instance scheduling policy")
     kv_capacity_tokens: int = Field(1 << 20, ge=1, description="KV pool per instance, in tokens")
+    kv_slot_tokens: int | None = Field(None, ge=1, description="positions per slot of the engine's preallocated "
+                                                               "KV pool (one slot per block slot, allocated at "
+                                                               "start; longer requests get caches of their own); "
+                                                               "default 512 + the default generation length")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int | None = Field(None, description="max_tokens when a request gives none")
     max_waiting: int = Field(256, ge=1, description="waiting requests per instance before 429")

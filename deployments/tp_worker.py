@@ -32,7 +32,7 @@ class TPWorker:
         model = shard_model(load_model(path, dtype=cfg.torch_dtype()), rank, world, all_reduce_sum())
         engine = Engine(model.to(cfg.device), load_tokenizer(path), device=cfg.device, cache=cfg.cache,
                         max_slots=cfg.slots, default_gen_length=cfg.default_max_tokens,
-                        max_gen_length=cfg.max_tokens_limit)
+                        max_gen_length=cfg.max_tokens_limit, kv_slot_tokens=cfg.kv_slot_tokens)
         self.follower = Follower(engine)
         self.rank = rank
 

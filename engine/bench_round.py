@@ -1,13 +1,14 @@
 """Time one engine round of a given shape on a shape preset: `remask bench round`.
 
 The round is what the instance runs at steady state: ``slots`` requests, each decoding a block of
-``tokens`` query tokens over ``context`` cached tokens, through the runner exactly as the engine
-calls it (padded forward, K/V written into the round's buffer, every row's (confidence, token)
-copied back once). Counted FLOPs over the median time, against the measured matmul peak, is the
-round's model FLOP utilisation. Variants time the same round with the projections unfused, the
-forward alone (no LM head, row gather or copy back; its FLOPs counted without the head) and, on CUDA,
-that forward captured once in a CUDA graph and replayed, to show where time goes and whether graphs
-pay at this shape.
+``tokens`` query tokens over ``context`` cached tokens held in consecutive slots of the KV pool,
+through the runner exactly as the engine calls it (one forward attending to the pool in place, fresh
+K/V scattered into it, every row's (confidence, token) copied back once). Counted FLOPs over the
+median time, against the measured matmul peak, is the round's model FLOP utilisation. Variants time
+the same round with each context copied into a buffer of the round's own (the path of requests
+without consecutive pool slots), with the projections unfused, the forward alone (no LM head, row
+gather or copy back; its FLOPs counted without the head) and, on CUDA, that forward captured once in
+a CUDA graph and replayed, to show where time goes and whether graphs pay at this shape.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from engine.bench_engine import measure_peak
 from engine.device import device_name, parse_dtype
 from engine.device import sync as _sync
+from engine.kv_cache import KVPool
 from engine.models.flops import forward_flops
 from engine.models.presets import build_preset, preset_config
 from engine.runner import TorchRunner
@@ -27,15 +29,24 @@ from engine.sched_types import StepKind
 from engine.sequence import StepInput
 
 
-def round_inputs(cfg, slots: int, tokens: int, context: int, device, dtype, seed: int = 0) -> list[StepInput]:
-    """``slots`` block steps of ``tokens`` queries over ``context`` cached positions (random K/V, one
-    tensor shared by the slots: the runner copies each slot's context into the round's buffer anyway)."""
+def round_inputs(cfg, slots: int, tokens: int, context: int, device, dtype, seed: int = 0,
+                 pool: KVPool | None = None) -> list[StepInput]:
+    """``slots`` block steps of ``tokens`` queries over ``context`` cached positions (random K/V). With
+    ``pool``, step i's context is in slot i (as the engine's caches hold it); otherwise one tensor is
+    shared by the steps (the runner copies each step's context into the round's buffer anyway)."""
     gen = torch.Generator().manual_seed(seed)
     ctx = torch.randn(cfg.num_layers, 2, cfg.num_kv_heads, context, cfg.head_dim, generator=gen).to(device, dtype)
     pos = torch.arange(context, context + tokens)
-    return [StepInput(StepKind.DENOISE, torch.randint(0, cfg.mask_token_id, (tokens,), generator=gen), pos,
-                      ctx if context else None, torch.arange(context) if context else None, cfg.attention)
-            for _ in range(slots)]
+    steps = []
+    for i in range(slots):
+        kv = ctx
+        if pool is not None:
+            kv = pool.kv[:, :, i, :, :context]
+            kv.copy_(ctx)
+        steps.append(StepInput(StepKind.DENOISE, torch.randint(0, cfg.mask_token_id, (tokens,), generator=gen), pos,
+                               kv if context else None, torch.arange(context) if context else None, cfg.attention,
+                               None if pool is None else i))
+    return steps
 
 
 def graphed_forward(runner: TorchRunner, inputs: list[StepInput]):
@@ -79,16 +90,23 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
     if context + tokens > cfg.max_position_embeddings:
         raise ValueError(f"context + tokens ({context + tokens}) exceeds the model's {cfg.max_position_embeddings}")
     net = build_preset(model, device=dev, dtype=dt)
-    inputs = round_inputs(cfg, slots, tokens, context, dev, dt)
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, slots, context + tokens, dt, dev)
+    inputs = round_inputs(cfg, slots, tokens, context, dev, dt, pool=pool)
     rows = [torch.arange(tokens)] * slots
     flops = forward_flops(cfg, slots, tokens, context)
     peak = peak or measure_peak(dev, dt)
     runs: dict[str, list[float]] = {}
     fused = TorchRunner(net, dev, fuse=True)
+    fused.pool = pool
     notes: dict[str, str] = {}
     with torch.inference_mode():
         runs["round"] = _time(lambda: fused.run(inputs, rows), dev, warmup, repeats)
+        if not fused.pooled:
+            raise RuntimeError("the round did not attend to the KV pool in place")
         if variants:
+            fused.pool = None  # the same steps, their contexts copied into the round's buffer
+            runs["round, contexts copied"] = _time(lambda: fused.run(inputs, rows), dev, warmup, repeats)
+            fused.pool = pool
             runs["forward only"] = _time(lambda: fused.launch(inputs), dev, warmup, repeats)
             if dev.type == "cuda":  # whether CUDA graphs pay at this shape: the same forward, replayed
                 try:
@@ -97,6 +115,7 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
                     notes["forward, CUDA graph"] = f"{type(exc).__name__}: {exc}"
             del fused
             plain = TorchRunner(build_preset(model, device=dev, dtype=dt), dev, fuse=False)
+            plain.pool = pool
             del net
             runs["round, unfused"] = _time(lambda: plain.run(inputs, rows), dev, warmup, repeats)
     rows_out = []
@@ -115,9 +134,9 @@ def format_round(res: dict) -> str:
     head = (f"{res['model']} on {res['device']} ({res['dtype']}): {res['slots']} slots x {res['tokens']} tokens over "
             f"{res['context']} cached, {res['tflop_per_round']} TFLOP per round; measured peak "
             f"{res['peak_tflops']} TFLOP/s")
-    lines = [head, f"{'variant':<20} {'median ms':>10} {'min ms':>9} {'TFLOP/s':>9} {'MFU':>7}"]
+    lines = [head, f"{'variant':<24} {'median ms':>10} {'min ms':>9} {'TFLOP/s':>9} {'MFU':>7}"]
     for r in res["variants"]:
-        lines.append(f"{r['variant']:<20} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} {r['tflops']:>9.2f} "
+        lines.append(f"{r['variant']:<24} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} {r['tflops']:>9.2f} "
                      f"{r['mfu']:>7.1%}")
     lines += [f"{name}: failed: {err}" for name, err in res.get("errors", {}).items()]
     return "\n".join(lines)

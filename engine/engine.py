@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.decoding import UnmaskRule, make_rule
-from engine.kv_cache import ApproxCache, ExactCache
+from engine.kv_cache import ApproxCache, ExactCache, KVPool
 from engine.models.transformer import DLMTransformer
 from engine.runner import TorchRunner
 from engine.sched_types import StepKind
 from engine.sequence import SamplingParams, Sequence, Status, StepInput, StepReport
 
 log = logging.getLogger(__name__)
+
+POOL_PROMPT_TOKENS = 512  # prompt room of a default KV pool slot (plus the default generation length)
 
 
 @dataclass
@@ -51,7 +53,12 @@ class Output:
 class Engine:
     def __init__(self, model: DLMTransformer, tokenizer, rule: UnmaskRule | str = "threshold",
                  cache: str = "dual", max_slots: int = 32, device: str = "cpu",
-                 default_gen_length: int | None = None, max_gen_length: int = 1024) -> None:
+                 default_gen_length: int | None = None, max_gen_length: int = 1024,
+                 kv_slots: int | None = None, kv_slot_tokens: int | None = None) -> None:
+        """``kv_slots`` x ``kv_slot_tokens``: the KV pool, allocated once on ``device`` (engine/kv_cache.py);
+        by default one slot per round slot, each room for ``POOL_PROMPT_TOKENS`` of prompt and the
+        default generation length (at most the model's context). A request that does not fit a slot or
+        finds none free gets a cache of its own. ``kv_slots=0``: no pool."""
         self.model = model.eval()
         self.cfg = model.config
         self.tokenizer = tokenizer
@@ -63,6 +70,12 @@ class Engine:
         self.device = torch.device(device)
         self.runner = TorchRunner(model, device)
         self.default_gen_length = default_gen_length or int(self.cfg.extra.get("gen_length", 128))
+        slots = max_slots if kv_slots is None else kv_slots
+        if slots:
+            tokens = kv_slot_tokens or min(self.cfg.max_position_embeddings,
+                                           POOL_PROMPT_TOKENS + self.default_gen_length)
+            self.runner.pool = KVPool(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, slots, tokens,
+                                      self.runner.dtype, self.device)
         self.max_gen_length = max_gen_length
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
@@ -114,7 +127,9 @@ class Engine:
             return
         p = next(self.model.parameters())
         args = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, seq.kv_capacity(), p.dtype, self.device)
-        seq.cache = ExactCache(*args) if seq.cache_mode == "exact" else ApproxCache(*args, variant=seq.cache_mode)
+        pool = self.runner.pool
+        seq.cache = (ExactCache(*args, pool=pool) if seq.cache_mode == "exact"
+                     else ApproxCache(*args, variant=seq.cache_mode, pool=pool))
 
     # ---- one round: schedule -> run -> postprocess -------------------------------------------
     def schedule(self) -> list[Sequence]:
@@ -191,7 +206,7 @@ class Engine:
             return inp
         extra = torch.arange(end, stop, dtype=inp.pos.dtype)
         ids = torch.cat([inp.ids, torch.full_like(extra, self.cfg.mask_token_id, dtype=inp.ids.dtype)])
-        return StepInput(inp.kind, ids, torch.cat([inp.pos, extra]), inp.ctx_kv, inp.ctx_pos, inp.mode)
+        return StepInput(inp.kind, ids, torch.cat([inp.pos, extra]), inp.ctx_kv, inp.ctx_pos, inp.mode, inp.slot)
 
     def _eos_probs(self, seq: Sequence, inp, out) -> torch.Tensor:
         """P(EOS) at the output positions this step's logits predict (on their device, no sync):

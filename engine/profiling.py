@@ -56,6 +56,7 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
         iterator = tqdm(grid, desc=f"profile {name}", unit="batch")
     params = SamplingParams(threshold=1.0, max_tokens=max_tokens)
     skipped: list[str] = []
+    forwards0, pooled0 = engine.runner.forwards, engine.runner.pooled
     for plen, n in iterator:
         prompt = _prompt(engine, plen)
         seqs = [engine.add_request(prompt, params) for _ in range(n)]
@@ -89,7 +90,8 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
         "model": engine.cfg.extra.get("name", engine.cfg.arch), "device": device_name(engine.device),
         "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
         "batch_sizes": list(batch_sizes), "prompt_lens": list(prompt_lens),
-        "method": "median wall time of single-kind rounds (device synchronised)", "skipped": skipped})
+        "method": "median wall time of single-kind rounds (device synchronised)", "skipped": skipped,
+        "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0})
     pairs = [(tokens * max(ctx - ref, 0.0), ms - prof.curve_ms(kind, tokens)) for kind, tokens, ctx, ms in longer]
     denom = sum(x * x for x, _ in pairs)
     if denom > 0:

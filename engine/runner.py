@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.decoding import confidence
+from engine.kv_cache import KVPool
 from engine.models.flops import forward_flops
 from engine.models.masks import allowed
 from engine.models.transformer import DLMTransformer
@@ -60,9 +61,11 @@ class Batch:
     ids: torch.Tensor  # [N, T]
     pos: torch.Tensor  # [N, T]
     bias: torch.Tensor | None  # additive mask [N, 1, T, C + T], None when nothing is masked
-    buf: torch.Tensor  # [layers, 2, N, kv_heads, C + T, head_dim]: contexts copied in, fresh K/V written after
+    buf: torch.Tensor  # [layers, 2, N, kv_heads, C + T, head_dim]: keys and values, fresh K/V written in place
     t_max: int
-    c_max: int
+    c_max: int  # key positions past t_max (the forward attends to C + T)
+    q_off: list[int]  # per row, where its query's K/V start in ``buf``
+    write: torch.Tensor | None = None  # [N, T] where each query row's K/V go, when not at the end (the pool)
 
 
 def group_by_length(inputs: list[StepInput]) -> list[list[int]]:
@@ -84,8 +87,14 @@ class TorchRunner:
         self.device = torch.device(device)
         if fuse if fuse is not None else self.device.type == "cuda":
             model.fuse_projections()
+        self.pool: KVPool | None = None  # set by the engine: caches take slots of it, forwards attend in place
         self.forwards = 0
+        self.pooled = 0  # forwards that attended to the KV pool in place (no context copied)
         self.flops = 0  # counted FLOPs of every forward so far, padding included (engine/models/flops.py)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     @torch.inference_mode()
     def run(self, inputs: list[StepInput], rows: list[torch.Tensor | None] | None = None) -> list[StepOutput]:
@@ -94,6 +103,7 @@ class TorchRunner:
         outputs: list[StepOutput | None] = [None] * len(inputs)
         picked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, conf, token) on the device
         for group in group_by_length(inputs):
+            group.sort(key=lambda i: -1 if inputs[i].slot is None else inputs[i].slot)  # pool slots in order
             hidden, outs = self._launch([inputs[i] for i in group])
             for i, out in zip(group, outs):
                 outputs[i] = out
@@ -153,45 +163,103 @@ class TorchRunner:
         """One padded forward over ``inputs`` (queued on the device; nothing here waits for it)."""
         return self._launch(inputs)[1]
 
+    @torch.inference_mode()
     def _launch(self, inputs: list[StepInput]) -> tuple[torch.Tensor, list[StepOutput]]:
         batch = self.prepare(inputs)
         hidden = self.forward(batch)
         self.forwards += 1
+        self.pooled += batch.write is not None
         self.flops += forward_flops(self.cfg, len(inputs), batch.t_max, batch.c_max, lm_rows=0)  # head: where it runs
-        fresh = batch.buf[:, :, :, :, batch.c_max:]  # [layers, 2, n, kv_heads, t_max, head_dim]
-        return hidden, [StepOutput(hidden[i, :len(s.ids)], fresh[:, :, i, :, :len(s.ids)], self.head)
-                        for i, s in enumerate(inputs)]
+        buf = batch.buf
+        return hidden, [StepOutput(hidden[i, :len(s.ids)], buf[:, :, i, :, o : o + len(s.ids)], self.head)
+                        for i, (s, o) in enumerate(zip(inputs, batch.q_off))]
 
+    @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """The model over a prepared batch: final hidden rows [N, T, H]; fresh K/V land in ``batch.buf``.
         Only device work on the batch's tensors, so it can be captured in a CUDA graph."""
         layers_past = [(batch.buf[l, 0], batch.buf[l, 1]) for l in range(self.cfg.num_layers)]
-        return self.model(batch.ids, batch.pos, batch.bias, layers_past, room=True, head=False)[1]
+        room = True if batch.write is None else batch.write
+        return self.model(batch.ids, batch.pos, batch.bias, layers_past, room=room, head=False)[1]
 
     def prepare(self, inputs: list[StepInput]) -> Batch:
         """Host-side batching of ``inputs`` and its asynchronous copies to the device."""
-        cfg, dev = self.cfg, self.device
+        cfg = self.cfg
         n = len(inputs)
         lens = [len(s.ids) for s in inputs]
-        ctx_lens = [0 if s.ctx_pos is None else len(s.ctx_pos) for s in inputs]
-        t_max, c_max = max(lens), max(ctx_lens)
-        unpadded = min(lens) == t_max and min(ctx_lens) == c_max
+        t_max = max(lens)
         modes = {s.mode for s in inputs}
         if len(modes) != 1:
             raise ValueError(f"one forward takes one attention mode, got {sorted(modes)}")
         mode = modes.pop()
-        if unpadded:
+        padded = min(lens) < t_max
+        if not padded:
             ids, pos = torch.stack([s.ids for s in inputs]), torch.stack([s.pos for s in inputs])
         else:
             ids = torch.full((n, t_max), cfg.pad_token_id, dtype=torch.long)
             pos = torch.zeros((n, t_max), dtype=torch.long)
             for i, s in enumerate(inputs):
                 ids[i, : lens[i]], pos[i, : lens[i]] = s.ids, s.pos
-        dtype = next(self.model.parameters()).dtype
-        # [context padded to c_max | query]: each slot's context is copied in and the model writes every
-        # query position, so only context padding is zeroed (masked, but it must be finite)
+        ends = self._pool_ends(inputs, lens)
+        if ends is not None:
+            return self._prepare_pooled(inputs, ids, pos, lens, ends, mode, padded)
+        return self._prepare_copied(inputs, ids, pos, lens, mode, padded)
+
+    def _pool_ends(self, inputs: list[StepInput], lens: list[int]) -> list[int] | None:
+        """Per step, the end of the slot positions it attends to, when the forward can attend to the KV
+        pool in place: every step holds a slot, the slots are consecutive in batch order, and each step's
+        keys are exactly its slot's positions [0, end) (its context, then or around its query, which
+        sits at its own positions). Otherwise None."""
+        pool = self.pool
+        if pool is None or inputs[0].slot is None:
+            return None
+        lo = inputs[0].slot
+        ends = []
+        for k, (s, t) in enumerate(zip(inputs, lens)):
+            if s.slot != lo + k:
+                return None
+            q_lo = int(s.pos[0])
+            if int(s.pos[-1]) != q_lo + t - 1:  # the query's positions are not consecutive
+                return None
+            c = 0 if s.ctx_pos is None else len(s.ctx_pos)
+            end = max(q_lo + t, int(s.ctx_pos[-1]) + 1 if c else 0)
+            if c + t != end or end > pool.capacity:  # context and query do not tile [0, end)
+                return None
+            ends.append(end)
+        return ends
+
+    def _prepare_pooled(self, inputs, ids, pos, lens, ends, mode, padded) -> Batch:
+        """The forward's K/V buffer is the pool's slots themselves: contexts are already in place and
+        each step's fresh K/V are scattered to its own positions, so nothing is copied. Padding query
+        rows write to a position past every step's end (the pool's scratch position at most)."""
+        n, t_max = ids.shape
+        span = max(ends) + padded
+        lo = inputs[0].slot
+        write = pos.clone()
+        for i, t in enumerate(lens):
+            write[i, t:] = span - 1
+        bias = None
+        if not (mode == "bidirectional" and not padded and min(ends) == max(ends)):
+            keys = torch.arange(span)
+            q_valid = torch.arange(t_max)[None] < torch.tensor(lens)[:, None]
+            mask = allowed(mode, pos, keys[None], self.cfg.block_size)
+            mask &= (keys[None] < torch.tensor(ends)[:, None])[:, None, :] & q_valid[:, :, None]
+            mask[:, :, 0] |= ~q_valid  # padding rows attend to position 0 only, so no row is empty
+            bias = self._bias(mask[:, None])
+        buf = self.pool.kv[:, :, lo : lo + n, :, :span]
+        return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, span - t_max,
+                     [int(s.pos[0]) for s in inputs], self._to_device(write))
+
+    def _prepare_copied(self, inputs, ids, pos, lens, mode, padded) -> Batch:
+        """Each step's context is copied into a fresh [context padded to c_max | query] buffer."""
+        cfg, n, t_max = self.cfg, len(inputs), ids.shape[1]
+        ctx_lens = [0 if s.ctx_pos is None else len(s.ctx_pos) for s in inputs]
+        c_max = max(ctx_lens)
+        unpadded = not padded and min(ctx_lens) == c_max
+        # the model writes every query position, so only context padding is zeroed (masked, but it must be
+        # finite)
         shape = (cfg.num_layers, 2, n, cfg.num_kv_heads, c_max + t_max, cfg.head_dim)
-        buf = torch.empty(shape, dtype=dtype, device=dev)
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         for i, s in enumerate(inputs):
             segments = s.ctx_kv if isinstance(s.ctx_kv, tuple) else (s.ctx_kv,) if ctx_lens[i] else ()
             off = 0
@@ -206,8 +274,12 @@ class TorchRunner:
             for i, s in enumerate(inputs):
                 if ctx_lens[i]:
                     ctx_pos[i, : ctx_lens[i]] = s.ctx_pos
-            mask = self._mask(mode, pos, torch.tensor(lens), ctx_pos, torch.tensor(ctx_lens))
-            if not bool(mask.all()):  # host tensors: no wait
-                mask = self._to_device(mask)
-                bias = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill_(~mask, float("-inf"))
-        return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, c_max)
+            bias = self._bias(self._mask(mode, pos, torch.tensor(lens), ctx_pos, torch.tensor(ctx_lens)))
+        return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, c_max, [c_max] * n)
+
+    def _bias(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """A host bool mask as an additive bias in the model's dtype on the device; None if all True."""
+        if bool(mask.all()):  # host tensors: no wait
+            return None
+        mask = self._to_device(mask)
+        return torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))

@@ -49,6 +49,7 @@ class StepInput:
     # along C in position order (a dual cache's prefix and suffix)
     ctx_pos: torch.Tensor | None  # [C]
     mode: str  # attention mode
+    slot: int | None = None  # the runner's KV pool slot holding the context, when the cache has one
 
 
 @dataclass
@@ -150,7 +151,8 @@ class Sequence:
 
     def _query(self, start: int, end: int, kind: StepKind, ctx) -> StepInput:
         kv, pos = ctx if ctx is not None else (None, None)
-        return StepInput(kind, self.tokens[start:end], torch.arange(start, end), kv, pos, self.cfg.attention)
+        slot = None if self.cache is None else self.cache.slot
+        return StepInput(kind, self.tokens[start:end], torch.arange(start, end), kv, pos, self.cfg.attention, slot)
 
     def build_step(self) -> StepInput:
         b = self.cfg.block_size

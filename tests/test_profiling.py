@@ -76,7 +76,8 @@ def test_bench_round_times_the_round_and_its_variants(tmp_path, capsys):
     from engine.models.presets import preset_config
 
     res = bench_round(SMALL, slots=4, tokens=8, context=16, warmup=1, repeats=2, peak=1e9)
-    assert [v["variant"] for v in res["variants"]] == ["round", "forward only", "round, unfused"]
+    assert [v["variant"] for v in res["variants"]] == ["round", "round, contexts copied", "forward only",
+                                                       "round, unfused"]
     flops = forward_flops(preset_config(SMALL), 4, 8, 16)
     assert res["tflop_per_round"] == round(flops / 1e12, 3)
     body = forward_flops(preset_config(SMALL), 4, 8, 16, lm_rows=0)  # the forward alone runs no LM head

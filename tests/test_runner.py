@@ -233,16 +233,22 @@ def test_cuda_round_launch_never_waits_on_the_device():
         torch.cuda.set_sync_debug_mode("default")
     engine.runner._fetch(outs, picked)
     assert all(o.top1 is not None for o in outs)
+    assert engine.runner.pooled == engine.runner.forwards  # every forward attended to the KV pool in place
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_of_a_prepared_forward_matches_eager():
+@pytest.mark.parametrize("pooled", [True, False])
+def test_cuda_graph_replay_of_a_prepared_forward_matches_eager(pooled):
     from engine.bench_round import graphed_forward, round_inputs
+    from engine.kv_cache import KVPool
 
     name = "llada-8b-shape:layers=2,vocab=4096,hidden=512,heads=8,kv_heads=8,intermediate=1024"
     cfg = preset_config(name)
     runner = TorchRunner(build_preset(name, device="cuda", dtype=torch.bfloat16), "cuda")
-    inputs = round_inputs(cfg, 8, 32, 64, "cuda", torch.bfloat16)
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, 96, torch.bfloat16, "cuda") if pooled else None
+    runner.pool = pool
+    inputs = round_inputs(cfg, 8, 32, 64, "cuda", torch.bfloat16, pool=pool)
+    assert (runner.prepare(inputs).write is not None) == pooled
     with torch.inference_mode():
         eager = runner.forward(runner.prepare(inputs)).clone()
         replay, hidden = graphed_forward(runner, inputs)

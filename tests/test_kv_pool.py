@@ -1,0 +1,160 @@
+"""The KV pool: preallocated slots that caches take and give back, and forwards that attend to them in
+place (no context copied) with the same results as the copying path."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.kv_cache import ApproxCache, ExactCache, KVPool
+from engine.runner import TorchRunner
+from engine.sequence import SamplingParams, StepInput, StepKind
+from tests.conftest import make_model
+
+PROMPTS = ["max: a1 b7 c3 d2", "12+5=", "rev: abcdef", "story: cat 3 and some more words here", "a", "9-4="]
+
+
+def _pool(cfg, slots=4, capacity=64, seed=0) -> KVPool:
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, slots, capacity, torch.float32, "cpu")
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(seed)))  # stale K/V
+    return pool
+
+
+def _kv(cfg, n, g) -> torch.Tensor:
+    return torch.randn(cfg.num_layers, 2, cfg.num_kv_heads, n, cfg.head_dim, generator=g)
+
+
+def _steps(model, pool, specs, seed=1) -> list[StepInput]:
+    """One step per spec over a cache in ``pool``: ('exact', context, query) or (variant, filled,
+    q_start, q_end) for an approximate cache."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    steps, caches = [], []
+    for spec in specs:
+        args = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 48, torch.float32, "cpu")
+        if spec[0] == "exact":
+            _, c, t = spec
+            cache = ExactCache(*args, pool=pool)
+            if c:
+                cache.append(_kv(cfg, c, g), 0)
+            (kv, pos), lo, hi = cache.context(), c, c + t
+        else:
+            variant, filled, lo, hi = spec
+            cache = ApproxCache(*args, variant=variant, pool=pool)
+            cache.refresh(_kv(cfg, filled, g))
+            kv, pos = cache.context(lo, hi)
+        caches.append(cache)
+        steps.append(StepInput(StepKind.DENOISE, torch.randint(2, cfg.vocab_size, (hi - lo,), generator=g),
+                               torch.arange(lo, hi), kv, pos, cfg.attention, cache.slot))
+    return steps, caches
+
+
+def test_pool_hands_out_the_lowest_free_slot_and_takes_it_back_when_the_cache_is_dropped():
+    cfg = make_model().config
+    pool = _pool(cfg, slots=3, capacity=32)
+    args = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    a = ExactCache(*args, 16, torch.float32, "cpu", pool=pool)
+    b = ExactCache(*args, 32, torch.float32, "cpu", pool=pool)
+    assert (a.slot, b.slot, pool.free) == (0, 1, 1)
+    assert a.kv.data_ptr() == pool.kv[:, :, 0].data_ptr() and a.capacity == 16
+    too_long = ExactCache(*args, 33, torch.float32, "cpu", pool=pool)  # longer than a slot: its own tensor
+    other = ExactCache(*args, 8, torch.bfloat16, "cpu", pool=pool)  # not the pool's dtype: its own tensor
+    assert too_long.slot is None and other.slot is None and pool.free == 1
+    del a
+    gc.collect()
+    assert pool.free == 2
+    c = ApproxCache(*args, 8, torch.float32, "cpu", variant="prefix", pool=pool)
+    d = ApproxCache(*args, 8, torch.float32, "cpu", variant="dual", pool=pool)
+    assert (c.slot, d.slot) == (0, 2)
+    e = ExactCache(*args, 8, torch.float32, "cpu", pool=pool)  # pool exhausted: its own tensor
+    assert e.slot is None and pool.free == 0
+    with pytest.raises(ValueError, match="not held"):
+        pool.release(5)
+    del b, c, d
+    gc.collect()
+    assert pool.free == 3
+    with pytest.raises(ValueError, match="at least one slot"):
+        KVPool(1, 1, 8, 0, 16, torch.float32, "cpu")
+
+
+CASES = {
+    "block_causal": [("exact", 16, 8), ("exact", 8, 12), ("exact", 0, 8), ("exact", 24, 6)],
+    "bidirectional": [("dual", 40, 16, 24), ("prefix", 40, 16, 24), ("dual", 32, 24, 32), ("prefix", 20, 4, 9)],
+    "bidirectional-even": [("prefix", 40, 16, 24)] * 3,  # same lengths: no mask at all
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pooled_forward_equals_the_copying_one_and_leaves_contexts_alone(case):
+    """Steps over caches in consecutive pool slots (different context lengths, padded queries, a dual
+    cache's query between its prefix and suffix, stale K/V past every end) attend to the pool in place;
+    logits and fresh K/V equal the copying path's, and no context position is overwritten."""
+    model = make_model(attention=case.split("-")[0])
+    pool = _pool(model.config, slots=len(CASES[case]))
+    steps, caches = _steps(model, pool, CASES[case])
+    copied = TorchRunner(model).run(steps)
+    contexts = [c.kv.clone() for c in caches]
+    runner = TorchRunner(model)
+    runner.pool = pool
+    pooled = runner.run(steps)
+    assert (runner.forwards, runner.pooled) == (1, 1)
+    for s, a, b, cache, before in zip(steps, copied, pooled, caches, contexts):
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.fresh, a.fresh, atol=1e-5, rtol=1e-5)
+        lo = int(s.pos[0])
+        assert b.fresh.data_ptr() == cache.kv[:, :, :, lo].data_ptr()  # written in place, in the slot
+        kept = torch.ones(cache.capacity, dtype=torch.bool)
+        kept[lo:] = False
+        if s.ctx_pos is not None:
+            kept[s.ctx_pos] = True
+        assert torch.equal(cache.kv[:, :, :, kept], before[:, :, :, kept])
+
+
+def test_slots_out_of_order_are_sorted_and_gaps_fall_back_to_copying():
+    model = make_model(attention="bidirectional")
+    pool = _pool(model.config, slots=4)
+    steps, caches = _steps(model, pool, [("dual", 40, 16, 24)] * 4)
+    runner = TorchRunner(model)
+    runner.pool = pool
+    ref = TorchRunner(model).run(steps)
+    out = runner.run(steps[::-1])[::-1]  # slots 3, 2, 1, 0: sorted back into one pooled forward
+    assert runner.pooled == 1
+    gap = runner.run([steps[0], steps[2]])  # slots 0 and 2: not consecutive, contexts copied
+    assert (runner.forwards, runner.pooled) == (2, 1)
+    for a, b in zip(ref, out):
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+    for a, b in zip([ref[0], ref[2]], gap):
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention,cache", [("block_causal", "dual"), ("bidirectional", "dual"),
+                                             ("bidirectional", "prefix")])
+def test_engine_decodes_the_same_with_and_without_the_pool_and_gives_every_slot_back(tok, attention, cache):
+    model = make_model(attention=attention)
+    params = SamplingParams(max_tokens=24, threshold=0.5)
+    plain = Engine(model, tok, cache=cache, max_slots=4, kv_slots=0)
+    assert plain.runner.pool is None
+    ref = plain.generate(PROMPTS, params)
+    engine = Engine(model, tok, cache=cache, max_slots=4, kv_slot_tokens=48)
+    assert engine.runner.pool.slots == 4
+    out = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert engine.runner.pooled > 0
+    assert engine.runner.pool.free == 4
+    seq = engine.add_request(PROMPTS[0], params)
+    engine.step([seq])
+    assert seq.cache.slot is not None and engine.runner.pool.free == 3
+    engine.abort(seq.seq_id)
+    gc.collect()
+    assert engine.runner.pool.free == 4
+
+
+def test_engine_pool_defaults(tok):
+    model = make_model()
+    engine = Engine(model, tok, max_slots=3, default_gen_length=32)
+    cfg = model.config
+    assert engine.runner.pool.slots == 3
+    assert engine.runner.pool.capacity == min(cfg.max_position_embeddings, 512 + 32)
