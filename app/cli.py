@@ -152,7 +152,7 @@ def cmd_bench(args) -> int:
 
         res = bench_round(args.model or "llada-8b-shape", device=args.device, dtype=args.dtype,
                           slots=128 if args.slots is None else args.slots, tokens=args.tokens,
-                          context=args.context, repeats=args.repeats)
+                          context=args.context, repeats=args.repeats, gaps=args.gaps)
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=1))
         print(json.dumps(res) if args.json else format_round(res))
@@ -371,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="engine: no progress bar")
     b.add_argument("--tokens", type=int, default=32, help="round: query tokens per slot (a block)")
     b.add_argument("--context", type=int, default=300, help="round: cached tokens per slot")
+    b.add_argument("--gaps", type=int, default=0, help="round: KV pool slots among the round's held by requests "
+                                                       "not in it (filler rows, or contexts copied)")
     b.add_argument("--repeats", type=int, default=10, help="round: timed rounds per variant (median)")
     b.add_argument("--out", help="round: also write the JSON result here")
     b.add_argument("--json", action="store_true")

@@ -30,22 +30,24 @@ from engine.sequence import StepInput
 
 
 def round_inputs(cfg, slots: int, tokens: int, context: int, device, dtype, seed: int = 0,
-                 pool: KVPool | None = None) -> list[StepInput]:
+                 pool: KVPool | None = None, gaps: int = 0) -> list[StepInput]:
     """``slots`` block steps of ``tokens`` queries over ``context`` cached positions (random K/V). With
-    ``pool``, step i's context is in slot i (as the engine's caches hold it); otherwise one tensor is
-    shared by the steps (the runner copies each step's context into the round's buffer anyway)."""
+    ``pool``, each step's context is in a slot of its own (as the engine's caches hold it), ``gaps``
+    slots spread among theirs being held by requests not in the round; otherwise one tensor is shared by
+    the steps (the runner copies each step's context into the round's buffer anyway)."""
     gen = torch.Generator().manual_seed(seed)
     ctx = torch.randn(cfg.num_layers, 2, cfg.num_kv_heads, context, cfg.head_dim, generator=gen).to(device, dtype)
     pos = torch.arange(context, context + tokens)
+    skip = {(k + 1) * (slots + gaps) // (gaps + 1) for k in range(gaps)}
     steps = []
-    for i in range(slots):
+    for slot in (i for i in range(slots + gaps) if i not in skip):
         kv = ctx
         if pool is not None:
-            kv = pool.kv[:, :, i, :, :context]
+            kv = pool.kv[:, :, slot, :, :context]
             kv.copy_(ctx)
         steps.append(StepInput(StepKind.DENOISE, torch.randint(0, cfg.mask_token_id, (tokens,), generator=gen), pos,
                                kv if context else None, torch.arange(context) if context else None, cfg.attention,
-                               None if pool is None else i))
+                               None if pool is None else slot))
     return steps
 
 
@@ -81,17 +83,20 @@ def _time(fn, device, warmup: int, repeats: int) -> list[float]:
 
 def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str | torch.dtype | None = None,
                 slots: int = 128, tokens: int = 32, context: int = 300, warmup: int = 3, repeats: int = 10,
-                variants: bool = True, peak: float | None = None) -> dict:
+                variants: bool = True, peak: float | None = None, gaps: int = 0) -> dict:
+    """``gaps``: pool slots among the round's held by requests not in it (paused, or in another forward);
+    the round then computes them as filler rows where that costs less than copying every context
+    (``TorchRunner.fill_pays``), and ``in_place`` says whether it did."""
     dev = torch.device(device)
     dt = parse_dtype(dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
     cfg = preset_config(model)
-    if min(slots, tokens) <= 0 or context < 0:
-        raise ValueError("slots and tokens must be positive and context non-negative")
+    if min(slots, tokens) <= 0 or min(context, gaps) < 0:
+        raise ValueError("slots and tokens must be positive, context and gaps non-negative")
     if context + tokens > cfg.max_position_embeddings:
         raise ValueError(f"context + tokens ({context + tokens}) exceeds the model's {cfg.max_position_embeddings}")
     net = build_preset(model, device=dev, dtype=dt)
-    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, slots, context + tokens, dt, dev)
-    inputs = round_inputs(cfg, slots, tokens, context, dev, dt, pool=pool)
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, slots + gaps, context + tokens, dt, dev)
+    inputs = round_inputs(cfg, slots, tokens, context, dev, dt, pool=pool, gaps=gaps)
     rows = [torch.arange(tokens)] * slots
     flops = forward_flops(cfg, slots, tokens, context)
     peak = peak or measure_peak(dev, dt)
@@ -101,7 +106,8 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
     notes: dict[str, str] = {}
     with torch.inference_mode():
         runs["round"] = _time(lambda: fused.run(inputs, rows), dev, warmup, repeats)
-        if not fused.pooled:
+        in_place = fused.pooled > 0
+        if not in_place and not gaps:
             raise RuntimeError("the round did not attend to the KV pool in place")
         if variants:
             fused.pool = None  # the same steps, their contexts copied into the round's buffer
@@ -126,6 +132,7 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
                          "tflops": round(f / ms / 1e9, 2), "mfu": round(f / (ms / 1000) / peak, 4)})
     return {"model": model, "device": device_name(dev),
             "dtype": str(dt).removeprefix("torch."), "slots": slots, "tokens": tokens, "context": context,
+            "gaps": gaps, "in_place": in_place,
             "tflop_per_round": round(flops / 1e12, 3), "peak_tflops": round(peak / 1e12, 2),
             "repeats": repeats, "variants": rows_out, "errors": notes}
 
@@ -134,6 +141,9 @@ def format_round(res: dict) -> str:
     head = (f"{res['model']} on {res['device']} ({res['dtype']}): {res['slots']} slots x {res['tokens']} tokens over "
             f"{res['context']} cached, {res['tflop_per_round']} TFLOP per round; measured peak "
             f"{res['peak_tflops']} TFLOP/s")
+    if res.get("gaps"):
+        head += (f"\n{res['gaps']} pool slots among the round's held by other requests: the round "
+                 + ("computes them as filler rows" if res["in_place"] else "copies every context"))
     lines = [head, f"{'variant':<24} {'median ms':>10} {'min ms':>9} {'TFLOP/s':>9} {'MFU':>7}"]
     for r in res["variants"]:
         lines.append(f"{r['variant']:<24} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} {r['tflops']:>9.2f} "

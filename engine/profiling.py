@@ -184,6 +184,7 @@ def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, s
                for i in range(requests)]
     live: list = []
     measured, predicted = [], []
+    forwards0, pooled0 = engine.runner.forwards, engine.runner.pooled
     bar = None
     if progress:
         from tqdm import tqdm
@@ -215,4 +216,5 @@ def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, s
             "measured_s": round(total_m / 1000, 4), "predicted_s": round(total_p / 1000, 4),
             "total_error": round(abs(total_p - total_m) / total_m, 4) if total_m else None,
             "median_round_error": round(statistics.median(errors), 4) if errors else None,
-            "p90_round_error": round(errors[int(0.9 * (len(errors) - 1))], 4) if errors else None}
+            "p90_round_error": round(errors[int(0.9 * (len(errors) - 1))], 4) if errors else None,
+            "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0}

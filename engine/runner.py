@@ -31,6 +31,8 @@ from engine.models.masks import allowed
 from engine.models.transformer import DLMTransformer
 from engine.sequence import StepInput
 
+BALANCE = {"cuda": 150.0, "cpu": 10.0}  # FLOPs per byte of memory traffic (see TorchRunner.fill_pays)
+
 
 @dataclass
 class StepOutput:
@@ -61,10 +63,11 @@ class Batch:
     ids: torch.Tensor  # [N, T]
     pos: torch.Tensor  # [N, T]
     bias: torch.Tensor | None  # additive mask [N, 1, T, C + T], None when nothing is masked
-    buf: torch.Tensor  # [layers, 2, N, kv_heads, C + T, head_dim]: keys and values, fresh K/V written in place
+    buf: torch.Tensor  # [layers, 2, N, kv_heads, P, head_dim]: keys and values, fresh K/V written in place
     t_max: int
-    c_max: int  # key positions past t_max (the forward attends to C + T)
-    q_off: list[int]  # per row, where its query's K/V start in ``buf``
+    c_max: int  # the forward attends to the first C + T positions of ``buf`` (P = C + T unless pooled)
+    row_of: list[int]  # per step, its row of the batch
+    q_off: list[int]  # per step, where its query's K/V start along ``buf``'s positions
     write: torch.Tensor | None = None  # [N, T] where each query row's K/V go, when not at the end (the pool)
 
 
@@ -88,6 +91,10 @@ class TorchRunner:
         if fuse if fuse is not None else self.device.type == "cuda":
             model.fuse_projections()
         self.pool: KVPool | None = None  # set by the engine: caches take slots of it, forwards attend in place
+        # FLOPs per byte of memory traffic at which filler rows are worth computing instead of copying
+        # contexts (fill_pays): about the H200's bf16 peak over its bandwidth; a CPU core's is far lower
+        self.balance = BALANCE.get(self.device.type, BALANCE["cpu"])
+        self._layer_params: int | None = None
         self.forwards = 0
         self.pooled = 0  # forwards that attended to the KV pool in place (no context copied)
         self.flops = 0  # counted FLOPs of every forward so far, padding included (engine/models/flops.py)
@@ -104,24 +111,25 @@ class TorchRunner:
         picked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, conf, token) on the device
         for group in group_by_length(inputs):
             group.sort(key=lambda i: -1 if inputs[i].slot is None else inputs[i].slot)  # pool slots in order
-            hidden, outs = self._launch([inputs[i] for i in group])
+            hidden, outs, row_of = self._launch([inputs[i] for i in group])
             for i, out in zip(group, outs):
                 outputs[i] = out
             if rows is not None:
-                picked += self._top1(hidden, [rows[i] for i in group], group)
+                picked += self._top1(hidden, [rows[i] for i in group], group, row_of)
         if picked:
             self._fetch(outputs, picked)
         return outputs  # type: ignore[return-value]
 
-    def _top1(self, hidden: torch.Tensor, rows: list[torch.Tensor | None],
-              ids: list[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(confidence, token) of the requested rows of one forward (``hidden`` [N, T, H]; ``rows[k]``: slot
-        k's rows, or None), computed together: one index copy to the device, one LM head. Tagged ``ids``."""
+    def _top1(self, hidden: torch.Tensor, rows: list[torch.Tensor | None], ids: list[int],
+              row_of: list[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(confidence, token) of the requested rows of one forward (``hidden`` [R, T, H]; ``rows[k]``: step
+        k's rows, or None; ``row_of[k]``: its row of the batch), computed together: one index copy to the
+        device, one LM head. Tagged ``ids``."""
         want = [(k, r) for k, r in enumerate(rows) if r is not None]
         if not want:
             return []
         t_max = hidden.shape[1]
-        flat = torch.cat([r + k * t_max for k, r in want])  # rows of hidden flattened to [N * T, H]
+        flat = torch.cat([r + row_of[k] * t_max for k, r in want])  # rows of hidden flattened to [R * T, H]
         sel = hidden.reshape(-1, hidden.shape[-1])[self._to_device(flat)]
         conf, tok = confidence(self.head(sel), self.cfg.mask_token_id)
         counts = [len(r) for _, r in want]
@@ -164,22 +172,24 @@ class TorchRunner:
         return self._launch(inputs)[1]
 
     @torch.inference_mode()
-    def _launch(self, inputs: list[StepInput]) -> tuple[torch.Tensor, list[StepOutput]]:
+    def _launch(self, inputs: list[StepInput]) -> tuple[torch.Tensor, list[StepOutput], list[int]]:
+        """(hidden [R, T, H], the steps' outputs, each step's row of the batch)."""
         batch = self.prepare(inputs)
         hidden = self.forward(batch)
         self.forwards += 1
         self.pooled += batch.write is not None
-        self.flops += forward_flops(self.cfg, len(inputs), batch.t_max, batch.c_max, lm_rows=0)  # head: where it runs
+        rows = batch.ids.shape[0]  # filler rows included: they are computed too
+        self.flops += forward_flops(self.cfg, rows, batch.t_max, batch.c_max, lm_rows=0)  # head: where it runs
         buf = batch.buf
-        return hidden, [StepOutput(hidden[i, :len(s.ids)], buf[:, :, i, :, o : o + len(s.ids)], self.head)
-                        for i, (s, o) in enumerate(zip(inputs, batch.q_off))]
+        return hidden, [StepOutput(hidden[r, :len(s.ids)], buf[:, :, r, :, o : o + len(s.ids)], self.head)
+                        for s, r, o in zip(inputs, batch.row_of, batch.q_off)], batch.row_of
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """The model over a prepared batch: final hidden rows [N, T, H]; fresh K/V land in ``batch.buf``.
         Only device work on the batch's tensors, so it can be captured in a CUDA graph."""
         layers_past = [(batch.buf[l, 0], batch.buf[l, 1]) for l in range(self.cfg.num_layers)]
-        room = True if batch.write is None else batch.write
+        room = True if batch.write is None else (batch.write, batch.t_max + batch.c_max)
         return self.model(batch.ids, batch.pos, batch.bias, layers_past, room=room, head=False)[1]
 
     def prepare(self, inputs: list[StepInput]) -> Batch:
@@ -200,24 +210,22 @@ class TorchRunner:
             pos = torch.zeros((n, t_max), dtype=torch.long)
             for i, s in enumerate(inputs):
                 ids[i, : lens[i]], pos[i, : lens[i]] = s.ids, s.pos
-        ends = self._pool_ends(inputs, lens)
-        if ends is not None:
-            return self._prepare_pooled(inputs, ids, pos, lens, ends, mode, padded)
+        plan = self._pool_plan(inputs, lens, t_max)
+        if plan is not None:
+            return self._prepare_pooled(inputs, lens, t_max, mode, *plan)
         return self._prepare_copied(inputs, ids, pos, lens, mode, padded)
 
-    def _pool_ends(self, inputs: list[StepInput], lens: list[int]) -> list[int] | None:
-        """Per step, the end of the slot positions it attends to, when the forward can attend to the KV
-        pool in place: every step holds a slot, the slots are consecutive in batch order, and each step's
-        keys are exactly its slot's positions [0, end) (its context, then or around its query, which
-        sits at its own positions). Otherwise None."""
+    def _pool_plan(self, inputs: list[StepInput], lens: list[int], t_max: int) -> tuple[int, int, list[int]] | None:
+        """(first slot, last slot + 1, each step's key end) when the forward can attend to the KV pool in
+        place: every step holds a slot and its keys are exactly its slot's positions [0, end) (its
+        context, then or around its query, which sits at its own positions); the slots between the
+        steps' that no step holds become filler rows, when computing them costs less than copying the
+        contexts would (``fill_pays``). Otherwise None."""
         pool = self.pool
-        if pool is None or inputs[0].slot is None:
+        if pool is None or any(s.slot is None for s in inputs):
             return None
-        lo = inputs[0].slot
-        ends = []
-        for k, (s, t) in enumerate(zip(inputs, lens)):
-            if s.slot != lo + k:
-                return None
+        ends, ctx = [], 0
+        for s, t in zip(inputs, lens):
             q_lo = int(s.pos[0])
             if int(s.pos[-1]) != q_lo + t - 1:  # the query's positions are not consecutive
                 return None
@@ -226,28 +234,54 @@ class TorchRunner:
             if c + t != end or end > pool.capacity:  # context and query do not tile [0, end)
                 return None
             ends.append(end)
-        return ends
+            ctx += c
+        slots = [s.slot for s in inputs]
+        lo, hi = min(slots), max(slots) + 1
+        if len(set(slots)) != len(slots):
+            return None
+        holes = hi - lo - len(slots)
+        if holes and not self.fill_pays(holes * t_max, ctx):
+            return None
+        return lo, hi, ends
 
-    def _prepare_pooled(self, inputs, ids, pos, lens, ends, mode, padded) -> Batch:
-        """The forward's K/V buffer is the pool's slots themselves: contexts are already in place and
-        each step's fresh K/V are scattered to its own positions, so nothing is copied. Padding query
-        rows write to a position past every step's end (the pool's scratch position at most)."""
-        n, t_max = ids.shape
-        span = max(ends) + padded
-        lo = inputs[0].slot
-        write = pos.clone()
-        for i, t in enumerate(lens):
-            write[i, t:] = span - 1
+    def fill_pays(self, filler_tokens: int, context_tokens: int) -> bool:
+        """Whether computing ``filler_tokens`` query tokens of filler rows (the layers' matrix products)
+        costs less than copying ``context_tokens`` of K/V (read and written), at ``balance`` FLOPs per
+        byte of memory traffic (the device's roofline ridge)."""
+        if self._layer_params is None:
+            self._layer_params = sum(p.numel() for p in self.model.layers.parameters())
+        flops = 2 * filler_tokens * self._layer_params
+        cfg = self.cfg
+        kv_bytes = 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return flops < self.balance * context_tokens * kv_bytes
+
+    def _prepare_pooled(self, inputs, lens, t_max, mode, lo, hi, ends) -> Batch:
+        """The forward's K/V buffer is the pool's slots lo..hi-1 themselves: contexts are already in
+        place and each step's fresh K/V are scattered to its own positions, so nothing is copied. Padding
+        query rows and filler rows (slots no step holds: another request's, or free) write to the slot's
+        scratch position, past every position any cache uses; filler rows attend to position 0 only."""
+        cfg, pool = self.cfg, self.pool
+        n = hi - lo
+        span = max(ends)
+        ids = torch.full((n, t_max), cfg.pad_token_id, dtype=torch.long)
+        pos = torch.zeros((n, t_max), dtype=torch.long)
+        write = torch.full((n, t_max), pool.capacity, dtype=torch.long)
+        q_valid = torch.zeros((n, t_max), dtype=torch.bool)
+        row_end = torch.zeros(n, dtype=torch.long)
+        row_of = [s.slot - lo for s in inputs]
+        for s, t, e, r in zip(inputs, lens, ends, row_of):
+            ids[r, :t], pos[r, :t], write[r, :t] = s.ids, s.pos, s.pos
+            q_valid[r, :t] = True
+            row_end[r] = e
         bias = None
-        if not (mode == "bidirectional" and not padded and min(ends) == max(ends)):
+        if not (mode == "bidirectional" and bool(q_valid.all()) and min(ends) == span):
             keys = torch.arange(span)
-            q_valid = torch.arange(t_max)[None] < torch.tensor(lens)[:, None]
-            mask = allowed(mode, pos, keys[None], self.cfg.block_size)
-            mask &= (keys[None] < torch.tensor(ends)[:, None])[:, None, :] & q_valid[:, :, None]
-            mask[:, :, 0] |= ~q_valid  # padding rows attend to position 0 only, so no row is empty
+            mask = allowed(mode, pos, keys[None], cfg.block_size)
+            mask &= (keys[None] < row_end[:, None])[:, None, :] & q_valid[:, :, None]
+            mask[:, :, 0] |= ~q_valid  # padding and filler rows attend to position 0 only, so no row is empty
             bias = self._bias(mask[:, None])
-        buf = self.pool.kv[:, :, lo : lo + n, :, :span]
-        return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, span - t_max,
+        buf = pool.kv[:, :, lo:hi]  # every position, the scratch one included: the forward attends to [0, span)
+        return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, span - t_max, row_of,
                      [int(s.pos[0]) for s in inputs], self._to_device(write))
 
     def _prepare_copied(self, inputs, ids, pos, lens, mode, padded) -> Batch:
@@ -275,7 +309,7 @@ class TorchRunner:
                 if ctx_lens[i]:
                     ctx_pos[i, : ctx_lens[i]] = s.ctx_pos
             bias = self._bias(self._mask(mode, pos, torch.tensor(lens), ctx_pos, torch.tensor(ctx_lens)))
-        return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, c_max, [c_max] * n)
+        return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, c_max, list(range(n)), [c_max] * n)
 
     def _bias(self, mask: torch.Tensor) -> torch.Tensor | None:
         """A host bool mask as an additive bias in the model's dtype on the device; None if all True."""

@@ -38,4 +38,7 @@ step profile 150 $PY -m app.cli profile --model $M --device $DEV --name h200-lla
 # 5. the profile against a recorded real run (within 10%)
 step profile-check 100 $PY -m app.cli profile --model $M --device $DEV --check "$OUT/h200-llada8b-measured.json" \
     --requests 64 --slots 32 --json
+# 6. filler rows against copied contexts when 4 of 132 pool slots are held by requests not in the round
+#    (checks the runner's FLOPs-per-byte balance for CUDA, engine/runner.py BALANCE)
+step round-gaps 120 $PY -m app.cli bench round --model $M --device $DEV --gaps 4 --json --out "$OUT/round-gaps.json"
 cat "$OUT/steps.txt"

@@ -8,6 +8,7 @@ import gc
 import pytest
 import torch
 
+from engine.decoding import confidence
 from engine.engine import Engine
 from engine.kv_cache import ApproxCache, ExactCache, KVPool
 from engine.runner import TorchRunner
@@ -113,21 +114,53 @@ def test_pooled_forward_equals_the_copying_one_and_leaves_contexts_alone(case):
         assert torch.equal(cache.kv[:, :, :, kept], before[:, :, :, kept])
 
 
-def test_slots_out_of_order_are_sorted_and_gaps_fall_back_to_copying():
+def test_slots_out_of_order_are_sorted_and_gaps_are_filled_or_copied():
+    """Steps in slots 3, 2, 1, 0 make one pooled forward. Steps in slots 0, 2 and 3 leave slot 1 between
+    them, held by a request not in this forward: it becomes a filler row when that costs less than
+    copying the contexts (``fill_pays``), and its K/V stay as they were; otherwise contexts are copied."""
     model = make_model(attention="bidirectional")
     pool = _pool(model.config, slots=4)
     steps, caches = _steps(model, pool, [("dual", 40, 16, 24)] * 4)
     runner = TorchRunner(model)
     runner.pool = pool
     ref = TorchRunner(model).run(steps)
-    out = runner.run(steps[::-1])[::-1]  # slots 3, 2, 1, 0: sorted back into one pooled forward
-    assert runner.pooled == 1
-    gap = runner.run([steps[0], steps[2]])  # slots 0 and 2: not consecutive, contexts copied
-    assert (runner.forwards, runner.pooled) == (2, 1)
+    out = runner.run(steps[::-1])[::-1]
+    assert (runner.forwards, runner.pooled) == (1, 1)
     for a, b in zip(ref, out):
         torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
-    for a, b in zip([ref[0], ref[2]], gap):
+    some = [steps[0], steps[2], steps[3]]
+    held = caches[1].kv.clone()
+    runner.balance = 0.0  # filler rows never pay: contexts copied
+    assert not runner.fill_pays(1, 10**9)
+    copied = runner.run(some)
+    assert (runner.forwards, runner.pooled) == (2, 1)
+    runner.balance = float("inf")  # filler rows always pay
+    filled = runner.run(some)
+    assert (runner.forwards, runner.pooled) == (3, 2)
+    for a, b, c in zip([ref[0], ref[2], ref[3]], copied, filled):
         torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c.logits, a.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c.fresh, a.fresh, atol=1e-5, rtol=1e-5)
+    assert torch.equal(caches[1].kv, held)  # the filler row wrote only to the slot's scratch position
+    rows = [torch.tensor([0, 3]), None, torch.tensor([7])]
+    picked = runner.run(some, rows)  # each step's top1 comes from its own row, not the filler's
+    for r, a, b in zip(rows, [ref[0], ref[2], ref[3]], picked):
+        if r is not None:
+            conf, tok = confidence(a.logits[r], model.config.mask_token_id)
+            torch.testing.assert_close(b.top1[0], conf, atol=1e-5, rtol=1e-5)
+            assert torch.equal(b.top1[1], tok)
+
+
+def test_filler_rows_pay_for_long_contexts_not_short_ones():
+    """The cost rule: one filler row of 32 tokens against copying the contexts of the other rows."""
+    model = make_model()
+    runner = TorchRunner(model)
+    runner.balance = 150.0
+    layer_flops = 2 * 32 * sum(p.numel() for p in model.layers.parameters())
+    cfg = model.config
+    kv_bytes = 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    even = layer_flops / (150.0 * kv_bytes)  # context tokens at which they cost the same
+    assert runner.fill_pays(32, int(even) + 1) and not runner.fill_pays(32, int(even))
 
 
 @pytest.mark.parametrize("attention,cache", [("block_causal", "dual"), ("bidirectional", "dual"),

@@ -33,6 +33,8 @@ def test_profile_of_a_preset_has_curves_by_kind_and_an_attention_term(measured):
     assert rec[-1][0] == 16 * rec[0][0] and rec[-1][1] > rec[0][1]
     assert 64 <= prof.ref_context <= 128 and prof.attn_ms_per_pair >= 0
     assert prof.meta["device"] == "cpu" and prof.meta["dtype"] == "float32" and prof.meta["prompt_lens"] == [64, 192]
+    # batches of identical requests hold consecutive pool slots: every forward attends to the pool in place
+    assert prof.meta["forwards_in_kv_pool"] == prof.meta["forwards"] > 0
     again = LatencyProfile.from_dict(json.loads(json.dumps(prof.to_dict())))
     assert again.curves == prof.curves
 
@@ -42,6 +44,7 @@ def test_check_profile_compares_predicted_with_measured_rounds(measured):
     res = check_profile(engine, prof, requests=12, slots=8)
     assert res["requests"] == 12 and res["rounds"] > 12
     assert res["measured_s"] > 0 and res["predicted_s"] > 0
+    assert 0 < res["forwards_in_kv_pool"] <= res["forwards"]
     slow = check_profile(engine, prof.scaled(5.0), requests=12, slots=8)
     # five times every curve: the prediction is far off, and the check says so
     assert slow["predicted_s"] > 2.5 * slow["measured_s"] and slow["total_error"] > 1.5
@@ -91,8 +94,18 @@ def test_bench_round_times_the_round_and_its_variants(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["slots"] == 2 == json.loads(out.read_text())["slots"]
 
 
+def test_bench_round_with_gaps_fills_them_only_where_copying_costs_more():
+    from engine.bench_round import bench_round
+
+    short = bench_round(SMALL, slots=4, tokens=8, context=16, gaps=1, warmup=0, repeats=1, variants=False, peak=1e9)
+    long = bench_round(SMALL, slots=4, tokens=8, context=200, gaps=1, warmup=0, repeats=1, variants=False, peak=1e9)
+    assert short["gaps"] == long["gaps"] == 1
+    assert not short["in_place"] and long["in_place"]  # 8 filler tokens against 4 x 16 or 4 x 200 copied
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "tiny-bd"], "unknown model preset 'tiny-bd'"),
+    (["--model", SMALL, "--gaps", "-1"], "context and gaps non-negative"),
     (["--model", SMALL, "--slots", "0"], "slots and tokens must be positive"),
     (["--model", SMALL, "--context", "5000"], "exceeds the model's 4096"),
     (["--model", SMALL, "--dtype", "int8"], "unknown dtype"),

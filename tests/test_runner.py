@@ -227,8 +227,8 @@ def test_cuda_round_launch_never_waits_on_the_device():
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():
-            hidden, outs = engine.runner._launch(inputs)
-            picked = engine.runner._top1(hidden, rows, list(range(len(inputs))))
+            hidden, outs, row_of = engine.runner._launch(inputs)
+            picked = engine.runner._top1(hidden, rows, list(range(len(inputs))), row_of)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     engine.runner._fetch(outs, picked)

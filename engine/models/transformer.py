@@ -16,6 +16,7 @@ from torch import nn
 from engine.models.config import ModelConfig
 
 KV = tuple[torch.Tensor, torch.Tensor]
+Room = bool | tuple[torch.Tensor, int]  # where fresh K/V go in ``past`` (Attention.forward)
 
 
 class RMSNorm(nn.Module):
@@ -86,11 +87,11 @@ class Attention(nn.Module):
         self.qkv_proj = stacked_linear(self.q_proj, self.k_proj, self.v_proj)
         self.q_proj, self.k_proj, self.v_proj = None, None, None
 
-    def forward(self, x, cos, sin, mask, past: KV | None, room: bool | torch.Tensor = False) -> tuple[torch.Tensor, KV]:
+    def forward(self, x, cos, sin, mask, past: KV | None, room: Room = False) -> tuple[torch.Tensor, KV]:
         """``room``: ``past`` holds C + T positions and this call writes its T fresh K/V into the last T in
-        place (no concatenation per layer); a [N, T] index tensor instead says where along ``past``'s
-        positions each row's T fresh K/V go (scattered in place). Otherwise ``past`` is the C context
-        positions only."""
+        place (no concatenation per layer); ``(index, n_keys)`` instead scatters each row's T fresh K/V
+        to positions ``index`` [N, T] along ``past`` and attends to its first ``n_keys`` positions.
+        Otherwise ``past`` is the C context positions only."""
         n, t, _ = x.shape
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split((self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd), -1)
@@ -103,11 +104,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = k, v
-        if isinstance(room, torch.Tensor):
+        if isinstance(room, tuple):
+            index, n_keys = room
             keys, values = past
-            where = room[:, None, :, None].expand(n, self.nkv, t, self.hd)
+            where = index[:, None, :, None].expand(n, self.nkv, t, self.hd)
             keys.scatter_(2, where, k)
             values.scatter_(2, where, v)
+            keys, values = keys[:, :, :n_keys], values[:, :, :n_keys]
         elif room:
             keys, values = past
             keys[:, :, -t:], values[:, :, -t:] = k, v
@@ -148,7 +151,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.reduce = None  # tensor parallelism: sums the row-parallel partial outputs across ranks
 
-    def forward(self, x, cos, sin, mask, past: KV | None, room: bool | torch.Tensor = False) -> tuple[torch.Tensor, KV]:
+    def forward(self, x, cos, sin, mask, past: KV | None, room: Room = False) -> tuple[torch.Tensor, KV]:
         h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, room)
         if self.reduce is not None:
             h = self.reduce(h)
@@ -179,7 +182,7 @@ class DLMTransformer(nn.Module):
         positions: torch.Tensor,
         mask: torch.Tensor | None,
         past: list[KV] | None = None,
-        room: bool | torch.Tensor = False,
+        room: Room = False,
         head: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor, list[KV]]:
         """Run the model.
@@ -190,10 +193,12 @@ class DLMTransformer(nn.Module):
         RoPE already applied. With ``room``, each layer's (K, V) in ``past``
         holds C + T positions and the fresh K/V are written into the last T in
         place (the runner preallocates them; the mask then is [N, 1, T, C + T]
-        over that buffer); a [N, T] index tensor as ``room`` scatters row n's
-        fresh K/V to positions room[n] of that row instead (the runner's KV pool,
-        where each row's query sits at its own positions). The mask may be
-        float (added to the scores).
+        over that buffer); ``room=(index, n_keys)`` scatters row n's fresh K/V
+        to positions index[n] of that row instead and attends to the first
+        n_keys positions (the runner's KV pool, where each row's query sits at
+        its own positions and padding writes to a scratch position past them;
+        the mask is then [N, 1, T, n_keys]). The mask may be float (added to
+        the scores).
         Returns (logits [N, T, V], hidden [N, T, H], fresh per-layer (K, V) of
         the T input tokens; views of ``past`` when ``room`` is True). ``head=False``
         skips the LM head (logits None): the runner applies ``lm_head`` to the
