@@ -26,7 +26,7 @@ import torch
 
 from engine.decoding import confidence
 from engine.kv_cache import KVPool
-from engine.models.flops import forward_flops
+from engine.models.flops import forward_flops, linear_weights
 from engine.models.masks import allowed
 from engine.models.transformer import DLMTransformer
 from engine.sequence import StepInput
@@ -94,7 +94,6 @@ class TorchRunner:
         # FLOPs per byte of memory traffic at which filler rows are worth computing instead of copying
         # contexts (fill_pays): about the H200's bf16 peak over its bandwidth; a CPU core's is far lower
         self.balance = BALANCE.get(self.device.type, BALANCE["cpu"])
-        self._layer_params: int | None = None
         self.forwards = 0
         self.pooled = 0  # forwards that attended to the KV pool in place (no context copied)
         self.flops = 0  # counted FLOPs of every forward so far, padding included (engine/models/flops.py)
@@ -248,10 +247,8 @@ class TorchRunner:
         """Whether computing ``filler_tokens`` query tokens of filler rows (the layers' matrix products)
         costs less than copying ``context_tokens`` of K/V (read and written), at ``balance`` FLOPs per
         byte of memory traffic (the device's roofline ridge)."""
-        if self._layer_params is None:
-            self._layer_params = sum(p.numel() for p in self.model.layers.parameters())
-        flops = 2 * filler_tokens * self._layer_params
         cfg = self.cfg
+        flops = 2 * filler_tokens * linear_weights(cfg)
         kv_bytes = 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         return flops < self.balance * context_tokens * kv_bytes
 

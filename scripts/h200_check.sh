@@ -2,14 +2,17 @@
 # Issue 10's device run: one call on a lent H200 that checks the CUDA path and measures the targets.
 # Run by the device tool from the repository root:   bash scripts/h200_check.sh
 # It uses the machine's own python3 (torch with CUDA; nothing is installed) and writes everything
-# under $OUT: logs, round.json and the measured profile. About 5-8 minutes; each step has its own
-# time limit so one failure leaves the rest to run. Fetch $OUT and copy the profile into profiles/.
+# under $OUT: logs, round.json and the measured profiles. About 6-9 minutes; each step has its own
+# time limit so one failure leaves the rest to run (run it with the 600 s call limit: steps are in order
+# of importance, and a stopped call still returns what is under $OUT). Copy the profiles into profiles/.
 set -u
 OUT=${OUT:-/tmp/remask-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 PY=${PY:-python3}
-M=${M:-llada-8b-shape}  # a dry run on a CPU: M="llada-8b-shape:layers=1,vocab=512,hidden=128,heads=4,kv_heads=4,intermediate=256" DEV=cpu
+# a dry run on a CPU: M="llada-8b-shape:layers=1,vocab=512,hidden=128,heads=4,kv_heads=4,intermediate=256" DEV=cpu
+#   M2="llada2-mini-shape:layers=2,hidden=128,heads=4,kv_heads=2,head_dim=32,intermediate=256,vocab=512,experts=16"
+M=${M:-llada-8b-shape}
 DEV=${DEV:-cuda}
 step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, record the exit status
     local name=$1 limit=$2; shift 2
@@ -41,4 +44,9 @@ step profile-check 100 $PY -m app.cli profile --model $M --device $DEV --check "
 # 6. filler rows against copied contexts when 4 of 132 pool slots are held by requests not in the round
 #    (checks the runner's FLOPs-per-byte balance for CUDA, engine/runner.py BALANCE)
 step round-gaps 120 $PY -m app.cli bench round --model $M --device $DEV --gaps 4 --json --out "$OUT/round-gaps.json"
+# 7. LLaDA2.0-mini's shape (mixture of experts, block-causal): a profile, for serving it at TP 1
+M2=${M2:-llada2-mini-shape}
+step profile-moe 150 $PY -m app.cli profile --model $M2 --device $DEV --name h200-llada2mini-measured \
+    --batch-sizes 1,8,32,128 --prompt-lens 64,512 --max-tokens 64 --rounds 3 \
+    --out "$OUT/h200-llada2mini-measured.json"
 cat "$OUT/steps.txt"

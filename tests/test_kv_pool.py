@@ -11,6 +11,7 @@ import torch
 from engine.decoding import confidence
 from engine.engine import Engine
 from engine.kv_cache import ApproxCache, ExactCache, KVPool
+from engine.models.flops import linear_weights
 from engine.runner import TorchRunner
 from engine.sequence import SamplingParams, StepInput, StepKind
 from tests.conftest import make_model
@@ -156,8 +157,8 @@ def test_filler_rows_pay_for_long_contexts_not_short_ones():
     model = make_model()
     runner = TorchRunner(model)
     runner.balance = 150.0
-    layer_flops = 2 * 32 * sum(p.numel() for p in model.layers.parameters())
     cfg = model.config
+    layer_flops = 2 * 32 * linear_weights(cfg)
     kv_bytes = 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     even = layer_flops / (150.0 * kv_bytes)  # context tokens at which they cost the same
     assert runner.fill_pays(32, int(even) + 1) and not runner.fill_pays(32, int(even))

@@ -156,7 +156,9 @@ def test_presets_have_the_real_shapes():
     assert sdar.attention == "block_causal" and sdar.qk_norm and sdar.num_kv_heads == 8 and sdar.head_dim == 128
     dream = preset_config("dream-7b-shape")
     assert dream.qkv_bias and dream.logits_shift == 1 and 6.5e9 < dream.num_params < 8.5e9
-    assert set(PRESETS) == {"llada-8b-shape", "dream-7b-shape", "sdar-8b-shape"}
+    llada2 = preset_config("llada2-mini-shape")
+    assert llada2.num_experts == 256 and llada2.experts_per_token == 8 and llada2.attention == "block_causal"
+    assert set(PRESETS) == {"llada-8b-shape", "dream-7b-shape", "sdar-8b-shape", "llada2-mini-shape"}
     # one round of 128 slots x 32 tokens over ~300 cached tokens: about 62 TFLOP (the figure)
     assert 55e12 < forward_flops(llada, 128, 32, 300) < 66e12
 
@@ -192,8 +194,11 @@ def test_preset_engine_runs_on_token_ids_only():
 
 
 @pytest.mark.gpu
-def test_cuda_bf16_runner_matches_float32_on_the_cpu():
-    name = "llada-8b-shape:layers=4,vocab=4096,hidden=1024,heads=8,kv_heads=8,intermediate=2816"
+@pytest.mark.parametrize("name", [
+    "llada-8b-shape:layers=4,vocab=4096,hidden=1024,heads=8,kv_heads=8,intermediate=2816",
+    "llada2-mini-shape:layers=3,vocab=4096,hidden=512,heads=8,kv_heads=2,head_dim=64,intermediate=1024,experts=32",
+])
+def test_cuda_bf16_runner_matches_float32_on_the_cpu(name):
     cpu = build_preset(name, device="cpu", dtype=torch.float32)
     gpu = copy.deepcopy(cpu).to("cuda", torch.bfloat16)
     inputs = _inputs(cpu, n_ctx=(64, 0, 33), t=(32, 32, 20))

@@ -13,16 +13,18 @@ from engine.models.config import ModelConfig
 
 
 def linear_weights(cfg: ModelConfig) -> int:
-    """Weights of one layer's projections (q, k, v, o, gate, up, down)."""
+    """Weights a token goes through in the layers' projections (q, k, v, o and the MLP's gate, up and
+    down; of a mixture of experts, the experts it is routed to, the shared ones and the router)."""
     h, d = cfg.hidden_size, cfg.head_dim
     attn = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    return attn + 3 * h * cfg.intermediate_size
+    return sum(attn + cfg.mlp_weights(n) for n in range(cfg.num_layers))
 
 
 def forward_flops(cfg: ModelConfig, batch: int, query: int, context: int = 0, lm_rows: int | None = None) -> int:
     """FLOPs of one forward over ``batch`` rows of ``query`` tokens that attend to ``context`` cached
     tokens plus themselves. ``lm_rows``: rows the LM head is applied to (default every query row)."""
     rows = batch * query
-    layer = 2 * rows * linear_weights(cfg) + 4 * rows * (context + query) * cfg.num_heads * cfg.head_dim
+    attention = cfg.num_layers * 4 * rows * (context + query) * cfg.num_heads * cfg.head_dim
+    layers = 2 * rows * linear_weights(cfg) + attention
     lm = 2 * (rows if lm_rows is None else lm_rows) * cfg.hidden_size * cfg.vocab_size
-    return cfg.num_layers * layer + lm
+    return layers + lm

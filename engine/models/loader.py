@@ -29,6 +29,7 @@ from engine.models.transformer import DLMTransformer
 LLADA_MASK_ID, LLADA_EOS_ID = 126336, 126081
 DREAM_MASK_ID = 151666
 SDAR_MASK_ID, SDAR_BLOCK_SIZE = 151669, 4
+LLADA2_MASK_ID, LLADA2_EOS_ID, LLADA2_BLOCK_SIZE = 156895, 156892, 32
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # RoPE tables some old checkpoints store; we recompute them
 
@@ -39,6 +40,7 @@ class Architecture:
 
     config: Callable[[dict], ModelConfig]
     rename: Callable[[str], str | None]  # checkpoint tensor name -> our name, None if unknown
+    prepare: Callable[[DLMTransformer], None] | None = None  # module layout changes before loading (on meta)
 
 
 # ---------------------------------------------------------------- tensor names
@@ -85,6 +87,32 @@ def llada_renamer(group_size: int) -> Callable[[str], str | None]:
         return f"layers.{layer}.{LLADA_BLOCK[part]}.weight" if part in LLADA_BLOCK else None
 
     return rename
+
+
+LLADA2_ATTENTION = {"query_key_value": "qkv_proj", "dense": "o_proj", "query_layernorm": "q_norm",
+                    "key_layernorm": "k_norm"}
+_LLADA2_ATTN_RE = re.compile(r"layers\.(\d+)\.attention\.(\w+)\.weight")
+
+
+def llada2_name(name: str) -> str | None:
+    """LLaDA2 (``LLaDA2MoeModelLM``): ``word_embeddings`` and ``attention.query_key_value`` (q, k and v in
+    one matrix: the model is built with fused attention projections), ``dense``, ``query_layernorm`` and
+    ``key_layernorm``; the MLP names (``mlp.gate`` the router, ``mlp.experts.N``, ``mlp.shared_experts``)
+    are ours already."""
+    ours = hf_name(name)
+    if ours is None or ours == "lm_head.weight":
+        return ours
+    if ours == "word_embeddings.weight":
+        return "embed_tokens.weight"
+    if m := _LLADA2_ATTN_RE.fullmatch(ours):
+        part = LLADA2_ATTENTION.get(m[2])
+        return f"layers.{m[1]}.self_attn.{part}.weight" if part else None
+    return ours
+
+
+def fuse_attention(model: DLMTransformer) -> None:
+    for layer in model.layers:
+        layer.self_attn.fuse()
 
 
 # ---------------------------------------------------------------- configs
@@ -213,6 +241,31 @@ def llada_config(data: dict) -> ModelConfig:
     )
 
 
+def llada2_config(data: dict) -> ModelConfig:
+    """LLaDA2 (MoE, block diffusion) config.json -> ModelConfig."""
+    _unsupported(data, hidden_act="silu", use_qkv_bias=False, use_bias=False, use_qk_norm=True,
+                 score_function="sigmoid", norm_topk_prob=True, moe_router_enable_expert_bias=True,
+                 norm_head=False)
+    experts = data.get("num_experts") or 0
+    return hf_config(
+        {**data, "mask_token_id": data.get("mask_token_id", LLADA2_MASK_ID),
+         "eos_token_id": data.get("eos_token_id", LLADA2_EOS_ID)},
+        "llada2",
+        qk_norm=True,
+        attention="block_causal",
+        block_size=data.get("block_size") or LLADA2_BLOCK_SIZE,
+        rotary_fraction=float(data.get("partial_rotary_factor", 1.0)),
+        num_experts=experts,
+        experts_per_token=data.get("num_experts_per_tok") or 0,
+        moe_intermediate_size=data.get("moe_intermediate_size") or 0,
+        shared_experts=data.get("num_shared_experts") or 0,
+        dense_layers=data.get("first_k_dense_replace") or 0,
+        expert_groups=data.get("n_group") or 1,
+        expert_groups_used=data.get("topk_group") or 1,
+        routed_scaling=float(data.get("routed_scaling_factor", 1.0)),
+    )
+
+
 def _llada(data: dict) -> Architecture:
     return Architecture(llada_config, llada_renamer(data.get("block_group_size", 1)))
 
@@ -222,6 +275,7 @@ ARCHITECTURES: dict[str, Callable[[dict], Architecture]] = {
     "LLaDAModelLM": _llada,
     "DreamModel": lambda data: Architecture(dream_config, hf_name),
     "SDARForCausalLM": lambda data: Architecture(sdar_config, hf_name),
+    "LLaDA2MoeModelLM": lambda data: Architecture(llada2_config, llada2_name, fuse_attention),
     "LlamaForCausalLM": lambda data: Architecture(llama_config, hf_name),
     "Qwen2ForCausalLM": lambda data: Architecture(qwen2_config, hf_name),
     "Qwen3ForCausalLM": lambda data: Architecture(qwen3_config, hf_name),
@@ -324,5 +378,7 @@ def load_model(
     arch = _architecture(data, directory)
     with torch.device("meta"):
         model = DLMTransformer(arch.config(data))
+        if arch.prepare is not None:
+            arch.prepare(model)
     _load_shards(model, _plan(weight_files(directory), arch.rename, model), dtype, device)
     return model.eval()

@@ -1,9 +1,10 @@
 """Random-weight models of real shapes, for profiles and benchmarks with no weights to download.
 
 ``llada-8b-shape`` is LLaDA-8B's shape (Llama layout, bidirectional), ``dream-7b-shape`` Dream-7B's
-(Qwen2: grouped KV heads, qkv bias, shifted logits) and ``sdar-8b-shape`` SDAR-8B's (Qwen3: q/k
-norms, block-causal with blocks of 4). Mixture-of-experts models (LLaDA2) are not supported by the
-transformer, so there is no preset for them.
+(Qwen2: grouped KV heads, qkv bias, shifted logits), ``sdar-8b-shape`` SDAR-8B's (Qwen3: q/k
+norms, block-causal with blocks of 4) and ``llada2-mini-shape`` LLaDA2.0-mini's (a mixture of 256
+experts, 8 per token plus a shared one, after one dense layer; q/k norms, RoPE on half of each head,
+block-causal with blocks of 32).
 
 A name may carry overrides after a colon, ``llada-8b-shape:layers=2,vocab=4096``, to run the same
 code at a size a CPU can afford (tests do). The weights are random (seeded), so what such a model
@@ -30,9 +31,18 @@ PRESETS: dict[str, dict] = {
                           intermediate_size=12288, rope_theta=1000000.0, qk_norm=True,
                           attention="block_causal", block_size=4, mask_token_id=151669, eos_token_id=151645,
                           pad_token_id=151643, max_position_embeddings=4096, arch="sdar"),
+    "llada2-mini-shape": dict(vocab_size=157184, hidden_size=2048, num_layers=20, num_heads=16, num_kv_heads=4,
+                              head_dim=128, intermediate_size=5120, rope_theta=600000.0, qk_norm=True,
+                              rotary_fraction=0.5, num_experts=256, experts_per_token=8, moe_intermediate_size=512,
+                              shared_experts=1, dense_layers=1, expert_groups=8, expert_groups_used=4,
+                              routed_scaling=2.5, attention="block_causal", block_size=32, mask_token_id=156895,
+                              eos_token_id=156892, pad_token_id=156892, max_position_embeddings=32768,
+                              arch="llada2"),
 }
 OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
-             "intermediate": "intermediate_size", "vocab": "vocab_size", "block": "block_size", "head_dim": "head_dim"}
+             "intermediate": "intermediate_size", "vocab": "vocab_size", "block": "block_size", "head_dim": "head_dim",
+             "experts": "num_experts", "experts_per_token": "experts_per_token",
+             "moe_intermediate": "moe_intermediate_size"}
 
 
 def is_preset(name: str) -> bool:

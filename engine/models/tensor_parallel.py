@@ -24,6 +24,8 @@ ROW = ("o_proj", "down_proj")  # input columns split
 
 
 def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    if cfg.num_experts and world > 1:
+        raise ValueError("tensor parallelism of mixture-of-experts models is not supported yet; serve them at TP 1")
     for name, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
                         ("intermediate_size", cfg.intermediate_size)):
         if value % world:

@@ -9,6 +9,8 @@ same code trains, recomputes full sequences and decodes one block over a cache.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,7 +54,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    """Rotate the first ``cos.shape[-1]`` dimensions of each head (all of them unless the model uses
+    partial rotary embeddings); the rest pass through."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
 
 def stacked_linear(*parts: nn.Linear) -> nn.Linear:
@@ -122,11 +130,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        i = intermediate or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, i, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, i, bias=False)
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
 
         self.gate_up_proj: nn.Linear | None = None  # fuse(): gate and up in one matrix product
 
@@ -135,6 +144,10 @@ class MLP(nn.Module):
         self.gate_up_proj = stacked_linear(self.gate_proj, self.up_proj)
         self.gate_proj, self.up_proj = None, None
 
+    @property
+    def fused(self) -> bool:
+        return self.gate_up_proj is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -142,13 +155,83 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
+class Router(nn.Module):
+    """LLaDA2's expert choice: sigmoid scores of float32 logits; experts are chosen on score + bias
+    among the ``expert_groups_used`` groups whose best two biased scores sum highest; the chosen
+    experts' unbiased scores, normalised to sum to one, times ``routed_scaling``, weight their outputs."""
+
     def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as nn.Linear
+        self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (expert ids [N, k], weights [N, k] in float32)."""
+        cfg = self.cfg
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        biased = scores + self.expert_bias.float()
+        if cfg.expert_groups_used < cfg.expert_groups:
+            groups = biased.view(len(x), cfg.expert_groups, -1)
+            best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)  # [N, groups]
+            keep = torch.zeros_like(best, dtype=torch.bool)
+            keep.scatter_(1, best.topk(cfg.expert_groups_used, dim=-1).indices, True)
+            biased = biased.masked_fill(~keep.repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
+        ids = biased.topk(cfg.experts_per_token, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.experts_per_token > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * cfg.routed_scaling
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP: each token through its routed experts (their outputs weighted) plus the
+    shared experts. Tokens are grouped by expert and each expert with tokens runs once on all of them."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.shared_experts) if cfg.shared_experts else None
+        self.fused = False
+
+    def fuse(self) -> None:
+        for mlp in self.experts:
+            mlp.fuse()
+        if self.shared_experts is not None:
+            self.shared_experts.fuse()
+        self.fused = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        ids, weights = self.gate(x)
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the host needs the group sizes
+        rows = x[order // k]
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                out[start : start + n] = expert(rows[start : start + n])
+                start += n
+        routed = torch.empty_like(out).index_copy_(0, order, out).view(len(x), k, -1)
+        y = (routed.float() * weights[..., None]).sum(1).to(x.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
         self.reduce = None  # tensor parallelism: sums the row-parallel partial outputs across ranks
 
     def forward(self, x, cos, sin, mask, past: KV | None, room: Room = False) -> tuple[torch.Tensor, KV]:
@@ -169,7 +252,7 @@ class DLMTransformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -208,8 +291,9 @@ class DLMTransformer(nn.Module):
         cfg = self.config
         inv_freq = self._inv_freq.get(positions.device)
         if inv_freq is None:  # once per device (not a buffer: models are built on the meta device)
-            inv_freq = self._inv_freq[positions.device] = rope_inv_freq(cfg.head_dim, cfg.rope_theta, positions.device)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype, inv_freq)
+            inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, positions.device)
+            self._inv_freq[positions.device] = inv_freq
+        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, inv_freq)
         fresh: list[KV] = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, cos, sin, mask, None if past is None else past[i], room)
@@ -222,7 +306,7 @@ class DLMTransformer(nn.Module):
         for layer in self.layers:
             if layer.self_attn.qkv_proj is None:
                 layer.self_attn.fuse()
-            if layer.mlp.gate_up_proj is None:
+            if not getattr(layer.mlp, "fused", False):
                 layer.mlp.fuse()
         return self
 
