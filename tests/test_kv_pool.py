@@ -86,6 +86,7 @@ CASES = {
     "block_causal": [("exact", 16, 8), ("exact", 8, 12), ("exact", 0, 8), ("exact", 24, 6)],
     "bidirectional": [("dual", 40, 16, 24), ("prefix", 40, 16, 24), ("dual", 32, 24, 32), ("prefix", 20, 4, 9)],
     "bidirectional-even": [("prefix", 40, 16, 24)] * 3,  # same lengths: no mask at all
+    "block_causal-even": [("exact", 16, 8), ("exact", 8, 8), ("exact", 24, 8)],  # no padding, ends differ
 }
 
 
