@@ -109,8 +109,9 @@ def test_flops_and_params_count_active_experts():
     counted = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n and "expert_bias" not in n)
     assert cfg.num_params == counted + 2 * 2 * h + h  # plus two norms per layer and the final one
     assert cfg.mlp_weights(1, active=False) == full
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        shard_config(cfg, 2)
+    assert shard_config(cfg, 2).moe_intermediate_size == 8
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        shard_config(cfg.replace(moe_intermediate_size=12, num_heads=8, num_kv_heads=8), 8)
 
 
 def llada2_checkpoint(model: DLMTransformer, path) -> None:

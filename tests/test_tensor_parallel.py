@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -23,13 +24,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, attention: str, out_path: str) -> None:
+MOE = dict(num_experts=8, experts_per_token=3, moe_intermediate_size=16, shared_experts=1, dense_layers=1,
+           expert_groups=4, expert_groups_used=2, routed_scaling=2.5, qk_norm=True, rotary_fraction=0.5)
+MODELS = {"block_causal": dict(attention="block_causal"), "bidirectional": dict(attention="bidirectional"),
+          "moe": dict(attention="block_causal", **MOE)}
+
+
+def _full(kind: str):
+    return make_model(num_heads=4, num_kv_heads=2, intermediate_size=64, **MODELS[kind])
+
+
+def _rank_main(rank: int, world: int, port: int, kind: str, out_path: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        full = make_model(attention=attention, num_heads=4, num_kv_heads=2, intermediate_size=64)
+        full = _full(kind)
+        if kind == "moe":  # as an LLaDA2 checkpoint loads: q/k/v fused
+            for layer in full.layers:
+                layer.self_attn.fuse()
         shard = shard_model(full, rank, world, all_reduce_sum())
         outs = Engine(shard, CharTokenizer.default()).generate(PROMPTS, SamplingParams(max_tokens=24, threshold=0.6))
         if rank == 0:
@@ -39,13 +53,12 @@ def _rank_main(rank: int, world: int, port: int, attention: str, out_path: str) 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
-def test_tp2_gives_the_same_tokens_as_tp1(tmp_path, attention):
-    ref = Engine(make_model(attention=attention, num_heads=4, num_kv_heads=2, intermediate_size=64),
-                 CharTokenizer.default()).generate(PROMPTS, SamplingParams(max_tokens=24, threshold=0.6))
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_tp2_gives_the_same_tokens_as_tp1(tmp_path, kind):
+    ref = Engine(_full(kind), CharTokenizer.default()).generate(PROMPTS, SamplingParams(max_tokens=24, threshold=0.6))
     out = tmp_path / "tp2.json"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_rank_main, args=(2, _free_port(), attention, str(out)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, _free_port(), kind, str(out)), nprocs=2, join=True)
     got = json.loads(out.read_text())
     assert got == [[o.token_ids, o.rounds] for o in ref]
 
@@ -60,5 +73,9 @@ def test_shard_shapes_and_errors():
     torch.testing.assert_close(shard.layers[0].mlp.up_proj.weight, model.layers[0].mlp.up_proj.weight[32:])
     with pytest.raises(ValueError, match="does not divide"):
         shard_config(make_config(num_heads=4, num_kv_heads=2), 4)
-    with pytest.raises(ValueError, match="shard first, then fuse"):
-        shard_model(model.fuse_projections(), 0, 2, reduce=None)
+    for rank in (0, 1):  # a fused model shards each fused projection on its own: as fusing the shard
+        fused = shard_model(copy.deepcopy(model).fuse_projections(), rank, 2, reduce=None)
+        want = shard_model(model, rank, 2, reduce=None).fuse_projections()
+        assert fused.fused and fused.state_dict().keys() == want.state_dict().keys()
+        for k, v in want.state_dict().items():
+            assert torch.equal(fused.state_dict()[k], v), k

@@ -7,7 +7,10 @@ column-parallel (each rank computes its heads / columns); o_proj and
 down_proj are row-parallel, and their partial outputs are summed across ranks
 (one all-reduce after attention and one after the MLP of every layer).
 Embeddings, norms and the LM head are replicated, so every rank sees the same
-logits and makes the same unmasking decisions.
+logits and makes the same unmasking decisions. A mixture of experts shards each
+expert (and the shared ones) like a dense MLP and replicates the router, so every
+rank routes each token to the same experts and the weighted sum of their partial
+outputs is reduced once, as a dense MLP's is.
 """
 
 from __future__ import annotations
@@ -24,36 +27,55 @@ ROW = ("o_proj", "down_proj")  # input columns split
 
 
 def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    if cfg.num_experts and world > 1:
-        raise ValueError("tensor parallelism of mixture-of-experts models is not supported yet; serve them at TP 1")
-    for name, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
+    sizes = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+             ("intermediate_size", cfg.intermediate_size)]
+    if cfg.num_experts:  # each expert (and the shared ones) split like a dense MLP; the router is replicated
+        sizes.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    for name, value in sizes:
         if value % world:
             raise ValueError(f"TP degree {world} does not divide {name} = {value}")
     return cfg.replace(num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
-                       intermediate_size=cfg.intermediate_size // world, head_dim=cfg.head_dim)
+                       intermediate_size=cfg.intermediate_size // world, head_dim=cfg.head_dim,
+                       moe_intermediate_size=cfg.moe_intermediate_size // world)
 
 
-def shard_tensor(name: str, tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+def _fused_parts(module: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[int] | None:
+    """Row counts of the projections stacked in a fused weight (q, k, v or gate, up), else None."""
+    if module == "qkv_proj":
+        return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+    if module == "gate_up_proj":
+        return [tensor.shape[0] // 2] * 2
+    return None
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, rank: int, world: int,
+                 cfg: ModelConfig | None = None) -> torch.Tensor:
+    """This rank's slice of ``name``: output rows of q/k/v, gate and up (each projection of a fused
+    weight sliced on its own; ``cfg`` gives their sizes), input columns of o and down, else all of it."""
     parts = name.split(".")
     module = parts[-2] if len(parts) >= 2 else ""
     if module in COLUMN:
         return tensor.chunk(world, dim=0)[rank].contiguous()
     if module in ROW and parts[-1] == "weight":
         return tensor.chunk(world, dim=1)[rank].contiguous()
+    if cfg is not None and (rows := _fused_parts(module, tensor, cfg)) is not None:
+        return torch.cat([p.chunk(world, dim=0)[rank] for p in tensor.split(rows)]).contiguous()
     return tensor
 
 
 def shard_model(model: DLMTransformer, rank: int, world: int,
                 reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> DLMTransformer:
-    """This rank's shard of ``model`` (built on meta, then assigned the slices). Shard before fusing
-    projections (the runner fuses on CUDA): a fused q/k/v matrix cannot be split by rows."""
-    if model.fused:
-        raise ValueError("cannot shard a model whose projections are fused; shard first, then fuse")
+    """This rank's shard of ``model`` (built on meta, then assigned the slices), with the same fused
+    projections as ``model`` (an LLaDA2 checkpoint's q/k/v come fused)."""
     cfg = shard_config(model.config, world)
     with torch.device("meta"):
         shard = DLMTransformer(cfg)
-    state = {k: shard_tensor(k, v, rank, world) for k, v in model.state_dict().items()}
+        for src, dst in zip(model.layers, shard.layers):
+            if src.self_attn.qkv_proj is not None:
+                dst.self_attn.fuse()
+            if getattr(src.mlp, "fused", False):
+                dst.mlp.fuse()
+    state = {k: shard_tensor(k, v, rank, world, model.config) for k, v in model.state_dict().items()}
     shard.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         shard.lm_head.weight = shard.embed_tokens.weight
