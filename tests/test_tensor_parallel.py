@@ -73,9 +73,10 @@ def test_shard_shapes_and_errors():
     torch.testing.assert_close(shard.layers[0].mlp.up_proj.weight, model.layers[0].mlp.up_proj.weight[32:])
     with pytest.raises(ValueError, match="does not divide"):
         shard_config(make_config(num_heads=4, num_kv_heads=2), 4)
-    for rank in (0, 1):  # a fused model shards each fused projection on its own: as fusing the shard
-        fused = shard_model(copy.deepcopy(model).fuse_projections(), rank, 2, reduce=None)
-        want = shard_model(model, rank, 2, reduce=None).fuse_projections()
-        assert fused.fused and fused.state_dict().keys() == want.state_dict().keys()
-        for k, v in want.state_dict().items():
-            assert torch.equal(fused.state_dict()[k], v), k
+    for full in (model, _full("moe")):
+        for rank in (0, 1):  # a fused model shards each fused projection on its own: as fusing the shard
+            fused = shard_model(copy.deepcopy(full).fuse_projections(), rank, 2, reduce=None)
+            want = shard_model(full, rank, 2, reduce=None).fuse_projections()
+            assert fused.fused and fused.state_dict().keys() == want.state_dict().keys()
+            for k, v in want.state_dict().items():
+                assert torch.equal(fused.state_dict()[k], v), k

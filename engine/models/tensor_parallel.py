@@ -60,6 +60,10 @@ def shard_tensor(name: str, tensor: torch.Tensor, rank: int, world: int,
         return tensor.chunk(world, dim=1)[rank].contiguous()
     if cfg is not None and (rows := _fused_parts(module, tensor, cfg)) is not None:
         return torch.cat([p.chunk(world, dim=0)[rank] for p in tensor.split(rows)]).contiguous()
+    if parts[-1] == "w_gate_up":  # stacked experts [experts, gate | up, hidden]: each half's rows
+        return torch.cat([p.chunk(world, dim=1)[rank] for p in tensor.chunk(2, dim=1)], dim=1).contiguous()
+    if parts[-1] == "w_down":  # [experts, hidden, intermediate]: input columns
+        return tensor.chunk(world, dim=2)[rank].contiguous()
     return tensor
 
 

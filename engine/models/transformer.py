@@ -187,18 +187,33 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     """A mixture-of-experts MLP: each token through its routed experts (their outputs weighted) plus the
-    shared experts. Tokens are grouped by expert and each expert with tokens runs once on all of them."""
+    shared experts. The (token, expert) pairs are sorted by expert; unfused, each expert with tokens runs
+    once on all of them (a loop over experts: fine on a CPU, launch-bound on a GPU). ``fuse`` stacks the
+    experts' weights so that every expert runs in one batched product per projection, over its pairs
+    padded to the busiest expert's count (computing padding rows instead of launching per expert).
+    Either way the host reads the pair counts once per layer: a mixture-of-experts forward waits on the
+    device once per expert layer."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.experts: nn.ModuleList | None = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size)
+                                                           for _ in range(cfg.num_experts))
         self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.shared_experts) if cfg.shared_experts else None
+        self.w_gate_up: nn.Parameter | None = None  # fuse(): [experts, 2 x intermediate, hidden]
+        self.w_down: nn.Parameter | None = None  # fuse(): [experts, hidden, intermediate]
+        self.num_experts = cfg.num_experts
         self.fused = False
 
     def fuse(self) -> None:
-        for mlp in self.experts:
-            mlp.fuse()
+        """Stack the experts (gate and up as one product) and fuse the shared experts; for inference, after
+        loading and sharding, as ``Attention.fuse``."""
+        with torch.no_grad():
+            gate_up = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in self.experts])
+            down = torch.stack([e.down_proj.weight for e in self.experts])
+        self.experts = None
+        self.w_gate_up = nn.Parameter(gate_up, requires_grad=False)
+        self.w_down = nn.Parameter(down, requires_grad=False)
         if self.shared_experts is not None:
             self.shared_experts.fuse()
         self.fused = True
@@ -210,19 +225,34 @@ class SparseMoE(nn.Module):
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the host needs the group sizes
+        counts = torch.bincount(flat, minlength=self.num_experts)
         rows = x[order // k]
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, n in zip(self.experts, counts):
-            if n:
-                out[start : start + n] = expert(rows[start : start + n])
-                start += n
+        out = self._stacked(rows, flat[order], counts) if self.experts is None else self._each(rows, counts)
         routed = torch.empty_like(out).index_copy_(0, order, out).view(len(x), k, -1)
         y = (routed.float() * weights[..., None]).sum(1).to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(shape)
+
+    def _each(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, n in zip(self.experts, counts.tolist()):  # the host needs the group sizes
+            if n:
+                out[start : start + n] = expert(rows[start : start + n])
+                start += n
+        return out
+
+    def _stacked(self, rows: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``rows`` sorted by ``experts``: each placed in its expert's row of an [experts, busiest, hidden]
+        grid (zeros elsewhere), two batched products, and read back from the same places."""
+        busiest = int(counts.max())  # the host needs the grid's size
+        starts = counts.cumsum(0) - counts
+        place = torch.arange(len(rows), device=rows.device) - starts[experts]
+        grid = rows.new_zeros(self.num_experts, busiest, rows.shape[-1])
+        grid[experts, place] = rows
+        gate, up = torch.bmm(grid, self.w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.w_down.transpose(1, 2))[experts, place]
 
 
 class DecoderLayer(nn.Module):
