@@ -47,7 +47,7 @@ class StepInput:
     pos: torch.Tensor  # [T] their positions
     ctx_kv: torch.Tensor | tuple[torch.Tensor, ...] | None  # [layers, 2, kv_heads, C, head_dim], or segments of it
     # along C in position order (a dual cache's prefix and suffix)
-    ctx_pos: torch.Tensor | None  # [C]
+    ctx_pos: torch.Tensor | None  # [C], ascending, distinct and apart from the query's positions
     mode: str  # attention mode
     slot: int | None = None  # the runner's KV pool slot holding the context, when the cache has one
 
