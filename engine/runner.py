@@ -193,8 +193,6 @@ class TorchRunner:
 
     def prepare(self, inputs: list[StepInput]) -> Batch:
         """Host-side batching of ``inputs`` and its asynchronous copies to the device."""
-        cfg = self.cfg
-        n = len(inputs)
         lens = [len(s.ids) for s in inputs]
         t_max = max(lens)
         modes = {s.mode for s in inputs}
@@ -204,26 +202,33 @@ class TorchRunner:
         plan = self._pool_plan(inputs, lens, t_max)
         if plan is not None:
             return self._prepare_pooled(inputs, lens, t_max, mode, *plan)
-        padded = min(lens) < t_max
-        if not padded:
-            ids, pos = torch.stack([s.ids for s in inputs]), torch.stack([s.pos for s in inputs])
-        else:
-            ids = torch.full((n, t_max), cfg.pad_token_id, dtype=torch.long)
-            pos = torch.zeros((n, t_max), dtype=torch.long)
-            for i, s in enumerate(inputs):
-                ids[i, : lens[i]], pos[i, : lens[i]] = s.ids, s.pos
-        return self._prepare_copied(inputs, ids, pos, lens, mode, padded)
+        ids, pos, q_valid = self._query_rows(inputs, lens, t_max, list(range(len(inputs))), len(inputs))
+        return self._prepare_copied(inputs, ids, pos, lens, mode, q_valid is not None)
 
-    def _pool_plan(self, inputs: list[StepInput], lens: list[int], t_max: int) -> tuple[int, int, list[int]] | None:
-        """(first slot, last slot + 1, each step's key end) when the forward can attend to the KV pool in
-        place: every step holds a slot and its keys are exactly its slot's positions [0, end) (its
-        context, then or around its query, which sits at its own positions); the slots between the
-        steps' that no step holds become filler rows, when computing them costs less than copying the
-        contexts would (``fill_pays``). Otherwise None."""
+    def _query_rows(self, inputs, lens, t_max, rows, n):
+        """(ids, positions [n, t_max], valid [n, t_max] or None): step k's query in row ``rows[k]``, padding
+        (pad token at position 0) elsewhere; valid is None when every row is a whole step, in order."""
+        if n == len(inputs) and min(lens) == t_max and rows == list(range(n)):  # stacked, no per-row copies
+            return torch.stack([s.ids for s in inputs]), torch.stack([s.pos for s in inputs]), None
+        ids = torch.full((n, t_max), self.cfg.pad_token_id, dtype=torch.long)
+        pos = torch.zeros((n, t_max), dtype=torch.long)
+        valid = torch.zeros((n, t_max), dtype=torch.bool)
+        for s, t, r in zip(inputs, lens, rows):
+            ids[r, :t], pos[r, :t] = s.ids, s.pos
+            valid[r, :t] = True
+        return ids, pos, valid
+
+    def _pool_plan(self, inputs: list[StepInput], lens: list[int],
+                   t_max: int) -> tuple[int, int, list[int], list[int]] | None:
+        """(first slot, last slot + 1, each step's query start and key end) when the forward can attend to
+        the KV pool in place: every step holds a slot and its keys are exactly its slot's positions
+        [0, end) (its context, then or around its query, which sits at its own positions); the slots
+        between the steps' that no step holds become filler rows, when computing them costs less than
+        copying the contexts would (``fill_pays``). Otherwise None."""
         pool = self.pool
         if pool is None or any(s.slot is None for s in inputs):
             return None
-        ends, ctx = [], 0
+        starts, ends, ctx = [], [], 0
         for s, t in zip(inputs, lens):
             q_lo = int(s.pos[0])
             if int(s.pos[-1]) != q_lo + t - 1:  # the query's positions are not consecutive
@@ -232,6 +237,7 @@ class TorchRunner:
             end = max(q_lo + t, int(s.ctx_pos[-1]) + 1 if c else 0)
             if c + t != end or end > pool.capacity:  # context and query do not tile [0, end)
                 return None
+            starts.append(q_lo)
             ends.append(end)
             ctx += c
         slots = [s.slot for s in inputs]
@@ -241,7 +247,7 @@ class TorchRunner:
         holes = hi - lo - len(slots)
         if holes and not self.fill_pays(holes * t_max, ctx):
             return None
-        return lo, hi, ends
+        return lo, hi, starts, ends
 
     def fill_pays(self, filler_tokens: int, context_tokens: int) -> bool:
         """Whether computing ``filler_tokens`` query tokens of filler rows (the layers' matrix products)
@@ -252,39 +258,29 @@ class TorchRunner:
         kv_bytes = 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         return flops < self.balance * context_tokens * kv_bytes
 
-    def _prepare_pooled(self, inputs, lens, t_max, mode, lo, hi, ends) -> Batch:
+    def _prepare_pooled(self, inputs, lens, t_max, mode, lo, hi, starts, ends) -> Batch:
         """The forward's K/V buffer is the pool's slots lo..hi-1 themselves: contexts are already in
         place and each step's fresh K/V are scattered to its own positions, so nothing is copied. Padding
         query rows and filler rows (slots no step holds: another request's, or free) write to the slot's
         scratch position, past every position any cache uses; filler rows attend to position 0 only."""
-        cfg, pool = self.cfg, self.pool
-        n = hi - lo
-        span = max(ends)
+        n, span = hi - lo, max(ends)
         row_of = [s.slot - lo for s in inputs]
-        full = n == len(inputs) and min(lens) == t_max and row_of == list(range(n))
-        if full:  # the steady state: every row a step's, in slot order, none padded (no per-row copies)
-            ids, pos = torch.stack([s.ids for s in inputs]), torch.stack([s.pos for s in inputs])
-            write, q_valid, row_end = pos, torch.ones((n, t_max), dtype=torch.bool), torch.tensor(ends)
-        else:
-            ids = torch.full((n, t_max), cfg.pad_token_id, dtype=torch.long)
-            pos = torch.zeros((n, t_max), dtype=torch.long)
-            write = torch.full((n, t_max), pool.capacity, dtype=torch.long)
-            q_valid = torch.zeros((n, t_max), dtype=torch.bool)
-            row_end = torch.zeros(n, dtype=torch.long)
-            for s, t, e, r in zip(inputs, lens, ends, row_of):
-                ids[r, :t], pos[r, :t], write[r, :t] = s.ids, s.pos, s.pos
-                q_valid[r, :t] = True
-                row_end[r] = e
+        ids, pos, q_valid = self._query_rows(inputs, lens, t_max, row_of, n)
+        write = pos if q_valid is None else pos.masked_fill(~q_valid, self.pool.capacity)
         bias = None
-        if not (mode == "bidirectional" and full and min(ends) == span):
+        if not (mode == "bidirectional" and q_valid is None and min(ends) == span):
+            if q_valid is None:
+                q_valid = torch.ones((n, t_max), dtype=torch.bool)
+            row_end = torch.zeros(n, dtype=torch.long)
+            row_end[row_of] = torch.tensor(ends)
             keys = torch.arange(span)
-            mask = allowed(mode, pos, keys[None], cfg.block_size)
+            mask = allowed(mode, pos, keys[None], self.cfg.block_size)
             mask &= (keys[None] < row_end[:, None])[:, None, :] & q_valid[:, :, None]
             mask[:, :, 0] |= ~q_valid  # padding and filler rows attend to position 0 only, so no row is empty
             bias = self._bias(mask[:, None])
-        buf = pool.kv[:, :, lo:hi]  # every position, the scratch one included: the forward attends to [0, span)
-        return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, span - t_max, row_of,
-                     [int(s.pos[0]) for s in inputs], self._to_device(write))
+        buf = self.pool.kv[:, :, lo:hi]  # every position, the scratch one included: the forward attends to [0, span)
+        return Batch(self._to_device(ids), self._to_device(pos), bias, buf, t_max, span - t_max, row_of, starts,
+                     self._to_device(write))
 
     def _prepare_copied(self, inputs, ids, pos, lens, mode, padded) -> Batch:
         """Each step's context is copied into a fresh [context padded to c_max | query] buffer."""
