@@ -48,9 +48,6 @@ class KVPool:
     def free(self) -> int:
         return len(self._free)
 
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
-
     def acquire(self) -> int | None:
         return heapq.heappop(self._free) if self._free else None
 

@@ -19,6 +19,11 @@ def make_config(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
+# a small LLaDA2-style mixture of experts (one dense layer first) for make_config / make_model
+MOE = dict(num_experts=8, experts_per_token=3, moe_intermediate_size=16, shared_experts=1, dense_layers=1,
+           expert_groups=4, expert_groups_used=2, routed_scaling=2.5, qk_norm=True, rotary_fraction=0.5)
+
+
 def make_model(seed: int = 0, **kw) -> DLMTransformer:
     torch.manual_seed(seed)
     model = DLMTransformer(make_config(**kw))

@@ -18,10 +18,8 @@ from engine.models.presets import IdTokenizer, preset_config, random_prompt
 from engine.models.tensor_parallel import shard_config
 from engine.models.transformer import DLMTransformer, SparseMoE, apply_rope, rope_cos_sin
 from engine.sequence import SamplingParams
-from tests.conftest import make_config
+from tests.conftest import MOE, make_config
 
-MOE = dict(num_experts=8, experts_per_token=3, moe_intermediate_size=16, shared_experts=1, dense_layers=1,
-           expert_groups=4, expert_groups_used=2, routed_scaling=2.5, qk_norm=True, rotary_fraction=0.5)
 SMALL = ("llada2-mini-shape:layers=2,hidden=128,heads=4,kv_heads=2,head_dim=32,intermediate=256,vocab=512,"
          "experts=16,moe_intermediate=32")
 

@@ -13,7 +13,7 @@ from engine.engine import Engine
 from engine.models.tensor_parallel import all_reduce_sum, shard_config, shard_model
 from engine.sequence import SamplingParams
 from engine.tokenizer import CharTokenizer
-from tests.conftest import make_config, make_model
+from tests.conftest import MOE, make_config, make_model
 
 PROMPTS = ["rev: abcdef", "12+5=", "story: cat 3", "x"]
 
@@ -24,8 +24,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-MOE = dict(num_experts=8, experts_per_token=3, moe_intermediate_size=16, shared_experts=1, dense_layers=1,
-           expert_groups=4, expert_groups_used=2, routed_scaling=2.5, qk_norm=True, rotary_fraction=0.5)
 MODELS = {"block_causal": dict(attention="block_causal"), "bidirectional": dict(attention="bidirectional"),
           "moe": dict(attention="block_causal", **MOE)}
 

@@ -86,6 +86,11 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer >= self.dense_layers
 
+    @property
+    def attention_weights(self) -> int:
+        """Weights of one layer's q, k, v and o projections."""
+        return self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+
     def mlp_weights(self, layer: int, active: bool = True) -> int:
         """Weights of one layer's MLP: gate, up and down of the dense MLP, or of the experts a token uses
         (``active``; all of them otherwise), the shared experts and the router."""
@@ -110,8 +115,7 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layers = sum(attn + self.mlp_weights(n, active=False) + 2 * h for n in range(self.num_layers))
+        h = self.hidden_size
+        layers = sum(self.attention_weights + self.mlp_weights(n, active=False) + 2 * h for n in range(self.num_layers))
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return layers + emb + h

@@ -15,9 +15,7 @@ from engine.models.config import ModelConfig
 def linear_weights(cfg: ModelConfig) -> int:
     """Weights a token goes through in the layers' projections (q, k, v, o and the MLP's gate, up and
     down; of a mixture of experts, the experts it is routed to, the shared ones and the router)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    attn = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    return sum(attn + cfg.mlp_weights(n) for n in range(cfg.num_layers))
+    return sum(cfg.attention_weights + cfg.mlp_weights(n) for n in range(cfg.num_layers))
 
 
 def forward_flops(cfg: ModelConfig, batch: int, query: int, context: int = 0, lm_rows: int | None = None) -> int:

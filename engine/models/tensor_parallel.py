@@ -77,7 +77,7 @@ def shard_model(model: DLMTransformer, rank: int, world: int,
         for src, dst in zip(model.layers, shard.layers):
             if src.self_attn.qkv_proj is not None:
                 dst.self_attn.fuse()
-            if getattr(src.mlp, "fused", False):
+            if src.mlp.fused:
                 dst.mlp.fuse()
     state = {k: shard_tensor(k, v, rank, world, model.config) for k, v in model.state_dict().items()}
     shard.load_state_dict(state, strict=True, assign=True)

@@ -336,7 +336,7 @@ class DLMTransformer(nn.Module):
         for layer in self.layers:
             if layer.self_attn.qkv_proj is None:
                 layer.self_attn.fuse()
-            if not getattr(layer.mlp, "fused", False):
+            if not layer.mlp.fused:
                 layer.mlp.fuse()
         return self
 
