@@ -63,7 +63,6 @@ class _Cache:
         self.slot: int | None = None
         if pool is not None and capacity <= pool.capacity and pool.kv.dtype == dtype:
             self.slot = pool.acquire()
-        self.pool = pool if self.slot is not None else None
         if self.slot is None:  # no pool, no free slot, or too long for one: a tensor of its own
             self.kv = torch.zeros(layers, 2, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         else:
