@@ -6,9 +6,11 @@ through the runner exactly as the engine calls it (one forward attending to the 
 K/V scattered into it, every row's (confidence, token) copied back once). Counted FLOPs over the
 median time, against the measured matmul peak, is the round's model FLOP utilisation. Variants time
 the same round with each context copied into a buffer of the round's own (the path of requests
-without consecutive pool slots), with the projections unfused, the forward alone (no LM head, row
-gather or copy back; its FLOPs counted without the head) and, on CUDA, that forward captured once in
-a CUDA graph and replayed, to show where time goes and whether graphs pay at this shape.
+without consecutive pool slots), with the projections unfused (for a mixture of experts, a loop over
+the experts), with a mixture's stacked experts in a padded grid instead of grouped products, the
+forward alone (no LM head, row gather or copy back; its FLOPs counted without the head) and, on CUDA,
+that forward captured once in a CUDA graph and replayed, to show where time goes and whether graphs
+pay at this shape.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine.device import sync as _sync
 from engine.kv_cache import KVPool
 from engine.models.flops import forward_flops
 from engine.models.presets import build_preset, preset_config
+from engine.models.transformer import SparseMoE
 from engine.runner import TorchRunner
 from engine.sched_types import StepKind
 from engine.sequence import StepInput
@@ -113,6 +116,13 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
             fused.pool = None  # the same steps, their contexts copied into the round's buffer
             runs["round, contexts copied"] = _time(lambda: fused.run(inputs, rows), dev, warmup, repeats)
             fused.pool = pool
+            moes = [m for m in net.modules() if isinstance(m, SparseMoE) and m.kernel == "grouped"]
+            if moes:  # a mixture of experts: the stacked experts in a padded grid instead of grouped products
+                for m in moes:
+                    m.grouped = False
+                runs["round, experts in a grid"] = _time(lambda: fused.run(inputs, rows), dev, warmup, repeats)
+                for m in moes:
+                    m.grouped = True
             runs["forward only"] = _time(lambda: fused.launch(inputs), dev, warmup, repeats)
             if dev.type == "cuda":  # whether CUDA graphs pay at this shape: the same forward, replayed
                 try:

@@ -44,8 +44,8 @@ step profile-check 100 $PY -m app.cli profile --model $M --device $DEV --check "
 # 6. filler rows against copied contexts when 4 of 132 pool slots are held by requests not in the round
 #    (checks the runner's FLOPs-per-byte balance for CUDA, engine/runner.py BALANCE)
 step round-gaps 120 $PY -m app.cli bench round --model $M --device $DEV --gaps 4 --json --out "$OUT/round-gaps.json"
-# 7. LLaDA2.0-mini's shape (mixture of experts, block-causal): a round with the experts stacked (the CUDA
-#    default) against the unfused per-expert loop, and a profile
+# 7. LLaDA2.0-mini's shape (mixture of experts, block-causal): a round with the experts in grouped products
+#    (the CUDA default) against a padded grid and the per-expert loop, and a profile
 M2=${M2:-llada2-mini-shape}
 step round-moe 120 $PY -m app.cli bench round --model $M2 --device $DEV --slots 32 --json --out "$OUT/round-moe.json"
 step profile-moe 150 $PY -m app.cli profile --model $M2 --device $DEV --name h200-llada2mini-measured \

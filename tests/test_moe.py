@@ -3,6 +3,7 @@ rotary embeddings, loading an LLaDA2-format checkpoint, the llada2-mini-shape pr
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -16,7 +17,7 @@ from engine.models.flops import forward_flops, linear_weights
 from engine.models.loader import load_config, load_model
 from engine.models.presets import IdTokenizer, preset_config, random_prompt
 from engine.models.tensor_parallel import shard_config
-from engine.models.transformer import DLMTransformer, SparseMoE, apply_rope, rope_cos_sin
+from engine.models.transformer import DLMTransformer, SparseMoE, apply_rope, grouped_mm_works, rope_cos_sin
 from engine.sequence import SamplingParams
 from tests.conftest import MOE, make_config
 
@@ -65,11 +66,41 @@ def test_experts_and_router_match_a_per_token_reference():
         got = moe(x)
         want = reference_moe(moe, cfg, x.reshape(-1, cfg.hidden_size)).view_as(got)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        moe.fuse()  # each expert's gate and up in one product: the same function
+        assert moe.kernel == "loop"
+        moe.fuse()  # the experts stacked, each one's gate and up in one product: the same function
+        assert moe.kernel == ("grouped" if grouped_mm_works("cpu", torch.float32) else "grid")
+        torch.testing.assert_close(moe(x), want, atol=1e-5, rtol=1e-5)
+        moe.grouped = False  # the padded grid of batched products
+        assert moe.kernel == "grid"
         torch.testing.assert_close(moe(x), want, atol=1e-5, rtol=1e-5)
     ids, _ = moe.gate(x.reshape(-1, cfg.hidden_size))
     per_group = cfg.num_experts // cfg.expert_groups
     assert all(len({int(e) // per_group for e in row}) <= cfg.expert_groups_used for row in ids)
+
+
+@pytest.mark.skipif(not grouped_mm_works("cpu", torch.float32), reason="this torch has no grouped product on a CPU")
+def test_grouped_experts_match_the_loop_with_idle_experts_and_fall_back_when_misaligned():
+    """Few tokens over many experts (most idle, the grouped product's empty groups), a batch of them,
+    and an intermediate size whose rows are not 16-byte multiples (the grid instead of the grouped kernel)."""
+    for inter, kernel in ((16, "grouped"), (6, "grid")):
+        model = moe_model(seed=3, num_experts=16, moe_intermediate_size=inter)
+        moe = model.layers[1].mlp
+        loop = copy.deepcopy(moe)
+        moe.fuse()
+        assert moe.kernel == kernel
+        for n in (1, 2, 37):
+            x = torch.randn(n, model.config.hidden_size)
+            with torch.no_grad():
+                torch.testing.assert_close(moe(x), loop(x), atol=1e-5, rtol=1e-5)
+
+
+def test_bench_round_times_the_grouped_experts_against_the_grid():
+    from engine.bench_round import bench_round
+
+    res = bench_round(SMALL, slots=2, tokens=8, context=8, warmup=0, repeats=1, peak=1e9)
+    names = [v["variant"] for v in res["variants"]]
+    assert names[0] == "round" and "round, unfused" in names
+    assert ("round, experts in a grid" in names) == grouped_mm_works("cpu", torch.float32)
 
 
 def test_partial_rotary_embeddings_rotate_the_first_dimensions_only():

@@ -14,6 +14,7 @@ from engine.loading import load_engine, resolve_model
 from engine.models.flops import forward_flops
 from engine.models.masks import allowed
 from engine.models.presets import PRESETS, build_preset, preset_config, random_prompt
+from engine.models.transformer import SparseMoE
 from engine.runner import TorchRunner
 from engine.sequence import SamplingParams, StepInput, StepKind
 from tests.conftest import make_model
@@ -216,11 +217,16 @@ def test_cuda_bf16_runner_matches_float32_on_the_cpu(name):
 
 
 @pytest.mark.gpu
-def test_cuda_round_launch_never_waits_on_the_device():
+@pytest.mark.parametrize("name", [
+    "llada-8b-shape:layers=2,vocab=4096,hidden=512,heads=8,kv_heads=8,intermediate=1024",
+    # a mixture of experts: routing, grouped expert products and the weighted sum queue work only too
+    "llada2-mini-shape:layers=2,vocab=4096,hidden=512,heads=8,kv_heads=2,head_dim=64,intermediate=1024,experts=32",
+])
+def test_cuda_round_launch_never_waits_on_the_device(name):
     """Building and launching a round's forwards and gathering its rows queue work only: the one
     wait is the final copy of (confidence, token) to the host."""
-    engine = load_engine("llada-8b-shape:layers=2,vocab=4096,hidden=512,heads=8,kv_heads=8,intermediate=1024",
-                         device="cuda", dtype=torch.bfloat16, max_slots=8)
+    engine = load_engine(name, device="cuda", dtype=torch.bfloat16, max_slots=8)
+    assert all(m.kernel == "grouped" for m in engine.runner.model.modules() if isinstance(m, SparseMoE))
     seqs = [engine.add_request(random_prompt(engine.cfg, 50, seed=s), SamplingParams(max_tokens=64)) for s in range(8)]
     for _ in range(3):  # past the first (recompute) rounds into cached ones
         engine.step(seqs)
@@ -242,12 +248,16 @@ def test_cuda_round_launch_never_waits_on_the_device():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pooled", [True, False])
-def test_cuda_graph_replay_of_a_prepared_forward_matches_eager(pooled):
+@pytest.mark.parametrize("pooled,name", [
+    (True, "llada-8b-shape:layers=2,vocab=4096,hidden=512,heads=8,kv_heads=8,intermediate=1024"),
+    (False, "llada-8b-shape:layers=2,vocab=4096,hidden=512,heads=8,kv_heads=8,intermediate=1024"),
+    (True, "llada2-mini-shape:layers=2,vocab=4096,hidden=512,heads=8,kv_heads=2,head_dim=64,intermediate=1024,"
+           "experts=32"),  # grouped experts: no host read of the pair counts, so the forward captures
+])
+def test_cuda_graph_replay_of_a_prepared_forward_matches_eager(pooled, name):
     from engine.bench_round import graphed_forward, round_inputs
     from engine.kv_cache import KVPool
 
-    name = "llada-8b-shape:layers=2,vocab=4096,hidden=512,heads=8,kv_heads=8,intermediate=1024"
     cfg = preset_config(name)
     runner = TorchRunner(build_preset(name, device="cuda", dtype=torch.bfloat16), "cuda")
     pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, 96, torch.bfloat16, "cuda") if pooled else None

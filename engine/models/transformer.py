@@ -9,6 +9,7 @@ same code trains, recomputes full sequences and decodes one block over a cache.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,6 +20,9 @@ from engine.models.config import ModelConfig
 
 KV = tuple[torch.Tensor, torch.Tensor]
 Room = bool | tuple[torch.Tensor, int]  # where fresh K/V go in ``past`` (Attention.forward)
+# one product per group of rows, each group against its own matrix, group ends on the device (torch >= 2.9;
+# the public name from 2.10): fused experts in one launch per projection with no host sync
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 class RMSNorm(nn.Module):
@@ -177,7 +181,7 @@ class Router(nn.Module):
             best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)  # [N, groups]
             keep = torch.zeros_like(best, dtype=torch.bool)
             keep.scatter_(1, best.topk(cfg.expert_groups_used, dim=-1).indices, True)
-            biased = biased.masked_fill(~keep.repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
+            biased = groups.masked_fill(~keep[..., None], float("-inf")).view_as(biased)
         ids = biased.topk(cfg.experts_per_token, dim=-1).indices
         weights = scores.gather(1, ids)
         if cfg.experts_per_token > 1:
@@ -185,14 +189,34 @@ class Router(nn.Module):
         return ids, weights * cfg.routed_scaling
 
 
+@functools.cache
+def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch's grouped product runs, and gives the right answer, for ``dtype`` on the current
+    ``device_type`` device (probed once: CUDA needs bf16 on sm80 or newer; CPU kernels came with 2.9)."""
+    if GROUPED_MM is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 16, generator=gen), torch.randn(3, 8, 16, generator=gen)
+    offs = torch.tensor([2, 2, 8], dtype=torch.int32)  # the middle group empty, as an idle expert's
+    want = torch.cat([a[:2] @ b[0].T, a[2:] @ b[2].T])
+    try:
+        got = GROUPED_MM(a.to(device_type, dtype), b.to(device_type, dtype).transpose(1, 2),
+                         offs=offs.to(device_type)).float().cpu()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=0.05, atol=0.5))
+
+
 class SparseMoE(nn.Module):
     """A mixture-of-experts MLP: each token through its routed experts (their outputs weighted) plus the
-    shared experts. The (token, expert) pairs are sorted by expert; unfused, each expert with tokens runs
-    once on all of them (a loop over experts: fine on a CPU, launch-bound on a GPU). ``fuse`` stacks the
-    experts' weights so that every expert runs in one batched product per projection, over its pairs
-    padded to the busiest expert's count (computing padding rows instead of launching per expert).
-    Either way the host reads the pair counts once per layer: a mixture-of-experts forward waits on the
-    device once per expert layer."""
+    shared experts. The (token, expert) pairs are sorted by expert. Unfused, each expert with tokens runs
+    once on all of them: a loop over experts, fine on a CPU, launch-bound on a GPU, and the host reads
+    the pair counts (one wait on the device per expert layer). ``fuse`` stacks the experts' weights, and
+    every expert then runs in one grouped product per projection, each expert's pairs against its own
+    weights, with the groups' ends computed on the device: no wait, and capturable in a CUDA graph.
+    Where torch has no grouped product for the device and dtype (or ``grouped`` is turned off), the
+    stacked experts run as two batched products over a grid of their pairs padded to the busiest
+    expert's count, whose size the host reads."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -204,6 +228,7 @@ class SparseMoE(nn.Module):
         self.w_down: nn.Parameter | None = None  # fuse(): [experts, hidden, intermediate]
         self.num_experts = cfg.num_experts
         self.fused = False
+        self.grouped = True  # fused experts in grouped products where they run (else the padded grid)
 
     def fuse(self) -> None:
         """Stack the experts (gate and up as one product) and fuse the shared experts; for inference, after
@@ -218,6 +243,15 @@ class SparseMoE(nn.Module):
             self.shared_experts.fuse()
         self.fused = True
 
+    @property
+    def kernel(self) -> str:
+        """How the routed experts run here: "loop" (unfused), "grouped" or "grid" (fused)."""
+        if not self.fused:
+            return "loop"
+        w = self.w_down
+        aligned = all(n * w.element_size() % 16 == 0 for n in w.shape[1:])  # grouped kernels read 16-byte rows
+        return "grouped" if self.grouped and aligned and grouped_mm_works(w.device.type, w.dtype) else "grid"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
@@ -225,9 +259,14 @@ class SparseMoE(nn.Module):
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # pairs per expert, counted on the device (bincount would read its input's maximum on the host)
+        counts = flat.new_zeros(self.num_experts).index_add_(0, flat, torch.ones_like(flat))
         rows = x[order // k]
-        out = self._stacked(rows, flat[order], counts) if self.experts is None else self._each(rows, counts)
+        kernel = self.kernel
+        if kernel == "grouped":
+            out = self._grouped(rows, counts)
+        else:
+            out = self._grid(rows, flat[order], counts) if kernel == "grid" else self._each(rows, counts)
         routed = torch.empty_like(out).index_copy_(0, order, out).view(len(x), k, -1)
         y = (routed.float() * weights[..., None]).sum(1).to(x.dtype)
         if self.shared_experts is not None:
@@ -243,7 +282,13 @@ class SparseMoE(nn.Module):
                 start += n
         return out
 
-    def _stacked(self, rows: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``rows`` sorted by expert, ``counts`` of them per expert: each group through its own weights."""
+        ends = counts.cumsum(0).to(torch.int32)
+        gate, up = GROUPED_MM(rows, self.w_gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return GROUPED_MM(F.silu(gate) * up, self.w_down.transpose(1, 2), offs=ends)
+
+    def _grid(self, rows: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``rows`` sorted by ``experts``: each placed in its expert's row of an [experts, busiest, hidden]
         grid (zeros elsewhere), two batched products, and read back from the same places."""
         busiest = int(counts.max())  # the host needs the grid's size
