@@ -24,6 +24,8 @@ class AppConfig(BaseModel):
                                                                "KV pool (one slot per block slot, allocated at "
                                                                "start; longer requests get caches of their own); "
                                                                "default 512 + the default generation length")
+    cuda_graphs: bool = Field(True, description="on cuda, replay small rounds over the KV pool from CUDA graphs "
+                                                "(engine/graphs.py; single-GPU instances); false: always eager")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int | None = Field(None, description="max_tokens when a request gives none")
     max_waiting: int = Field(256, ge=1, description="waiting requests per instance before 429")

@@ -35,7 +35,8 @@ class Denoiser:
         mirror = None
         kwargs = dict(device=self.cfg.device, dtype=self.cfg.torch_dtype(), cache=self.cfg.cache,
                       max_slots=self.cfg.slots, default_gen_length=self.cfg.default_max_tokens,
-                      max_gen_length=self.cfg.max_tokens_limit, kv_slot_tokens=self.cfg.kv_slot_tokens)
+                      max_gen_length=self.cfg.max_tokens_limit, kv_slot_tokens=self.cfg.kv_slot_tokens,
+                      cuda_graphs=None if self.cfg.cuda_graphs else False)  # None: where they apply
         if tp > 1:
             engine, mirror = self._start_tensor_parallel(kwargs)
         else:

@@ -9,8 +9,8 @@ the same round with each context copied into a buffer of the round's own (the pa
 without consecutive pool slots), with the projections unfused (for a mixture of experts, a loop over
 the experts), with a mixture's stacked experts in a padded grid instead of grouped products, the
 forward alone (no LM head, row gather or copy back; its FLOPs counted without the head) and, on CUDA,
-that forward captured once in a CUDA graph and replayed, to show where time goes and whether graphs
-pay at this shape.
+that forward captured once in a CUDA graph and replayed, and the round as the engine runs it with
+CUDA graphs on (engine/graphs.py), to show where time goes and whether graphs pay at this shape.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from engine.bench_engine import measure_peak
 from engine.device import device_name, parse_dtype
 from engine.device import sync as _sync
+from engine.graphs import ForwardGraphs, capture_forward
 from engine.kv_cache import KVPool
 from engine.models.flops import forward_flops
 from engine.models.presets import build_preset, preset_config
@@ -56,19 +57,8 @@ def round_inputs(cfg, slots: int, tokens: int, context: int, device, dtype, seed
 
 def graphed_forward(runner: TorchRunner, inputs: list[StepInput]):
     """The runner's forward over ``inputs`` captured once in a CUDA graph: (replay, the hidden rows each
-    replay writes). The batch's device tensors are the graph's static inputs (a serving loop would copy
-    each round's into them)."""
-    batch = runner.prepare(inputs)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture (allocator, kernel selection)
-        for _ in range(2):
-            runner.forward(batch)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        hidden = runner.forward(batch)
-    return graph.replay, hidden
+    replay writes). The batch's device tensors are the graph's static inputs."""
+    return capture_forward(runner, runner.prepare(inputs))
 
 
 def _time(fn, device, warmup: int, repeats: int) -> list[float]:
@@ -127,8 +117,13 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
             if dev.type == "cuda":  # whether CUDA graphs pay at this shape: the same forward, replayed
                 try:
                     runs["forward, CUDA graph"] = _time(graphed_forward(fused, inputs)[0], dev, warmup, repeats)
+                    if in_place:  # the round as the engine runs it with graphs on (engine/graphs.py)
+                        fused.graphs = ForwardGraphs(fused, max_tokens=slots * tokens)
+                        runs["round, CUDA graphs"] = _time(lambda: fused.run(inputs, rows), dev, max(warmup, 2),
+                                                           repeats)
+                        fused.graphs = None
                 except Exception as exc:  # a measurement variant: report it, keep the others
-                    notes["forward, CUDA graph"] = f"{type(exc).__name__}: {exc}"
+                    notes["CUDA graphs"] = f"{type(exc).__name__}: {exc}"
             del fused
             plain = TorchRunner(build_preset(model, device=dev, dtype=dt), dev, fuse=False)
             plain.pool = pool

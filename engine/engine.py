@@ -54,11 +54,14 @@ class Engine:
     def __init__(self, model: DLMTransformer, tokenizer, rule: UnmaskRule | str = "threshold",
                  cache: str = "dual", max_slots: int = 32, device: str = "cpu",
                  default_gen_length: int | None = None, max_gen_length: int = 1024,
-                 kv_slots: int | None = None, kv_slot_tokens: int | None = None) -> None:
+                 kv_slots: int | None = None, kv_slot_tokens: int | None = None,
+                 cuda_graphs: bool | None = None) -> None:
         """``kv_slots`` x ``kv_slot_tokens``: the KV pool, allocated once on ``device`` (engine/kv_cache.py);
         by default one slot per round slot, each room for ``POOL_PROMPT_TOKENS`` of prompt and the
         default generation length (at most the model's context). A request that does not fit a slot or
-        finds none free gets a cache of its own. ``kv_slots=0``: no pool."""
+        finds none free gets a cache of its own. ``kv_slots=0``: no pool. ``cuda_graphs``: replay small
+        forwards over the pool from CUDA graphs (engine/graphs.py); by default on CUDA with a pool, unless
+        the model is a tensor-parallel shard."""
         self.model = model.eval()
         self.cfg = model.config
         self.tokenizer = tokenizer
@@ -76,6 +79,15 @@ class Engine:
                                            POOL_PROMPT_TOKENS + self.default_gen_length)
             self.runner.pool = KVPool(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, slots, tokens,
                                       self.runner.dtype, self.device)
+        sharded = any(getattr(layer, "reduce", None) is not None for layer in model.layers)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and bool(slots) and not sharded
+        if cuda_graphs:
+            from engine.graphs import ForwardGraphs
+
+            if not slots or sharded:
+                raise ValueError("CUDA graphs need a KV pool (kv_slots > 0) and a model on one device")
+            self.runner.graphs = ForwardGraphs(self.runner)
         self.max_gen_length = max_gen_length
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()

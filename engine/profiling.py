@@ -57,12 +57,18 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
     params = SamplingParams(threshold=1.0, max_tokens=max_tokens)
     skipped: list[str] = []
     forwards0, pooled0 = engine.runner.forwards, engine.runner.pooled
+    graphs = engine.runner.graphs
+
+    def graph_state():  # changes in a round that met a shape first or captured it: not a steady round
+        return None if graphs is None else (graphs.captures, len(graphs.seen))
+
     for plen, n in iterator:
         prompt = _prompt(engine, plen)
         seqs = [engine.add_request(prompt, params) for _ in range(n)]
-        for _ in range(rounds + seqs[0].prefill_blocks + 1):
+        for _ in range(rounds + seqs[0].prefill_blocks + 1 + (2 if graphs is not None else 0)):
             if any(s.finished for s in seqs):
                 break
+            before = graph_state()
             try:
                 ms, comp = _timed_step(engine, seqs)
             except torch.OutOfMemoryError:  # too large for this device: keep the points measured so far
@@ -70,7 +76,7 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
                 torch.cuda.empty_cache()
                 break
             kinds = {k for k, _, _ in comp}
-            if len(kinds) != 1:
+            if len(kinds) != 1 or graph_state() != before:
                 continue
             tokens = sum(t for _, t, _ in comp)
             if plen == prompt_lens[0]:
@@ -91,6 +97,7 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
         "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
         "batch_sizes": list(batch_sizes), "prompt_lens": list(prompt_lens),
         "method": "median wall time of single-kind rounds (device synchronised)", "skipped": skipped,
+        "cuda_graphs": graphs is not None,
         "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0})
     pairs = [(tokens * max(ctx - ref, 0.0), ms - prof.curve_ms(kind, tokens)) for kind, tokens, ctx, ms in longer]
     denom = sum(x * x for x, _ in pairs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from engine.models.flops import forward_flops, linear_weights
 from engine.models.masks import allowed
 from engine.models.transformer import DLMTransformer
 from engine.sequence import StepInput
+
+if TYPE_CHECKING:
+    from engine.graphs import ForwardGraphs
 
 BALANCE = {"cuda": 150.0, "cpu": 10.0}  # FLOPs per byte of memory traffic (see TorchRunner.fill_pays)
 
@@ -91,6 +95,7 @@ class TorchRunner:
         if fuse if fuse is not None else self.device.type == "cuda":
             model.fuse_projections()
         self.pool: KVPool | None = None  # set by the engine: caches take slots of it, forwards attend in place
+        self.graphs: ForwardGraphs | None = None  # set by the engine on CUDA: small pooled forwards replayed
         # FLOPs per byte of memory traffic at which filler rows are worth computing instead of copying
         # contexts (fill_pays): about the H200's bf16 peak over its bandwidth; a CPU core's is far lower
         self.balance = BALANCE.get(self.device.type, BALANCE["cpu"])
@@ -174,7 +179,9 @@ class TorchRunner:
     def _launch(self, inputs: list[StepInput]) -> tuple[torch.Tensor, list[StepOutput], list[int]]:
         """(hidden [R, T, H], the steps' outputs, each step's row of the batch)."""
         batch = self.prepare(inputs)
-        hidden = self.forward(batch)
+        hidden = self.graphs.forward(batch) if self.graphs is not None and self.graphs.takes(batch) else None
+        if hidden is None:
+            hidden = self.forward(batch)
         self.forwards += 1
         self.pooled += batch.write is not None
         rows = batch.ids.shape[0]  # filler rows included: they are computed too

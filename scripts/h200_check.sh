@@ -25,8 +25,10 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, record the 
 }
 step facts 60 bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'"
 # Most important first: a call stopped at its limit still returns what is under $OUT.
-# 1. correctness on the device: bf16 runner against float32 on the CPU, and a round's launch never waits
-step gpu-tests 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_runner.py tests/test_bench_engine.py
+# 1. correctness on the device: bf16 runner against float32 on the CPU, a round's launch never waits,
+#    graph replays equal eager forwards, and the engine with CUDA graphs decodes the eager tokens
+step gpu-tests 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_runner.py tests/test_bench_engine.py \
+    tests/test_graphs.py
 # 2. the round target: 128 slots x 32 tokens over 300 cached tokens, LLaDA-8B shape (<= 110 ms)
 step round 150 $PY -m app.cli bench round --model $M --device $DEV --json --out "$OUT/round.json"
 # the same round for one request: launch-bound, what single-request latency is made of

@@ -225,7 +225,7 @@ def test_cuda_bf16_runner_matches_float32_on_the_cpu(name):
 def test_cuda_round_launch_never_waits_on_the_device(name):
     """Building and launching a round's forwards and gathering its rows queue work only: the one
     wait is the final copy of (confidence, token) to the host."""
-    engine = load_engine(name, device="cuda", dtype=torch.bfloat16, max_slots=8)
+    engine = load_engine(name, device="cuda", dtype=torch.bfloat16, max_slots=8, cuda_graphs=False)  # eager launches
     assert all(m.kernel == "grouped" for m in engine.runner.model.modules() if isinstance(m, SparseMoE))
     seqs = [engine.add_request(random_prompt(engine.cfg, 50, seed=s), SamplingParams(max_tokens=64)) for s in range(8)]
     for _ in range(3):  # past the first (recompute) rounds into cached ones
