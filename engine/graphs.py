@@ -17,12 +17,15 @@ Only forwards of at most ``max_tokens`` rows x query tokens are captured (larger
 device, where a graph saves nothing and holds activation memory), only on a single device (a tensor-
 parallel shard's all-reduce stays eager), and a shape is captured the second time it is seen, so a
 one-off shape costs no capture. Graphs share one memory pool (they never run concurrently) and the
-least recently used is dropped past ``max_graphs``. ``emulate=True`` runs the same static-buffer
+least recently used is dropped past ``max_graphs``. A capture that fails (out of memory, an operation
+that cannot be captured) turns graphs off for the engine, with a warning, and the round runs eagerly.
+``emulate=True`` runs the same static-buffer
 forward eagerly instead of capturing it: the CPU tests' path, everything but the capture itself.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -30,6 +33,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.runner import Batch, TorchRunner
+
+log = logging.getLogger(__name__)
 
 
 def capture_forward(runner: TorchRunner, batch: Batch, pool=None) -> tuple[Callable[[], None], torch.Tensor]:
@@ -69,10 +74,11 @@ class ForwardGraphs:
         self.seen: set[tuple] = set()  # shapes met once: captured when met again
         self.mempool = None if emulate else torch.cuda.graph_pool_handle()
         self.captures = self.replays = 0
+        self.failed: str | None = None  # why a capture failed: graphs are off from then on
 
     def takes(self, batch: Batch) -> bool:
         """Whether ``batch`` is a graph's: a forward over the pool in place, small enough to be host-bound."""
-        return batch.write is not None and batch.ids.numel() <= self.max_tokens
+        return self.failed is None and batch.write is not None and batch.ids.numel() <= self.max_tokens
 
     def key(self, batch: Batch) -> tuple:
         span = batch.t_max + batch.c_max
@@ -88,7 +94,12 @@ class ForwardGraphs:
             self.seen.add(key)
             return None
         if graph is None:
-            graph = self._build(key, batch)
+            try:
+                graph = self._build(key, batch)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # the round runs eagerly instead
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graph capture failed, graphs are off for this engine: %s", self.failed)
+                return None
         else:
             self.graphs.move_to_end(key)
             self._load(graph.batch, batch)

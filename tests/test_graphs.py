@@ -92,6 +92,20 @@ def test_graph_options_are_checked(tok):
         ForwardGraphs(engine.runner, span_step=0, emulate=True)
 
 
+def test_a_failed_capture_turns_graphs_off_and_the_round_runs_eagerly(tok, caplog):
+    plain, graphed = _engines(tok, "bidirectional", "dual")
+    g = graphed.runner.graphs
+
+    def broken(key, batch):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    g._build = broken
+    params = SamplingParams(max_tokens=40, threshold=0.5)
+    assert [o.token_ids for o in graphed.generate(PROMPTS, params)] == \
+           [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert g.failed.startswith("RuntimeError") and g.replays == 0 and "graphs are off" in caplog.text
+
+
 def test_profile_skips_the_rounds_that_meet_or_capture_a_graph(tok, monkeypatch):
     import engine.profiling as profiling
 
