@@ -263,6 +263,8 @@ def bench_engine(model: str = "tiny-mdm", device: str = "cpu", dtype: str | torc
             "single_latency_met": latency_ratio <= TARGET_LATENCY_RATIO,
         },
         "single_same_tokens_as_fastdllm": same / len(prompts),
+        "cuda_graphs": None if (g := engine.runner.graphs) is None else  # the engine's (engine/graphs.py)
+        {"captures": g.captures, "replays": g.replays, "rounds": engine.rounds, "failed": g.failed},
     }
 
 
@@ -286,4 +288,7 @@ def format_report(res: dict) -> str:
                  f"{'met' if t['batched_throughput_met'] else 'not met'})")
     lines.append(f"  single-request latency / fastdllm-loop: {res['single_vs_fastdllm_latency']:.2f} "
                  f"(target <= {t['single_latency_ratio_max']:g}: {'met' if t['single_latency_met'] else 'not met'})")
+    if g := res.get("cuda_graphs"):
+        lines.append(f"  engine CUDA graphs: {g['captures']} captured, {g['replays']} forwards replayed over "
+                     f"{g['rounds']} rounds" + (f"; capture failed: {g['failed']}" if g["failed"] else ""))
     return "\n".join(lines)

@@ -139,6 +139,9 @@ def test_cli_bench_engine_json(capsys):
     assert "accuracy" in res["contenders"]["llada-loop"]
     table = format_report(res)
     assert all(name in table for name in res["contenders"]) and "target >= 10x" in table
+    assert res["cuda_graphs"] is None and "CUDA graphs" not in table  # a CPU engine has none
+    res["cuda_graphs"] = {"captures": 3, "replays": 40, "rounds": 50, "failed": None}
+    assert "3 captured, 40 forwards replayed over 50 rounds" in format_report(res)
 
 
 @pytest.mark.parametrize("argv", [["--model", "tiny-bd"], ["--model", "sdar-8b-shape"], ["--dtype", "int3"],
