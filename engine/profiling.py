@@ -183,15 +183,17 @@ def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, s
     profile's prediction for the round's composition (what the simulator charges) is compared.
 
     Returns the total time measured and predicted, their relative error, and the median and 90th
-    percentile of the per-round relative error."""
+    percentile of the per-round relative error. With CUDA graphs, the same figures without the rounds
+    that captured a graph (``steady``: a capture is a one-off cost per shape, not a round's)."""
     rng = random.Random(seed)
     block = engine.cfg.block_size
     pending = [(_prompt(engine, rng.randint(block // 2, 4 * block), seed=i),
                 SamplingParams(threshold=rng.choice([0.7, 0.9, 1.0]), max_tokens=rng.choice([1, 2, 4]) * block))
                for i in range(requests)]
     live: list = []
-    measured, predicted = [], []
+    measured, predicted, captured = [], [], []
     forwards0, pooled0 = engine.runner.forwards, engine.runner.pooled
+    graphs = engine.runner.graphs
     bar = None
     if progress:
         from tqdm import tqdm
@@ -204,9 +206,11 @@ def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, s
                 live.append(engine.add_request(*pending.pop()))
         if not live:
             continue
+        before = graphs.captures if graphs is not None else 0
         ms, comp = _timed_step(engine, live)
         measured.append(ms)
         predicted.append(profile.round_ms(comp))
+        captured.append(graphs is not None and graphs.captures != before)
         finished = [s for s in live if s.finished]
         live = [s for s in live if not s.finished]
         for s in finished:
@@ -216,12 +220,22 @@ def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, s
             bar.update(len(finished))
     if bar:
         bar.close()
+    res = {"profile": profile.name, "model": engine.cfg.extra.get("name", engine.cfg.arch),
+           "device": device_name(engine.device), **_errors(measured, predicted), "requests": done,
+           "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0}
+    if graphs is not None:
+        res["graph_captures"] = sum(captured)
+        res["steady"] = _errors([m for m, c in zip(measured, captured) if not c],
+                                [p for p, c in zip(predicted, captured) if not c])
+    return res
+
+
+def _errors(measured: list[float], predicted: list[float]) -> dict:
+    """Rounds, total ms measured and predicted (in s), the total's relative error and the median and 90th
+    percentile of the rounds' relative errors."""
     errors = sorted(abs(p - m) / m for p, m in zip(predicted, measured) if m > 0)
     total_m, total_p = sum(measured), sum(predicted)
-    return {"profile": profile.name, "model": engine.cfg.extra.get("name", engine.cfg.arch),
-            "device": device_name(engine.device), "rounds": len(measured), "requests": done,
-            "measured_s": round(total_m / 1000, 4), "predicted_s": round(total_p / 1000, 4),
+    return {"rounds": len(measured), "measured_s": round(total_m / 1000, 4), "predicted_s": round(total_p / 1000, 4),
             "total_error": round(abs(total_p - total_m) / total_m, 4) if total_m else None,
             "median_round_error": round(statistics.median(errors), 4) if errors else None,
-            "p90_round_error": round(errors[int(0.9 * (len(errors) - 1))], 4) if errors else None,
-            "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0}
+            "p90_round_error": round(errors[int(0.9 * (len(errors) - 1))], 4) if errors else None}

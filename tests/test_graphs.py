@@ -127,6 +127,20 @@ def test_profile_skips_the_rounds_that_meet_or_capture_a_graph(tok, monkeypatch)
     assert prof.curves["denoise"] and all(ms < 1e6 for curve in prof.curves.values() for _, ms in curve)
 
 
+def test_profile_check_reports_the_rounds_without_captures_apart(tok):
+    from engine.profiling import check_profile, profile_engine
+
+    model = make_model(attention="block_causal")
+    engine = Engine(model, tok, max_slots=4, kv_slot_tokens=200, cuda_graphs=False)
+    prof = profile_engine(engine, "t", batch_sizes=(1, 4), rounds=3, prompt_lens=(20,))
+    assert "steady" not in check_profile(engine, prof, requests=6, slots=4)
+    graphs = engine.runner.graphs = ForwardGraphs(engine.runner, emulate=True)
+    res = check_profile(engine, prof, requests=8, slots=4)
+    assert res["graph_captures"] == graphs.captures > 0
+    assert res["rounds"] - graphs.captures <= res["steady"]["rounds"] < res["rounds"]  # a round may capture two
+    assert res["steady"]["measured_s"] < res["measured_s"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["tiny-bd", "tiny-mdm"])
 def test_cuda_graphs_decode_exactly_the_eager_tokens(model):
