@@ -14,7 +14,9 @@ use its flash kernel); the LM head runs only on the rows whose logits are used
 (prompt rows, committed rows and padding never need them); and the
 (confidence, token) of the rows each request decodes are gathered for the
 whole round and copied back in one transfer.
-On CUDA the q/k/v and gate/up projections are fused into single products.
+On CUDA the q/k/v and gate/up projections are fused into single products, and
+the engine has small forwards over the KV pool replayed from CUDA graphs
+(``graphs``, engine/graphs.py).
 """
 
 from __future__ import annotations
