@@ -12,10 +12,12 @@ Four contenders decode the same prompts with the same model object:
 For each: wall time, output tokens, tokens/s, rounds (decoding steps; forwards for the
 loops) per second, mean per-request latency, counted FLOPs (``engine/models/flops.py``)
 and model FLOP utilisation = FLOPs / time / peak, the peak measured here by a timed
-large matmul in the same dtype. Every contender first decodes one warm-up request that
-is not timed. The ratios the targets need are returned too: batched engine throughput
-over the best reference loop's, and single-request engine latency over the Fast-dLLM
-loop's.
+large matmul in the same dtype. Every contender first decodes an untimed warm-up of the
+shape it is timed on: one request for the per-request contenders, as many at once as it
+runs for the batched engine (which on CUDA captures its rounds' graphs then, as a serving
+engine that has run a while has them). The ratios the targets need are returned too:
+batched engine throughput over the best reference loop's, and single-request engine
+latency over the Fast-dLLM loop's.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def bench_engine(model: str = "tiny-mdm", device: str = "cpu", dtype: str | torc
         return engine.rounds, engine.runner.forwards, engine.runner.flops
 
     # remask-batched: every request at once
-    engine.generate([warm], params)
+    engine.generate([warm] * requests, params)
     finished_at: dict[int, float] = {}
 
     def on_round(res) -> None:
