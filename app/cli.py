@@ -224,7 +224,8 @@ def cmd_profile(args) -> int:
               f"measured {res['measured_s']} s, profile {res['profile']} predicts {res['predicted_s']} s "
               f"(error {res['total_error']:.1%}); per round: median error {res['median_round_error']:.1%}, "
               f"p90 {res['p90_round_error']:.1%}" + ("" if "steady" not in res else
-              f"; without the {res['graph_captures']} rounds that captured a CUDA graph: error "
+              f"; without the {res['warming_rounds']} rounds that met a shape first or captured its CUDA "
+              f"graph: error "
               f"{res['steady']['total_error']:.1%}, per round median {res['steady']['median_round_error']:.1%}"))
         return 0
     prof = profile_engine(engine, args.name or args.model.split(":")[0], args.batch_sizes, args.rounds, progress=True,

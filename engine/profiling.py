@@ -30,6 +30,13 @@ def _prompt(engine: Engine, length: int | None, seed: int = 0):
     return text[:length]
 
 
+def _graph_state(engine: Engine) -> tuple[int, int] | None:
+    """What changes in a round that meets a shape first (run eagerly) or captures its CUDA graph: a
+    one-off cost per shape, not a steady round's (engine/graphs.py). None without graphs."""
+    graphs = engine.runner.graphs
+    return None if graphs is None else (graphs.captures, len(graphs.seen))
+
+
 def _timed_step(engine: Engine, seqs) -> tuple[float, list[tuple[str, int, int]]]:
     sync(engine.device)
     t0 = time.perf_counter()
@@ -58,17 +65,13 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
     skipped: list[str] = []
     forwards0, pooled0 = engine.runner.forwards, engine.runner.pooled
     graphs = engine.runner.graphs
-
-    def graph_state():  # changes in a round that met a shape first or captured it: not a steady round
-        return None if graphs is None else (graphs.captures, len(graphs.seen))
-
     for plen, n in iterator:
         prompt = _prompt(engine, plen)
         seqs = [engine.add_request(prompt, params) for _ in range(n)]
         for _ in range(rounds + seqs[0].prefill_blocks + 1 + (2 if graphs is not None else 0)):
             if any(s.finished for s in seqs):
                 break
-            before = graph_state()
+            before = _graph_state(engine)
             try:
                 ms, comp = _timed_step(engine, seqs)
             except torch.OutOfMemoryError:  # too large for this device: keep the points measured so far
@@ -76,7 +79,7 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
                 torch.cuda.empty_cache()
                 break
             kinds = {k for k, _, _ in comp}
-            if len(kinds) != 1 or graph_state() != before:
+            if len(kinds) != 1 or _graph_state(engine) != before:  # not a steady round
                 continue
             tokens = sum(t for _, t, _ in comp)
             if plen == prompt_lens[0]:
@@ -184,14 +187,15 @@ def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, s
 
     Returns the total time measured and predicted, their relative error, and the median and 90th
     percentile of the per-round relative error. With CUDA graphs, the same figures without the rounds
-    that captured a graph (``steady``: a capture is a one-off cost per shape, not a round's)."""
+    that met a shape first or captured its graph (``steady``; ``warming_rounds`` of them: one-off costs
+    per shape, which the profile leaves out too)."""
     rng = random.Random(seed)
     block = engine.cfg.block_size
     pending = [(_prompt(engine, rng.randint(block // 2, 4 * block), seed=i),
                 SamplingParams(threshold=rng.choice([0.7, 0.9, 1.0]), max_tokens=rng.choice([1, 2, 4]) * block))
                for i in range(requests)]
     live: list = []
-    measured, predicted, captured = [], [], []
+    measured, predicted, warming = [], [], []
     forwards0, pooled0 = engine.runner.forwards, engine.runner.pooled
     graphs = engine.runner.graphs
     bar = None
@@ -206,11 +210,11 @@ def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, s
                 live.append(engine.add_request(*pending.pop()))
         if not live:
             continue
-        before = graphs.captures if graphs is not None else 0
+        before = _graph_state(engine)
         ms, comp = _timed_step(engine, live)
         measured.append(ms)
         predicted.append(profile.round_ms(comp))
-        captured.append(graphs is not None and graphs.captures != before)
+        warming.append(_graph_state(engine) != before)
         finished = [s for s in live if s.finished]
         live = [s for s in live if not s.finished]
         for s in finished:
@@ -224,9 +228,9 @@ def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, s
            "device": device_name(engine.device), **_errors(measured, predicted), "requests": done,
            "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0}
     if graphs is not None:
-        res["graph_captures"] = sum(captured)
-        res["steady"] = _errors([m for m, c in zip(measured, captured) if not c],
-                                [p for p, c in zip(predicted, captured) if not c])
+        res["warming_rounds"] = sum(warming)
+        res["steady"] = _errors([m for m, w in zip(measured, warming) if not w],
+                                [p for p, w in zip(predicted, warming) if not w])
     return res
 
 
