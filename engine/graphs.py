@@ -6,7 +6,7 @@ in a few milliseconds. Captured once in a CUDA graph, the same forward is one la
 static shapes and static device addresses, which the KV pool gives (engine/kv_cache.py): a forward that
 attends to the pool in place always reads and writes the same slots' tensor, so a graph is keyed by
 
-    (the first slot's address, rows, query length, keys rounded up to ``span_step``)
+    (the first slot's address and the pool's strides, rows, query length, keys rounded up to ``span_step``)
 
 and its inputs are copied into the graph's own buffers each round: token ids, positions, where each
 row's fresh K/V go, and the additive mask. Rounding the keys up keeps the graphs few (a request's
@@ -83,7 +83,7 @@ class ForwardGraphs:
     def key(self, batch: Batch) -> tuple:
         span = batch.t_max + batch.c_max
         keys = min(-(-span // self.span_step) * self.span_step, batch.buf.shape[4])
-        return batch.buf.data_ptr(), batch.ids.shape[0], batch.t_max, keys
+        return batch.buf.data_ptr(), batch.buf.stride(), batch.ids.shape[0], batch.t_max, keys
 
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """The final hidden rows of ``batch``'s forward from its graph (a view that the graph's next replay
@@ -120,7 +120,7 @@ class ForwardGraphs:
         static.bias[..., span:].fill_(float("-inf"))
 
     def _build(self, key: tuple, batch: Batch) -> _Graph:
-        keys = key[3]
+        keys = key[-1]
         rows, t = batch.ids.shape
         static = replace(batch, ids=torch.empty_like(batch.ids), pos=torch.empty_like(batch.pos),
                          write=torch.empty_like(batch.write), c_max=keys - t,
