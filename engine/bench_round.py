@@ -113,6 +113,7 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
                 runs["round, experts in a grid"] = _time(lambda: fused.run(inputs, rows), dev, warmup, repeats)
                 for m in moes:
                     m.grouped = True
+            del moes  # no reference left to the fused model once it is dropped below
             runs["forward only"] = _time(lambda: fused.launch(inputs), dev, warmup, repeats)
             if dev.type == "cuda":  # whether CUDA graphs pay at this shape: the same forward, replayed
                 try:
