@@ -271,3 +271,16 @@ def test_cuda_graph_replay_of_a_prepared_forward_matches_eager(pooled, name):
         replay()
         torch.cuda.synchronize()
     torch.testing.assert_close(hidden, eager)
+
+
+@pytest.mark.gpu
+def test_cuda_rms_norm_is_the_fused_kernel_within_an_ulp_of_the_composite():
+    from engine.models.transformer import RMSNorm
+
+    norm = RMSNorm(4096, 1e-6).to("cuda", torch.bfloat16)
+    norm.weight.data.normal_()
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        fused = norm(x)
+        composite = norm.weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    torch.testing.assert_close(fused, composite, atol=0, rtol=2 ** -6)  # two bf16 ulps (8 significant bits)
