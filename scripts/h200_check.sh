@@ -54,3 +54,5 @@ step profile-moe 150 $PY -m app.cli profile --model $M2 --device $DEV --name h20
     --batch-sizes 1,8,32,128 --prompt-lens 64,512 --max-tokens 64 --rounds 3 \
     --out "$OUT/h200-llada2mini-measured.json"
 cat "$OUT/steps.txt"
+# the figures against the targets (also in $OUT/summary.txt)
+$PY scripts/h200_summary.py "$OUT" | tee "$OUT/summary.txt"
