@@ -61,15 +61,27 @@ def test_fused_projections_compute_the_same_function(kw):
 
 
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
-@pytest.mark.parametrize("fuse", [False, True])
-def test_runner_buffers_and_padding_match_each_step_alone(attention, fuse):
+@pytest.mark.parametrize("fuse,fold", [(False, False), (True, False), (False, True)])
+def test_runner_buffers_and_padding_match_each_step_alone(attention, fuse, fold, monkeypatch):
     """Padded steps with different contexts in one forward, fresh K/V written into the preallocated
-    buffer: each step's logits and K/V equal those of the step run alone (concatenating path)."""
+    buffer: each step's logits and K/V equal those of the step run alone (concatenating path). ``fold``:
+    the grouped query heads folded into query rows under the mask (CUDA's default; 4 heads, 2 K/V heads)."""
     model = make_model(attention=attention)
     runner = TorchRunner(copy.deepcopy(model), fuse=fuse)
+    runner.model.fold_gqa = fold
+    rows = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, *args, **kw):
+        rows.append(q.shape[2])
+        return sdpa(q, *args, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     inputs = _inputs(model)
     outs = runner.run(inputs)
+    monkeypatch.undo()
     assert runner.forwards == 1  # lengths within 2x: one padded forward
+    assert set(rows) == {2 * 8 if fold else 8}  # padded to 8 query rows, each K/V head serving two query heads
     for s, out in zip(inputs, outs):
         ref_logits, ref_fresh = _reference(model, s)
         torch.testing.assert_close(out.logits, ref_logits, atol=1e-5, rtol=1e-5)

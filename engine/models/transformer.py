@@ -133,7 +133,12 @@ class Attention(nn.Module):
             k, v = keys[:, :, -t:], values[:, :, -t:]
         elif past is not None and past[0].shape[2]:
             keys, values = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.nkv != self.nh)
+        group = self.nh // self.nkv
+        if group > 1 and mask is not None and mask.shape[-2] == group * t:  # grouped query heads folded as rows
+            out = F.scaled_dot_product_attention(q.reshape(n, self.nkv, group * t, self.hd), keys, values,
+                                                 attn_mask=mask).view(n, self.nh, t, self.hd)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=group > 1)
         return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), (k, v)
 
 
@@ -337,6 +342,11 @@ class DLMTransformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE frequencies per device
+        # Grouped-query attention under a mask: SDPA's fused kernels take no GQA with a mask (it falls back
+        # to the unfused math kernel, K/V repeated per query head), so each key/value head's group of query
+        # heads is folded into its query rows and the mask repeated to match, once per forward. None: on
+        # CUDA only (on a CPU the math kernel is the one anyway).
+        self.fold_gqa: bool | None = None
 
     def forward(
         self,
@@ -373,6 +383,10 @@ class DLMTransformer(nn.Module):
             inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, positions.device)
             self._inv_freq[positions.device] = inv_freq
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, inv_freq)
+        group = cfg.num_heads // cfg.num_kv_heads
+        fold = self.fold_gqa if self.fold_gqa is not None else x.is_cuda
+        if fold and group > 1 and mask is not None and mask.shape[-2] == input_ids.shape[1]:
+            mask = mask.repeat(1, 1, group, 1)  # rows ordered (query head within its group, position), as q's
         fresh: list[KV] = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, cos, sin, mask, None if past is None else past[i], room)
