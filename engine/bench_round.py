@@ -7,7 +7,8 @@ K/V scattered into it, every row's (confidence, token) copied back once). Counte
 median time, against the measured matmul peak, is the round's model FLOP utilisation. Variants time
 the same round with each context copied into a buffer of the round's own (the path of requests
 without consecutive pool slots), with the projections unfused (for a mixture of experts, a loop over
-the experts), with a mixture's stacked experts in a padded grid instead of grouped products, the
+the experts), with a mixture's stacked experts in a padded grid instead of grouped products, with
+grouped-query heads folded into query rows or not (whichever the device does not do by default), the
 forward alone (no LM head, row gather or copy back; its FLOPs counted without the head) and, on CUDA,
 that forward captured once in a CUDA graph and replayed, and the round as the engine runs it with
 CUDA graphs on (engine/graphs.py), to show where time goes and whether graphs pay at this shape.
@@ -114,6 +115,12 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
                 for m in moes:
                     m.grouped = True
             del moes  # no reference left to the fused model once it is dropped below
+            if cfg.num_heads != cfg.num_kv_heads:  # grouped-query attention: the other side of DLMTransformer.fold_gqa
+                folded = dev.type == "cuda"  # the default
+                net.fold_gqa = not folded
+                runs["round, GQA " + ("unfolded" if folded else "folded")] = _time(
+                    lambda: fused.run(inputs, rows), dev, warmup, repeats)
+                net.fold_gqa = None
             runs["forward only"] = _time(lambda: fused.launch(inputs), dev, warmup, repeats)
             if dev.type == "cuda":  # whether CUDA graphs pay at this shape: the same forward, replayed
                 try:

@@ -101,6 +101,7 @@ def test_bench_round_times_the_grouped_experts_against_the_grid():
     names = [v["variant"] for v in res["variants"]]
     assert names[0] == "round" and "round, unfused" in names
     assert ("round, experts in a grid" in names) == grouped_mm_works("cpu", torch.float32)
+    assert "round, GQA folded" in names  # 4 query heads over 2 K/V heads: unfolded is the CPU's default
 
 
 def test_partial_rotary_embeddings_rotate_the_first_dimensions_only():
