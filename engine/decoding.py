@@ -116,18 +116,19 @@ def make_rule(name: str, **kwargs) -> UnmaskRule:
     return factory(**kwargs)
 
 
-def confidence(logits: torch.Tensor, mask_token_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-1 probability, argmax token) of each row of logits [.., V].
+def confidence(logits: torch.Tensor, mask_token_id: int | None = None,
+               overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-1 probability, argmax token) of each row of logits [.., V], the softmax in float32.
 
     The mask token is never a prediction: committing it would leave the
-    position masked forever.
+    position masked forever. ``overwrite``: the caller's logits are scratch, so
+    the mask token's column is masked in them in place (no copy of a
+    vocabulary-wide tensor; the runner's LM head output).
     """
     if mask_token_id is not None and 0 <= mask_token_id < logits.shape[-1]:
-        # a float copy to write into (bf16 -> float32 makes one already; float32 needs its own)
-        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        if not overwrite:
+            logits = logits.clone()
         logits[..., mask_token_id] = float("-inf")
-    else:
-        logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     conf, tokens = probs.max(dim=-1)
     return conf, tokens

@@ -137,7 +137,7 @@ class TorchRunner:
         t_max = hidden.shape[1]
         flat = torch.cat([r + row_of[k] * t_max for k, r in want])  # rows of hidden flattened to [R * T, H]
         sel = hidden.reshape(-1, hidden.shape[-1])[self._to_device(flat)]
-        conf, tok = confidence(self.head(sel), self.cfg.mask_token_id)
+        conf, tok = confidence(self.head(sel), self.cfg.mask_token_id, overwrite=True)
         counts = [len(r) for _, r in want]
         return [(ids[k], c, t) for (k, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
 

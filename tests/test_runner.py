@@ -296,3 +296,17 @@ def test_cuda_rms_norm_is_within_two_ulps_of_the_composite():
         fused = norm(x)
         composite = norm.weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
     torch.testing.assert_close(fused, composite, atol=0, rtol=2 ** -6)  # two bf16 ulps (8 significant bits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_confidence_never_picks_the_mask_token_and_leaves_the_logits_alone_unless_told(dtype):
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[:, 7] = 100.0  # the mask token would win every row
+    kept = logits.clone()
+    want = torch.softmax(logits.float().index_fill(1, torch.tensor([7]), float("-inf")), -1).max(-1)
+    conf, tok = confidence(logits, 7)
+    assert torch.equal(logits, kept) and conf.dtype == torch.float32
+    torch.testing.assert_close(conf, want.values)
+    assert torch.equal(tok, want.indices) and not (tok == 7).any()
+    conf2, tok2 = confidence(logits, 7, overwrite=True)  # scratch logits: the mask column written in place
+    assert torch.equal(conf2, conf) and torch.equal(tok2, tok) and torch.isinf(logits[:, 7]).all()
