@@ -48,27 +48,29 @@ def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype,
                  inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [N, 1, T, head_dim] for integer positions [N, T]."""
+    """cos and signed sin tables of shape [N, 1, T, head_dim] for integer positions [N, T]: the sin table's
+    first half is negated (what ``apply_rope`` multiplies the half-swapped head by)."""
     if inv_freq is None:
         inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    sin = freqs.sin()
+    return torch.cat((freqs, freqs), dim=-1)[:, None].cos().to(dtype), torch.cat((-sin, sin), dim=-1)[:, None].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` dimensions of each head (all of them unless the model uses
-    partial rotary embeddings); the rest pass through."""
+    partial rotary embeddings); the rest pass through. With halves (x1, x2) that is x * cos + (-x2, x1) *
+    sin, computed as x * cos + (x2, x1) * signed sin (``rope_cos_sin``): three passes over x, not five."""
     r = cos.shape[-1]
     if r == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return torch.addcmul(x * cos, _swap_halves(x), sin)
     rot, rest = x[..., :r], x[..., r:]
-    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
+    return torch.cat((torch.addcmul(rot * cos, _swap_halves(rot), sin), rest), dim=-1)
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)  # one pass, whatever x's strides (roll copies first)
 
 
 def stacked_linear(*parts: nn.Linear) -> nn.Linear:
