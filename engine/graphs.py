@@ -48,7 +48,9 @@ def capture_forward(runner: TorchRunner, batch: Batch, pool=None) -> tuple[Calla
             runner.forward(batch)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: CUDA calls of the server's other threads (health checks, transfers) during a capture
+    # neither join the graph nor fail it
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         hidden = runner.forward(batch)
     return graph.replay, hidden
 
