@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.decoding import UnmaskRule, confidence
@@ -94,6 +95,9 @@ class Sequence:
             raise ValueError("committed tokens must not contain the mask token")
         self.tokens = torch.tensor(self.prompt_ids + list(self.committed)
                                    + [self.cfg.mask_token_id] * (self.gen_len - n), dtype=torch.long)
+        # the same memory as a NumPy array: a step's bookkeeping over a few dozen positions costs a
+        # microsecond or two per operation there, against several for a torch operator call
+        self._np = self.tokens.numpy()
         if self.cfg.attention == "block_causal":
             if self.cfg.logits_shift:
                 raise ValueError("block-causal models with shifted logits are not supported")
@@ -147,7 +151,7 @@ class Sequence:
     # ---- building a step ----------------------------------------------------------
     def _masked(self, span: tuple[int, int]) -> torch.Tensor:
         s, e = span
-        return torch.nonzero(self.tokens[s:e] == self.cfg.mask_token_id).flatten() + s
+        return torch.from_numpy(np.flatnonzero(self._np[s:e] == self.cfg.mask_token_id) + s)
 
     def _query(self, start: int, end: int, kind: StepKind, ctx) -> StepInput:
         kv, pos = ctx if ctx is not None else (None, None)
@@ -176,7 +180,7 @@ class Sequence:
         if step.kind is StepKind.PREFILL:
             return None
         self._decode_masked = self._masked(self.blocks[self.block_idx])  # apply() reuses it
-        return self._decode_masked - self.cfg.logits_shift - int(step.pos[0])
+        return torch.from_numpy(self._decode_masked.numpy() - (self.cfg.logits_shift + int(step.pos[0])))
 
     # ---- applying its result --------------------------------------------------------
     def apply(self, step: StepInput, logits: torch.Tensor | None, fresh: torch.Tensor,
@@ -204,14 +208,15 @@ class Sequence:
             top1 = confidence(logits[masked - self.cfg.logits_shift - q_start], self.cfg.mask_token_id)
         conf, tok = top1
         self.last_confidences = conf
-        chosen = self.rule.select(conf, self.step_in_block, self.masked_at_start, self.threshold)
-        self.tokens[masked[chosen]] = tok[chosen]
+        chosen = self.rule.select(conf, self.step_in_block, self.masked_at_start, self.threshold).cpu().numpy()
+        self._np[masked.cpu().numpy()[chosen]] = tok.cpu().numpy()[chosen]
         self.step_in_block += 1
-        block_done = bool(chosen.all())
+        committed = int(chosen.sum())
+        block_done = committed == chosen.size
         finished = self._check_finished()
         if block_done and not finished:
             self._next_block(span)
-        return StepReport(self.seq_id, step.kind, len(step.ids), int(chosen.sum()), block_done, finished,
+        return StepReport(self.seq_id, step.kind, len(step.ids), committed, block_done, finished,
                           self.threshold, conf)
 
     def _next_block(self, span: tuple[int, int]) -> None:
@@ -226,12 +231,12 @@ class Sequence:
             self.masked_at_start = self._masked(self.blocks[self.block_idx]).numel()
 
     def _check_finished(self) -> bool:
-        out = self.tokens[self.out_start : self.out_end]
+        out = self._np[self.out_start : self.out_end]
         is_mask = out == self.cfg.mask_token_id
-        eos = torch.nonzero(out == self.cfg.eos_token_id).flatten()
-        if eos.numel() and not bool(is_mask[: int(eos[0])].any()):
+        eos = np.flatnonzero(out == self.cfg.eos_token_id)
+        if eos.size and not is_mask[: eos[0]].any():
             self._finish("stop", int(eos[0]))
-        elif not bool(is_mask[: self.max_tokens].any()):
+        elif not is_mask[: self.max_tokens].any():
             self._finish("length", self.max_tokens)
         return self.finished
 
