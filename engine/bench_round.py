@@ -116,7 +116,7 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
                     m.grouped = True
             del moes  # no reference left to the fused model once it is dropped below
             if cfg.num_heads != cfg.num_kv_heads:  # grouped-query attention: the other side of DLMTransformer.fold_gqa
-                folded = dev.type == "cuda"  # the default
+                folded = net.folds_gqa(dev)  # the device's default
                 net.fold_gqa = not folded
                 runs["round, GQA " + ("unfolded" if folded else "folded")] = _time(
                     lambda: fused.run(inputs, rows), dev, warmup, repeats)

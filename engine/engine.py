@@ -79,7 +79,7 @@ class Engine:
                                            POOL_PROMPT_TOKENS + self.default_gen_length)
             self.runner.pool = KVPool(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, slots, tokens,
                                       self.runner.dtype, self.device)
-        sharded = any(getattr(layer, "reduce", None) is not None for layer in model.layers)
+        sharded = any(layer.reduce is not None for layer in model.layers)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and bool(slots) and not sharded
         if cuda_graphs:
@@ -137,8 +137,8 @@ class Engine:
     def _ensure_cache(self, seq: Sequence) -> None:
         if seq.cache is not None or seq.cache_mode == "none":
             return
-        p = next(self.model.parameters())
-        args = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, seq.kv_capacity(), p.dtype, self.device)
+        args = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, seq.kv_capacity(), self.runner.dtype,
+                self.device)
         pool = self.runner.pool
         seq.cache = (ExactCache(*args, pool=pool) if seq.cache_mode == "exact"
                      else ApproxCache(*args, variant=seq.cache_mode, pool=pool))

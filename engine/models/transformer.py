@@ -386,8 +386,7 @@ class DLMTransformer(nn.Module):
             self._inv_freq[positions.device] = inv_freq
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, inv_freq)
         group = cfg.num_heads // cfg.num_kv_heads
-        fold = self.fold_gqa if self.fold_gqa is not None else x.is_cuda
-        if fold and group > 1 and mask is not None and mask.shape[-2] == input_ids.shape[1]:
+        if self.folds_gqa(x.device) and group > 1 and mask is not None and mask.shape[-2] == input_ids.shape[1]:
             mask = mask.repeat(1, 1, group, 1)  # rows ordered (query head within its group, position), as q's
         fresh: list[KV] = []
         for i, layer in enumerate(self.layers):
@@ -395,6 +394,10 @@ class DLMTransformer(nn.Module):
             fresh.append(kv)
         hidden = self.norm(x)
         return (self.lm_head(hidden) if head else None), hidden, fresh
+
+    def folds_gqa(self, device: torch.device) -> bool:
+        """Whether a masked forward on ``device`` folds grouped query heads into rows (``fold_gqa``)."""
+        return self.fold_gqa if self.fold_gqa is not None else device.type == "cuda"
 
     def fuse_projections(self) -> DLMTransformer:
         """Fuse q/k/v and gate/up into single products (inference only; see Attention.fuse)."""
