@@ -31,13 +31,30 @@ Solvers: HiGHS by default, Gurobi when installed and licensed (``planner.solver`
 
 from __future__ import annotations
 
-from planner.costs import StepModel
-from planner.planner import Decision, Planner, PlannerConfig
-from planner.stage1 import CapacityPlan, Stage1Config, plan_capacity
-from planner.stage2 import Cluster, Stage2Config, plan_transition
-from planner.transition import Action, Instance, TransitionPlan
-from planner.workload import ClassGrid, WorkloadClass, WorkloadMonitor
+import importlib
 
-__all__ = ["Action", "CapacityPlan", "ClassGrid", "Cluster", "Decision", "Instance", "Planner", "PlannerConfig",
-           "Stage1Config", "Stage2Config", "StepModel", "TransitionPlan", "WorkloadClass", "WorkloadMonitor",
-           "plan_capacity", "plan_transition"]
+# Names are imported on first use (PEP 562): ``import planner.cli`` (every ``remask`` command builds its
+# parser from it) must not pull in cvxpy and the MILP stack, which cost over a second and are not installed
+# where only the engine runs (the GPU image).
+_HOMES = {
+    "StepModel": "costs",
+    "Decision": "planner", "Planner": "planner", "PlannerConfig": "planner",
+    "CapacityPlan": "stage1", "Stage1Config": "stage1", "plan_capacity": "stage1",
+    "Cluster": "stage2", "Stage2Config": "stage2", "plan_transition": "stage2",
+    "Action": "transition", "Instance": "transition", "TransitionPlan": "transition",
+    "ClassGrid": "workload", "WorkloadClass": "workload", "WorkloadMonitor": "workload",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'planner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"planner.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -1,0 +1,69 @@
+"""The device run (scripts/h200_check.sh) uses the lent machine's own Python, which has torch, numpy,
+safetensors, scipy and pytest but none of the service's stack (ray, pydantic, fastapi, cvxpy, HiGHS,
+LightGBM, Locust). Its commands must run without them: here they run in a subprocess where importing
+any of those fails, as it would there."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# in the project's dependencies, absent from the device image (.library/device/KINDS.md's package list)
+ABSENT = ("ray", "pydantic", "fastapi", "starlette", "uvicorn", "cvxpy", "highspy", "lightgbm", "locust",
+          "gurobipy")
+SHAPE = "llada-8b-shape:layers=1,vocab=128,hidden=64,heads=2,kv_heads=2,intermediate=128"
+
+_RUNNER = textwrap.dedent("""
+    import importlib.abc, json, sys
+    ABSENT = set(json.loads(sys.argv[1]))
+
+    class Absent(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ABSENT:
+                raise ModuleNotFoundError(f"No module named {name!r} (absent on the device image)", name=name)
+            return None
+
+    sys.meta_path.insert(0, Absent())
+    for module in json.loads(sys.argv[2]):  # what the gpu-tests step collects
+        __import__(module)
+    from app.cli import main
+    for argv in json.loads(sys.argv[3]):
+        rc = main(argv)
+        if rc:
+            sys.exit(f"{argv[:2]} exited {rc}")
+    leaked = sorted(m for m in sys.modules if m.split(".")[0] in ABSENT)
+    sys.exit(f"imported {leaked}" if leaked else 0)
+""")
+
+
+def test_device_run_commands_need_only_the_device_image(tmp_path):
+    modules = ["tests.test_runner", "tests.test_bench_engine", "tests.test_graphs"]
+    profile = tmp_path / "p.json"
+    commands = [
+        ["bench", "round", "--model", SHAPE, "--slots", "2", "--tokens", "8", "--context", "16", "--repeats", "1",
+         "--json", "--out", str(tmp_path / "round.json")],
+        ["bench", "engine", "--model", SHAPE, "--requests", "2", "--prompt-len", "16", "--gen-length", "8",
+         "--quiet", "--json"],
+        ["profile", "--model", SHAPE, "--batch-sizes", "1,2", "--prompt-lens", "16", "--max-tokens", "8",
+         "--rounds", "1", "--out", str(profile)],
+        ["profile", "--model", SHAPE, "--check", str(profile), "--requests", "3", "--slots", "2", "--json"],
+    ]
+    done = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(ABSENT), json.dumps(modules),
+                           json.dumps(commands)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "round.json").read_text())["variants"]
+    assert json.loads(profile.read_text())["curves"]
+
+
+def test_the_blocker_blocks():
+    """The check above can fail: a command that imports the service stack is caught."""
+    done = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(ABSENT), json.dumps(["planner.milp"]), "[]"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert done.returncode != 0 and "absent on the device image" in done.stderr
