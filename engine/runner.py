@@ -30,7 +30,7 @@ import torch
 from engine.decoding import confidence
 from engine.kv_cache import KVPool
 from engine.models.flops import forward_flops, linear_weights
-from engine.models.masks import allowed
+from engine.models.masks import allowed, attends_all
 from engine.models.transformer import DLMTransformer
 from engine.sequence import StepInput
 
@@ -277,7 +277,9 @@ class TorchRunner:
         ids, pos, q_valid = self._query_rows(inputs, lens, t_max, row_of, n)
         write = pos if q_valid is None else pos.masked_fill(~q_valid, self.pool.capacity)
         bias = None
-        if not (mode == "bidirectional" and q_valid is None and min(ends) == span):
+        unmasked = q_valid is None and min(ends) == span and all(  # no padding, every query sees all [0, span)
+            attends_all(mode, q, span, self.cfg.block_size) for q in starts)
+        if not unmasked:
             if q_valid is None:
                 q_valid = torch.ones((n, t_max), dtype=torch.bool)
             row_end = torch.zeros(n, dtype=torch.long)

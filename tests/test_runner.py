@@ -12,7 +12,7 @@ from engine.decoding import confidence
 from engine.engine import Engine
 from engine.loading import load_engine, resolve_model
 from engine.models.flops import forward_flops
-from engine.models.masks import allowed
+from engine.models.masks import allowed, attends_all
 from engine.models.presets import PRESETS, build_preset, preset_config, random_prompt
 from engine.models.transformer import SparseMoE
 from engine.runner import TorchRunner
@@ -310,3 +310,14 @@ def test_confidence_never_picks_the_mask_token_and_leaves_the_logits_alone_unles
     assert torch.equal(tok, want.indices) and not (tok == 7).any()
     conf2, tok2 = confidence(logits, 7, overwrite=True)  # scratch logits: the mask column written in place
     assert torch.equal(conf2, conf) and torch.equal(tok2, tok) and torch.isinf(logits[:, 7]).all()
+
+
+@pytest.mark.parametrize("mode", ["bidirectional", "block_causal", "causal"])
+def test_attends_all_is_the_mask_being_all_true(mode):
+    """The runner skips building a pooled round's mask when ``attends_all`` holds: it must hold exactly
+    when every query of a consecutive step may attend every key before the step's end."""
+    for q_start in range(13):
+        for key_end in range(q_start + 1, q_start + 11):
+            for t in range(1, key_end - q_start + 1):
+                mask = allowed(mode, torch.arange(q_start, q_start + t), torch.arange(key_end), 4)
+                assert attends_all(mode, q_start, key_end, 4) == bool(mask.all()), (q_start, key_end, t)

@@ -22,6 +22,18 @@ def allowed(mode: str, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int
     raise ValueError(f"unknown attention mode {mode!r}")
 
 
+def attends_all(mode: str, q_start: int, key_end: int, block_size: int) -> bool:
+    """Whether every query at a position >= ``q_start`` may attend every key in [0, ``key_end``): the
+    host-side shortcut for ``allowed(...).all()`` over such a step, with no tensor built."""
+    if mode == "bidirectional":
+        return True
+    if mode == "block_causal":
+        return (key_end - 1) // block_size <= q_start // block_size
+    if mode == "causal":
+        return key_end - 1 <= q_start
+    raise ValueError(f"unknown attention mode {mode!r}")
+
+
 def full_mask(mode: str, positions: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
     """[N, 1, T, T] mask over a padded batch: ``valid`` marks real tokens.
 
