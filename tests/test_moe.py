@@ -210,3 +210,20 @@ def test_llada2_mini_shape_preset_runs_in_the_engine():
     fused.runner.model.fuse_projections()
     again = fused.generate(prompts, SamplingParams(max_tokens=40, threshold=0.9))
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("error", [TypeError, RuntimeError, NotImplementedError])
+def test_a_grouped_product_that_fails_its_probe_means_the_grid(monkeypatch, error):
+    """Another torch (the device image's) may lack the kernel or spell its signature differently: the probe
+    answers False, so the experts run in the grid, instead of the model failing to load."""
+    import engine.models.transformer as tr
+
+    def broken(*args, **kwargs):
+        raise error("no grouped product here")
+
+    monkeypatch.setattr(tr, "GROUPED_MM", broken)
+    tr.grouped_mm_works.cache_clear()
+    try:
+        assert not tr.grouped_mm_works("cpu", torch.float32)
+    finally:
+        tr.grouped_mm_works.cache_clear()

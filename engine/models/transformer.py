@@ -213,7 +213,7 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     try:
         got = GROUPED_MM(a.to(device_type, dtype), b.to(device_type, dtype).transpose(1, 2),
                          offs=offs.to(device_type)).float().cpu()
-    except (RuntimeError, NotImplementedError):
+    except Exception:  # no kernel for this device or dtype, or another torch's signature: use the grid
         return False
     return got.shape == want.shape and bool(torch.allclose(got, want, rtol=0.05, atol=0.5))
 
