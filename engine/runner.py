@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.decoding import confidence
@@ -107,7 +108,8 @@ class TorchRunner:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        # the embedding's: the first parameter, read directly (next(parameters()) walks the module tree: ~7 us)
+        return self.model.embed_tokens.weight.dtype
 
     @torch.inference_mode()
     def run(self, inputs: list[StepInput], rows: list[torch.Tensor | None] | None = None) -> list[StepOutput]:
@@ -202,7 +204,7 @@ class TorchRunner:
 
     def prepare(self, inputs: list[StepInput]) -> Batch:
         """Host-side batching of ``inputs`` and its asynchronous copies to the device."""
-        lens = [len(s.ids) for s in inputs]
+        lens = [s.ids.shape[0] for s in inputs]
         t_max = max(lens)
         modes = {s.mode for s in inputs}
         if len(modes) != 1:
@@ -219,13 +221,15 @@ class TorchRunner:
         (pad token at position 0) elsewhere; valid is None when every row is a whole step, in order."""
         if n == len(inputs) and min(lens) == t_max and rows == list(range(n)):  # stacked, no per-row copies
             return torch.stack([s.ids for s in inputs]), torch.stack([s.pos for s in inputs]), None
-        ids = torch.full((n, t_max), self.cfg.pad_token_id, dtype=torch.long)
-        pos = torch.zeros((n, t_max), dtype=torch.long)
-        valid = torch.zeros((n, t_max), dtype=torch.bool)
+        # filled through NumPy views of the host tensors: a slice assignment costs well under a microsecond
+        # there, several through torch's indexing (16 steps: about 60-130 us against 250-430 us)
+        ids = np.full((n, t_max), self.cfg.pad_token_id, dtype=np.int64)
+        pos = np.zeros((n, t_max), dtype=np.int64)
+        valid = np.zeros((n, t_max), dtype=bool)
         for s, t, r in zip(inputs, lens, rows):
-            ids[r, :t], pos[r, :t] = s.ids, s.pos
+            ids[r, :t], pos[r, :t] = s.ids.numpy(), s.pos.numpy()
             valid[r, :t] = True
-        return ids, pos, valid
+        return torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(valid)
 
     def _pool_plan(self, inputs: list[StepInput], lens: list[int],
                    t_max: int) -> tuple[int, int, list[int], list[int]] | None:
@@ -238,12 +242,13 @@ class TorchRunner:
         if pool is None or any(s.slot is None for s in inputs):
             return None
         starts, ends, ctx = [], [], 0
-        for s, t in zip(inputs, lens):
-            q_lo = int(s.pos[0])
-            if int(s.pos[-1]) != q_lo + t - 1:  # the query's positions are not consecutive
+        for s, t in zip(inputs, lens):  # host positions read through NumPy (torch's scalar reads cost more)
+            p = s.pos.numpy()
+            q_lo = int(p[0])
+            if int(p[-1]) != q_lo + t - 1:  # the query's positions are not consecutive
                 return None
-            c = 0 if s.ctx_pos is None else len(s.ctx_pos)
-            end = max(q_lo + t, int(s.ctx_pos[-1]) + 1 if c else 0)
+            c = 0 if s.ctx_pos is None else s.ctx_pos.shape[0]
+            end = max(q_lo + t, int(s.ctx_pos.numpy()[-1]) + 1 if c else 0)
             if c + t != end or end > pool.capacity:  # context and query do not tile [0, end)
                 return None
             starts.append(q_lo)
