@@ -44,7 +44,7 @@ class SamplingParams:
 @dataclass
 class StepInput:
     kind: StepKind
-    ids: torch.Tensor  # [T] query tokens
+    ids: torch.Tensor  # [T] query tokens (host tensors, as pos and ctx_pos: the runner reads them through NumPy)
     pos: torch.Tensor  # [T] their positions
     ctx_kv: torch.Tensor | tuple[torch.Tensor, ...] | None  # [layers, 2, kv_heads, C, head_dim], or segments of it
     # along C in position order (a dual cache's prefix and suffix)
