@@ -41,6 +41,13 @@ _RUNNER = textwrap.dedent("""
 """)
 
 
+def _without_service_stack(modules: list[str], commands: list[list[str]], timeout: float):
+    """Import ``modules``, then run each ``remask`` command, in a Python where ABSENT cannot be imported."""
+    return subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(ABSENT), json.dumps(modules),
+                           json.dumps(commands)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+
 def test_device_run_commands_need_only_the_device_image(tmp_path):
     modules = ["tests.test_runner", "tests.test_bench_engine", "tests.test_graphs"]
     profile = tmp_path / "p.json"
@@ -53,9 +60,7 @@ def test_device_run_commands_need_only_the_device_image(tmp_path):
          "--rounds", "1", "--out", str(profile)],
         ["profile", "--model", SHAPE, "--check", str(profile), "--requests", "3", "--slots", "2", "--json"],
     ]
-    done = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(ABSENT), json.dumps(modules),
-                           json.dumps(commands)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    done = _without_service_stack(modules, commands, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "round.json").read_text())["variants"]
     assert json.loads(profile.read_text())["curves"]
@@ -63,7 +68,5 @@ def test_device_run_commands_need_only_the_device_image(tmp_path):
 
 def test_the_blocker_blocks():
     """The check above can fail: a command that imports the service stack is caught."""
-    done = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(ABSENT), json.dumps(["planner.milp"]), "[]"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    done = _without_service_stack(["planner.milp"], [], timeout=120)
     assert done.returncode != 0 and "absent on the device image" in done.stderr
