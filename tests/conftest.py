@@ -62,3 +62,21 @@ def wait_until(cond, limit_s: float = 120.0, step_s: float = 0.5) -> bool:
             pass
         time.sleep(step_s)
     return False
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict:
+    """Tiny real-format checkpoints (config, weights, BPE tokenizer, chat template) of every diffusion-LM
+    family, built once per session: {arch: directory} (tests/checkpoints.py)."""
+    from tests.checkpoints import ARCHS, build_checkpoint
+
+    root = tmp_path_factory.mktemp("hf_checkpoints")
+    return {arch: build_checkpoint(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint_notemplate(tmp_path_factory):
+    """The tiny Dream checkpoint without a chat template in its tokenizer_config.json."""
+    from tests.checkpoints import build_checkpoint
+
+    return build_checkpoint("dream", tmp_path_factory.mktemp("hf_notemplate") / "dream", chat_template=False)
