@@ -356,6 +356,9 @@ def test_unicode_prompts_get_sensible_completions(app_url, stream):
             assert r.status_code == 200 and lines[-1] == "data: [DONE]", prompt
             return "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or "" for x in lines[:-1])
         r = post("/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 8}))
+        if prompt == "":  # an empty completion prompt is refused (an empty chat message is not)
+            assert assert_openai_error(r, 400)["param"] == "prompt"
+            return ""
         return completion_ok(r)
 
     with ThreadPoolExecutor(4) as pool:
