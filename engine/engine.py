@@ -8,8 +8,10 @@ instance scheduler replaces it with its own RoundPlan.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +67,9 @@ class Engine:
         self.model = model.eval()
         self.cfg = model.config
         self.tokenizer = tokenizer
+        # ids that end every request's output besides the model's EOS (a checkpoint's generation_config EOS
+        # ids and end-of-turn token, from its tokenizer adapter); a request adds its own stop_token_ids
+        self.stop_ids: tuple[int, ...] = tuple(getattr(tokenizer, "stop_ids", ()))
         self.rule = make_rule(rule) if isinstance(rule, str) else rule
         if cache not in ("none", "prefix", "dual"):
             raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {cache!r}")
@@ -108,9 +113,17 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     committed: list[int] | None = None) -> Sequence:
         """``committed``: output tokens already committed (resuming a request elsewhere, e.g. after
-        its instance died or it migrated); decoding continues after them with the same blocks."""
+        its instance died or it migrated); decoding continues after them with the same blocks (and, for a
+        sampling request, the same noise: pass the same seed). A sampling request without a seed gets a
+        random one, kept in ``seq.params`` (which a tensor-parallel instance sends its followers)."""
         params = params or SamplingParams()
         params.validate(self.max_gen_length)
+        bad = [t for t in params.stop_token_ids if t >= self.cfg.vocab_size or t == self.cfg.mask_token_id]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are not tokens the model emits (the vocabulary has "
+                             f"{self.cfg.vocab_size} ids; the mask token is {self.cfg.mask_token_id})")
+        if params.samples and params.seed is None:
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         ids = self.tokenizer.prompt_ids(prompt, self.cfg.block_size) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -125,7 +138,8 @@ class Engine:
         seq = Sequence(next(self._ids), ids, self.cfg, self.rule, gen_len, cache_mode, max_tokens,
                        threshold=params.threshold, arrival=time.monotonic(),
                        prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
-                       committed=list(committed or ()))
+                       committed=list(committed or ()), params=params,
+                       stop_ids=(*self.stop_ids, *params.stop_token_ids))
         self.sequences[seq.seq_id] = seq
         return seq
 
@@ -157,7 +171,8 @@ class Engine:
         inputs = [seq.build_step() for seq in plan]
         ran = [self._with_lookahead(seq, inp) for seq, inp in zip(plan, inputs)]
         rows = [seq.decode_rows(inp) for seq, inp in zip(plan, inputs)]
-        outputs = self.runner.run(ran, rows) if ran else []
+        sampling = [seq.decode_sampling() if r is not None else None for seq, r in zip(plan, rows)]
+        outputs = self.runner.run(ran, rows, sampling if any(s is not None for s in sampling) else None) if ran else []
         reports = []
         first = []
         for seq, inp, big, out in zip(plan, inputs, ran, outputs):

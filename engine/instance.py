@@ -81,7 +81,7 @@ class Instance:
             raise
         req.next_kind = seq.next_kind()
         self.seqs[req_id] = seq
-        self._commands.append(("add", req_id, prompt, params, committed))
+        self._commands.append(("add", req_id, prompt, seq.params, committed))  # with the seed the engine drew
         return req
 
     def set_threshold(self, req_id: str, threshold: float) -> None:

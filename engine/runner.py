@@ -13,7 +13,9 @@ model's dtype once per forward, or dropped when nothing is masked (so SDPA may
 use its flash kernel); the LM head runs only on the rows whose logits are used
 (prompt rows, committed rows and padding never need them); and the
 (confidence, token) of the rows each request decodes are gathered for the
-whole round and copied back in one transfer.
+whole round and copied back in one transfer (greedy rows: the argmax, batched
+over the forward; the rows of requests that sample are drawn apart, only in
+forwards that have some: ``decoding.sample``).
 On CUDA the q/k/v and gate/up projections are fused into single products, and
 the engine has small forwards over the KV pool replayed from CUDA graphs
 (``graphs``, engine/graphs.py).
@@ -28,12 +30,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.decoding import confidence
+from engine.decoding import confidence, noise_seeds, sample
 from engine.kv_cache import KVPool
 from engine.models.flops import forward_flops, linear_weights
 from engine.models.masks import allowed, attends_all
 from engine.models.transformer import DLMTransformer
-from engine.sequence import StepInput
+from engine.sequence import SamplingParams, StepInput
 
 if TYPE_CHECKING:
     from engine.graphs import ForwardGraphs
@@ -112,9 +114,13 @@ class TorchRunner:
         return self.model.embed_tokens.weight.dtype
 
     @torch.inference_mode()
-    def run(self, inputs: list[StepInput], rows: list[torch.Tensor | None] | None = None) -> list[StepOutput]:
+    def run(self, inputs: list[StepInput], rows: list[torch.Tensor | None] | None = None,
+            sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None) -> list[StepOutput]:
         """Forward every step. ``rows``: per step, the host indices of the logits rows whose
-        (confidence, token) the caller needs (None: none); they come back in ``StepOutput.top1``."""
+        (confidence, token) the caller needs (None: none); they come back in ``StepOutput.top1``.
+        ``sampling``: per step, None (greedy: the argmax) or (params, positions): its tokens are sampled
+        with ``params`` (temperature > 0), row i's noise seeded by (params.seed, positions[i]), the
+        absolute position it predicts (``Sequence.decode_sampling``); None: every step is greedy."""
         outputs: list[StepOutput | None] = [None] * len(inputs)
         picked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, conf, token) on the device
         for group in group_by_length(inputs):
@@ -123,25 +129,57 @@ class TorchRunner:
             for i, out in zip(group, outs):
                 outputs[i] = out
             if rows is not None:
-                picked += self._top1(hidden, [rows[i] for i in group], group, row_of)
+                picked += self._top1(hidden, [rows[i] for i in group], group, row_of,
+                                     None if sampling is None else [sampling[i] for i in group])
         if picked:
             self._fetch(outputs, picked)
         return outputs  # type: ignore[return-value]
 
     def _top1(self, hidden: torch.Tensor, rows: list[torch.Tensor | None], ids: list[int],
-              row_of: list[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+              row_of: list[int], sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None
+              ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(confidence, token) of the requested rows of one forward (``hidden`` [R, T, H]; ``rows[k]``: step
         k's rows, or None; ``row_of[k]``: its row of the batch), computed together: one index copy to the
-        device, one LM head. Tagged ``ids``."""
+        device, one LM head. Tagged ``ids``. ``sampling[k]``: step k's (params, positions) when it samples
+        (see ``run``); its rows' argmax is replaced by a sample (``_sample``)."""
         want = [(k, r) for k, r in enumerate(rows) if r is not None]
         if not want:
             return []
         t_max = hidden.shape[1]
         flat = torch.cat([r + row_of[k] * t_max for k, r in want])  # rows of hidden flattened to [R * T, H]
         sel = hidden.reshape(-1, hidden.shape[-1])[self._to_device(flat)]
-        conf, tok = confidence(self.head(sel), self.cfg.mask_token_id, overwrite=True)
+        logits = self.head(sel)
+        conf, tok = confidence(logits, self.cfg.mask_token_id, overwrite=True)
         counts = [len(r) for _, r in want]
-        return [(ids[k], c, t) for (k, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
+        out = [(ids[k], c, t) for (k, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
+        if sampling is not None:
+            samp = [s if (s := sampling[k]) is not None and s[0].samples else None for k, _ in want]
+            if any(s is not None for s in samp):
+                self._sample(logits, out, samp, counts)
+        return out
+
+    def _sample(self, logits: torch.Tensor, out: list[tuple[int, torch.Tensor, torch.Tensor]],
+                sampling: list[tuple[SamplingParams, torch.Tensor] | None], counts: list[int]) -> None:
+        """Replace, in ``out``, the (confidence, token) of each step that samples by a sample from its rows
+        of ``logits`` (the mask column already -inf), all of the forward's sampled rows drawn together."""
+        offsets = np.cumsum([0, *counts])
+        which = [j for j, s in enumerate(sampling) if s is not None]
+        sizes = [counts[j] for j in which]
+        if len(which) == len(sampling):
+            picked = logits
+        else:  # the sampled steps' rows, gathered
+            idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in which])
+            picked = logits[self._to_device(torch.from_numpy(idx))]
+        temperature, top_k, top_p, seeds = [], [], [], []
+        for j, n in zip(which, sizes):
+            params, positions = sampling[j]
+            temperature += [params.temperature] * n
+            top_k += [params.top_k] * n
+            top_p += [params.top_p] * n
+            seeds += noise_seeds(params.seed, positions)
+        conf, tok = sample(picked, torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p), seeds)
+        for j, c, t in zip(which, conf.split(sizes), tok.split(sizes)):
+            out[j] = (out[j][0], c, t)
 
     def _fetch(self, outputs: list[StepOutput], picked) -> None:
         """One device-to-host copy for every step's (confidence, token): the round's only wait."""

@@ -9,12 +9,14 @@ confidences; the sequence only reports whether a block or the request is done.
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from engine.decoding import UnmaskRule, confidence
+from engine.decoding import UnmaskRule, confidence, noise_seeds, sample
 from engine.kv_cache import ApproxCache, ExactCache
 from engine.models.config import ModelConfig
 from engine.sched_types import StepKind
@@ -26,11 +28,27 @@ class Status(enum.IntEnum):
     FINISHED = 2
 
 
+SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (dividing logits by less overflows float32)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = None  # None: the model's default generation length
     threshold: float | None = None  # None: the rule's own threshold
     cache: str | None = None  # full-sequence models: 'none' | 'prefix' | 'dual'
+    temperature: float = 0.0  # 0: greedy (argmax); > 0: each token sampled (decoding.sample)
+    top_p: float = 1.0  # nucleus filter when sampling, in (0, 1]; 1: off
+    top_k: int = 0  # top-k filter when sampling; 0 or -1: off
+    seed: int | None = None  # the sampling noise's seed; None: the engine draws one per request
+    stop_token_ids: tuple[int, ...] = ()  # ids that end the output as the model's EOS does
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = tuple(self.stop_token_ids)  # a JSON list is welcome
+
+    @property
+    def samples(self) -> bool:
+        """Whether tokens are sampled (temperature above ``SAMPLING_EPS``) rather than chosen greedily."""
+        return self.temperature > SAMPLING_EPS
 
     def validate(self, limit: int) -> None:
         if self.max_tokens is not None and not 0 < self.max_tokens <= limit:
@@ -39,6 +57,17 @@ class SamplingParams:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
         if self.cache not in (None, "none", "prefix", "dual"):
             raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}")
+        if not isinstance(self.temperature, numbers.Real) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, numbers.Real) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or 0 or -1 (off), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
 
 
 @dataclass
@@ -81,6 +110,10 @@ class Sequence:
     arrival: float = 0.0
     prompt_text: str = ""  # the prompt as the client sent it (admission features)
     committed: list[int] = field(default_factory=list)  # output tokens committed before (a resumed request)
+    # the request's sampling as added (a sampling request's seed drawn if it had none); None or a
+    # temperature of 0: greedy. Its max_tokens and threshold are the fields above (the threshold may change).
+    params: SamplingParams | None = None
+    stop_ids: tuple[int, ...] = ()  # ids besides the model's EOS that end the output (finish_reason 'stop')
 
     def __post_init__(self) -> None:
         b = self.cfg.block_size
@@ -93,6 +126,13 @@ class Sequence:
             raise ValueError(f"{n} committed tokens leave nothing to generate within max_tokens={self.max_tokens}")
         if self.cfg.mask_token_id in self.committed:
             raise ValueError("committed tokens must not contain the mask token")
+        if self.cfg.mask_token_id in self.stop_ids:
+            raise ValueError("stop token ids must not contain the mask token")
+        self.sampling = self.params if self.params is not None and self.params.samples else None
+        if self.sampling is not None and self.sampling.seed is None:
+            raise ValueError("a sampling sequence needs a seed (Engine.add_request draws one)")
+        self._stop_extra = tuple(dict.fromkeys(t for t in self.stop_ids if t != self.cfg.eos_token_id))
+        self._stops = frozenset((self.cfg.eos_token_id, *self._stop_extra))
         self.tokens = torch.tensor(self.prompt_ids + list(self.committed)
                                    + [self.cfg.mask_token_id] * (self.gen_len - n), dtype=torch.long)
         # the same memory as a NumPy array: a step's bookkeeping over a few dozen positions costs a
@@ -182,6 +222,14 @@ class Sequence:
         self._decode_masked = self._masked(self.blocks[self.block_idx])  # apply() reuses it
         return torch.from_numpy(self._decode_masked.numpy() - (self.cfg.logits_shift + int(step.pos[0])))
 
+    def decode_sampling(self) -> tuple[SamplingParams, torch.Tensor] | None:
+        """After ``decode_rows`` named rows: (sampling params, the absolute positions those rows predict,
+        host) when this request samples its tokens, else None (greedy). The runner seeds each row's noise
+        with (params.seed, position)."""
+        if self.sampling is None or self._decode_masked is None:
+            return None
+        return self.sampling, self._decode_masked
+
     # ---- applying its result --------------------------------------------------------
     def apply(self, step: StepInput, logits: torch.Tensor | None, fresh: torch.Tensor,
               top1: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepReport:
@@ -205,7 +253,11 @@ class Sequence:
         span = self.blocks[self.block_idx]
         masked = self._masked(span) if top1 is None else self._decode_masked
         if top1 is None:
-            top1 = confidence(logits[masked - self.cfg.logits_shift - q_start], self.cfg.mask_token_id)
+            rows = logits[masked - self.cfg.logits_shift - q_start]
+            sp = self.sampling
+            top1 = (confidence(rows, self.cfg.mask_token_id) if sp is None else
+                    sample(rows, sp.temperature, sp.top_k, sp.top_p, noise_seeds(sp.seed, masked),
+                           self.cfg.mask_token_id))
         conf, tok = top1
         self.last_confidences = conf
         chosen = self.rule.select(conf, self.step_in_block, self.masked_at_start, self.threshold).cpu().numpy()
@@ -233,7 +285,10 @@ class Sequence:
     def _check_finished(self) -> bool:
         out = self._np[self.out_start : self.out_end]
         is_mask = out == self.cfg.mask_token_id
-        eos = np.flatnonzero(out == self.cfg.eos_token_id)
+        stop = out == self.cfg.eos_token_id
+        for t in self._stop_extra:  # a few ids at most: a comparison each (np.isin sorts)
+            stop |= out == t
+        eos = np.flatnonzero(stop)
         if eos.size and not is_mask[: eos[0]].any():
             self._finish("stop", int(eos[0]))
         elif not is_mask[: self.max_tokens].any():
@@ -248,13 +303,14 @@ class Sequence:
 
     # ---- results --------------------------------------------------------------------
     def output_ids(self) -> list[int]:
-        """Committed output tokens so far (up to the first mask or EOS)."""
+        """Committed output tokens so far (up to the first mask, EOS or other stop id)."""
         out = self.tokens[self.out_start : self.out_start + self.max_tokens].tolist()
         if self.finished:
             return out[: self.n_out]
         keep = []
+        stops = self._stops
         for t in out:
-            if t in (self.cfg.mask_token_id, self.cfg.eos_token_id):
+            if t == self.cfg.mask_token_id or t in stops:
                 break
             keep.append(t)
         return keep
