@@ -64,7 +64,18 @@ def cmd_generate(args) -> int:
     from engine.sequence import SamplingParams
 
     engine = load_engine(args.model, device=args.device, cache=args.cache)
-    params = SamplingParams(max_tokens=args.max_tokens, threshold=args.threshold)
+    tok, block = engine.tokenizer, engine.cfg.block_size
+    defaults = getattr(tok, "generation_defaults", {})
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    sampling = {k: v if v is not None else defaults.get(k) for k, v in sampling.items()}
+    params = SamplingParams(max_tokens=args.max_tokens, threshold=args.threshold, seed=args.seed,
+                            **{k: v for k, v in sampling.items() if v is not None})
+
+    def prompt_ids(text: str) -> list[int]:
+        if args.raw:
+            return tok.completion_ids(text, block)
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        return tok.chat_ids([*system, {"role": "user", "content": text}], block)
     prompts = [args.prompt] if args.prompt is not None else None
     interactive = prompts is None
     while True:
@@ -77,7 +88,7 @@ def cmd_generate(args) -> int:
                 continue
             prompts = [line]
         for prompt in prompts:
-            seq = engine.add_request(prompt, params)
+            seq = engine.add_request(prompt_ids(prompt), params)
             while not seq.finished:
                 result = engine.step([seq])
                 if args.show_steps:
@@ -320,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt")
     g.add_argument("--threshold", type=float)
     g.add_argument("--max-tokens", type=int)
+    g.add_argument("--system", help="a system message before the prompt (chat format)")
+    g.add_argument("--raw", action="store_true", help="the prompt as raw text, without the chat template")
+    g.add_argument("--temperature", type=float, help="0: greedy (default: the checkpoint's generation_config.json)")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int, help="the same seed gives the same text")
     g.add_argument("--show-steps", action="store_true", help="print the canvas after each step")
     g.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
     g.add_argument("--device", default="cpu")

@@ -124,11 +124,29 @@ class ReplicaServer:
         if self.draining:
             return self.loop.reject(rid, "this replica is shutting down", 429)
         try:
-            params = SamplingParams(max_tokens=msg.get("max_tokens"), threshold=msg.get("threshold"))
+            params = sampling_params(msg)
+            prompt = [int(i) for i in msg["prompt_ids"]] if "prompt_ids" in msg else str(msg["prompt"])
             left = msg.get("slo_left_s")
-            self.loop.submit(rid, msg["prompt"], params, None if left is None else time.monotonic() + left,
-                             sent_at=msg.get("sent_at"), committed=msg.get("committed") or None)
+            self.loop.submit(rid, prompt, params, None if left is None else time.monotonic() + left,
+                             sent_at=msg.get("sent_at"), committed=msg.get("committed") or None,
+                             canvas=bool(msg.get("canvas")))
         except Overloaded as exc:
             self.loop.reject(rid, f"server overloaded: {exc}", 429)
         except (KeyError, TypeError, ValueError) as exc:  # its error item releases the id
             self.loop.reject(rid, f"malformed request: {exc}", 400)
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
+
+
+def sampling_params(msg: dict) -> SamplingParams:
+    """The engine's parameters of an ``add`` message: max_tokens, threshold, and its ``sampling`` section
+    (temperature, top_p, top_k, seed, stop_token_ids; absent ones keep the engine's defaults)."""
+    sampling = msg.get("sampling") or {}
+    unknown = set(sampling) - {*SAMPLING_FIELDS, "stop_token_ids"}
+    if unknown:
+        raise ValueError(f"unknown sampling fields {sorted(unknown)}")
+    extra = {k: sampling[k] for k in SAMPLING_FIELDS if sampling.get(k) is not None}
+    if sampling.get("stop_token_ids"):
+        extra["stop_token_ids"] = tuple(int(i) for i in sampling["stop_token_ids"])
+    return SamplingParams(max_tokens=msg.get("max_tokens"), threshold=msg.get("threshold"), **extra)

@@ -69,8 +69,10 @@ class CharTokenizer:
         """The embedded models keep their own format for completions too (``prompt_ids``)."""
         return self.prompt_ids(prompt, block_size) if isinstance(prompt, str) else list(prompt)
 
-    def chat_ids(self, messages: list[dict], block_size: int, add_generation_prompt: bool = True) -> list[int]:
-        """A chat for an embedded model: its messages' contents joined by newlines, in ``prompt_ids``'s format."""
+    def chat_ids(self, messages: list[dict], block_size: int, add_generation_prompt: bool = True,
+                 add_special_tokens: bool = False) -> list[int]:
+        """A chat for an embedded model: its messages' contents joined by newlines, in ``prompt_ids``'s format
+        (which has its own specials)."""
         return self.prompt_ids("\n".join(m["content"] for m in messages), block_size)
 
     def save(self, directory: str | Path) -> None:
@@ -165,8 +167,12 @@ class HFTokenizer:
                                                 add_generation_prompt=add_generation_prompt)
         return (self.bos_token or "") + plain_chat(messages, add_generation_prompt)
 
-    def chat_ids(self, messages: list[dict], block_size: int = 0, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.chat_text(messages, add_generation_prompt))
+    def chat_ids(self, messages: list[dict], block_size: int = 0, add_generation_prompt: bool = True,
+                 add_special_tokens: bool = False) -> list[int]:
+        """A chat's ids; the template writes the special tokens it wants (``add_special_tokens``: the
+        tokenizer's own too, e.g. a BOS, as vLLM's ``/tokenize`` offers)."""
+        text = self.chat_text(messages, add_generation_prompt)
+        return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def prompt_ids(self, prompt: str, block_size: int) -> list[int]:
         """One user message (the CLI's and the engine's text prompts)."""
