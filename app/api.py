@@ -131,9 +131,9 @@ MESSAGE_NOOPS: dict[str, tuple] = {
     "audio": (None,), "annotations": (None, []),
 }
 TOKENIZE_NOOPS: dict[str, tuple] = {"return_token_strs": (None, False)}
-# stream_options keys Remask implements; any other is refused as unknown. ("include_canvas", a Remask extension,
-# will join them.)
-STREAM_OPTIONS = ("include_usage",)
+# stream_options keys Remask implements; any other is refused as unknown. ``include_canvas`` is Remask's
+# extension: a ``remask_canvas`` chunk per denoising step (``canvas_chunk``).
+STREAM_OPTIONS = ("include_usage", "include_canvas")
 
 
 def _is_int(value: Any) -> bool:
@@ -196,6 +196,8 @@ _MESSAGES_SCHEMA = {"anyOf": [{"type": "array", "items": _MESSAGE_SCHEMA, "minIt
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = Field(False, description="a last chunk with the usage of the whole request")
+    include_canvas: bool | None = Field(False, description="Remask: a chunk per denoising step with the canvas "
+                                                           "of the request's current block (`remask_canvas`)")
 
 
 class _CommonRequest(BaseModel):
@@ -366,6 +368,7 @@ class GenRequest:
     add_generation_prompt: bool = True  # chat (vLLM's extension field); ignored for completions
     stream: bool = False
     include_usage: bool = False
+    include_canvas: bool = False  # Remask's stream extension: a ``remask_canvas`` chunk per denoising step
     slo_ms: float | None = None
     priority: int = 0
     threshold: float | None = None
@@ -716,6 +719,7 @@ def parse_request(kind: str, body: bytes | str, *, known_models: list[str], max_
         max_tokens=_max_tokens(max_tokens, limit_param, max_tokens_limit, default_max_tokens),
         add_generation_prompt=add_generation_prompt, stream=bool(req.stream),
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+        include_canvas=bool(req.stream and req.stream_options and req.stream_options.include_canvas),
         slo_ms=req.slo_ms, priority=req.priority, threshold=req.threshold, created=int(time.time()), **sampling)
 
 
@@ -810,6 +814,18 @@ def chat_chunk(req: GenRequest, delta_text: str | None = None, finish_reason: st
         delta["content"] = delta_text if delta_text is not None else ""
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     return _with_null_usage(req, _envelope(req, "chat.completion.chunk", [choice]))
+
+
+def canvas_chunk(req: GenRequest, canvas: dict, index: int = 0) -> dict:
+    """Remask's stream extension (``stream_options.include_canvas``): a chunk without choices whose
+    ``remask_canvas`` is one denoising step of choice ``index`` on the canvas: ``round`` (the request's
+    denoising steps so far), ``instance`` and ``tp`` that ran it, ``threshold``, ``block`` ([start, end) of
+    the block it worked on), ``committed`` ([position, token id, text piece] committed by this step),
+    ``masked`` (the block's positions still masked) and ``length`` (the canvas); positions count from the
+    answer's first token."""
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    view = {"index": index, "round": canvas["step"], **{k: v for k, v in canvas.items() if k != "step"}}
+    return _with_null_usage(req, {**_envelope(req, obj, []), "remask_canvas": view})
 
 
 def usage_chunk(req: GenRequest, prompt_tokens: int, completion_tokens: int) -> dict:

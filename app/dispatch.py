@@ -19,9 +19,14 @@ the cluster router (``app.router.Router``). For each request it
   another; until then they finish where they are;
 - cancels a request whose client went away.
 
-Text is decoded here from committed token ids; the instance only sends ids.
-A request's events (``RequestStream``): ``accepted`` once, then ``delta``
-text, then ``done`` or ``error``.
+A request arrives as token ids (tokenized once, at the ingress) with its
+sampling parameters; a seeded request decodes the same text on any instance,
+so a resumed one goes on as it would have. Text is decoded here from committed
+token ids (``engine.tokenizer.OutputText``: pieces that never split a
+character, and ``stop`` strings: the text ends before one, and the request is
+cancelled on its instance at once); the instance only sends ids. A request's
+events (``RequestStream``): ``accepted`` once, then ``delta`` text, then
+``done`` or ``error``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from dataclasses import dataclass, field
 
 from app.channel import Link
 from app.router import RequestState, Router
+from engine.tokenizer import OutputText
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +68,17 @@ class InstanceLink:
 @dataclass(eq=False)
 class _Live:
     req_id: str
-    prompt: str
+    prompt_ids: list[int]
     max_tokens: int
     fixed: float | None  # the client's own threshold: the router never changes it
     state: RequestState
     queue: asyncio.Queue
     arrival: float
+    out: OutputText
+    sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k, seed, stop_token_ids
+    canvas: bool = False  # the client asked for each step's canvas (``canvas`` events)
     committed: list[int] = field(default_factory=list)
-    text: str = ""
+    first_step: float | None = None  # when its first step's progress arrived (its queue time ends)
     first_token: float | None = None
     accepted: bool = False
     sent_threshold: float | None = None
@@ -295,8 +304,16 @@ class Dispatcher:
         self.parked = keep
 
     # ---- requests ------------------------------------------------------------------------------
-    def submit(self, req_id: str, prompt: str, prompt_tokens: int, max_tokens: int, *, threshold: float | None = None,
-               slo_ms: float | None = None, priority: int = 0) -> RequestStream:
+    def submit(self, req_id: str, prompt_ids: list[int], max_tokens: int, *, prompt_text: str = "",
+               threshold: float | None = None, slo_ms: float | None = None, priority: int = 0,
+               sampling: dict | None = None, stop: list[str] | tuple[str, ...] = (),
+               canvas: bool = False) -> RequestStream:
+        """A new request: its prompt's token ids; ``prompt_text`` (the client's text: the admission
+        predictor's features); ``sampling``: the engine's ``SamplingParams`` fields beyond max_tokens and
+        threshold (temperature, top_p, top_k, seed, stop_token_ids) — a request that samples should carry a
+        seed, so that a resume elsewhere decodes as it would have; ``stop``: strings that end the text;
+        ``canvas``: a ``canvas`` event per denoising step (positions committed, still masked, threshold)."""
+        prompt_tokens = len(prompt_ids)
         if req_id in self.live:
             raise DispatchError(400, f"duplicate request id {req_id!r}")
         if not self.instances and (self.park_s <= 0 or len(self.parked) >= self.per_instance_limit):
@@ -305,14 +322,16 @@ class Dispatcher:
             raise DispatchError(429, f"every instance holds {self.per_instance_limit} requests")
         now = time.monotonic()
         slo_s = slo_ms / 1000.0 if slo_ms is not None else self.default_slo_s
-        canvas = -(-max_tokens // self.block_tokens) * self.block_tokens
-        state = RequestState(req_id, now, now + slo_s, prompt_tokens, canvas, self.block_tokens, priority,
+        canvas_tokens = -(-max_tokens // self.block_tokens) * self.block_tokens
+        state = RequestState(req_id, now, now + slo_s, prompt_tokens, canvas_tokens, self.block_tokens, priority,
                              self.full_sequence)
-        live = _Live(req_id, prompt, max_tokens, threshold, state, asyncio.Queue(), now)
+        live = _Live(req_id, list(prompt_ids), max_tokens, threshold, state, asyncio.Queue(), now,
+                     OutputText(self.decode, stop), dict(sampling or {}), canvas)
         if threshold is not None:
             state.threshold = threshold
         # the admission predictor's prompt features (predictors.features.ADMISSION_FEATURES, less the threshold)
-        state.extra["admission"] = (float(len(prompt.split())), float(prompt.count("\n")), float(prompt_tokens))
+        state.extra["admission"] = (float(len(prompt_text.split())), float(prompt_text.count("\n")),
+                                    float(prompt_tokens))
         if self.on_arrival is not None:
             self.on_arrival(prompt_tokens, max_tokens)
         self.live[req_id] = live
@@ -390,8 +409,9 @@ class Dispatcher:
         live.sent_threshold = t
         left_s = live.state.deadline - time.monotonic()
         ok = self.instances[inst_id].link.send({
-            "op": "add", "id": live.req_id, "prompt": live.prompt, "max_tokens": live.max_tokens, "threshold": t,
-            "slo_left_s": left_s, "sent_at": time.time(), "committed": live.committed})
+            "op": "add", "id": live.req_id, "prompt_ids": live.prompt_ids, "max_tokens": live.max_tokens,
+            "threshold": t, "slo_left_s": left_s, "sent_at": time.time(), "committed": live.committed,
+            "sampling": live.sampling, "canvas": live.canvas})
         if not ok:  # its channel just broke: the reader's drop resumes it, or do it now
             self.drop(inst_id, "unreachable")
 
@@ -422,14 +442,16 @@ class Dispatcher:
         self.live.pop(live.req_id, None)
         self.router.finish(live.state)
         now = time.monotonic()
+        self._emit(live, live.out.finish(), now)  # held-back text: an unfinished character, a stop's prefix
         if live.epoch == self.governor.epoch:
             self.governor.finished(now <= live.state.deadline, now, self.stats["shed"])
         used = live.state.thresholds_used
         live.queue.put_nowait({
-            "type": "done", "finish_reason": done["finish_reason"], "text": live.text,
+            "type": "done", "finish_reason": done["finish_reason"], "text": live.out.text,
             "prompt_tokens": live.state.prompt_tokens, "completion_tokens": len(live.committed),
             "rounds": live.state.steps_done, "ttft_s": (live.first_token or now) - live.arrival,
-            "e2e_s": now - live.arrival, "threshold": sum(used) / len(used) if used else live.sent_threshold,
+            "e2e_s": now - live.arrival, "queue_s": (live.first_step or now) - live.arrival,
+            "threshold": sum(used) / len(used) if used else live.sent_threshold,
             "migrations": live.state.migrations, "resumes": live.resumes})
 
     # ---- progress ----------------------------------------------------------------------------------
@@ -453,7 +475,7 @@ class Dispatcher:
                     live.accepted = True
                     live.queue.put_nowait({"type": "accepted", "add_ms": item.get("accepted")})
             else:
-                done = self._item_step(live, item, now)
+                done = self._item_step(live, item, now, inst)
                 stepped.append((live.state, bool(item.get("heavy")), done is not None))
                 if done is not None:
                     finished.append((live, done))
@@ -500,17 +522,30 @@ class Dispatcher:
                 return gap_ms
         return round_ms
 
-    def _item_step(self, live: _Live, item: dict, now: float) -> dict | None:
+    @staticmethod
+    def _emit(live: _Live, piece: str, now: float) -> None:
+        if piece:
+            if live.first_token is None:
+                live.first_token = now
+            live.queue.put_nowait({"type": "delta", "text": piece})
+
+    def _item_step(self, live: _Live, item: dict, now: float, inst: InstanceLink) -> dict | None:
         ids = item.get("ids") or []
         st = live.state
+        if live.first_step is None:
+            live.first_step = now
+        view = item.get("canvas")
+        if view is not None and live.canvas:
+            view = {**view, "committed": [[p, t, self.decode([t])] for p, t in view["committed"]],
+                    "instance": inst.inst_id, "tp": inst.tp}
+            live.queue.put_nowait({"type": "canvas", "canvas": view})
         if ids:
             live.committed.extend(ids)
-            text = self.decode(live.committed)
-            if len(text) > len(live.text) and text.startswith(live.text):
-                if live.first_token is None:
-                    live.first_token = now
-                live.queue.put_nowait({"type": "delta", "text": text[len(live.text):]})
-                live.text = text
+            self._emit(live, live.out.push(ids), now)
+            if live.out.stopped and not item.get("done"):  # a stop string: the rest is not wanted
+                if st.instance in self.instances:
+                    self.instances[st.instance].link.send({"op": "abort", "id": live.req_id})
+                return {"finish_reason": "stop", "rounds": st.steps_done, "completion_tokens": len(live.committed)}
         row = item.get("row")
         if row:  # the replica's step features (predictors.features.STEP_FEATURES order)
             st.progress, st.block_progress = row[2], row[3]

@@ -17,8 +17,9 @@ A batch::
 Items (all carry ``"id"``): ``{"accepted": add_ms, "prompt_tokens": n}``,
 ``{"error": message, "status": 400 | 429 | 500}``, and step items
 ``{"ids": [...], "steps": rounds so far, "heavy": next step is prefill or
-recompute, "row": [...] or absent, "done": None | {"finish_reason", "rounds",
-"completion_tokens"}}``.
+recompute, "row": [...] or absent, "canvas": {...} or absent (requests sent
+with ``canvas``: ``Sequence.canvas_step``), "done": None | {"finish_reason",
+"rounds", "completion_tokens"}}``.
 
 A round that raises fails the requests it held (500) and the loop goes on;
 one that raises ``InstanceBroken`` (a tensor-parallel rank is gone) ends the
@@ -51,6 +52,8 @@ class Overloaded(Exception):
 @dataclass
 class _Tracked:
     sent: int = 0  # output token ids already published
+    seq: Sequence | None = None  # kept when its sender asked for the canvas of each step
+    canvas_step: int = 0  # the last step whose canvas was published
 
 
 class RoundLoop:
@@ -83,14 +86,15 @@ class RoundLoop:
     # ---- control (any thread) ------------------------------------------------------------
     def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams,
                deadline: float | None = None, sent_at: float | None = None,
-               committed: list[int] | None = None) -> None:
+               committed: list[int] | None = None, canvas: bool = False) -> None:
         """Queue a request; ``sent_at`` (wall clock) is when its sender dispatched it;
-        ``committed``: output tokens another instance already committed (resume)."""
+        ``committed``: output tokens another instance already committed (resume); ``canvas``: its step
+        items carry the canvas of each denoising step (``Sequence.canvas_step``)."""
         with self._lock:
             if self.instance.scheduler.num_waiting + self._pending >= self.max_waiting:
                 raise Overloaded(f"{self.max_waiting} requests already waiting")
             self._pending += 1
-        self._cmds.put(("add", req_id, prompt, params, deadline, sent_at, committed))
+        self._cmds.put(("add", req_id, prompt, params, deadline, sent_at, committed, canvas))
         self._wake.set()
 
     def abort(self, req_id: str) -> None:
@@ -130,7 +134,7 @@ class RoundLoop:
             applied = True
             op = cmd[0]
             if op == "add":
-                _, req_id, prompt, params, deadline, sent_at, committed = cmd
+                _, req_id, prompt, params, deadline, sent_at, committed, canvas = cmd
                 with self._lock:
                     self._pending -= 1
                 try:
@@ -139,7 +143,7 @@ class RoundLoop:
                     items.append({"id": req_id, "error": str(exc), "status": 400})
                     continue
                 seq = self.instance.seqs[req_id]
-                self._tracked[req_id] = _Tracked(sent=len(seq.committed))
+                self._tracked[req_id] = _Tracked(sent=len(seq.committed), seq=seq if canvas else None)
                 items.append({"id": req_id, "accepted": None if sent_at is None else (time.time() - sent_at) * 1e3,
                               "prompt_tokens": len(seq.prompt_ids) - len(seq.committed)})
             elif op == "abort":
@@ -202,6 +206,9 @@ class RoundLoop:
             ids = seq.output_ids()
         item = {"id": req_id, "ids": ids[tr.sent:], "done": None}
         tr.sent = max(tr.sent, len(ids))
+        if tr.seq is not None and (view := tr.seq.canvas_step()) is not None and view["step"] > tr.canvas_step:
+            tr.canvas_step = view["step"]
+            item["canvas"] = view
         if finished:
             del self._tracked[req_id]
             item["done"] = {"finish_reason": "length" if out.finish_reason == "length" else "stop",

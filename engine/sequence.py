@@ -166,6 +166,8 @@ class Sequence:
         self.lookahead_blocks = 0  # masked blocks that lookahead round appends
         self.last_confidences: torch.Tensor | None = None  # the last step's confidences of masked positions
         self._decode_masked: torch.Tensor | None = None  # the block's masked positions when decode_rows ran
+        # the last denoising step's (round, block span, positions committed, their tokens): the canvas view
+        self.last_commit: tuple[int, tuple[int, int], np.ndarray, np.ndarray] | None = None
 
     # ---- what the scheduler needs -------------------------------------------------
     @property
@@ -261,7 +263,9 @@ class Sequence:
         conf, tok = top1
         self.last_confidences = conf
         chosen = self.rule.select(conf, self.step_in_block, self.masked_at_start, self.threshold).cpu().numpy()
-        self._np[masked.cpu().numpy()[chosen]] = tok.cpu().numpy()[chosen]
+        positions, tokens = masked.cpu().numpy()[chosen], tok.cpu().numpy()[chosen]
+        self._np[positions] = tokens
+        self.last_commit = (self.rounds, span, positions, tokens)
         self.step_in_block += 1
         committed = int(chosen.sum())
         block_done = committed == chosen.size
@@ -317,3 +321,16 @@ class Sequence:
 
     def canvas(self) -> list[int]:
         return self.tokens[self.out_start : self.out_end].tolist()
+
+    def canvas_step(self) -> dict | None:
+        """The last denoising step on the canvas (output-relative positions): its round, the block it
+        worked on, the positions it committed with their token ids, the block's positions still masked,
+        the threshold it used and the canvas length. None before the first denoising step."""
+        if self.last_commit is None:
+            return None
+        rounds, (bs, be), positions, tokens = self.last_commit
+        s = self.out_start
+        masked = np.flatnonzero(self._np[bs:be] == self.cfg.mask_token_id) + (bs - s)
+        return {"step": rounds, "block": [bs - s, be - s],
+                "committed": [[int(p) - s, int(t)] for p, t in zip(positions, tokens)],
+                "masked": masked.tolist(), "threshold": self.threshold, "length": self.gen_len}

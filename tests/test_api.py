@@ -14,10 +14,12 @@ from app.api import (
     INT64_MIN,
     MAX_PROMPTS,
     MESSAGE_NOOPS,
+    STREAM_OPTIONS,
     TOKEN_ID_MAX,
     APIError,
     GenRequest,
     TokenizeRequest,
+    canvas_chunk,
     chat_chunk,
     chat_response,
     completion_chunk,
@@ -294,11 +296,23 @@ def test_unknown_field_refused(kind, field):
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
-@pytest.mark.parametrize("key", ["include_canvas", "continuous_usage_stats", "include_obfuscation", "x"])
+@pytest.mark.parametrize("key", ["continuous_usage_stats", "include_obfuscation", "x"])
 def test_unknown_stream_options_refused(kind, key):
     body = body_of(kind, stream=True, stream_options={"include_usage": True, key: True})
     err = expect_error(kind, body, param=f"stream_options.{key}", code="unknown_parameter")
     assert err.message == f"Unrecognized request argument supplied: stream_options.{key}"
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_include_canvas_is_remasks_stream_extension(kind):
+    req = parse(kind, body_of(kind, stream=True, stream_options={"include_canvas": True}))
+    assert req.include_canvas and not req.include_usage
+    assert not parse(kind, body_of(kind, stream=True)).include_canvas
+    view = {"step": 3, "block": [8, 16], "committed": [[9, 5, "a"]], "masked": [10], "threshold": 0.9,
+            "length": 32, "instance": 0, "tp": 1}
+    chunk = canvas_chunk(req, view, index=0)
+    assert chunk["choices"] == [] and chunk["remask_canvas"]["round"] == 3 and "step" not in chunk["remask_canvas"]
+    assert chunk["object"] == ("chat.completion.chunk" if kind == "chat" else "text_completion")
 
 
 def test_stream_options_need_stream():
@@ -631,7 +645,7 @@ def test_schema_lists_every_accepted_field(kind):
     for field, values in NOOPS[kind].items():
         assert props[field]["enum"] == list(values), field
     assert props["stream_options"]["anyOf"][0]["additionalProperties"] is False
-    assert set(props["stream_options"]["anyOf"][0]["properties"]) == {"include_usage"}
+    assert set(props["stream_options"]["anyOf"][0]["properties"]) == set(STREAM_OPTIONS)
     assert props["temperature"]["minimum"] == 0 and props["temperature"]["maximum"] == 2
     assert props["top_p"]["exclusiveMinimum"] == 0 and props["top_p"]["maximum"] == 1
     assert props["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == VOCAB - 1
@@ -652,7 +666,7 @@ BAD_BODIES = {
                    {"prompt": ["a"] * (MAX_PROMPTS + 1)}, {"prompt": "a", "stop": ["x"] * 5},
                    {"prompt": "a", "stop": ""}, {"prompt": "a", "temperature": 2.5}, {"prompt": "a", "top_p": 0},
                    {"prompt": "a", "top_k": -2}, {"prompt": "a", "echo": True}, {"prompt": "a", "x": 1},
-                   {"prompt": "a", "stream_options": {"include_canvas": True}, "stream": True},
+                   {"prompt": "a", "stream_options": {"include_canvas": 1}, "stream": True},
                    {"prompt": "a", "stop_token_ids": [VOCAB]}, {"prompt": "a", "max_tokens": 65}],
     "chat": [{"messages": []}, {"messages": [{"role": "tool", "content": "x"}]},
              {"messages": [{"role": "user", "content": None}]},

@@ -27,6 +27,24 @@ def make_replica(slots: int = 8, max_waiting: int = 64, mirror=None) -> ReplicaS
     return ReplicaServer(inst, max_waiting=max_waiting, describe=state_row, tick_s=0.2)
 
 
+TOKENIZER = None
+
+
+def ids(prompt: str) -> list[int]:
+    """The prompt's token ids, as the ingress sends them (tiny-bd's own format)."""
+    global TOKENIZER
+    if TOKENIZER is None:
+        from engine.loading import resolve_model
+        from engine.tokenizer import load_tokenizer
+
+        TOKENIZER = load_tokenizer(resolve_model("tiny-bd"))
+    return TOKENIZER.completion_ids(prompt, 8)
+
+
+def submit(d: Dispatcher, req_id: str, prompt: str, max_tokens: int, **kw):
+    return d.submit(req_id, ids(prompt), max_tokens, prompt_text=prompt, **kw)
+
+
 def make_dispatcher(**kw) -> Dispatcher:
     from engine.loading import resolve_model
     from engine.models.loader import load_config
@@ -66,7 +84,7 @@ def test_requests_spread_over_instances_and_stream_correct_answers(replicas):
         for i, r in enumerate(replicas):
             await d.connect(f"r{i}", 1, **r.info())
         exs = examples(24)
-        streams = [d.submit(f"q{i}", e.prompt, 20, 16, slo_ms=30_000) for i, e in enumerate(exs)]
+        streams = [submit(d, f"q{i}", e.prompt, 16, slo_ms=30_000) for i, e in enumerate(exs)]
         placed = {d.live[f"q{i}"].state.instance for i in range(len(exs))}
         results = await asyncio.gather(*(collect(s) for s in streams))
         return d, exs, results, placed
@@ -114,7 +132,7 @@ def test_a_dead_instance_loses_no_request(fault):
             await d.connect(f"k{i}", 1, **r.info())
         exs = examples(16)
         # one token per step: long enough to be caught mid-way
-        streams = [d.submit(f"q{i}", e.prompt, 20, 16, threshold=0.9999) for i, e in enumerate(exs)]
+        streams = [submit(d, f"q{i}", e.prompt, 16, threshold=0.9999) for i, e in enumerate(exs)]
         victims = [rid for rid, lv in d.live.items() if lv.state.instance == 0]
         for _ in range(200):  # kill instance 0 once some of its requests have committed text
             await asyncio.sleep(0.02)
@@ -142,18 +160,18 @@ def test_cancel_frees_the_instance_and_errors_are_clean(replicas):
     async def main():
         d = make_dispatcher()
         d.park_s = 0.3
-        early = d.submit("early", "rev: abc", 10, 16)  # no instance yet: it waits, then 503
+        early = submit(d, "early", "rev: abc", 16)  # no instance yet: it waits, then 503
         _, gave_up = await collect(early)
         assert gave_up["type"] == "error" and gave_up["status"] == 503, gave_up
         d.park_s = 0
         with pytest.raises(DispatchError) as none_ready:
-            d.submit("x", "rev: abc", 10, 16)
+            submit(d, "x", "rev: abc", 16)
         d.park_s = 30
-        waiting = d.submit("waits", "rev: abc", 10, 16)  # served once an instance joins
+        waiting = submit(d, "waits", "rev: abc", 16)  # served once an instance joins
         await d.connect("c0", 1, **replicas[0].info())
         text, last = await collect(waiting)
         assert last["type"] == "done" and text == "cba", last
-        s = d.submit("long", "story: owl 8", 12, 200, threshold=0.999)
+        s = submit(d, "long", "story: owl 8", 200, threshold=0.999)
         first = await s.__anext__()
         assert first["type"] == "accepted"
         s.cancel()
@@ -163,7 +181,7 @@ def test_cancel_frees_the_instance_and_errors_are_clean(replicas):
             state = replicas[0].loop.stats()
             if state["resident"] == 0 and state["kv_reserved_tokens"] == 0:
                 break
-        bad = d.submit("bad", "x" * 600, 700, 16)  # the instance refuses it: a clean 400
+        bad = submit(d, "bad", "x" * 600, 16)  # the instance refuses it: a clean 400
         _, last = await collect(bad)
         return none_ready.value, state, last, d
 
@@ -172,6 +190,75 @@ def test_cancel_frees_the_instance_and_errors_are_clean(replicas):
     assert state["resident"] == 0 and state["kv_reserved_tokens"] == 0, state
     assert last["type"] == "error" and last["status"] == 400
     assert not d.live
+
+
+def test_stop_string_ends_the_text_and_frees_the_instance(replicas):
+    """A stop string found in the committed text ends the answer before it (streamed text too), with
+    finish_reason stop, and the request's slot and KV are freed on its instance at once."""
+    async def main():
+        d = make_dispatcher()
+        await d.connect("s0", 1, **replicas[0].info())
+        full_text, full = await collect(submit(d, "full", "story: owl 8", 200, threshold=0.999))
+        words = full_text.split()
+        assert len(words) > 6, full_text
+        stop = " " + words[3]
+        r0 = replicas[0].loop.stats()["rounds"]
+        streamed, last = await collect(submit(d, "stop", "story: owl 8", 200, threshold=0.999, stop=[stop]))
+        state = {}
+        for _ in range(100):
+            state = replicas[0].loop.stats()
+            if state["resident"] == 0 and state["kv_reserved_tokens"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # nothing left to run: no more rounds
+        return full_text, full, stop, streamed, last, state, replicas[0].loop.stats()["rounds"] - r0, d
+
+    full_text, full, stop, streamed, last, state, rounds, d = asyncio.run(main())
+    cut = full_text[:full_text.index(stop)]
+    assert streamed == last["text"] == cut
+    assert last["finish_reason"] == "stop" and last["completion_tokens"] < full["completion_tokens"]
+    assert state["resident"] == 0 and state["kv_reserved_tokens"] == 0, state
+    assert rounds < full["rounds"] / 2, (rounds, full["rounds"])  # cancelled at the stop, not run to its end
+    assert not d.live
+
+
+def test_canvas_events_replay_the_answer_step_by_step(replicas):
+    """A request sent with ``canvas`` gets one canvas event per denoising step: every answer position is
+    committed exactly once, by one step, with the token the answer has there; masked positions are those
+    of the step's block not committed yet."""
+    async def main():
+        d = make_dispatcher()
+        await d.connect("v0", 1, **replicas[1].info())
+        stream = submit(d, "c", "story: owl 8", 40, threshold=0.9, canvas=True)
+        views, text, last = [], "", None
+        async for event in stream:
+            if event["type"] == "canvas":
+                views.append(event["canvas"])
+            elif event["type"] == "delta":
+                text += event["text"]
+            last = event
+        plain_text, _ = await collect(submit(d, "p", "story: owl 8", 40, threshold=0.9))
+        return views, text, last, plain_text
+
+    views, text, last, plain_text = asyncio.run(main())
+    assert last["type"] == "done" and text == last["text"] == plain_text  # the canvas changes nothing else
+    assert views and [v["step"] for v in views] == list(range(1, len(views) + 1))  # every denoising step, once
+    committed = {}
+    for v in views:
+        bs, be = v["block"]
+        for pos, tok, piece in v["committed"]:
+            assert bs <= pos < be and pos not in committed and pos not in v["masked"]
+            committed[pos] = tok
+            assert isinstance(piece, str)
+        assert all(bs <= p < be and p not in committed for p in v["masked"])
+        assert v["instance"] is not None and v["tp"] == 1 and v["length"] >= 40
+    ids = ids_of_answer(text)
+    assert [committed[p] for p in range(len(ids))] == ids
+
+
+def ids_of_answer(text: str) -> list[int]:
+    ids(text)  # loads the tokenizer
+    return TOKENIZER.encode(text)
 
 
 def test_channel_refuses_a_wrong_secret_and_oversized_frames(replicas):
@@ -211,7 +298,7 @@ def test_router_migrates_requests_to_a_new_instance():
                        full_sequence=True, per_instance_limit=200)
         await d.connect("m0", 1, **reps[0].info())
         exs = [e for e in tasks.heldout_set(400) if e.category == "prose"][:12]
-        streams = [d.submit(f"q{i}", e.prompt, 20, 96, slo_ms=30_000) for i, e in enumerate(exs)]
+        streams = [submit(d, f"q{i}", e.prompt, 96, slo_ms=30_000) for i, e in enumerate(exs)]
         await d.connect("m1", 1, **reps[1].info())
         results = await asyncio.gather(*(collect(s) for s in streams))
         for r in reps:
@@ -233,7 +320,7 @@ def test_requests_wait_for_a_replacement_when_the_only_instance_dies():
         first = make_replica(slots=4)
         d = make_dispatcher()
         await d.connect("only", 1, **first.info())
-        streams = [d.submit(f"w{i}", p, 12, 200, threshold=0.9999) for i, p in enumerate(PROSE)]
+        streams = [submit(d, f"w{i}", p, 200, threshold=0.9999) for i, p in enumerate(PROSE)]
         for _ in range(200):
             await asyncio.sleep(0.02)
             if any(len(lv.committed) > 1 for lv in d.live.values()):
@@ -259,12 +346,12 @@ def test_load_control_sheds_arrivals_the_cluster_cannot_serve_in_time(replicas):
     async def main():
         d = make_dispatcher()
         await d.connect("s0", 1, **replicas[0].info())
-        relaxed = [d.submit(f"ok{i}", "story: fox 8", 12, 200, slo_ms=60_000) for i in range(8)]
+        relaxed = [submit(d, f"ok{i}", "story: fox 8", 200, slo_ms=60_000) for i in range(8)]
         shed_relaxed = d.stats["shed"]
         tight, refused = [], 0
         for i in range(80):  # a burst whose SLOs the one instance cannot all meet
             try:
-                tight.append(d.submit(f"t{i}", "rev: abcdef", 12, 16, slo_ms=300))
+                tight.append(submit(d, f"t{i}", "rev: abcdef", 16, slo_ms=300))
             except DispatchError as exc:
                 assert exc.status == 429
                 refused += 1
@@ -286,8 +373,8 @@ def test_two_ingresses_share_a_replica_and_keep_their_own_requests():
         old, new = make_dispatcher(), make_dispatcher()
         await old.connect("r", 1, **rep.info())
         await new.connect("r", 1, **rep.info())
-        keep = [new.submit(f"n{i}", p, 12, 200, threshold=0.9999) for i, p in enumerate(PROSE)]
-        old.submit("o0", "story: elk 7", 12, 200, threshold=0.9999)
+        keep = [submit(new, f"n{i}", p, 200, threshold=0.9999) for i, p in enumerate(PROSE)]
+        submit(old, "o0", "story: elk 7", 200, threshold=0.9999)
         for _ in range(200):
             await asyncio.sleep(0.02)
             if any(len(lv.committed) > 1 for lv in new.live.values()) and len(old.live["o0"].committed) > 1:
@@ -317,14 +404,14 @@ def test_a_draining_replica_hands_its_requests_over_and_takes_no_new_ones():
         d = make_dispatcher()
         for i, r in enumerate(reps):
             await d.connect(f"g{i}", 1, **r.info())
-        streams = [d.submit(f"q{i}", p, 12, 200, threshold=0.9999) for i, p in enumerate(PROSE * 2)]
+        streams = [submit(d, f"q{i}", p, 200, threshold=0.9999) for i, p in enumerate(PROSE * 2)]
         on_first = [rid for rid, lv in d.live.items() if lv.state.instance == 0]
         for _ in range(200):
             await asyncio.sleep(0.02)
             if any(len(d.live[r].committed) > 1 for r in on_first if r in d.live):
                 break
         left = await asyncio.to_thread(reps[0].drain, 30.0)
-        later = d.submit("later", "rev: abc", 10, 16)
+        later = submit(d, "later", "rev: abc", 16)
         results = await asyncio.gather(*(collect(s) for s in streams + [later]))
         for r in reps:
             r.close()

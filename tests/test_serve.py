@@ -15,8 +15,12 @@ PORT = 8765
 BASE = f"http://127.0.0.1:{PORT}"
 
 
+HF = "/hf"  # a Dream-format checkpoint with a byte-level BPE tokenizer and a ChatML template (tests/checkpoints.py)
+HF_MODEL = "dream-tiny"
+
+
 @pytest.fixture(scope="module")
-def app_url():
+def app_url(hf_checkpoints):
     import os
 
     from app.builder import build_app
@@ -36,10 +40,14 @@ def app_url():
     serve.run(build_app({"model": "tiny-bd", "tp_degrees": [2], "slots": 2, "max_waiting": 2,
                          "max_tokens_limit": 256, "park_s": 150}),
               name="remask-tp2", route_prefix="/tp2", blocking=False)
+    # a real-format checkpoint (random weights): its own tokenizer, chat template and generation_config.json
+    serve.run(build_app({"model": str(hf_checkpoints["dream"]), "served_model_name": HF_MODEL, "slots": 4,
+                         "max_waiting": 16, "max_tokens_limit": 64, "cpus_per_replica": 0.25}),
+              name="remask-hf", route_prefix=HF, blocking=False)
     # wait for the app to answer
     from tests.conftest import wait_until
 
-    wait_until(lambda: all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200 for p in ("", "/tp2"))
+    wait_until(lambda: all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200 for p in ("", "/tp2", HF))
                and len(httpx.get(f"{BASE}/debug/instances", timeout=2).json()["instances"]) == 2)
     yield BASE
     serve.shutdown()
@@ -345,3 +353,91 @@ def tasks_check(prompt: str, text: str) -> bool:
     from engine import tasks
 
     return tasks.check("prose", prompt, text)
+
+
+# ---------------------------------------------------------------- a real-format checkpoint, with the openai client
+
+
+@pytest.fixture(scope="module")
+def hf_client(app_url):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=app_url + HF + "/v1", api_key="none", max_retries=0)
+
+
+HF_CHAT = [{"role": "system", "content": "Antworte kurz."}, {"role": "user", "content": "Grüße aus 日本 🙂"},
+           {"role": "assistant", "content": "Hallo!"}, {"role": "user", "content": "Und jetzt? 🚀"}]
+
+
+def test_hf_chat_with_every_role_uses_the_template(app_url, hf_client):
+    out = hf_client.chat.completions.create(model=HF_MODEL, messages=HF_CHAT, max_tokens=24)
+    assert out.choices[0].finish_reason in ("stop", "length") and isinstance(out.choices[0].message.content, str)
+    # the prompt the model read is the template's rendering of all four turns
+    tok = post(app_url, HF + "/tokenize", {"model": HF_MODEL, "messages": HF_CHAT}).json()
+    assert out.usage.prompt_tokens == tok["count"]
+    text = post(app_url, HF + "/detokenize", {"model": HF_MODEL, "tokens": tok["tokens"]}).json()["prompt"]
+    assert "Antworte kurz." in text and "Und jetzt? 🚀" in text  # specials skipped: the turns' text, in order
+    assert text.index("Antworte") < text.index("Grüße") < text.index("Hallo!") < text.index("Und jetzt")
+
+
+def test_hf_stream_joins_to_the_non_streamed_text(hf_client):
+    body = {"model": HF_MODEL, "messages": HF_CHAT[:2], "max_tokens": 40, "temperature": 0}
+    whole = hf_client.chat.completions.create(**body).choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in hf_client.chat.completions.create(**body, stream=True)
+              if c.choices]
+    assert "".join(pieces) == whole and whole
+    # no piece carries part of a character: every U+FFFD in the pieces is one the whole text has too
+    assert sum(p.count("\ufffd") for p in pieces) == whole.count("\ufffd")
+
+
+def test_hf_completion_prompt_is_raw_text_and_several_prompts_get_one_choice_each(app_url, hf_client):
+    # (the checkpoint's generation_config.json samples at temperature 0.2: greedy asked for, to compare texts)
+    out = hf_client.completions.create(model=HF_MODEL, prompt=["Grüße 日本", "café 🙂"], max_tokens=16,
+                                       temperature=0)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    raw = [post(app_url, HF + "/tokenize", {"model": HF_MODEL, "prompt": p}).json() for p in ("Grüße 日本", "café 🙂")]
+    assert out.usage.prompt_tokens == raw[0]["count"] + raw[1]["count"]  # no chat template around them
+    single = hf_client.completions.create(model=HF_MODEL, prompt="Grüße 日本", max_tokens=16, temperature=0)
+    assert single.usage.prompt_tokens == raw[0]["count"]
+    ids = hf_client.completions.create(model=HF_MODEL, prompt=raw[0]["tokens"], max_tokens=16, temperature=0)
+    assert ids.choices[0].text == single.choices[0].text  # a prompt as token ids
+
+
+def test_hf_stop_strings_end_the_text_streamed_or_not(hf_client):
+    body = {"model": HF_MODEL, "prompt": "Grüße aus 日本", "max_tokens": 48, "seed": 11}  # sampled by default
+    whole = hf_client.completions.create(**body).choices[0].text
+    at = next(i for i in range(len(whole) // 2, len(whole) - 1) if "\ufffd" not in whole[i:i + 2])
+    stop = whole[at:at + 2]
+    cut = whole[:whole.index(stop)]
+    out = hf_client.completions.create(**body, stop=[stop, "\u2603never"])
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    streamed = list(hf_client.completions.create(**body, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "stop"
+
+
+def test_hf_seeded_sampling_is_reproducible_and_temperature_changes_the_answer(hf_client):
+    body = {"model": HF_MODEL, "prompt": "café 🙂", "max_tokens": 32}
+    greedy = hf_client.completions.create(**body, temperature=0).choices[0].text
+    a = hf_client.completions.create(**body, temperature=1.0, seed=7).choices[0].text
+    b = hf_client.completions.create(**body, temperature=1.0, seed=7).choices[0].text
+    c = hf_client.completions.create(**body, temperature=1.0, seed=8).choices[0].text
+    assert a == b
+    assert a != greedy and a != c
+
+
+@pytest.mark.parametrize("extra,param", [({"logprobs": True}, "logprobs"),
+                                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                                         ({"presence_penalty": 0.5}, "presence_penalty"),
+                                         ({"extra_body": {"guided_json": {}}}, "guided_json")])
+def test_hf_unsupported_parameters_are_refused(hf_client, extra, param):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        hf_client.chat.completions.create(model=HF_MODEL, messages=HF_CHAT[:2], max_tokens=4, **extra)
+    assert info.value.status_code == 400 and info.value.body["param"] == param
+
+
+def test_hf_models_version_and_model_by_id(app_url, hf_client):
+    assert hf_client.models.retrieve(HF_MODEL).id == HF_MODEL
+    assert httpx.get(app_url + HF + "/v1/models/nope").status_code == 404
+    assert httpx.get(app_url + HF + "/version").json()["version"]
