@@ -10,6 +10,8 @@ one batch per round and each request's committed text streams to its client.
 
 # no `from __future__ import annotations`: FastAPI must see the real Request type
 
+import asyncio
+import secrets
 import time
 
 from fastapi import FastAPI, Request
@@ -23,7 +25,7 @@ from app import api
 from app.auth import ApiKey, Keyring
 from app.config import AppConfig
 from app.control import ControlTimer
-from app.metrics import Metrics
+from app.metrics import Metrics, failure_reason
 
 web = FastAPI(title="Remask", description="OpenAI-compatible serving of diffusion language models")
 
@@ -79,7 +81,7 @@ class Ingress:
         path = resolve_model(self.cfg.model)
         self.model_cfg = load_config(path)
         self.tokenizer = load_tokenizer(path)
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name=self.cfg.name)
         self.control = ControlTimer()
         self.dispatcher = Dispatcher(
             build_router(self.cfg, self.model_cfg), self.tokenizer.decode, block_tokens=self.model_cfg.block_size,
@@ -101,8 +103,10 @@ class Ingress:
     def _document(self) -> None:
         """The OpenAPI document (``/openapi.json``) with this application's model, max_tokens limit and auth."""
         doc = web.openapi()
-        for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat")):
-            doc["paths"][path]["post"].update(api.openapi_body(kind, self.cfg.name, self.cfg.max_tokens_limit))
+        for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat"),
+                           ("/tokenize", "tokenize"), ("/detokenize", "detokenize")):
+            doc["paths"][path]["post"].update(api.openapi_body(kind, self.cfg.name, self.cfg.max_tokens_limit,
+                                                               vocab_size=self.model_cfg.vocab_size))
         if self.keys.enabled:
             doc.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             for path, ops in doc["paths"].items():
@@ -158,8 +162,45 @@ class Ingress:
         self._authorize(request)
         return api.models_response([self.cfg.name])
 
+    @web.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> dict:
+        self._authorize(request)
+        if model_id != self.cfg.name:
+            raise api.APIError(404, f"The model `{model_id}` does not exist or you do not have access to it.",
+                               type="not_found_error", param="model", code="model_not_found")
+        return api.model_response(self.cfg.name)
+
+    @web.get("/version")
+    async def version(self) -> dict:
+        return api.version_response()
+
+    @web.post("/tokenize", openapi_extra=api.openapi_body("tokenize"))
+    async def tokenize(self, request: Request) -> dict:
+        """The token ids of a prompt or a chat, as a generation request would send them to the model."""
+        self._authorize(request)
+        req = api.parse_tokenize(await self._body(request), known_models=[self.cfg.name])
+        b = self.model_cfg.block_size
+        if req.messages is not None:
+            ids = await asyncio.to_thread(self.tokenizer.chat_ids, req.messages, b,
+                                          add_generation_prompt=req.add_generation_prompt,
+                                          add_special_tokens=req.add_special_tokens)
+        elif req.add_special_tokens:
+            ids = await asyncio.to_thread(self.tokenizer.completion_ids, req.prompt, b)
+        else:
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt)
+        return api.tokenize_response(ids, self.model_cfg.max_position_embeddings)
+
+    @web.post("/detokenize", openapi_extra=api.openapi_body("detokenize"))
+    async def detokenize(self, request: Request) -> dict:
+        self._authorize(request)
+        _, ids = api.parse_detokenize(await self._body(request), known_models=[self.cfg.name],
+                                      vocab_size=self.model_cfg.vocab_size)
+        return api.detokenize_response(await asyncio.to_thread(self.tokenizer.decode, ids))
+
     @web.get("/metrics")
     async def metrics(self) -> Response:
+        self.metrics.set_cluster([i.stats for i in self.dispatcher.instances.values()], self.cfg.kv_capacity_tokens,
+                                 self.dispatcher.stats["shed"])  # as of now, between progress batches too
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
 
@@ -210,103 +251,200 @@ class Ingress:
             lease.release()
         return response
 
-    def _parse(self, kind: str, body: bytes, key: ApiKey) -> tuple[api.GenRequest, int]:
-        req = api.parse_request(kind, body, known_models=[self.cfg.name],
-                                max_tokens_limit=key.max_tokens_limit(self.cfg.max_tokens_limit),
-                                default_max_tokens=self.cfg.default_max_tokens
-                                or int(self.model_cfg.extra.get("gen_length", 128)))
-        n_prompt = len(self.tokenizer.prompt_ids(req.prompt, self.model_cfg.block_size))
-        key.check_prompt(n_prompt)
+    def _parse(self, kind: str, body: bytes, key: ApiKey) -> api.GenRequest:
+        return api.parse_request(kind, body, known_models=[self.cfg.name],
+                                 max_tokens_limit=key.max_tokens_limit(self.cfg.max_tokens_limit),
+                                 default_max_tokens=self.cfg.default_max_tokens
+                                 or int(self.model_cfg.extra.get("gen_length", 128)),
+                                 vocab_size=self.model_cfg.vocab_size)
+
+    def _prompt_ids(self, req: api.GenRequest) -> list[list[int]]:
+        """Each choice's prompt as token ids: a chat through the checkpoint's template, a completion as raw
+        text (the embedded models keep their own format). Runs off the event loop."""
+        b = self.model_cfg.block_size
+        if req.kind == "chat":
+            return [self.tokenizer.chat_ids(req.messages, b, add_generation_prompt=req.add_generation_prompt)]
+        return [self.tokenizer.completion_ids(p, b) for p in req.prompts]
+
+    def _check_prompt(self, ids: list[int], req: api.GenRequest, key: ApiKey) -> None:
+        n = len(ids)
+        if not n:
+            raise api.invalid("The prompt is empty.", param="prompt", code="empty_prompt")
+        key.check_prompt(n)
         limit, b = self.model_cfg.max_position_embeddings, self.model_cfg.block_size
-        if n_prompt + -(-req.max_tokens // b) * b > limit:  # the engine's canvas is whole blocks
-            raise api.APIError(400, f"prompt ({n_prompt} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+        if n + -(-req.max_tokens // b) * b > limit:  # the engine's canvas is whole blocks
+            raise api.APIError(400, f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                                     f"model's context of {limit} tokens", param="prompt",
                                code="context_length_exceeded")
-        return req, n_prompt
+
+    def _sampling(self, req: api.GenRequest) -> dict:
+        """The engine's sampling fields: the request's, else the checkpoint's defaults, else greedy. A request
+        that samples gets a seed when it has none, so a resume elsewhere decodes as it would have."""
+        defaults = getattr(self.tokenizer, "generation_defaults", {})
+        out = {"temperature": req.temperature if req.temperature is not None else defaults.get("temperature", 0.0),
+               "top_p": req.top_p if req.top_p is not None else defaults.get("top_p", 1.0),
+               "top_k": req.top_k if req.top_k is not None else defaults.get("top_k", 0),
+               "seed": req.seed, "stop_token_ids": list(req.stop_token_ids)}
+        if out["temperature"] > 0 and out["seed"] is None:
+            out["seed"] = secrets.randbits(63)
+        return out
+
+    @staticmethod
+    def _prompt_text(req: api.GenRequest, i: int) -> str:
+        if req.kind == "chat":
+            return "\n".join(m["content"] for m in req.messages)
+        return req.prompts[i] if isinstance(req.prompts[i], str) else ""
 
     async def _generate(self, kind: str, request: Request, key: ApiKey):
         from app.dispatch import DispatchError
 
+        streams = []
         try:
-            req, n_prompt = self._parse(kind, await self._body(request), key)
-            stream = self.dispatcher.submit(req.request_id, req.prompt, n_prompt, req.max_tokens,
-                                            threshold=req.threshold, slo_ms=req.slo_ms, priority=req.priority)
+            req = self._parse(kind, await self._body(request), key)
+            prompts = await asyncio.to_thread(self._prompt_ids, req)
+            for ids in prompts:
+                self._check_prompt(ids, req, key)
+            sampling = self._sampling(req)
+            for i, ids in enumerate(prompts):
+                rid = req.request_id if len(prompts) == 1 else f"{req.request_id}-{i}"
+                streams.append(self.dispatcher.submit(
+                    rid, ids, req.max_tokens, prompt_text=self._prompt_text(req, i), threshold=req.threshold,
+                    slo_ms=req.slo_ms, priority=req.priority, sampling=sampling, stop=req.stop))
         except api.APIError as err:
-            self.metrics.rejected("invalid")
+            self._cancel(streams)
+            self.metrics.rejected(failure_reason(err.status))
             return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
         except DispatchError as exc:
+            self._cancel(streams)
             return self._refused(exc.status, str(exc))
-        self.metrics.request_started()
-        try:
-            first = await stream.__anext__()
         except BaseException:
-            stream.cancel()
+            self._cancel(streams)
             raise
-        if first["type"] == "error":
-            self.metrics.request_finished(None, 0.0, None, 0, req.threshold, ok=False)
-            return self._refused(first.get("status", 500), first["message"])
-        if req.stream:
-            return _Stream(self._sse(req, stream), stream.cancel, media_type="text/event-stream")
-        done = first
+        for _ in streams:
+            self.metrics.request_started()
         try:
-            async for event in stream:
-                done = event
+            firsts = [await s.__anext__() for s in streams]
+        except BaseException:
+            self._cancel(streams)
+            for _ in streams:
+                self.metrics.request_failed("cancelled")
+            raise
+        failed = next((e for e in firsts if e["type"] == "error"), None)
+        if failed is not None:
+            self._cancel(streams)
+            self.metrics.request_dropped(len(streams))  # _refused counts the refusal
+            return self._refused(failed.get("status", 500), failed["message"])
+        if req.stream:
+            return _Stream(self._sse(req, streams), lambda: self._cancel(streams), media_type="text/event-stream")
+        dones = []
+        gap = self.metrics.gap_timer()
+        try:
+            for first, stream in zip(firsts, streams):
+                done = first
+                async for event in stream:
+                    done = event
+                    if event["type"] == "delta" and stream is streams[0]:  # later choices' deltas queue meanwhile
+                        gap()
+                dones.append(done)
+        except BaseException:
+            for _ in streams:  # the handler was cancelled: its client got none of them
+                self.metrics.request_failed("cancelled")
+            raise
         finally:
-            stream.cancel()  # a no-op once it ended; frees the request if this handler was cancelled
-        if done["type"] != "done":
-            self.metrics.request_finished(None, 0.0, None, 0, req.threshold, ok=False)
-            return self._refused(done.get("status", 500), done.get("message", "generation failed"))
-        self._finished(req, done)
-        build = api.completion_response if kind == "completion" else api.chat_response
-        return build(req, done["text"], done["finish_reason"], done["prompt_tokens"], done["completion_tokens"])
+            self._cancel(streams)  # a no-op once they ended; frees them if this handler was cancelled
+        for done in dones:
+            if done["type"] == "done":
+                self._finished(req, done)
+            else:
+                self.metrics.request_dropped()  # _refused counts the refusal
+        bad = next((d for d in dones if d["type"] != "done"), None)
+        if bad is not None:
+            return self._refused(bad.get("status", 500), bad.get("message", "generation failed"))
+        prompt_tokens = sum(d["prompt_tokens"] for d in dones)
+        completion_tokens = sum(d["completion_tokens"] for d in dones)
+        if kind == "completion":
+            return api.completion_response(req, [(d["text"], d["finish_reason"]) for d in dones], prompt_tokens,
+                                           completion_tokens)
+        return api.chat_response(req, dones[0]["text"], dones[0]["finish_reason"], prompt_tokens, completion_tokens)
+
+    @staticmethod
+    def _cancel(streams) -> None:
+        for s in streams:
+            s.cancel()
 
     def _refused(self, status: int, message: str) -> JSONResponse:
-        self.metrics.rejected({429: "overload", 400: "invalid"}.get(status, "error"))
+        self.metrics.rejected(failure_reason(status))
         kind = {429: "rate_limit_error", 400: "invalid_request_error", 503: "service_unavailable"}.get(
             status, "server_error")
         err = api.APIError(status, message, type=kind, headers={"Retry-After": "1"} if status in (429, 503) else None)
         return JSONResponse(err.to_dict(), status_code=status, headers=err.headers)
 
-    async def _sse(self, req: api.GenRequest, stream):
+    async def _sse(self, req: api.GenRequest, streams):
+        """Every choice's events as server-sent events, interleaved as they come (each chunk names its
+        choice's ``index``); the usage chunk and ``[DONE]`` once all choices ended."""
         chat = req.kind == "chat"
-        done = None
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream) -> None:
+            try:
+                async for event in stream:
+                    await events.put((index, event))
+            finally:
+                await events.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        open_, dones, failed = len(streams), [], False
+        gap, errors = self.metrics.gap_timer(), 0
         try:
             if chat:
                 yield api.sse(api.chat_chunk(req, role=True))
-            async for event in stream:
-                if event["type"] == "delta":
-                    chunk = api.chat_chunk(req, event["text"]) if chat else api.completion_chunk(req, event["text"])
-                    yield api.sse(chunk)
+            while open_:
+                index, event = await events.get()
+                if event is None:
+                    open_ -= 1
+                elif event["type"] == "delta":
+                    gap(index)
+                    yield api.sse(api.chat_chunk(req, event["text"]) if chat
+                                  else api.completion_chunk(req, event["text"], index=index))
                 elif event["type"] == "done":
-                    done = event
-                    end = (api.chat_chunk(req, finish_reason=event["finish_reason"]) if chat
-                           else api.completion_chunk(req, "", event["finish_reason"]))
-                    yield api.sse(end)
-                    if req.include_usage:
-                        yield api.sse(api.usage_chunk(req, event["prompt_tokens"], event["completion_tokens"]))
-                else:
+                    dones.append(event)
+                    yield api.sse(api.chat_chunk(req, finish_reason=event["finish_reason"]) if chat
+                                  else api.completion_chunk(req, "", event["finish_reason"], index=index))
+                elif event["type"] == "error":
+                    failed = True
+                    errors += 1
+                    self.metrics.request_failed(failure_reason(event.get("status")))
                     yield api.sse({"error": {"message": event.get("message", "generation failed"),
                                              "type": "server_error", "param": None, "code": event.get("status")}})
+            if req.include_usage and not failed:
+                yield api.sse(api.usage_chunk(req, sum(d["prompt_tokens"] for d in dones),
+                                              sum(d["completion_tokens"] for d in dones)))
             yield api.sse("[DONE]")
         finally:
-            if done is not None:
+            for t in tasks:
+                t.cancel()
+            for done in dones:
                 self._finished(req, done)
-            else:  # the client disconnected or the request failed: free it on its instance
-                stream.cancel()
-                self.metrics.request_finished(None, 0.0, None, 0, req.threshold, ok=False)
+            if len(dones) < len(streams):  # the client disconnected or a choice failed: free them on their instances
+                self._cancel(streams)
+                for _ in range(len(streams) - len(dones) - errors):  # the client went away
+                    self.metrics.request_failed("cancelled")
 
     def _on_batch(self, batch: dict, now: float) -> None:
         if batch.get("items"):
             ms = self.control.batch(batch)
             if ms is not None:
-                self.metrics.control.observe(ms / 1e3)
+                self.metrics.control_event(ms / 1e3)
             stepped = sum("steps" in item for item in batch["items"])
             if stepped:
                 self.metrics.round_observed(stepped)
-        views = [i.stats for i in self.dispatcher.instances.values()]
-        self.metrics.set_queue(sum(v.get("running", 0) for v in views), sum(v.get("waiting", 0) for v in views))
+        self.metrics.set_cluster([i.stats for i in self.dispatcher.instances.values()], self.cfg.kv_capacity_tokens,
+                                 self.dispatcher.stats["shed"])
 
     def _finished(self, req: api.GenRequest, done: dict) -> None:
         slo_met = None if req.slo_ms is None else done["e2e_s"] * 1000 <= req.slo_ms
-        self.metrics.request_finished(done["ttft_s"], done["e2e_s"], slo_met, done["rounds"], done.get("threshold"),
-                                      ok=True)
+        self.metrics.request_finished(
+            finish_reason=done["finish_reason"], prompt_tokens=done.get("prompt_tokens", 0),
+            completion_tokens=done.get("completion_tokens", 0), e2e_s=done["e2e_s"], ttft_s=done.get("ttft_s"),
+            queue_s=done.get("queue_s"), rounds=done.get("rounds", 0), threshold=done.get("threshold"),
+            slo_met=slo_met, resumes=done.get("resumes", 0))
