@@ -182,7 +182,8 @@ def cmd_bench(args) -> int:
     if args.what == "control":
         from app.bench_control import bench_control
 
-        res = bench_control(args.url, 40 if args.requests is None else args.requests, args.concurrency)
+        res = bench_control(args.url, 40 if args.requests is None else args.requests, args.concurrency,
+                            api_key=args.api_key)
         print(json.dumps(res) if args.json else
               f"control path: median {res['median_ms']} ms per round event (p99 {res['p99_ms']} ms) over "
               f"{res['events']} events; request dispatch to round boundary median {res['add_median_ms']} ms")
@@ -365,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--requests", type=int,
                    help="control: streamed completions (default 40); engine: requests per contender (default 16)")
     b.add_argument("--concurrency", type=int, default=4, help="control: requests at a time")
+    b.add_argument("--api-key", help="control: sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     b.add_argument("--slots", type=int, help="scheduler, round: default 128; router: slots per instance, default 32")
     b.add_argument("--instances", type=int, default=16, help="router: TP-1 instances")
     b.add_argument("--active", type=int, default=1000, help="router: active requests")

@@ -3,17 +3,44 @@
 Timing follows vLLM's benchmark: TTFT is the time from sending the request to the first chunk that
 carries text (a chat stream's opening role-only chunk does not count); ITL are the gaps between
 successive chunks with text; E2EL is the time to the end of the stream.
+
+API keys: every client of this package (replay, Locust, ``remask chat``, ``remask bench control``) takes
+``--api-key`` (default: the ``OPENAI_API_KEY`` environment variable) and sends it as
+``Authorization: Bearer <key>`` with every request. The key is never printed, logged or written to a
+results file; a 401 is reported with :func:`unauthorized_hint`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
 from loadgen.trace import TraceRequest
 
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+API_KEY_ENV = "OPENAI_API_KEY"
+
+
+def resolve_api_key(given: str | None) -> str | None:
+    """The key to send: ``given`` (``--api-key``), else ``$OPENAI_API_KEY``, else none."""
+    return given or os.environ.get(API_KEY_ENV) or None
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def unauthorized_hint(api_key: str | None) -> str:
+    """What to do about a 401 (never the key itself)."""
+    if api_key:
+        return "the server refused the API key sent (from --api-key or $OPENAI_API_KEY)"
+    return "the server wants an API key: pass --api-key KEY or set $OPENAI_API_KEY"
+
+
+class Unauthorized(ValueError):
+    """HTTP 401 from the server (a ValueError so ``remask`` prints it as an error line, without a traceback)."""
 
 
 @dataclass
@@ -23,6 +50,7 @@ class RequestResult:
     endpoint: str
     arrival_s: float  # scheduled offset from the start of the replay
     send_s: float = 0.0  # actual offset at which the request was sent
+    queued_ms: float = 0.0  # waited this long for a slot under --max-concurrency (not in TTFT/E2EL, as in vLLM)
     status: int | None = None  # HTTP status; None when no response came
     ok: bool = False
     error: str | None = None
@@ -44,7 +72,8 @@ class RequestResult:
 
     @property
     def send_lag_ms(self) -> float:
-        return (self.send_s - self.arrival_s) * 1000.0
+        """How late the request went out after its arrival, besides any wait for a concurrency slot."""
+        return (self.send_s - self.arrival_s) * 1000.0 - self.queued_ms
 
     def to_dict(self) -> dict:
         out = dict(self.__dict__)
@@ -67,7 +96,8 @@ def _finish(choices: list[dict]) -> str | None:
     return next((c["finish_reason"] for c in choices if c.get("finish_reason")), None)
 
 
-def _error_message(body: bytes) -> str:
+def error_message(body: bytes) -> str:
+    """The ``error.message`` of an OpenAI-style error body (else its first 200 bytes)."""
     try:
         return json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
@@ -91,7 +121,7 @@ async def send(transport, req: TraceRequest, model: str | None, res: RequestResu
             res.send_s = start - t0
             res.status = resp.status
             if resp.status >= 400:
-                res.error = f"HTTP {resp.status}: {_error_message(await resp.read())}"
+                res.error = f"HTTP {resp.status}: {error_message(await resp.read())}"
                 return res
             async for line in resp.lines():
                 if done or not line.startswith("data:"):

@@ -9,6 +9,7 @@
 
 ``transport.stream(path, payload, headers)`` is an async context manager yielding a :class:`Stream`:
 ``status``, ``sent_at`` (``time.perf_counter`` when the request was written), ``lines()`` and ``read()``.
+``headers`` given to the transport itself (e.g. ``Authorization``) go with every request.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class _RawStream(Stream):
 class RawTransport:
     """A keep-alive pool of HTTP/1.1 connections to one origin."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 600.0, headers: dict[str, str] | None = None) -> None:
         u = urlsplit(url)
         if u.scheme not in ("http", "https"):
             raise ValueError(f"the URL must be http:// or https://, got {url!r}")
@@ -84,6 +85,7 @@ class RawTransport:
         self.timeout_s = timeout_s
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self.hostport = self.host if u.port is None else f"{self.host}:{self.port}"
+        self.headers = dict(headers or {})
 
     async def _connect(self):
         ctx = ssl.create_default_context() if self.tls else None
@@ -107,7 +109,7 @@ class RawTransport:
 
     @asynccontextmanager
     async def stream(self, path: str, payload: bytes, headers: dict[str, str]) -> AsyncIterator[Stream]:
-        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        head = "".join(f"{k}: {v}\r\n" for k, v in {**self.headers, **headers}.items())
         request = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.hostport}\r\nContent-Type: application/json\r\n"
                    f"Accept: text/event-stream\r\n{head}Content-Length: {len(payload)}\r\n\r\n").encode() + payload
         conn, reused = (self.idle.pop(), True) if self.idle else (await self._connect(), False)
@@ -149,9 +151,10 @@ class _HttpxStream(Stream):
 
 
 class HttpxTransport:
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 600.0, headers: dict[str, str] | None = None) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.client = httpx.AsyncClient(base_url=url.rstrip("/"), limits=limits, timeout=timeout_s)
+        self.client = httpx.AsyncClient(base_url=url.rstrip("/"), limits=limits, timeout=timeout_s,
+                                        headers=headers)
 
     @asynccontextmanager
     async def stream(self, path: str, payload: bytes, headers: dict[str, str]) -> AsyncIterator[Stream]:
@@ -170,9 +173,11 @@ class HttpxTransport:
         await self.client.aclose()
 
 
-def make_transport(kind: str, url: str, timeout_s: float = 600.0) -> RawTransport | HttpxTransport:
+def make_transport(kind: str, url: str, timeout_s: float = 600.0,
+                   headers: dict[str, str] | None = None) -> RawTransport | HttpxTransport:
+    """A transport of ``kind`` to ``url``; ``headers`` are sent with every request."""
     if kind == "raw":
-        return RawTransport(url, timeout_s)
+        return RawTransport(url, timeout_s, headers)
     if kind == "httpx":
-        return HttpxTransport(url, timeout_s)
+        return HttpxTransport(url, timeout_s, headers)
     raise ValueError(f"unknown transport {kind!r}; known: {', '.join(TRANSPORTS)}")

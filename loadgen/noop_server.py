@@ -6,6 +6,13 @@ chunks (SSE over chunked HTTP/1.1, keep-alive), plus ``/health`` and ``/v1/model
 the request line and when it wrote the first text chunk (``time.perf_counter``); ``GET /noop/log``
 returns that log, so a client can subtract the server's own share from the TTFT it measured.
 
+For the clients' tests: ``--api-key KEY`` makes every route but ``/health`` and ``/noop/*`` answer 401
+unless ``Authorization: Bearer KEY`` comes with it; ``GET /noop/stats`` returns the generation requests
+answered (``count``), the most streams in flight at once (``max_inflight``) and the ``Authorization``
+headers seen with their counts (``authorization``: a test server's own key, nothing else); a request with
+``stream_options.include_canvas`` gets a ``remask_canvas`` chunk before each text chunk (one round per
+chunk, one position per character); ``GET /debug/control`` answers like the app's, with no samples.
+
 ``python -m loadgen.noop_server --port 0`` prints ``listening on <port>`` once ready.
 """
 
@@ -29,6 +36,7 @@ class NoopConfig:
     fail_every: int = 0
     fail_status: int = 500
     model: str = "noop"
+    api_key: str | None = None
 
 
 class NoopServer:
@@ -36,6 +44,8 @@ class NoopServer:
         self.cfg = cfg
         self.count = 0
         self.log: dict[str, list[float]] = {}
+        self.inflight = self.max_inflight = 0
+        self.authorization: dict[str, int] = {}
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -59,12 +69,24 @@ class NoopServer:
             writer.close()
 
     async def route(self, method, path, headers, body, writer, t_recv) -> None:
+        path = path.split("?")[0]
         if method == "GET" and path == "/health":
             return self.send_json(writer, 200, {"status": "ok"})
-        if method == "GET" and path == "/v1/models":
-            return self.send_json(writer, 200, {"object": "list", "data": [{"id": self.cfg.model, "object": "model"}]})
         if method == "GET" and path == "/noop/log":
             return self.send_json(writer, 200, self.log)
+        if method == "GET" and path == "/noop/stats":
+            return self.send_json(writer, 200, {"count": self.count, "max_inflight": self.max_inflight,
+                                                "authorization": self.authorization})
+        auth = headers.get("authorization", "")
+        self.authorization[auth] = self.authorization.get(auth, 0) + 1
+        if self.cfg.api_key is not None and auth != f"Bearer {self.cfg.api_key}":
+            return self.send_json(writer, 401, {"error": {"message": "Incorrect API key provided.",
+                                                          "type": "invalid_request_error", "code": "invalid_api_key"}})
+        if method == "GET" and path == "/v1/models":
+            return self.send_json(writer, 200, {"object": "list", "data": [{"id": self.cfg.model, "object": "model"}]})
+        if method == "GET" and path == "/debug/control":
+            return self.send_json(writer, 200, {"events": 0, "samples": 0, "median_ms": 0.0, "p99_ms": 0.0,
+                                                "add_median_ms": 0.0})
         if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
             return self.send_json(writer, 404, {"error": {"message": f"no route {method} {path}", "type": "not_found"}})
         self.count += 1
@@ -72,7 +94,12 @@ class NoopServer:
             return self.send_json(writer, self.cfg.fail_status, {"error": {"message": "injected failure",
                                                                       "type": "server_error"}})
         req = json.loads(body or b"{}")
-        await self.stream(writer, path.endswith("chat/completions"), req, headers.get("x-request-id"), t_recv)
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            await self.stream(writer, path.endswith("chat/completions"), req, headers.get("x-request-id"), t_recv)
+        finally:
+            self.inflight -= 1
 
     def send_json(self, writer, status: int, obj) -> None:
         data = json.dumps(obj).encode()
@@ -85,10 +112,14 @@ class NoopServer:
         size = -(-len(cfg.reply) // n)
         pieces = [cfg.reply[i:i + size] for i in range(0, len(cfg.reply), size)] or [""]
 
-        def event(choice: dict | None, usage: dict | None = None) -> bytes:
+        canvas = bool((req.get("stream_options") or {}).get("include_canvas"))
+
+        def event(choice: dict | None, usage: dict | None = None, view: dict | None = None) -> bytes:
             out = {"id": "noop", "object": obj, "created": 0, "model": cfg.model, "choices": [choice] if choice else []}
             if usage:
                 out["usage"] = usage
+            if view:
+                out["remask_canvas"] = view
             payload = b"data: " + json.dumps(out).encode() + b"\n\n"
             return b"%x\r\n%s\r\n" % (len(payload), payload)
 
@@ -107,6 +138,12 @@ class NoopServer:
         for i, piece in enumerate(pieces):
             if i and cfg.gap_s:
                 await asyncio.sleep(cfg.gap_s)
+            if canvas:
+                lo = i * size
+                view = {"index": 0, "round": i + 1, "instance": 0, "tp": 1, "threshold": 0.9,
+                        "block": [lo, lo + len(piece)], "committed": [[lo + j, ord(c), c] for j, c in enumerate(piece)],
+                        "masked": [], "length": len(cfg.reply)}
+                head += event(None, view=view)
             writer.write(head + event(choice(piece)))
             head = b""
             if i == 0 and rid is not None:
@@ -148,8 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gap-ms", type=float, default=0.0)
     p.add_argument("--fail-every", type=int, default=0, help="every k-th generation request fails (0: none)")
     p.add_argument("--fail-status", type=int, default=500)
+    p.add_argument("--api-key", help="answer 401 unless 'Authorization: Bearer KEY' comes with a request")
     a = p.parse_args(argv)
-    cfg = NoopConfig(a.reply, a.chunks, a.first_delay_ms / 1000, a.gap_ms / 1000, a.fail_every, a.fail_status)
+    cfg = NoopConfig(a.reply, a.chunks, a.first_delay_ms / 1000, a.gap_ms / 1000, a.fail_every, a.fail_status,
+                     api_key=a.api_key)
     try:
         asyncio.run(serve(cfg, a.host, a.port))
     except KeyboardInterrupt:

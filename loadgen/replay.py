@@ -4,6 +4,11 @@ The sender only sleeps and spawns a task per request; responses are read by thos
 response never delays a later send (every result records its ``send_lag_ms``). The connection pool
 is unbounded for the same reason. Ctrl-C (or SIGTERM) stops sending, cancels the requests in flight
 and still returns (and writes) what was measured, marked ``interrupted``.
+
+``max_concurrency`` (``--max-concurrency``, vLLM benchmark_serving's option) caps the requests in flight:
+a request that arrives while N are in flight waits for a free slot, then goes out. As in vLLM, its
+latencies (TTFT, TPOT, ITL, E2EL) start when it goes out; the wait is recorded as ``queued_ms`` (and
+``mean_queue_ms``/``max_queue_ms`` in the summary) and is part of the benchmark's duration.
 """
 
 from __future__ import annotations
@@ -12,12 +17,12 @@ import asyncio
 import json
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadgen.client import RequestResult, send
+from loadgen.client import RequestResult, auth_headers, send
 from loadgen.http import make_transport
-from loadgen.metrics import summarize
+from loadgen.metrics import DEFAULT_PERCENTILES, summarize
 from loadgen.trace import TraceRequest
 
 
@@ -31,6 +36,14 @@ class ReplayConfig:
     time_scale: float = 1.0  # arrival offsets are multiplied by this (0.5 = twice the rate)
     transport: str = "raw"  # "raw" | "httpx" (loadgen.http)
     spin_s: float = 0.0  # see _until
+    api_key: str | None = field(default=None, repr=False)  # sent as "Authorization: Bearer"; never recorded
+    max_concurrency: int | None = None  # at most this many requests in flight (None: unbounded)
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES  # of TTFT, TPOT, ITL and E2EL in the summary
+    goodput: dict[str, float] | None = None  # {"ttft"|"tpot"|"e2el": ms}: vLLM's --goodput bounds
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be at least 1, got {self.max_concurrency}")
 
 
 async def _until(when: float, stopper: asyncio.Future, spin_s: float) -> None:
@@ -56,7 +69,17 @@ async def _replay(trace: list[TraceRequest], cfg: ReplayConfig, stop: asyncio.Ev
         bar = tqdm(total=len(trace), unit="req", desc="replay")
     results: list[RequestResult] = []
     tasks: list[asyncio.Task] = []
-    client = make_transport(cfg.transport, cfg.url, cfg.timeout_s)
+    client = make_transport(cfg.transport, cfg.url, cfg.timeout_s, auth_headers(cfg.api_key))
+    slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+
+    async def gated(req: TraceRequest, res: RequestResult) -> RequestResult:
+        if slots is None:
+            return await send(client, req, cfg.model, res, t0)
+        waited = time.perf_counter()
+        async with slots:
+            res.queued_ms = (time.perf_counter() - waited) * 1000.0
+            return await send(client, req, cfg.model, res, t0)
+
     try:
         t0 = time.perf_counter() + cfg.lead_s
         stopper = asyncio.ensure_future(stop.wait())
@@ -66,7 +89,7 @@ async def _replay(trace: list[TraceRequest], cfg: ReplayConfig, stop: asyncio.Ev
                 break
             res = RequestResult(req.request_id, req.category, req.endpoint, req.arrival_s * cfg.time_scale)
             results.append(res)
-            task = asyncio.ensure_future(send(client, req, cfg.model, res, t0))
+            task = asyncio.ensure_future(gated(req, res))
             if bar is not None:
                 task.add_done_callback(lambda _t: bar.update(1))
             tasks.append(task)
@@ -115,11 +138,14 @@ def replay(trace: list[TraceRequest], cfg: ReplayConfig) -> dict:
 
 def results_document(out: dict, cfg: ReplayConfig, started: float) -> dict:
     results = out["results"]
+    summary = summarize(results, out["duration"], out["not_sent"], cfg.percentiles, cfg.goodput)
+    summary["max_concurrency"] = cfg.max_concurrency
     return {
         "config": {"url": cfg.url, "model": cfg.model, "time_scale": cfg.time_scale, "transport": cfg.transport,
-                   "started_at": started},
+                   "started_at": started, "api_key_sent": bool(cfg.api_key), "max_concurrency": cfg.max_concurrency,
+                   "percentiles": list(cfg.percentiles), "goodput": cfg.goodput},
         "interrupted": out["interrupted"],
-        "summary": summarize(results, out["duration"], out["not_sent"]),
+        "summary": summary,
         "requests": [r.to_dict() for r in results],
     }
 

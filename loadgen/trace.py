@@ -3,6 +3,12 @@
 Every request's prompt is a held-out task-suite example, so the answer a server streams back can be
 checked. Synthesis is deterministic in ``seed``: arrivals, lengths and prompts draw from separate
 generators derived from it, so changing the arrival process keeps the same prompts.
+
+Own prompts: ``remask loadgen synth --prompts-file FILE.jsonl`` takes the prompts from a JSONL file
+(:func:`read_prompts`: one object a line with ``prompt`` or ``messages``, optional ``max_tokens``), in
+file order, wrapping around when ``--n`` is larger than the file. They go into the trace like any other
+request (category ``custom``, no reference answer, so they do not count towards accuracy), so the
+replay stays one file in, and the arrivals, SLOs and thresholds of synthesis apply to them as well.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import numpy as np
 from engine import tasks
 from loadgen.arrivals import ArrivalParams, arrivals
 from loadgen.lengths import max_tokens_for, sample_lengths
+
+CUSTOM = "custom"  # the category of prompts from a prompts file: no reference answer, never checked
 
 
 @dataclass
@@ -39,9 +47,14 @@ class TraceRequest:
     @property
     def text(self) -> str:
         """The task prompt (a chat request carries it as its one user message)."""
-        return self.prompt if self.prompt is not None else "\n".join(m["content"] for m in self.messages or [])
+        if self.prompt is not None:
+            return self.prompt
+        return "\n".join(_content_text(m.get("content")) for m in self.messages or [])
 
-    def check(self, output: str) -> bool:
+    def check(self, output: str) -> bool | None:
+        """Is ``output`` a right answer? None for prompts without a reference answer (a prompts file's)."""
+        if self.category not in tasks.CATEGORIES:
+            return None
         return tasks.check(self.category, self.text, output)
 
     def body(self, model: str | None) -> dict:
@@ -61,6 +74,60 @@ class TraceRequest:
         return out
 
 
+def _content_text(content) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+PROMPT_KEYS = ("prompt", "messages", "max_tokens")
+
+
+def _prompt_error(obj) -> str | None:
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {type(obj).__name__}"
+    unknown = sorted(set(obj) - set(PROMPT_KEYS))
+    if unknown:
+        return f"unknown keys {unknown}; a line has prompt or messages, and optionally max_tokens"
+    if ("prompt" in obj) == ("messages" in obj):
+        return "needs exactly one of prompt (a string) or messages (a list of {role, content})"
+    if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"]):
+        return "prompt must be a non-empty string"
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            return "messages must be a non-empty list"
+        for i, m in enumerate(msgs):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), (str, list))):
+                return f"messages[{i}] must be an object with a string role and a string (or parts) content"
+    mt = obj.get("max_tokens")
+    if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
+        return f"max_tokens must be a positive integer, not {mt!r}"
+    return None
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """The prompts of a JSONL file: one object a line, ``{"prompt": "..."}`` (a completion) or
+    ``{"messages": [{"role": "user", "content": "..."}]}`` (a chat), each with an optional ``max_tokens``.
+    Blank lines are skipped; a bad line raises ValueError naming ``path:line``."""
+    out = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from None
+            if (err := _prompt_error(obj)) is not None:
+                raise ValueError(f"{path}:{lineno}: {err}")
+            out.append(obj)
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
 @dataclass(frozen=True)
 class SynthConfig:
     n: int = 200
@@ -77,6 +144,7 @@ class SynthConfig:
     priorities: tuple[int, ...] = (0,)
     prompts: str = "sample"  # "sample": drawn with the seed; "eval": `remask eval`'s held-out set, in order
     eval_seed: int = 2026
+    prompts_file: str | None = None  # own prompts (read_prompts), in file order, instead of the task suite
 
 
 def _categories(rng: random.Random, n: int, mix: dict[str, float] | None) -> list[str]:
@@ -97,6 +165,8 @@ def synth(cfg: SynthConfig) -> list[TraceRequest]:
     t = arrivals(cfg.arrivals, cfg.n, cfg.arrival_params, np.random.default_rng(seeds[0]))
     lens = sample_lengths(cfg.lengths, cfg.n, np.random.default_rng(seeds[1])) if cfg.lengths else None
     rng = random.Random(int(seeds[2].generate_state(1)[0]))
+    if cfg.prompts_file is not None:
+        return _synth_from_file(cfg, t, lens, rng)
     if cfg.prompts == "eval":  # the very prompts `remask eval --n N` scores, so the two compare one to one
         examples = tasks.heldout_set(cfg.n, cfg.eval_seed)
     elif cfg.prompts == "sample":
@@ -117,6 +187,30 @@ def synth(cfg: SynthConfig) -> list[TraceRequest]:
             messages=[{"role": "user", "content": ex.prompt}] if kind == "chat" else None,
             threshold=cfg.threshold, slo_ms=slo, priority=rng.choice(cfg.priorities),
             input_len=in_len, output_len=out_len))
+    return out
+
+
+def _synth_from_file(cfg: SynthConfig, t, lens, rng: random.Random) -> list[TraceRequest]:
+    """Requests with the prompts of ``cfg.prompts_file``: ``prompt`` lines go to ``cfg.endpoint`` (a chat gets
+    the prompt as its one user message), ``messages`` lines always to chat; ``max_tokens`` from the line,
+    else the nominal output length (``cfg.lengths``), else ``cfg.max_tokens_cap``."""
+    lines = read_prompts(cfg.prompts_file)
+    out = []
+    for i in range(cfg.n):
+        line = lines[i % len(lines)]
+        out_len = int(lens[1][i]) if lens else None
+        max_tokens = line.get("max_tokens") or (min(out_len, cfg.max_tokens_cap) if out_len else cfg.max_tokens_cap)
+        if "messages" in line:
+            kind, prompt, messages = "chat", None, line["messages"]
+        else:
+            kind = cfg.endpoint if cfg.endpoint != "mixed" else rng.choice(("completion", "chat"))
+            prompt = line["prompt"] if kind == "completion" else None
+            messages = [{"role": "user", "content": line["prompt"]}] if kind == "chat" else None
+        slo = None if cfg.slo_ms is None else round(cfg.slo_ms + cfg.slo_ms_per_token * max_tokens, 3)
+        out.append(TraceRequest(
+            request_id=f"req-{i:06d}", arrival_s=round(float(t[i]), 6), endpoint=kind, max_tokens=max_tokens,
+            category=CUSTOM, answer="", prompt=prompt, messages=messages, threshold=cfg.threshold, slo_ms=slo,
+            priority=rng.choice(cfg.priorities), input_len=int(lens[0][i]) if lens else None, output_len=out_len))
     return out
 
 

@@ -252,8 +252,11 @@ def test_chat_client_streams_and_keeps_history(server):
     assert out.getvalue() == "hello there\nhello there\n"
     out = io.StringIO()
     chat(url, show_steps=True, inp=io.StringIO("hi\n"), out=out, interactive=False)
-    lines = out.getvalue().splitlines()
-    assert len(lines) == 4 and "chunk   1" in lines[0] and lines[2].endswith("|hello there|") and "done" in lines[3]
+    lines = out.getvalue().splitlines()  # a canvas line per round (the no-op server: one per chunk), then the chunk
+    assert len(lines) == 7 and "chunk   1" in lines[1] and lines[5].endswith("|hello there|") and "done" in lines[6]
+    assert [ln.split("] ", 1)[1] for ln in lines[0:6:2]] == [
+        "round   1 thr 0.90 +4  i0 tp1 |[hell]_______|", "round   2 thr 0.90 +4  i0 tp1 |hell[o th]___|",
+        "round   3 thr 0.90 +3  i0 tp1 |hello th[ere]|"]
 
 
 def test_cli_synth(tmp_path):
@@ -290,3 +293,255 @@ def test_locust_streaming_user_and_trace_shape(server, tmp_path):
     assert int(stats[("POST", "/v1/completions (headers)")][2]) == 10  # the shape ends once the trace is done
     assert stats[("ANSWER", "arith")][2:4] == ["10", "0"]
     assert int(stats[("LAG", "send")][2]) == 10
+
+
+# ---- API keys --------------------------------------------------------------------------------------------------
+
+KEY = "sk-test-0123456789"
+
+
+def _stats(url: str) -> dict:
+    return httpx.get(url + "/noop/stats").json()
+
+
+@pytest.mark.parametrize("transport", ["raw", "httpx"])
+def test_replay_sends_the_api_key(server, transport):
+    url = server("--reply", "42", "--api-key", KEY)
+    trace = [arith(i, 40, 2, 0.01 * i, "chat" if i % 2 else "completion") for i in range(4)]
+    cfg = ReplayConfig(url=url, progress=False, transport=transport, api_key=KEY)
+    assert KEY not in repr(cfg)
+    doc = replay(trace, cfg)
+    assert doc["summary"]["completed"] == 4 and doc["config"]["api_key_sent"] is True
+    assert KEY not in json.dumps(doc)
+    assert _stats(url)["authorization"] == {f"Bearer {KEY}": 4}
+
+
+def test_chat_and_bench_control_send_the_api_key(server, monkeypatch, capsys):
+    from app.bench_control import bench_control
+    from app.cli import main
+    from loadgen.chat import chat
+
+    url = server("--reply", "hi", "--api-key", KEY)
+    out = io.StringIO()
+    assert chat(url, inp=io.StringIO("a\nb\n"), out=out, interactive=False, api_key=KEY) == 0
+    assert out.getvalue() == "hi\nhi\n"
+    res = bench_control(url, requests=3, concurrency=2, api_key=KEY)
+    assert res["requests"] == 3 and res["sse_chunks"] > 0
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)  # the default of --api-key
+    assert main(["bench", "control", "--url", url, "--requests", "2", "--json"]) == 0
+    monkeypatch.setattr(sys, "stdin", io.StringIO("c\n"))
+    assert main(["chat", "--url", url]) == 0
+    assert KEY not in capsys.readouterr().out
+    # chat: 2 turns + 1; bench control: 2 x (models, control, control) + 3 + 2 completions
+    assert _stats(url)["authorization"] == {f"Bearer {KEY}": 3 + 6 + 5}
+
+
+def test_401_is_reported_clearly(server, tmp_path, monkeypatch, capsys):
+    from app.bench_control import bench_control
+    from app.cli import main
+    from loadgen.chat import chat
+    from loadgen.client import Unauthorized
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    url = server("--reply", "42", "--api-key", KEY)
+    write_trace([arith(i, 40, 2, 0.01 * i) for i in range(3)], tmp_path / "t.jsonl")
+    args = ["loadgen", "replay", "--url", url, "--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "r.json"),
+            "--quiet"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "3 requests got HTTP 401 Unauthorized: the server wants an API key: pass --api-key" in err
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["summary"]["errors_by_kind"] == {"401": 3}
+    assert doc["requests"][0]["error"] == "HTTP 401: Incorrect API key provided."
+    assert main([*args, "--api-key", "sk-wrong-key"]) == 0
+    out, err = capsys.readouterr()
+    assert "refused the API key" in err and "sk-wrong-key" not in out + err + (tmp_path / "r.json").read_text()
+
+    out = io.StringIO()
+    assert chat(url, inp=io.StringIO("a\nb\n"), out=out, interactive=False, api_key="sk-wrong-key") == 1
+    err = capsys.readouterr().err
+    assert "HTTP 401: Incorrect API key provided. (the server refused the API key" in err and "sk-wrong" not in err
+    with pytest.raises(Unauthorized, match="HTTP 401 from GET /v1/models: .* pass --api-key KEY or set"):
+        bench_control(url, requests=1)
+    assert main(["bench", "control", "--url", url, "--requests", "1"]) == 2
+    assert "remask: error: HTTP 401" in capsys.readouterr().err
+
+
+# ---- vLLM benchmark_serving options: goodput, max concurrency, percentiles --------------------------------------
+
+
+def _ok(i: int, ttft: float, e2el: float, tokens: int, **kw) -> RequestResult:
+    return RequestResult(f"r{i}", "arith", "completion", 0.0, status=200, ok=True, ttft_ms=ttft, e2el_ms=e2el,
+                         output_tokens=tokens, correct=True, **kw)
+
+
+def test_goodput_counts_requests_meeting_every_bound():
+    from loadgen.metrics import format_summary, is_good, parse_goodput
+
+    rs = [_ok(0, 100.0, 1000.0, 10),  # tpot 100
+          _ok(1, 300.0, 1200.0, 10),  # ttft too slow for ttft:200
+          _ok(2, 50.0, 2050.0, 11),  # tpot 200
+          _ok(3, 80.0, 80.0, 1),  # one token: tpot counts as 0 (vLLM)
+          _ok(4, 90.0, 500.0, 5, slo_ms=400.0, slo_met=False),  # its own SLO missed
+          RequestResult("r5", "arith", "completion", 0.0, status=500, error="HTTP 500")]
+    bounds = parse_goodput(["ttft:200", "tpot:150"])
+    assert bounds == {"ttft": 200.0, "tpot": 150.0}
+    assert [is_good(r, bounds) for r in rs] == [True, False, False, True, False, False]
+    s = summarize(rs, duration_s=2.0, goodput=bounds)
+    assert s["request_goodput"] == 1.0 and s["goodput_share"] == pytest.approx(2 / 6)
+    assert s["goodput_bounds"] == bounds and "Goodput ttft<=200 tpot<=150 ms (req/s):" in format_summary(s)
+    s = summarize(rs, duration_s=2.0, goodput=parse_goodput(["e2el:1000"]))
+    assert s["request_goodput"] == 1.0  # r0 (1000 <= 1000) and r3
+    plain = summarize(rs, duration_s=2.0)  # no bounds: successes within their own SLO
+    assert plain["request_goodput"] == 2.0 and plain["goodput_bounds"] is None
+    for bad in (["ttft"], ["itl:5"], ["ttft:x"], ["e2el:-1"]):
+        with pytest.raises(ValueError, match="goodput"):
+            parse_goodput(bad)
+
+
+def test_percentiles_option():
+    from loadgen.metrics import format_summary, parse_percentiles
+
+    rs = [_ok(i, float(10 * (i + 1)), 1000.0, 3, itl_ms=[1.0, 3.0]) for i in range(10)]
+    ttfts = [10.0 * (i + 1) for i in range(10)]
+    s = summarize(rs, 1.0)
+    assert s["percentiles"] == [50.0, 90.0, 99.0]
+    assert s["p90_ttft_ms"] == pytest.approx(np.percentile(ttfts, 90)) and s["p50_itl_ms"] == 2.0
+    s = summarize(rs, 1.0, percentiles=parse_percentiles("25,99.9"))
+    assert s["p25_ttft_ms"] == pytest.approx(np.percentile(ttfts, 25))
+    assert s["p99.9_e2el_ms"] == 1000.0 and "p99_ttft_ms" not in s and "p50_ttft_ms" not in s
+    assert "TTFT mean / median / p25 / p99.9 (ms):" in format_summary(s)
+    assert summarize([], 1.0, percentiles=(75.0,))["p75_tpot_ms"] is None
+    for bad in ("", "x", "50,101", "-1"):
+        with pytest.raises(ValueError, match="percentiles"):
+            parse_percentiles(bad)
+
+
+def test_max_concurrency_is_honoured(server):
+    url = server("--reply", "42", "--first-delay-ms", "150")
+    trace = [arith(i, 40, 2, 0.0) for i in range(9)]  # all at once
+    doc = replay(trace, ReplayConfig(url=url, progress=False, max_concurrency=3))
+    s, reqs = doc["summary"], doc["requests"]
+    assert s["completed"] == 9 and s["max_concurrency"] == 3 and doc["config"]["max_concurrency"] == 3
+    assert _stats(url)["max_inflight"] == 3
+    waits = sorted(r["queued_ms"] for r in reqs)
+    assert waits[2] < 50.0 and 100.0 < waits[3] and 250.0 < waits[6] < 600.0  # three waves of 150 ms
+    assert all(140.0 <= r["ttft_ms"] < 400.0 for r in reqs)  # as in vLLM, the wait is not in the latencies
+    assert max(abs(r["send_lag_ms"]) for r in reqs) < 50.0 and s["max_queue_ms"] == waits[-1]
+    assert s["duration"] >= 0.45
+    with pytest.raises(ValueError, match="max_concurrency"):
+        ReplayConfig(url=url, max_concurrency=0)
+
+
+def test_replay_cli_with_benchmark_options(server, tmp_path, capsys):
+    from app.cli import main
+
+    url = server("--reply", "42", "--chunks", "2", "--first-delay-ms", "20")
+    write_trace([arith(i, 40, 2, 0.0) for i in range(6)], tmp_path / "t.jsonl")
+    base = ["loadgen", "replay", "--url", url, "--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "r.json"),
+            "--quiet", "--max-concurrency", "2", "--percentiles", "50,95"]
+    assert main([*base, "--goodput", "ttft:5000", "e2el:0", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["completed"] == 6 and s["goodput_share"] == 0.0 and s["goodput_bounds"] == {"ttft": 5000, "e2el": 0}
+    assert "p95_itl_ms" in s and "p99_itl_ms" not in s and s["max_concurrency"] == 2
+    assert _stats(url)["max_inflight"] == 2
+    assert main([*base, "--goodput", "ttft:5000"]) == 0
+    out = capsys.readouterr().out
+    assert "Goodput ttft<=5000 ms (req/s):" in out and "(1.000 of requests)" in out
+    assert "Maximum request concurrency:" in out and "TPOT mean / median / p50 / p95 (ms):" in out
+    assert main([*base, "--goodput", "itl:5"]) == 2
+    assert "--goodput takes" in capsys.readouterr().err
+
+
+# ---- prompts from a JSONL file ---------------------------------------------------------------------------------
+
+
+def test_prompts_file_is_parsed_and_bad_lines_are_refused(tmp_path):
+    from loadgen.trace import read_prompts
+
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "Once upon a time", "max_tokens": 32}\n\n'
+                    '{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}\n')
+    assert read_prompts(good) == [{"prompt": "Once upon a time", "max_tokens": 32},
+                                  {"messages": [{"role": "system", "content": "be brief"},
+                                                {"role": "user", "content": "hi"}]}]
+    bad = {'{"prompt": "a"}\nnot json\n': "p.jsonl:2: not JSON",
+           '{"prompt": "a", "messages": []}\n': "p.jsonl:1: needs exactly one of prompt",
+           '{"max_tokens": 3}\n': "p.jsonl:1: needs exactly one of prompt",
+           '\n{"prompt": 3}\n': "p.jsonl:2: prompt must be a non-empty string",
+           '{"messages": [{"content": "x"}]}\n': r"p.jsonl:1: messages\[0\] must be an object",
+           '{"prompt": "a", "max_tokens": 0}\n': "p.jsonl:1: max_tokens must be a positive integer",
+           '{"prompt": "a", "max_token": 8}\n': r"p.jsonl:1: unknown keys \['max_token'\]",
+           '["a"]\n': "p.jsonl:1: expected a JSON object",
+           "\n": "p.jsonl: no prompts"}
+    for text, msg in bad.items():
+        (tmp_path / "p.jsonl").write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            read_prompts(tmp_path / "p.jsonl")
+
+
+def test_synth_from_prompts_file_and_replay(server, tmp_path, capsys):
+    from app.cli import main
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Once upon a time", "max_tokens": 32}\n'
+                                      '{"messages": [{"role": "user", "content": "hi"}]}\n{"prompt": "Hello"}\n')
+    out = tmp_path / "t.jsonl"
+    assert main(["loadgen", "synth", "--prompts-file", str(tmp_path / "p.jsonl"), "--rate", "50",
+                 "--max-tokens-cap", "64", "--slo-ms", "1000", "--out", str(out)]) == 0
+    trace = read_trace(out)
+    assert len(trace) == 3  # default --n: one request per line
+    assert [(r.endpoint, r.max_tokens, r.category) for r in trace] == [
+        ("completion", 32, "custom"), ("chat", 64, "custom"), ("completion", 64, "custom")]
+    assert trace[0].prompt == "Once upon a time" and trace[1].messages == [{"role": "user", "content": "hi"}]
+    assert trace[0].check("anything") is None and all(r.slo_ms for r in trace)
+    assert main(["loadgen", "synth", "--prompts-file", str(tmp_path / "p.jsonl"), "--n", "7", "--endpoint", "chat",
+                 "--out", str(out)]) == 0
+    trace = read_trace(out)
+    assert len(trace) == 7 and {r.endpoint for r in trace} == {"chat"} and trace[3].text == "Once upon a time"
+    capsys.readouterr()
+    url = server("--reply", "42")
+    s = replay(trace, ReplayConfig(url=url, progress=False))["summary"]
+    assert s["completed"] == 7 and s["accuracy"] is None and s["accuracy_by_category"] == {}
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": ""}\n')
+    assert main(["loadgen", "synth", "--prompts-file", str(tmp_path / "bad.jsonl"), "--out", str(out)]) == 2
+    assert "bad.jsonl:2: prompt must be a non-empty string" in capsys.readouterr().err
+
+
+# ---- remask chat --show-steps: the canvas ----------------------------------------------------------------------
+
+
+def test_render_canvas():
+    from loadgen.chat import render_canvas
+
+    state: dict = {}
+    assert render_canvas(state, {"choices": [{"index": 0, "delta": {"content": "x"}}]}) == ""
+    first = {"round": 6, "instance": 0, "tp": 1, "threshold": 0.9, "block": [0, 4],
+             "committed": [[0, 5, "He"], [1, 6, "llo"], [2, 7, "\n"], [3, 2, ""]], "masked": [], "length": 8}
+    assert render_canvas(state, {"choices": [], "remask_canvas": first}) == \
+        "round   6 thr 0.90 +4  i0 tp1 |[Hello↵·]____|"
+    chunk = {"choices": [], "remask_canvas": {
+        "round": 7, "instance": 0, "tp": 1, "threshold": 0.9, "block": [4, 8],
+        "committed": [[5, 1234, "lo"], [7, 88, " w"]], "masked": [4, 6], "length": 10}}
+    assert render_canvas(state, chunk) == "round   7 thr 0.90 +2  i0 tp1 |Hello↵·[_lo_ w]__|"
+    assert state == {0: {0: "He", 1: "llo", 2: "\n", 3: "", 5: "lo", 7: " w"}}
+    # the object alone, no threshold, no instance; a later choice keeps its own pieces
+    view = {"index": 1, "round": 1, "threshold": None, "block": [0, 2], "committed": [[1, 9, "z"]], "masked": [0],
+            "length": 3}
+    assert render_canvas(state, view) == "round   1 thr   -  +1  |[_z]_|"
+    assert state[1] == {1: "z"}
+
+
+@pytest.mark.slow
+def test_locust_sends_the_api_key(server, tmp_path):
+    url = server("--reply", "42", "--api-key", KEY)
+    write_trace([arith(i, 40, 2, 0.1 * i) for i in range(3)], tmp_path / "t.jsonl")
+    env = {"REMASK_TRACE": str(tmp_path / "t.jsonl"), "OPENAI_API_KEY": ""}
+    stats = _locust(url, tmp_path, "--api-key", KEY, env=env)  # Locust's own option
+    assert stats[("POST", "/v1/completions (headers)")][2:4] == ["3", "0"]
+    stats = _locust(url, tmp_path, env={**env, "OPENAI_API_KEY": KEY})  # the default
+    assert stats[("POST", "/v1/completions (headers)")][2:4] == ["3", "0"]
+    assert _stats(url)["authorization"] == {f"Bearer {KEY}": 6}
+    stats = _locust(url, tmp_path, env=env)  # no key: every request fails with the server's 401
+    assert stats[("POST", "/v1/completions (headers)")][2:4] == ["3", "3"]
+    failures = (tmp_path / "loc_failures.csv").read_text()
+    assert "HTTP 401" in failures and "the server wants an API key" in failures
