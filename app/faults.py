@@ -489,8 +489,8 @@ def _slo_counters(text: str) -> dict[str, float]:
     out = {"met": 0.0, "missed": 0.0}
     for line in text.splitlines():
         for key in out:
-            if line.startswith(f"remask_slo_{key}_total "):
-                out[key] = float(line.split()[1])
+            if line.startswith(f"remask:slo_{key}_total"):  # remask:slo_met_total{model_name="..."} 3.0
+                out[key] += float(line.split()[-1])
     return out
 
 

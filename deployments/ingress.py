@@ -309,7 +309,8 @@ class Ingress:
                 rid = req.request_id if len(prompts) == 1 else f"{req.request_id}-{i}"
                 streams.append(self.dispatcher.submit(
                     rid, ids, req.max_tokens, prompt_text=self._prompt_text(req, i), threshold=req.threshold,
-                    slo_ms=req.slo_ms, priority=req.priority, sampling=sampling, stop=req.stop))
+                    slo_ms=req.slo_ms, priority=req.priority, sampling=sampling, stop=req.stop,
+                    canvas=req.include_canvas))
         except api.APIError as err:
             self._cancel(streams)
             self.metrics.rejected(failure_reason(err.status))
@@ -335,7 +336,15 @@ class Ingress:
             self.metrics.request_dropped(len(streams))  # _refused counts the refusal
             return self._refused(failed.get("status", 500), failed["message"])
         if req.stream:
-            return _Stream(self._sse(req, streams), lambda: self._cancel(streams), media_type="text/event-stream")
+            started: list[bool] = []  # _sse notes that it ran: it counts its streams' outcomes itself
+
+            def closed() -> None:
+                self._cancel(streams)
+                if not started:  # the client went away before the first chunk
+                    for _ in streams:
+                        self.metrics.request_failed("cancelled")
+
+            return _Stream(self._sse(req, streams, started), closed, media_type="text/event-stream")
         dones = []
         gap = self.metrics.gap_timer()
         try:
@@ -379,9 +388,11 @@ class Ingress:
         err = api.APIError(status, message, type=kind, headers={"Retry-After": "1"} if status in (429, 503) else None)
         return JSONResponse(err.to_dict(), status_code=status, headers=err.headers)
 
-    async def _sse(self, req: api.GenRequest, streams):
+    async def _sse(self, req: api.GenRequest, streams, started: list):
         """Every choice's events as server-sent events, interleaved as they come (each chunk names its
-        choice's ``index``); the usage chunk and ``[DONE]`` once all choices ended."""
+        choice's ``index``; with ``include_canvas``, a ``remask_canvas`` chunk per denoising step); the
+        usage chunk and ``[DONE]`` once all choices ended."""
+        started.append(True)
         chat = req.kind == "chat"
         events: asyncio.Queue = asyncio.Queue()
 
@@ -406,6 +417,8 @@ class Ingress:
                     gap(index)
                     yield api.sse(api.chat_chunk(req, event["text"]) if chat
                                   else api.completion_chunk(req, event["text"], index=index))
+                elif event["type"] == "canvas":
+                    yield api.sse(api.canvas_chunk(req, event["canvas"], index=index))
                 elif event["type"] == "done":
                     dones.append(event)
                     yield api.sse(api.chat_chunk(req, finish_reason=event["finish_reason"]) if chat

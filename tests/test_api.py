@@ -37,7 +37,6 @@ from app.api import (
     usage_chunk,
     version_response,
 )
-from app.metrics import Metrics
 
 MODELS = ["dream-tiny", "llada-tiny"]
 LIMIT = 256
@@ -950,60 +949,3 @@ def test_openai_client_request_params_are_accepted():
     expect_error("chat", chat_body, param="extra_body_field_sent_by_nobody", code="unknown_parameter")
     chat_body.pop("extra_body_field_sent_by_nobody")
     assert parse("chat", chat_body).include_usage is True
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Metrics
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _sample(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.split(" ")[0] == name:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in exposition")
-
-
-def test_metrics_render_and_counts():
-    m = Metrics()
-    other = Metrics()  # a second instance in the same process must not clash
-    for _ in range(3):
-        m.request_started()
-    m.request_finished(0.05, 0.4, True, 12, 0.9, True)
-    m.request_finished(None, 1.5, False, 30, None, True)
-    m.request_finished(None, 0.01, None, 0, None, False)
-    m.set_queue(running=4, waiting=7)
-    m.round_observed(3)
-    m.round_observed(5)
-    m.migration()
-    m.rejected("queue_full")
-    m.rejected("queue_full")
-    m.rejected("slo_infeasible")
-    body, ctype = m.render()
-    assert ctype.startswith("text/plain")
-    text = body.decode()
-    for name in ["remask_requests_running", "remask_requests_waiting", "remask_ttft_seconds",
-                 "remask_e2e_seconds", "remask_rounds_per_request", "remask_filled_slots_per_round",
-                 "remask_threshold", "remask_requests_total", "remask_slo_met_total", "remask_slo_missed_total",
-                 "remask_migrations_total", "remask_rejected_total"]:
-        assert name in text, name
-    names = [ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if ln and not ln.startswith("#")]
-    assert all(n.startswith("remask_") for n in names)
-    assert _sample(text, "remask_requests_running") == 4
-    assert _sample(text, "remask_requests_waiting") == 7
-    assert _sample(text, "remask_requests_in_flight") == 0
-    assert 'remask_requests_total{outcome="ok"} 2.0' in text
-    assert 'remask_requests_total{outcome="error"} 1.0' in text
-    assert _sample(text, "remask_slo_met_total") == 1
-    assert _sample(text, "remask_slo_missed_total") == 1
-    assert _sample(text, "remask_migrations_total") == 1
-    assert 'remask_rejected_total{reason="queue_full"} 2.0' in text
-    assert 'remask_rejected_total{reason="slo_infeasible"} 1.0' in text
-    assert _sample(text, "remask_ttft_seconds_count") == 1
-    assert _sample(text, "remask_e2e_seconds_count") == 3
-    assert _sample(text, "remask_rounds_per_request_count") == 2
-    assert _sample(text, "remask_rounds_per_request_sum") == 42
-    assert _sample(text, "remask_filled_slots_per_round_count") == 2
-    assert _sample(text, "remask_filled_slots_per_round_sum") == 8
-    assert _sample(text, "remask_threshold_count") == 1
-    assert _sample(other.render()[0].decode(), "remask_e2e_seconds_count") == 0

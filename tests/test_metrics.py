@@ -365,7 +365,7 @@ def test_ingress_sse_records_success_gaps_errors_and_cancellations():
                FakeStream(_events(deltas="x")[:-1], hang=True)]  # no end: still decoding
     for _ in streams:
         m.request_started()
-    out = asyncio.run(_drain(ing._sse(_req(3, slo_ms=100.0), streams)))
+    out = asyncio.run(_drain(ing._sse(_req(3, slo_ms=100.0), streams, [])))
     # the client read every chunk so far and went away while the third choice was still decoding
     assert len(out) == 3 + 2 + 1 + 2  # the deltas, the first choice's end, the second's error
     assert not any("[DONE]" in c for c in out)
@@ -408,7 +408,7 @@ def test_ingress_sse_complete_stream_counts_no_cancellation():
     streams = [FakeStream(_events(deltas="abcd")), FakeStream(_events(deltas="xy"))]
     for _ in streams:
         m.request_started()
-    out = asyncio.run(_drain(ing._sse(_req(2), streams)))
+    out = asyncio.run(_drain(ing._sse(_req(2), streams, [])))
     assert out[-1].strip() == "data: [DONE]"
     assert value(m, "remask:request_success_total", finished_reason="stop") == 2
     assert sum(value(m, "remask:request_failure_total", reason=r) for r in FAILURE_REASONS) == 0

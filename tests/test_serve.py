@@ -145,9 +145,19 @@ def test_tp2_returns_the_same_tokens_as_tp1(app_url):
         assert one["usage"] == two["usage"]
 
 
-def test_metrics(app_url):
+def test_metrics_cover_the_dashboard(app_url):
+    """Every metric the Grafana dashboard queries is on a running app's /metrics, labelled with the model."""
+    from pathlib import Path
+
+    from tests.dashboard import dashboard_metric_names, exposed_metric_names
+
+    post(app_url, "/v1/completions", {"prompt": "rev: abc", "max_tokens": 8})
     text = httpx.get(app_url + "/metrics").text
-    assert "remask_e2e_seconds" in text and "remask_requests_total" in text
+    wanted = dashboard_metric_names(Path(__file__).resolve().parent.parent / "ops/grafana/remask-dashboard.json")
+    assert wanted and not wanted - exposed_metric_names(text)
+    assert 'remask:request_success_total{finished_reason="stop",model_name="tiny-bd"}' in text
+    ok = [ln for ln in text.splitlines() if ln.startswith('remask:e2e_request_latency_seconds_count{')]
+    assert ok and float(ok[0].split()[-1]) >= 1
 
 
 def test_overload_sheds_with_429_and_retry_after(app_url):
@@ -197,7 +207,7 @@ def test_control_path_is_measured(app_url):
     res = bench_control(app_url, requests=6, concurrency=2)
     assert res["events"] > 6 and res["median_ms"] is not None and res["add_median_ms"] is not None
     text = httpx.get(app_url + "/metrics").text
-    assert "remask_control_event_seconds_count" in text
+    assert "remask:control_event_seconds_count" in text
 
 
 def test_killed_replica_loses_no_request(app_url):
