@@ -16,12 +16,12 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from app import api
+from app import api, playground
 from app.auth import ApiKey, Keyring
 from app.config import AppConfig
 from app.control import ControlTimer
@@ -83,6 +83,7 @@ class Ingress:
         self.tokenizer = load_tokenizer(path)
         self.metrics = Metrics(model_name=self.cfg.name)
         self.control = ControlTimer()
+        self.outcomes = playground.RecentOutcomes()  # SLO met/missed over the last minutes (the playground)
         self.dispatcher = Dispatcher(
             build_router(self.cfg, self.model_cfg), self.tokenizer.decode, block_tokens=self.model_cfg.block_size,
             full_sequence=self.model_cfg.attention != "block_causal",
@@ -196,6 +197,27 @@ class Ingress:
         _, ids = api.parse_detokenize(await self._body(request), known_models=[self.cfg.name],
                                       vocab_size=self.model_cfg.vocab_size)
         return api.detokenize_response(await asyncio.to_thread(self.tokenizer.decode, ids))
+
+    @web.get("/playground", include_in_schema=False)
+    async def playground_page(self) -> HTMLResponse:
+        """A web page to try the model: the canvas unmasking live and the cluster at work."""
+        return HTMLResponse(playground.page(), headers=playground.HEADERS)
+
+    @web.get("/static/{name}", include_in_schema=False)
+    async def playground_static(self, name: str) -> Response:
+        try:
+            body, media = playground.static_file(name)
+        except KeyError:
+            raise HTTPException(404, "Not Found") from None
+        return Response(body, media_type=media, headers=playground.HEADERS)
+
+    @web.get("/debug/cluster")
+    async def cluster(self, request: Request) -> dict:
+        """The playground's cluster panel: instances per TP degree, slots filled, thresholds in use, SLO
+        attainment over the last minute, the planner's last decision."""
+        self._authorize(request)
+        return playground.cluster_view(self.dispatcher, self.planner, time.monotonic(), self.outcomes,
+                                       slots=self.cfg.slots)
 
     @web.get("/metrics")
     async def metrics(self) -> Response:
@@ -461,3 +483,5 @@ class Ingress:
             completion_tokens=done.get("completion_tokens", 0), e2e_s=done["e2e_s"], ttft_s=done.get("ttft_s"),
             queue_s=done.get("queue_s"), rounds=done.get("rounds", 0), threshold=done.get("threshold"),
             slo_met=slo_met, resumes=done.get("resumes", 0))
+        if slo_met is not None:
+            self.outcomes.add(time.monotonic(), slo_met)

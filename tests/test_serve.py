@@ -451,3 +451,41 @@ def test_hf_models_version_and_model_by_id(app_url, hf_client):
     assert hf_client.models.retrieve(HF_MODEL).id == HF_MODEL
     assert httpx.get(app_url + HF + "/v1/models/nope").status_code == 404
     assert httpx.get(app_url + HF + "/version").json()["version"]
+
+
+def test_canvas_chunks_only_for_clients_that_ask(app_url, hf_client):
+    """stream_options.include_canvas adds a remask_canvas chunk per denoising step (choices empty, so the
+    openai client's text is unchanged); without it the stream is ordinary."""
+    body = {"model": HF_MODEL, "messages": HF_CHAT[:2], "max_tokens": 24, "temperature": 0}
+    plain = list(hf_client.chat.completions.create(**body, stream=True))
+    with_canvas = list(hf_client.chat.completions.create(**body, stream=True,
+                                                         stream_options={"include_canvas": True}))
+    text = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices) for chunks in (plain, with_canvas)]
+    assert text[0] == text[1]
+    assert not any(getattr(c, "remask_canvas", None) for c in plain)
+    views = [c.remask_canvas for c in with_canvas if getattr(c, "remask_canvas", None)]
+    assert views and [v["round"] for v in views] == list(range(1, len(views) + 1))
+    assert all(not c.choices for c in with_canvas if getattr(c, "remask_canvas", None))
+    assert sum(len(v["committed"]) for v in views) >= 1 and views[0]["length"] >= 24
+
+
+def test_playground_in_a_real_browser(app_url):
+    """Headless Chromium opens /playground of the running app, sends a prompt, waits for the canvas to
+    finish; the text it shows equals the API's answer to the same request. The screenshot goes to reports/."""
+    from pathlib import Path
+
+    from tests.browser import chromium_available, missing_reason, run_playground
+
+    if not chromium_available():
+        pytest.skip(missing_reason())
+    assert httpx.get(app_url + "/playground").status_code == 200
+    params = {"threshold": 0.9, "temperature": 0, "max_tokens": 48}
+    prompt = "story: fox 3"
+    shot = Path(__file__).resolve().parent.parent / "reports" / "playground.png"
+    got = run_playground(app_url, prompt, params, shot)
+    api_answer = post(app_url, "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
+                                                          **params}).json()["choices"][0]["message"]["content"]
+    assert got["status"] == "done" and got["answer"] == api_answer and api_answer
+    assert got["rounds"] > 0 and got["cells_committed"] >= len(api_answer)  # one character a token (tiny-bd)
+    assert not got["console_errors"], got["console_errors"]
+    assert shot.stat().st_size > 10_000
