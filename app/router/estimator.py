@@ -16,13 +16,16 @@ should not increase as the threshold falls. The router calls ``predict``
 after a request's steps at its update granularity, batching across requests
 (DiLaServe batches across requests and thresholds the same way).
 
-Two implementations:
+Implementations:
 
 - ``TableStepEstimator`` (simulation): the request's true total steps at
   each threshold are known to the simulator (from real tiny-model decodes);
   it predicts ``(1 - progress) x total`` times a per-request log-normal error
   that shrinks as progress grows (online updates with progress and
   confidence features are what cut the paper's error).
+- ``OnlineStepEstimator``: ``FeatureStepEstimator`` over a learner that trains
+  on served traffic (``predictors.online.OnlineStepLearner``: a prior until
+  its first model, then LightGBM refit every so many finished requests).
 - ``FeatureStepEstimator``: wraps any function ``predict(rows) -> values``
   over rows of the 11 scalar step features (``STEP_FEATURES`` below, the same
   order as ``predictors.features.STEP_FEATURES``, threshold first); one state
@@ -59,21 +62,26 @@ class TableStepEstimator:
 
     ``totals(state)`` returns the request's true total steps at each threshold
     (the simulator keeps them in ``state.extra``). The error factor is
-    ``exp(sigma * (1 - progress) * z)`` with one ``z ~ N(0, 1)`` per request.
+    ``exp(sigma * (1 - progress) * z)`` with one ``z ~ N(0, 1)`` per request,
+    kept until the router calls ``forget(req_id)`` (``Router.finish``); at most
+    ``max_requests`` are kept in any case (the oldest go first).
     """
 
     def __init__(self, thresholds: Sequence[float], totals: Callable[[RequestState], Sequence[float]],
-                 sigma: float = 0.3, seed: int = 0) -> None:
+                 sigma: float = 0.3, seed: int = 0, max_requests: int = 100_000) -> None:
         self.thresholds = tuple(thresholds)
         self.totals, self.sigma = totals, sigma
         self._rng = random.Random(seed)
         self._z: dict[str, float] = {}
+        self.max_requests = max_requests
 
     def predict(self, states):
         out = []
         for s in states:
             z = self._z.get(s.req_id)
             if z is None:
+                if len(self._z) >= self.max_requests:  # a caller that never forgets: drop the oldest
+                    del self._z[next(iter(self._z))]
                 z = self._z[s.req_id] = self._rng.gauss(0.0, 1.0)
             left = 1.0 - s.progress
             f = left * math.exp(self.sigma * left * z)
@@ -105,6 +113,21 @@ class FeatureStepEstimator:
         values = list(self.predict_rows(rows))
         m = len(self.thresholds)
         return [[max(float(v), 0.0) for v in values[i * m:(i + 1) * m]] for i in range(len(states))]
+
+
+class OnlineStepEstimator(FeatureStepEstimator):
+    """The step estimate of a learner that trains on served traffic (``predictors.online.OnlineStepLearner``,
+    or anything with ``predict_rows(rows)`` over STEP_FEATURES rows): the learner's prior until its first
+    model, then its latest model, read at each call (the learner swaps models atomically, so a refit on
+    another thread never blocks ``predict``). ``describe()`` is the learner's."""
+
+    def __init__(self, learner, thresholds: Sequence[float],
+                 row: Callable[[RequestState, float], list[float]] = feature_row) -> None:
+        super().__init__(learner.predict_rows, thresholds, row)
+        self.learner = learner
+
+    def describe(self) -> dict:
+        return self.learner.describe()
 
 
 class AdmissionStepEstimator:
