@@ -529,3 +529,21 @@ def test_normal_requests_unaffected_afterwards(app_url):
             break
         time.sleep(0.1)
     assert state["running"] == 0 and state["resident"] == 0 and state["requests"] == 0, state
+
+
+def test_loadgen_replay_with_an_api_key(app_url, tmp_path):
+    """`remask loadgen replay --api-key K` against the keyed app: every request completes; without the key
+    every request gets 401 and the tool says so."""
+    from app.cli import main
+    from loadgen.trace import SynthConfig, synth, write_trace
+
+    trace = tmp_path / "trace.jsonl"
+    write_trace(synth(SynthConfig(n=6, seed=0, mix={"choice": 1.0, "reverse": 1.0})), trace)  # max_tokens <= 8
+    out = tmp_path / "out.json"
+    assert main(["loadgen", "replay", "--url", app_url, "--trace", str(trace), "--out", str(out), "--api-key", KEY,
+                 "--quiet"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["completed"] == 6 and KEY not in out.read_text()
+    main(["loadgen", "replay", "--url", app_url, "--trace", str(trace), "--out", str(out), "--api-key", "",
+          "--quiet"])
+    assert json.loads(out.read_text())["summary"]["completed"] == 0
