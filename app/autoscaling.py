@@ -20,6 +20,13 @@ Two halves:
   runs on the controller's control loop; the policy only reads a cached
   decision.
 
+The planner's model-dependent inputs are measured from the traffic (``planner.inputs``): the ingress
+hands the service every arrival (``observe``), every finished request (``observe_finished``: steps
+per output token at each threshold, the SLO scale) and each replica's measured latency profile
+(``set_profile``); ``describe()`` (``/debug/planner``) lists every input with its source. Arrivals and
+finished requests are queued without a lock (the ingress never waits for a solve in progress) and
+reach the planner at the thread's next look.
+
 Requests on a replica that Serve stops are resumed on the others from their
 committed tokens (``app.dispatch``); while no instance is up they wait.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -51,6 +59,11 @@ class PlannerArgs(BaseModel):
     profile: str | None = Field(None, description="latency profile; default: the router's")
     check_s: float = Field(1.0, gt=0, description="how often the background thread looks")
     step_timeout_s: float = Field(180.0, gt=0, description="move to the next transition step after this long")
+    min_requests: int = Field(50, ge=1, description="finished requests before a measured input (steps per token, "
+                                                   "SLO scale) replaces its default")
+    min_bucket: int = Field(10, ge=1, description="finished requests at a threshold before its steps per token is "
+                                                 "measured (the others follow the measured ones)")
+    finished_window: int = Field(2000, ge=1, description="finished requests the measured inputs are taken over")
 
     @property
     def gpus(self) -> int:
@@ -88,11 +101,40 @@ class PlannerService:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # the ingress's events, queued without the lock (deque appends are atomic); drained under it
+        self._arrivals: deque[tuple[float, int, int]] = deque(maxlen=self.QUEUE_LIMIT)
+        self._finished: deque[tuple] = deque(maxlen=self.QUEUE_LIMIT)
+
+    QUEUE_LIMIT = 200_000  # events queued between two looks of the thread (beyond: the oldest are dropped)
 
     # ---- inputs (ingress thread) -------------------------------------------------------------
     def observe(self, input_tokens: int, output_tokens: int) -> None:
+        """A request arrived (its prompt tokens and output budget, max_tokens). O(1), never waits."""
+        self._arrivals.append((self.clock(), input_tokens, output_tokens))
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int, steps: int, threshold: float | None,
+                         slo_s: float | None, e2e_s: float, tp: int) -> None:
+        """A request finished: ``output_tokens`` the output size its arrival was observed with (max_tokens),
+        ``steps`` its denoising steps (prompt prefill steps excluded), ``threshold`` the mean threshold of its
+        steps, ``slo_s`` its SLO, ``e2e_s`` its latency, ``tp`` the TP degree of the instance that finished
+        it. O(1), never waits."""
+        self._finished.append((prompt_tokens, output_tokens, steps, threshold, slo_s, e2e_s, tp))
+
+    def set_profile(self, tp: int, profile) -> None:
+        """A replica's measured latency profile (``engine.profile.LatencyProfile``) for its TP degree."""
         with self._lock:
-            self.planner.observe(input_tokens, output_tokens)
+            self.planner.set_profile(tp, profile)
+
+    def _drain(self) -> None:
+        """Hand the queued events to the planner (under the lock)."""
+        from planner.inputs import FinishedRequest
+
+        arrivals, finished = self._arrivals, self._finished
+        while arrivals:
+            t, i, o = arrivals.popleft()
+            self.planner.observe(i, o, now=t)
+        while finished:
+            self.planner.observe_finished(FinishedRequest(*finished.popleft()))
 
     def set_live(self, counts: dict[int, int]) -> None:
         """Instances per TP degree that have joined the router."""
@@ -117,6 +159,7 @@ class PlannerService:
     def tick(self, now: float | None = None) -> None:
         now = self.clock() if now is None else now
         with self._lock:
+            self._drain()
             if self.steps:  # a transition is under way: its next step once this one took effect
                 done = self.live == self.targets
                 if done or now - self.step_started > self.step_timeout_s:
@@ -147,19 +190,27 @@ class PlannerService:
             return {f"target_tp{d}": float(n) for d, n in self.targets.items()}
 
     def describe(self) -> dict:
+        """``/debug/planner``: targets, transition, last decision, and ``inputs``: every model-dependent input
+        of the next plan as {name: {"value", "source" ("default" | "configured" | "measured" | "scaled"),
+        "requests"}} for steps_per_token, slo_scale, classes and profiles (per TP degree)."""
         with self._lock:
+            self._drain()
+            now = self.clock()
             dec = self.planner.last_decision
             return {"targets": self.targets, "live": self.live, "pending_steps": self.steps,
                     "transitions": self.transitions,
-                    "offered_rps": round(self.planner.monitor.total_rate(self.clock()), 3),
+                    "offered_rps": round(self.planner.monitor.total_rate(now), 3),
                     "last_decision": None if dec is None else {
                         "act": dec.act, "reason": dec.reason, "proposal": dec.proposal.counts,
-                        "current": dec.current.counts}}
+                        "current": dec.current.counts, "thresholds": dec.proposal.thresholds},
+                    "inputs": self.planner.describe_inputs(now)}
 
 
 def build_service(cfg, model_cfg=None, clock: Callable[[], float] = time.monotonic) -> PlannerService:
     """The service of an app (``AppConfig`` with ``planner`` set)."""
-    from engine.profile import load_tp_profiles
+    from engine.profile import PROFILES_DIR, load_tp_profiles
+    from planner.costs import StepModel, default_steps_per_token
+    from planner.inputs import InputsConfig
     from planner.planner import Planner, PlannerConfig
     from planner.stage2 import Cluster
     from planner.workload import WorkloadMonitor
@@ -167,10 +218,18 @@ def build_service(cfg, model_cfg=None, clock: Callable[[], float] = time.monoton
     args: PlannerArgs = cfg.planner
     cluster = Cluster.uniform(args.nodes, args.gpus_per_node)
     initial = initial_counts(cfg)
-    profiles = load_tp_profiles(args.profile or cfg.profile_name(), cfg.tp_degrees)
-    planner = Planner(cluster, profiles, PlannerConfig(period_s=args.period_s, min_gain=args.min_gain),
-                      monitor=WorkloadMonitor(window_s=args.window_s),
-                      current=pack(initial, cluster.gpus_per_node), clock=clock)
+    name = args.profile or cfg.profile_name()
+    profiles = load_tp_profiles(name, cfg.tp_degrees)
+    # a degree without its own profile file is TP-1's scaled (engine.profile.load_tp_profiles)
+    sources = {d: "configured" if d == 1 or (PROFILES_DIR / f"{name}-tp{d}.json").exists() else "scaled"
+               for d in cfg.tp_degrees}
+    # the router's candidate thresholds; their default steps per token until finished requests measure them
+    steps = StepModel(steps_per_token=default_steps_per_token(cfg.thresholds),
+                      block_tokens=getattr(model_cfg, "block_size", None) or StepModel.block_tokens)
+    pcfg = PlannerConfig(period_s=args.period_s, min_gain=args.min_gain, steps=steps,
+                         inputs=InputsConfig(args.min_requests, args.min_bucket, args.finished_window))
+    planner = Planner(cluster, profiles, pcfg, monitor=WorkloadMonitor(window_s=args.window_s),
+                      current=pack(initial, cluster.gpus_per_node), clock=clock, profile_sources=sources)
     return PlannerService(planner, cfg.tp_degrees, initial, args.check_s, args.step_timeout_s, clock=clock)
 
 

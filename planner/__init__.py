@@ -9,6 +9,8 @@ Pieces (each usable alone):
   and solved by HiGHS directly, ``planner.milp``; ``stage1_reference`` keeps the first, cvxpy formulation).
 - ``stage2.plan_transition``: the least disruptive way from the running instances to those counts,
   as an ordered ``transition.TransitionPlan``.
+- ``inputs.MeasuredInputs``: the model-dependent inputs (steps per token per threshold, SLO scale, latency
+  profile per TP degree) measured from finished requests and replicas' profiles, each with its source.
 - ``planner.Planner``: the periodic, hysteretic loop over the three.
 
 API for an autoscaling policy (Ray Serve ``autoscaling_policy`` or the simulator)::
@@ -17,6 +19,9 @@ API for an autoscaling policy (Ray Serve ``autoscaling_policy`` or the simulator
                       PlannerConfig(period_s=300), clock=time.monotonic)
     planner.observe(input_tokens, output_tokens)      # per arrival (O(1)), or
     planner.observe_rates([WorkloadClass(...), ...])  # rates measured elsewhere (replica metrics)
+    planner.observe_finished(FinishedRequest(prompt_tokens, output_tokens, steps, threshold, slo_s, e2e_s, tp))
+    planner.set_profile(tp, measured_profile)         # a replica's own LatencyProfile
+    planner.describe_inputs()                         # {name: {"value", "source", "requests"}}
     plan = planner.maybe_replan()                     # cheap unless a period has passed
     if plan is not None:                              # a proposal improved an objective by >= 10%
         for counts in plan.count_steps(old_instances): ...   # replica counts per TP degree, in order
@@ -38,6 +43,7 @@ import importlib
 # where only the engine runs (the GPU image).
 _HOMES = {
     "StepModel": "costs",
+    "FinishedRequest": "inputs", "InputsConfig": "inputs", "MeasuredInputs": "inputs",
     "Decision": "planner", "Planner": "planner", "PlannerConfig": "planner",
     "CapacityPlan": "stage1", "Stage1Config": "stage1", "plan_capacity": "stage1",
     "Cluster": "stage2", "Stage2Config": "stage2", "plan_transition": "stage2",

@@ -2,8 +2,9 @@
 
 Steps of a class at a threshold come from ``StepModel.steps_per_token``: denoising steps per
 output token at each candidate threshold. The defaults are illustrative, shaped after DiLaServe
-Fig. 3a (LLaDA-8B, GSM8K: 0.9 -> 0.7 cuts steps by 38%); measure your model's with
-``remask eval`` (mean rounds / output tokens) and pass them in. Every output block needs at least
+Fig. 3a (LLaDA-8B, GSM8K: 0.9 -> 0.7 cuts steps by 38%); the live planner replaces them with
+the served traffic's (``planner.inputs``), or measure your model's with ``remask eval`` (mean
+rounds / output tokens) and pass them in. Every output block needs at least
 one step. With the approximate KV cache (``kv_cache="approx"``) each block starts with one
 recompute step (the paper's s) and the rest are cached steps (s'); with ``kv_cache="none"`` every
 step is a recompute step.
@@ -30,6 +31,20 @@ DEFAULT_STEPS_PER_TOKEN = {0.5: 0.18, 0.6: 0.22, 0.7: 0.25, 0.8: 0.31, 0.9: 0.40
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
+def default_steps_per_token(thresholds) -> dict[float, float]:
+    """``DEFAULT_STEPS_PER_TOKEN`` at other candidate thresholds: linear between its points, its end
+    segments' slopes beyond them (at least 0.01 steps per token)."""
+    xs = sorted(DEFAULT_STEPS_PER_TOKEN)
+    ys = [DEFAULT_STEPS_PER_TOKEN[x] for x in xs]
+    out = {}
+    for t in thresholds:
+        t = float(t)
+        i = min(max(sum(x <= t for x in xs) - 1, 0), len(xs) - 2)  # the segment [xs[i], xs[i + 1]] (or an end one)
+        v = ys[i] + (ys[i + 1] - ys[i]) * (t - xs[i]) / (xs[i + 1] - xs[i])
+        out[t] = round(max(v, 0.01), 6)
+    return out
+
+
 @dataclass(frozen=True)
 class StepModel:
     steps_per_token: dict[float, float] = field(default_factory=lambda: dict(DEFAULT_STEPS_PER_TOKEN))
@@ -53,6 +68,16 @@ class StepModel:
         if self.kv_cache == "none":
             return total, 0
         return blocks, total - blocks
+
+
+def isolated_ms(input_tokens: float, output_tokens: float, profile: LatencyProfile, model: StepModel,
+                batch: int = 1) -> float:
+    """A request's latency alone at the highest threshold, its steps at this profile's step times at
+    ``batch`` (the quantity ``stage1.default_slos`` scales by k, for one request's sizes)."""
+    seq = input_tokens + output_tokens
+    rec, cac = model.steps(output_tokens, model.thresholds[-1])
+    return (rec * _round_ms(profile, "recompute", seq, seq, batch)
+            + cac * _round_ms(profile, "cached", model.block_tokens, seq, batch))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""The stateful planner: monitor -> periodic Stage 1 -> hysteresis -> Stage 2 (see planner/__init__)."""
+"""The stateful planner: monitor -> periodic Stage 1 -> hysteresis -> Stage 2 (see planner/__init__).
+
+Stage 1 is built from the monitor's classes and the inputs of ``planner.inputs``: the configured
+step model, SLO scale and profiles until finished requests (``observe_finished``) and replicas'
+profiles (``set_profile``) measure them."""
 
 from __future__ import annotations
 
@@ -6,10 +10,11 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.profile import LatencyProfile
 from planner.costs import StepModel
+from planner.inputs import FinishedRequest, Inputs, InputsConfig, MeasuredInputs
 from planner.stage1 import CapacityPlan, Stage1Config, plan_capacity
 from planner.stage2 import Cluster, Stage2Config, plan_transition
 from planner.transition import Instance, TransitionPlan
@@ -25,7 +30,8 @@ class PlannerConfig:
     secondary_floor: float = 0.05  # relative gains in slack are taken over max(|current slack|, floor)
     stage1: Stage1Config = field(default_factory=Stage1Config)
     stage2: Stage2Config = field(default_factory=Stage2Config)
-    steps: StepModel = field(default_factory=StepModel)
+    steps: StepModel = field(default_factory=StepModel)  # the default until finished requests measure it
+    inputs: InputsConfig = field(default_factory=InputsConfig)  # when measurements replace defaults
 
 
 @dataclass(frozen=True)
@@ -41,11 +47,16 @@ class Decision:
 class Planner:
     def __init__(self, cluster: Cluster, profiles: dict[int, LatencyProfile], config: PlannerConfig | None = None,
                  monitor: WorkloadMonitor | None = None, current: list[Instance] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.cluster, self.profiles = cluster, profiles
+                 clock: Callable[[], float] = time.monotonic, profile_sources: dict[int, str] | None = None) -> None:
+        """``profile_sources``: per degree "configured" (default) or "scaled" (TP-1's times scaled)."""
+        self.cluster, self.profiles = cluster, dict(profiles)
         self.config = config or PlannerConfig()
         self.monitor = monitor or WorkloadMonitor()
         self.clock = clock
+        grid = self.monitor.grid
+        self.inputs = MeasuredInputs(self.config.steps, profiles, self.config.stage1.slo_scale,
+                                     lambda i, o: grid.name(grid.classify(i, o)), self.config.inputs,
+                                     profile_sources, batch=self.config.stage1.batches[0])
         smallest = min(profiles)  # default start: every GPU in a smallest-degree instance
         self.current = current if current is not None else [
             Instance(f"init-{n}-{k}", n, smallest) for n, g in enumerate(cluster.gpus_per_node)
@@ -58,6 +69,15 @@ class Planner:
     def observe(self, input_tokens: int, output_tokens: int, now: float | None = None) -> None:
         """One request arrival (output_tokens: its output budget)."""
         self.monitor.record(self.clock() if now is None else now, input_tokens, output_tokens)
+
+    def observe_finished(self, request: FinishedRequest) -> None:
+        """One finished request (O(1)): measures steps per token and the SLO scale."""
+        self.inputs.record(request)
+
+    def set_profile(self, tp: int, profile: LatencyProfile) -> None:
+        """A replica's measured latency profile for its TP degree."""
+        self.inputs.set_profile(tp, profile)
+        self.profiles = self.inputs.profiles()[0]
 
     def observe_rates(self, classes: list[WorkloadClass] | None) -> None:
         """Class rates measured elsewhere (e.g. replicas' metrics); they replace the monitor's. None: back to it."""
@@ -78,7 +98,7 @@ class Planner:
         if now - self._last < self.config.period_s:
             return None
         self._last = now
-        classes = self._rates if self._rates is not None else self.monitor.classes(now)
+        classes = self.classes(now)[0]
         if not classes:
             return None
         decision = self.decide(classes)
@@ -91,10 +111,34 @@ class Planner:
         self.current = list(plan.final)
         return plan
 
-    def decide(self, classes: list[WorkloadClass]) -> Decision:
+    def classes(self, now: float | None = None) -> tuple[list[WorkloadClass], str]:
+        """The workload the next plan sizes for, and its source ("configured": ``observe_rates``)."""
+        if self._rates is not None:
+            return self._rates, "configured"
+        return self.monitor.classes(self.clock() if now is None else now), "measured"
+
+    def describe_inputs(self, now: float | None = None) -> dict:
+        """Every model-dependent input of the next plan: {name: {"value", "source", "requests", ...}}."""
+        inp = self.inputs.snapshot()
+        classes, src = self.classes(now)
+        classes = inp.with_slos(classes)
+        out = dict(inp.sources)
+        out["classes"] = {"value": [{"name": c.name, "rate": round(c.rate, 4), "input_tokens": round(c.input_tokens, 1),
+                                     "output_tokens": round(c.output_tokens, 1),
+                                     "slo_ms": None if c.slo_ms is None else round(c.slo_ms, 1)} for c in classes],
+                          "source": src, "requests": self.monitor.arrivals(),  # in the window (classes() evicted)
+                          "grid": {"input_edges": list(self.monitor.grid.input_edges),
+                                   "output_edges": list(self.monitor.grid.output_edges)}}
+        return out
+
+    def decide(self, classes: list[WorkloadClass], inputs: Inputs | None = None) -> Decision:
+        """Stage 1 for the proposal and for the running configuration; ``inputs``: default the current ones."""
         cfg = self.config
-        slots = self.cluster.slots(self.profiles)
-        args = (classes, self.cluster.gpus, self.profiles, cfg.steps, cfg.stage1, slots)
+        inp = inputs or self.inputs.snapshot()
+        classes = inp.with_slos(classes)
+        stage1 = cfg.stage1 if inp.slo_scale == cfg.stage1.slo_scale else replace(cfg.stage1, slo_scale=inp.slo_scale)
+        slots = self.cluster.slots(inp.profiles)
+        args = (classes, self.cluster.gpus, inp.profiles, inp.steps, stage1, slots)
         proposal = plan_capacity(*args)
         current = plan_capacity(*args, fixed_counts=self.current_counts())
         same = {d: n for d, n in proposal.counts.items() if n} == {d: n for d, n in current.counts.items() if n}

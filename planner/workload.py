@@ -138,5 +138,9 @@ class WorkloadMonitor:
             ratio = max(ratio, (mean + slope * (span / 2 + self.lookahead_s)) / mean)
         return ratio
 
+    def arrivals(self) -> int:
+        """Arrivals held (those of the window as of the last ``classes`` call; a few older ones until evicted)."""
+        return sum(len(w.events) for w in self._windows.values())
+
     def total_rate(self, now: float) -> float:
         return sum(c.rate for c in self.classes(now))
