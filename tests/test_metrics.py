@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.metrics import FAILURE_REASONS, Metrics, failure_reason
+from app.playground import RecentOutcomes
 from tests.dashboard import dashboard_metric_names, exposed_metric_names, promql_metric_names, template_metric_names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -334,6 +335,7 @@ def _ingress():
     ing = cls.__new__(cls)
     ing.metrics = Metrics(model_name=MODEL)
     ing.cfg = SimpleNamespace(name=MODEL, kv_capacity_tokens=1000)
+    ing.outcomes = RecentOutcomes()
     return ing
 
 
