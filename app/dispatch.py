@@ -395,6 +395,7 @@ class Dispatcher:
 
     def _finish(self, live: _Live, done: dict) -> None:
         self.live.pop(live.req_id, None)
+        inst = self.router.by_id.get(live.state.instance)
         self.router.finish(live.state)
         now = time.monotonic()
         self._emit(live, live.out.finish(), now)  # held-back text: an unfinished character, a stop's prefix
@@ -407,7 +408,16 @@ class Dispatcher:
             "rounds": live.state.steps_done, "ttft_s": (live.first_token or now) - live.arrival,
             "e2e_s": now - live.arrival, "queue_s": (live.first_step or now) - live.arrival,
             "threshold": sum(used) / len(used) if used else live.sent_threshold,
-            "migrations": live.state.migrations, "resumes": live.resumes})
+            "migrations": live.state.migrations, "resumes": live.resumes,
+            # for the planner's measured inputs: the budget, the SLO, the denoising steps and the TP degree
+            "max_tokens": live.max_tokens, "slo_s": live.state.deadline - live.state.arrival,
+            "denoise_steps": self._denoise_steps(live.state), "tp": inst.tp if inst is not None else None})
+
+    def _denoise_steps(self, state: RequestState) -> int:
+        """A request's denoising steps: the router counts every step, a block-causal model's prompt blocks'
+        prefill steps too (one per prompt block)."""
+        prefill = 0 if self.full_sequence else -(-state.prompt_tokens // self.block_tokens)
+        return max(state.steps_done - prefill, 1)
 
     # ---- progress ----------------------------------------------------------------------------------
     def handle_batch(self, inst_id: int, batch: dict) -> None:

@@ -154,9 +154,13 @@ class Ingress:
         return self.planner.metrics() if self.planner is not None else {}
 
     @web.get("/debug/planner")
-    async def planner_state(self) -> dict:
-        """The planner's targets, the joined instances, the transition under way and the last decision."""
-        return self.planner.describe() if self.planner is not None else {"enabled": False}
+    async def planner_state(self, request: Request) -> dict:
+        """The planner's targets, the joined instances, the transition under way, the last decision, and
+        where each of its inputs came from (default, configured, measured or scaled)."""
+        self._authorize(request)
+        if self.planner is None:
+            return {"enabled": False}
+        return await asyncio.to_thread(self.planner.describe)  # it waits for a solve under way
 
     @web.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -485,3 +489,8 @@ class Ingress:
             slo_met=slo_met, resumes=done.get("resumes", 0))
         if slo_met is not None:
             self.outcomes.add(time.monotonic(), slo_met)
+        if self.planner is not None and done.get("tp") is not None:  # the planner's inputs, measured
+            self.planner.observe_finished(
+                prompt_tokens=done["prompt_tokens"], output_tokens=done["max_tokens"], steps=done["denoise_steps"],
+                threshold=done.get("threshold"), slo_s=None if req.slo_ms is None else done["slo_s"],
+                e2e_s=done["e2e_s"], tp=done["tp"])

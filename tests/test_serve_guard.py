@@ -96,7 +96,7 @@ def completion_ok(r: httpx.Response) -> str:
 def test_keys_guard_api_and_debug_but_not_health_metrics_or_schema(app_url):
     for path in ("/health", "/metrics", "/openapi.json"):
         assert httpx.get(app_url + path, timeout=TIMEOUT).status_code == 200, path
-    for path in ("/v1/models", "/debug/instances", "/debug/control"):
+    for path in ("/v1/models", "/debug/instances", "/debug/control", "/debug/planner", "/debug/cluster"):
         r = httpx.get(app_url + path, timeout=TIMEOUT)
         assert assert_openai_error(r, 401)["code"] == "invalid_api_key"
         assert r.headers["www-authenticate"] == "Bearer"
