@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import gc
+import tracemalloc
+
 import pytest
 
 from app.router import (
@@ -14,6 +17,8 @@ from app.router import (
 )
 from app.router.estimator import STEP_FEATURES
 from app.router.placement import best_instance
+from app.router.policies import ROUTER_POLICIES
+from app.router.state import ThresholdHistory
 from app.router.thresholds import choose_threshold, load_control
 from engine.profile import load_tp_profiles
 
@@ -326,3 +331,128 @@ def test_calibration_trusts_the_first_rounds():
     assert lat.scale == pytest.approx(3.0)  # the first measurement, not 5% of the way there
     lat.calibrate(1, 0, 4, 1.0 * base)
     assert lat.scale == pytest.approx(2.0)  # the mean of the first rounds
+
+
+def _containers(router: Router) -> dict[str, int]:
+    """Sizes of everything the router keeps per request."""
+    sizes = {"requests": len(router.requests), "order": len(router._order)}
+    for inst in router.instances:
+        sizes[f"instance {inst.inst_id}"] = len(inst.requests)
+    for name, value in vars(router.estimator).items():
+        if isinstance(value, (dict, list, set)):
+            sizes[f"estimator.{name}"] = len(value)
+    return sizes
+
+
+def _churn(policy: str, n: int, marks: tuple[int, ...]) -> tuple[Router, dict[int, tuple[int, int, dict]]]:
+    """``n`` requests through a router in virtual time: four arrivals per 5 ms tick on three instances, each
+    request stepped every tick until its 2-3 steps are done (the last one after a recompute step); one
+    request lives through the whole run, stepped every fourth tick. At each arrival count in ``marks``:
+    (traced bytes, live requests, container sizes)."""
+    router = make_router(policy, tps=(1, 1, 2), load_control_interval_s=0.02)
+    totals = (4.0, 3.5, 3.0, 2.5, 2.0)
+    router.estimator.totals = lambda s: totals
+    steps_of = {}  # live request -> the steps it takes
+    long = req("long", slo=1e6)
+    router.add_request(long, 0.0)
+    seen: dict[int, tuple[int, int, dict]] = {}
+    now, arrived, tick = 0.0, 0, 0
+    while arrived < n or steps_of:
+        now += 0.005
+        tick += 1
+        for _ in range(4 if arrived < n else 0):
+            r = req(f"r{arrived}", arrival=now, slo=0.05 + 0.01 * (arrived % 3), priority=int(arrived % 7 == 0))
+            router.add_request(r, now)
+            steps_of[r] = 2 + arrived % 2
+            arrived += 1
+            if arrived in marks:
+                gc.collect()
+                snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+                seen[arrived] = (sum(t.size for t in snap.traces), len(router.requests), _containers(router))
+        for inst in router.instances:
+            batch = [router.requests[rid] for rid in sorted(inst.requests)]
+            if tick % 4 and long in batch:
+                batch.remove(long)
+            if not batch:
+                continue
+            router.plan_thresholds(inst.inst_id, batch, now)
+            stepped = []
+            for r in batch:
+                need, done = steps_of.get(r, 1 << 30), r.steps_done + 1  # on_step counts the step
+                r.progress = min(done / need, 1.0)
+                r.blocks_left = 1 if done >= need - 1 else 2
+                stepped.append((r, done == need - 1, done >= need))
+                if done >= need:
+                    del steps_of[r]
+            router.on_step(inst.inst_id, stepped, now)
+    return router, seen
+
+
+@pytest.mark.parametrize("policy", sorted(ROUTER_POLICIES))
+def test_router_memory_stays_flat_under_every_policy(policy):
+    tracemalloc.start()
+    try:
+        router, seen = _churn(policy, 5000, (1000, 5000))
+    finally:
+        tracemalloc.stop()
+    (mem_1k, live_1k, sizes_1k), (mem_5k, live_5k, sizes_5k) = seen[1000], seen[5000]
+    for live, sizes in ((live_1k, sizes_1k), (live_5k, sizes_5k)):
+        assert 2 <= live < 40
+        assert all(size <= live for size in sizes.values()), (live, sizes)
+    assert sizes_5k["estimator._z"] == live_5k  # the estimator forgets finished requests
+    assert mem_5k - mem_1k < 200_000, f"{policy}: traced memory grew {mem_5k - mem_1k} B from 1,000 to 5,000 requests"
+    # drained: only the request that lived through the run is left anywhere, its history in constant memory
+    long = router.requests["long"]
+    assert set(_containers(router).values()) <= {0, 1} and list(router._order) == [long]
+    assert len(long.thresholds_used) == long.steps_done > 250 and long.thresholds_used[-1] == long.threshold
+    if policy == "remask":
+        assert router.stats["load_control_runs"] > 100
+
+
+def test_threshold_history_keeps_what_its_readers_use_in_constant_memory():
+    values = [TS[(i * 7919) % 5] for i in range(20_000)]
+    h = ThresholdHistory()
+    assert not h and len(h) == 0 and h.mean is None
+    with pytest.raises(IndexError):
+        h[-1]
+    tracemalloc.start()
+    try:
+        h.append(values[0])
+        before = tracemalloc.get_traced_memory()[0]
+        h.extend(values[1:])
+        grew = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grew < 2_000  # a list would hold 160 kB
+    # the readers' results: the mean (summed in step order, as sum(list) does), the last value, the count
+    assert h.mean == sum(values) / len(values) and h.total == sum(values)
+    assert len(h) == 20_000 and h and h[-1] == h.last == values[-1] and h[len(h) - 1] == values[-1]
+    assert sorted(h) == sorted(values) and h.uses() == {t: values.count(t) for t in TS}
+    assert sum(h) / len(h) == pytest.approx(h.mean)
+    with pytest.raises(IndexError):
+        h[0]
+    # a request built with a list gets a history of it
+    r = req("a", thresholds_used=[0.9, 0.8])
+    assert isinstance(r.thresholds_used, ThresholdHistory) and len(r.thresholds_used) == 2
+    assert r.thresholds_used[-1] == 0.8 and r.thresholds_used.mean == (0.9 + 0.8) / 2
+
+
+def test_finished_requests_leave_the_load_control_order_at_once():
+    totals = {f"r{i}": TS for i in range(6)}
+    router = make_router("fixed-threshold", totals=totals)
+    rs = [req(f"r{i}", arrival=0.01 * i) for i in range(6)]
+    for r in rs:
+        router.add_request(r, r.arrival)
+    for r in rs[:4]:
+        router.finish(r)
+    assert list(router._order) == rs[4:] and set(router.requests) == {"r4", "r5"}
+    router.finish(req("r4"))  # another request under a live id: not the one here
+    assert "r4" in router.requests and rs[4] in router._order
+    # remask: a priority arrival still goes ahead of the live ones
+    router = make_router("remask", totals=totals, load_control_interval_s=10.0)
+    rs = [req(f"r{i}", arrival=0.01 * i, priority=int(i == 5)) for i in range(6)]
+    for r in rs:
+        router.add_request(r, r.arrival)
+        if r.req_id == "r3":
+            router.finish(rs[0])
+    assert [r.req_id for r in router._order] == ["r5", "r1", "r2", "r3", "r4"]

@@ -11,7 +11,12 @@ call the same methods:
   has already written each request's progress fields. Updates estimates,
   step kinds and loads, runs load control (Alg. 2) on its interval, and
   returns the migrations ``[(req, dst_inst_id)]`` the policy decided.
-- ``finish(req)``: the request left the cluster.
+- ``finish(req)``: the request left the cluster; it leaves every structure here.
+
+Memory follows the live requests only: a finished request leaves ``requests``,
+the load-control order, its instance's set and the estimator's state in
+``finish``, and a request's threshold history is kept as its count, sum and
+last value (``ThresholdHistory``), not one entry per step.
 
 The instance scheduler still orders work inside each instance: the router
 decides where a request runs and which threshold its steps use, the
@@ -65,7 +70,14 @@ class Router:
         self.instances = [InstanceState(i, tp) for i, tp in instances]
         self.by_id = {inst.inst_id: inst for inst in self.instances}
         self.requests: dict[str, RequestState] = {}
-        self._order: list[RequestState] = []  # load-control order (priority, then arrival); finished ones linger
+        # load-control order (priority, then arrival) of the live requests: an insertion-ordered set, so that
+        # ``finish`` drops a request in O(1)
+        self._order: dict[RequestState, None] = {}
+        # what an arrival's priority is compared with (higher: the order is re-sorted at once): the latest
+        # arrival since the last load-control run, even if it has finished since, else the order's tail at that
+        # run; the tail the order had when finished requests stayed in it until a run, so that runs (and
+        # the simulator's figures) are what they were
+        self._tail: RequestState | None = None
         self._resort = False
         self._last_control = float("-inf")
         self._headroom = 0.0
@@ -93,9 +105,10 @@ class Router:
         req.slack = (req.deadline - req.arrival) * 1000.0 / max(alone, 1e-9)
         inst = self.policy.place(self, req)
         inst.add(req)
-        if self._order and req.priority > self._order[-1].priority:
+        if self._tail is not None and req.priority > self._tail.priority:
             self._resort = True  # it goes ahead of earlier, lower-priority arrivals: walk again
-        self._order.append(req)
+        self._order[req] = None
+        self._tail = req
         self._control(now, arriving=req)
         return inst.inst_id
 
@@ -154,8 +167,10 @@ class Router:
         return [(req, dst.inst_id) for req, dst in moves]
 
     def finish(self, req: RequestState) -> None:
-        if self.requests.pop(req.req_id, None) is None:
-            return
+        if self.requests.get(req.req_id) is not req:
+            return  # not here (finished already, or another request under its id)
+        del self.requests[req.req_id]
+        self._order.pop(req, None)
         if req.instance is not None:
             self.by_id[req.instance].remove(req)
         forget = getattr(self.estimator, "forget", None)
@@ -299,13 +314,13 @@ class Router:
         if not self.policy.load_control:
             return
         if now - self._last_control >= self.cfg.load_control_interval_s or self._resort:
-            live = self.requests
-            self._order = [r for r in self._order if r.req_id in live]
             if self._resort:
-                self._order.sort(key=lambda r: (-r.priority, r.arrival))
+                self._order = dict.fromkeys(sorted(self._order, key=lambda r: (-r.priority, r.arrival)))
                 self._resort = False
+            order = list(self._order)
+            self._tail = order[-1] if order else None
             capacity = self.capacity(now)
-            self._headroom = load_control(self._order, capacity, self.cap.heavy_cost, self.cap.light_cost)
+            self._headroom = load_control(order, capacity, self.cap.heavy_cost, self.cap.light_cost)
             self._last_control = now
             self.stats["load_control_runs"] += 1
         elif arriving is not None:  # it is last in the order: the walk's next step, against the headroom left

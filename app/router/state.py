@@ -2,7 +2,66 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+
+class ThresholdHistory:
+    """The thresholds of a request's steps, in constant memory: what its readers use of the history.
+
+    Appended once per step, the history would grow with every step a request takes; its readers want
+    the mean (the ingress's done event) and the last value (the current threshold: the cluster view,
+    the step estimators), so it keeps the count, the sum (added in step order: ``mean`` is exactly the
+    mean of the full history in step order), the last value, and how often each distinct threshold was
+    used (a handful: the router's candidates and a client's fixed one). It answers ``len``, truthiness,
+    ``h[-1]`` (the last step's only) and iteration (the values with their multiplicities, grouped by
+    value, not in step order: ``sum(h) / len(h)`` may differ from ``h.mean`` in the last bits)."""
+
+    __slots__ = ("count", "total", "last", "_uses")
+
+    def __init__(self, values: Iterable[float] = ()) -> None:
+        self.count = 0
+        self.total = 0  # the sum in step order, as ``sum(list)`` adds
+        self.last: float | None = None
+        self._uses: dict[float, int] = {}
+        self.extend(values)
+
+    def append(self, threshold: float) -> None:
+        self.count += 1
+        self.total += threshold
+        self.last = threshold
+        self._uses[threshold] = self._uses.get(threshold, 0) + 1
+
+    def extend(self, values: Iterable[float]) -> None:
+        for t in values:
+            self.append(t)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+    def uses(self) -> dict[float, int]:
+        """Steps per threshold."""
+        return dict(self._uses)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __getitem__(self, i: int) -> float:
+        if self.count and i in (-1, self.count - 1):
+            return self.last  # type: ignore[return-value]
+        raise IndexError("a threshold history keeps only its last value")
+
+    def __iter__(self) -> Iterator[float]:
+        for t, n in self._uses.items():
+            for _ in range(n):
+                yield t
+
+    def __repr__(self) -> str:
+        return f"ThresholdHistory(count={self.count}, mean={self.mean}, last={self.last})"
 
 
 @dataclass(eq=False)
@@ -32,7 +91,7 @@ class RequestState:
     step_in_block: int = 0
     next_heavy: bool = True  # the next step is a recompute (full_sequence) or prefill step
     conf_stats: tuple[float, ...] = ()  # min, q25, median, mean, q75 of the last step's confidences
-    thresholds_used: list[float] = field(default_factory=list)
+    thresholds_used: ThresholdHistory = field(default_factory=ThresholdHistory)  # one entry per step taken
     # router scratch
     est: list[float] = field(default_factory=list)  # predicted remaining steps per candidate threshold
     cap: int = 0  # index of the highest allowed candidate threshold (candidates run highest first)
@@ -42,6 +101,8 @@ class RequestState:
     extra: dict = field(default_factory=dict)  # owner's data (the simulator's truth, say); never read here
 
     def __post_init__(self) -> None:
+        if not isinstance(self.thresholds_used, ThresholdHistory):
+            self.thresholds_used = ThresholdHistory(self.thresholds_used)
         if not self.blocks_left:
             self.blocks_left = max(1, -(-self.output_tokens // self.block_tokens))
 
