@@ -335,7 +335,7 @@ def _ingress():
     ing = cls.__new__(cls)
     ing.metrics = Metrics(model_name=MODEL)
     ing.cfg = SimpleNamespace(name=MODEL, kv_capacity_tokens=1000)
-    ing.outcomes = RecentOutcomes()
+    ing.outcomes, ing.planner = RecentOutcomes(), None
     return ing
 
 
