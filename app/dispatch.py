@@ -407,7 +407,7 @@ class Dispatcher:
             "prompt_tokens": live.state.prompt_tokens, "completion_tokens": len(live.committed),
             "rounds": live.state.steps_done, "ttft_s": (live.first_token or now) - live.arrival,
             "e2e_s": now - live.arrival, "queue_s": (live.first_step or now) - live.arrival,
-            "threshold": sum(used) / len(used) if used else live.sent_threshold,
+            "threshold": used.mean if used else live.sent_threshold,
             "migrations": live.state.migrations, "resumes": live.resumes,
             # for the planner's measured inputs: the budget, the SLO, the denoising steps and the TP degree
             "max_tokens": live.max_tokens, "slo_s": live.state.deadline - live.state.arrival,
