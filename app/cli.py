@@ -108,15 +108,29 @@ def _simulate_cluster(args) -> int:
     from sim.cluster_scenarios import run_cluster_scenario
 
     torch.set_num_threads(1)  # the tiny model's decodes: a second thread only spins on a shared machine
-    if args.plot and args.scenario != "dilaserve-trace":
-        raise ValueError(f"--plot draws the reconfiguration timeline of dilaserve-trace, not of {args.scenario}")
+    trace = args.scenario == "dilaserve-trace"
+    if args.plot and not trace and args.estimator != "online":
+        raise ValueError("--plot draws the reconfiguration timeline of dilaserve-trace, or the learning curve of "
+                         f"--estimator online; not of {args.scenario} with --estimator {args.estimator}")
+    if trace and (args.estimator != "table" or args.shed != "auto"):
+        raise ValueError("dilaserve-trace runs with the table estimator and its own admission; drop --estimator/--shed")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
+    online = {}
+    if not trace:
+        early = tuple(int(x) for x in args.refit_early.split(",") if x.strip()) if args.refit_early else ()
+        online = {"estimator": args.estimator, "shed": {"auto": None, "on": True, "off": False}[args.shed],
+                  "refit_every": args.refit_every, "refit_early": early,
+                  "min_requests": min(early) if early else args.refit_every * 2}
     report = run_cluster_scenario(args.scenario, policies, args.requests or 2000, args.seed, args.rate,
-                                  progress=not args.quiet)
-    if args.plot:
+                                  progress=not args.quiet, **online)
+    if args.plot and trace:
         from sim.cluster_trace import plot_trace
 
         plot_trace(report, args.plot)
+    elif args.plot:
+        from sim.report.plots import learning_curve
+
+        learning_curve(report, args.plot)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -125,7 +139,7 @@ def _simulate_cluster(args) -> int:
     for name, r in report["policies"].items():
         print(f"  {name:24s} SLO attainment {r['slo_attainment']:.3f}  accuracy {r['accuracy']:.4f}  "
               f"mean {r['mean_latency_s']:7.2f}s  p99 {r['p99_latency_s']:7.2f}s  "
-              f"mean threshold {r['mean_threshold']:.3f}  migrations {r['migrations']}")
+              f"mean threshold {r['mean_threshold']:.3f}  migrations {r['migrations']}  shed {r['shed']}")
     return 0
 
 
@@ -352,7 +366,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rate", type=float, help="cluster scenarios: arrival rate, requests per second")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--plot", help="dilaserve-trace: write the offered rate, instance mix and SLO attainment "
-                                  "over time to this PNG")
+                                  "over time to this PNG; --estimator online: the step predictor's learning curve")
+    s.add_argument("--estimator", choices=["table", "online"], default="table",
+                   help="cluster scenarios: the router's step estimates, from the oracle totals with a synthetic "
+                        "error (table) or learnt online from the run's own finished requests, started cold (online)")
+    s.add_argument("--refit-every", type=int, default=50, help="--estimator online: refit after this many more "
+                   "finished requests (the first once twice as many finished, or at the first --refit-early)")
+    s.add_argument("--refit-early", help="--estimator online: extra refits at these finished-request counts, "
+                   "comma-separated (e.g. 25,50,100)")
+    s.add_argument("--shed", choices=["auto", "on", "off"], default="auto",
+                   help="cluster scenarios: refuse arrivals that cannot meet their SLO, as the live ingress does "
+                        "(auto: the remask policy only); refused requests count as SLO misses")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_simulate)

@@ -29,6 +29,23 @@ the best remaining instance through the router, as a migration: prompt and commi
 recompute on arrival. Nothing is dropped: ``ClusterResult`` counts arrivals, evacuated requests and
 requests held while no instance served, and ``lost`` (arrived but never finished) must stay 0.
 ``call_at(t, fn)`` runs ``fn(now)`` in virtual time; ``on_arrival(spec, now)`` sees every arrival.
+
+Step estimates (``ClusterConfig.estimator``): ``table``, the oracle totals with a synthetic error
+(``TableStepEstimator``), or ``online``, the step predictor learnt from the simulated traffic
+(``predictors.online.OnlineStepLearner`` behind ``OnlineStepEstimator``), started cold: every finished
+request's step rows (``predictors.features.step_row``'s fields, after each step, as a live replica
+sends them; the simulator has no per-step confidences, and ``sim/threshold_table.py`` records none,
+so the five confidence statistics are zeros) are recorded, and the learner refits synchronously
+whenever it is due, at that virtual instant (its wall time takes no virtual time). Either way the
+result's ``estimator`` reports the error of the estimates the router served with (MAPE of remaining
+steps and Spearman, over every step row of the finished requests), and for ``online`` the learning
+curve: one point per refit.
+
+Admission (``ClusterConfig.shed``): as the live ingress does, an arrival is refused when
+``Router.admissible(state, now, governor.util)`` says it cannot meet its SLO even at the lowest
+thresholds, with the ``AdmissionGovernor`` adjusting ``util`` from the attainment of the admitted
+requests (and ``foreseen_miss`` telling it early of a request that will miss). Refused requests are
+counted in ``shed`` and as SLO misses.
 """
 
 from __future__ import annotations
@@ -41,7 +58,19 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.router import Router, RouterConfig, StepShape, TableStepEstimator, TpLatencyModel
+import numpy as np
+
+from app.router import (
+    AdmissionGovernor,
+    OnlineStepEstimator,
+    Router,
+    RouterConfig,
+    StepShape,
+    TableStepEstimator,
+    TpLatencyModel,
+    foreseen_miss,
+)
+from app.router.estimator import feature_row
 from app.router.placement import best_instance
 from app.router.state import InstanceState, RequestState
 from engine.clock import VirtualClock
@@ -49,6 +78,8 @@ from engine.policies import make_policy
 from engine.profile import LatencyProfile
 from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepKind, StepOutcome
 from engine.scheduler import Scheduler, SchedulerConfig
+
+ESTIMATORS = ("table", "online")
 
 
 @dataclass
@@ -63,6 +94,7 @@ class ClusterRequestSpec:
     correct: tuple[bool, ...]  # the model's answer right at each threshold
     slo_s: float
     priority: int = 0
+    prompt_features: tuple[float, ...] = ()  # words, newlines, prompt tokens (the admission predictor's inputs)
 
 
 @dataclass(frozen=True)
@@ -75,6 +107,16 @@ class ClusterConfig:
     kv_capacity_tokens: int = 250_000
     estimator_sigma: float = 0.3
     router: RouterConfig = field(default_factory=RouterConfig)
+    estimator: str = "table"  # table (oracle totals, synthetic error) | online (learnt from the run's traffic)
+    online_refit_every: int = 50  # online: refit after this many more finished requests ...
+    online_min_requests: int = 100  # ... once this many have finished
+    online_early: tuple[int, ...] = ()  # online: extra refits at these finished-request counts
+    online_admission: bool = True  # online: also learn DWISE's admission predictor (prompt features -> steps)
+    shed: bool = False  # refuse arrivals that cannot meet their SLO (the live ingress's admission)
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {self.estimator!r}; known: {', '.join(ESTIMATORS)}")
 
 
 @dataclass
@@ -86,6 +128,10 @@ class _Truth:
     next_heavy: bool = True
     schedule: list[tuple[float, float]] = field(default_factory=list)  # (progress, threshold) where it changed
     steps: int = 0
+    rows: list[list[float]] = field(default_factory=list)  # step rows after each step (online estimator)
+    row_steps: list[int] = field(default_factory=list)  # steps done at each row
+    served: list[float] = field(default_factory=list)  # the router's estimate at each row, at that step's threshold
+    epoch: int = -1  # the admission governor's epoch it was admitted in (-1: not counted)
 
 
 class _Inst:
@@ -116,11 +162,14 @@ class ClusterResult:
     redirected: int = 0  # migrations whose target started draining while they travelled
     instances_started: int = 0  # after the initial ones
     instances_stopped: int = 0
+    shed: int = 0  # refused on arrival (admission): SLO misses
+    admission: dict = field(default_factory=dict)  # the governor's final share and cuts (shedding on)
+    estimator: dict = field(default_factory=dict)  # kind, served error, learning curve (online)
 
     @property
     def lost(self) -> int:
-        """Requests that arrived and never finished (0 unless something dropped them)."""
-        return self.arrived - len(self.finished)
+        """Requests that arrived and were neither refused nor finished (0 unless something dropped them)."""
+        return self.arrived - self.shed - len(self.finished)
 
 
 class ClusterSimulator:
@@ -131,8 +180,22 @@ class ClusterSimulator:
         shape = StepShape(cfg.block_tokens, cfg.sequence_tokens, full_sequence=True)
         self.latency = TpLatencyModel(dict(profiles), cfg.slots, shape)  # every degree an instance may have
         self.truth: dict[str, _Truth] = {}
-        estimator = TableStepEstimator(cfg.router.thresholds, lambda s: self.truth[s.req_id].spec.steps,
-                                       sigma=cfg.estimator_sigma, seed=seed)
+        self.learner = self.admission_learner = None
+        if cfg.estimator == "online":
+            from predictors.online import OnlineAdmissionLearner, OnlineStepLearner
+
+            every = {"refit_every": cfg.online_refit_every, "min_requests": cfg.online_min_requests,
+                     "early": cfg.online_early, "seed": seed}
+            self.learner = OnlineStepLearner(cfg.router.thresholds, **every)
+            if cfg.online_admission:
+                self.admission_learner = OnlineAdmissionLearner(**every)
+            estimator = OnlineStepEstimator(self.learner, cfg.router.thresholds, admission=self.admission_learner)
+        else:
+            estimator = TableStepEstimator(cfg.router.thresholds, lambda s: self.truth[s.req_id].spec.steps,
+                                           sigma=cfg.estimator_sigma, seed=seed)
+        self._served = _ServedError()  # the error of the estimates the router served with
+        self.curve: list[dict] = []  # online: one point per refit
+        self.governor = AdmissionGovernor()
         self.router = Router(policy, self.latency, estimator, list(enumerate(cfg.tp_degrees)), cfg.router)
         base = profiles[min(profiles)]
         self._costs = base.step_costs(cfg.block_tokens, cfg.sequence_tokens, batch=cfg.slots)
@@ -264,6 +327,9 @@ class ClusterSimulator:
                 data(t)
         res.makespan_s = last_t - first
         res.mean_in_system = area / res.makespan_s if res.makespan_s else 0.0
+        res.estimator = self._estimator_report()
+        if self.cfg.shed:
+            res.admission = {"util": round(self.governor.util, 4), "cuts": self.governor.cuts}
         res.migrations = self.router.stats["migrations"]
         res.load_control_runs = self.router.stats["load_control_runs"]
         for inst in self.insts:
@@ -284,8 +350,21 @@ class ClusterSimulator:
         self.truth[spec.req_id] = _Truth(spec, blocks)
         st = RequestState(spec.req_id, spec.arrival, spec.arrival + spec.slo_s, spec.prompt_tokens,
                           spec.output_tokens, self.cfg.block_tokens, spec.priority, full_sequence=True)
+        if self.admission_learner is not None and spec.prompt_features:
+            st.extra["admission"] = tuple(spec.prompt_features)
         self.states[spec.req_id] = st
-        inst_id = self.router.add_request(st, self.clock.now())
+        now = self.clock.now()
+        inst_id = self.router.add_request(st, now)
+        if self.cfg.shed:
+            # no shedding on a prior's guess (OnlineStepEstimator.ready): requests refused then are never learnt from
+            ready = getattr(self.router.estimator, "ready", True)
+            if ready and not self.router.admissible(st, now, self.governor.util):
+                self.router.reject(st)
+                del self.truth[spec.req_id], self.states[spec.req_id]
+                self.res.shed += 1
+                self._in_system -= 1
+                return
+            self.truth[spec.req_id].epoch = self.governor.epoch
         self._enter(st, inst_id)
 
     def _enter(self, st: RequestState, inst_id: int) -> None:
@@ -321,13 +400,14 @@ class ClusterSimulator:
         inst.rounds += 1
         inst.slots_filled += len(plan.slots)
         inst.busy_s += dt
-        self._push(self.clock.now() + dt, "done", (inst, plan, states, ths))
+        self._push(self.clock.now() + dt, "done", (inst, plan, states, ths, dt))
 
-    def _done(self, inst: _Inst, plan: RoundPlan, states: list[RequestState], ths: list[float],
+    def _done(self, inst: _Inst, plan: RoundPlan, states: list[RequestState], ths: list[float], dt: float,
               res: ClusterResult) -> int:
         index = self._th_index
         outcomes, stepped = [], []
         finished = 0
+        now = self.clock.now()
         for slot, st, t in zip(plan.slots, states, ths):
             tr = self.truth[st.req_id]
             if not tr.schedule or tr.schedule[-1][1] != t:
@@ -350,9 +430,14 @@ class ClusterSimulator:
             stepped.append((st, block_done, done))
             if done:
                 finished += 1
-                res.finished.append((tr.spec, self.clock.now() - tr.spec.arrival, tr.schedule))
+                res.finished.append((tr.spec, now - tr.spec.arrival, tr.schedule))
+            else:
+                tr.row_steps.append(tr.steps)
+                if self.learner is not None:  # what a replica sends after the step (no confidences here: zeros)
+                    tr.rows.append(feature_row(st, t))
         inst.sched.update(plan, RoundResult(outcomes))
-        moves = self.router.on_step(inst.inst_id, stepped, self.clock.now())
+        moves = self.router.on_step(inst.inst_id, stepped, now)
+        self._after_step(stepped, ths, dt, now)
         for st, dst in moves:
             inst.sched.abort(st.req_id)
             self._push(self.clock.now() + self.router.migration_cost_ms(st) / 1000.0, "migrate", (st, dst))
@@ -365,14 +450,107 @@ class ClusterSimulator:
                 req.est_rounds = self.router.remaining_steps(st)
                 req.key = inst.sched.policy.key(req)
         inst.busy = False
+        if self.learner is not None and self.learner.due():  # at this virtual instant: the fit takes no virtual time
+            self._refit(now)
+        if self.admission_learner is not None and self.admission_learner.due():
+            self.admission_learner.refit()
         if inst.state == "draining":
             self._evacuate(inst)
         else:
             self._start(inst)
         return finished
 
+    def _after_step(self, stepped: list[tuple[RequestState, bool, bool]], ths: list[float], dt: float,
+                    now: float) -> None:
+        """After the router's step event: the estimate it now serves for each request (for the error
+        report), finished requests to the learner, and the admission governor's feedback (as the
+        live ingress: a finished request of the current epoch, or one foreseen to miss)."""
+        index, g, shed = self._th_index, self.governor, self.cfg.shed
+        for (st, _, done), t in zip(stepped, ths):
+            tr = self.truth[st.req_id]
+            if done:
+                true = [tr.steps - k for k in tr.row_steps]
+                self._served.add(tr.served, true)
+                if self.learner is not None:
+                    self.learner.record(tr.rows, tr.row_steps, tr.steps, last_threshold=t)
+                if self.admission_learner is not None and tr.spec.prompt_features:
+                    mean_t = sum(st.thresholds_used) / len(st.thresholds_used) if st.thresholds_used else t
+                    self.admission_learner.record([*tr.spec.prompt_features, mean_t], tr.steps, tr.blocks)
+                if shed and tr.epoch == g.epoch:
+                    g.finished(now - tr.spec.arrival <= tr.spec.slo_s + 1e-9, now, self.res.shed)
+                continue
+            tr.served.append(st.est[index[t]] if st.est else math.nan)
+            if shed and tr.epoch == g.epoch and foreseen_miss(self.router, st, dt * 1000.0, now):
+                tr.epoch = -1  # counted now, not again when it finishes
+                g.finished(False, now, self.res.shed)
+
+    def _refit(self, now: float) -> None:
+        rec = self.learner.refit()
+        if rec is None:
+            return
+        served = self._served.segment()  # the requests finished since the last refit, served by the model before it
+        self.curve.append({"requests_seen": rec["requests_seen"], "virtual_s": round(now, 3),
+                           "holdout_mape": rec["mape"], "holdout_spearman": rec["spearman"],
+                           "served_mape": served["mape"], "served_spearman": served["spearman"],
+                           "served_requests": served["requests"], "swapped": rec["swapped"],
+                           "source": rec["source"], "version": rec["version"], "trained_on": rec["trained_on"],
+                           "new": rec["new"], "replaced": rec["in_service"], "fit_s": rec["fit_s"]})
+
+    def _estimator_report(self) -> dict:
+        out = {"kind": self.cfg.estimator, **{f"served_{k}": v for k, v in self._served.total().items()}}
+        if self.learner is not None:
+            out.update(self.learner.describe())
+            if self.admission_learner is not None:
+                adm = self.admission_learner
+                out["admission"] = {**adm.describe(), "learning_curve": [
+                    {k: p[k] for k in ("requests_seen", "mape", "spearman", "swapped", "version", "fit_s")}
+                    for p in adm.history]}
+            out["after_last_refit"] = self._served.segment()
+            out["learning_curve"] = self.curve
+            out["fit_s_total"] = round(sum(p["fit_s"] for p in self.curve), 3)
+        return out
+
+
+class _ServedError:
+    """MAPE and Spearman of the remaining-step estimates the router served with, against the truth: over
+    the whole run and over segments (the requests finished between two refits)."""
+
+    def __init__(self) -> None:
+        self.pred: list[list[float]] = []
+        self.true: list[list[int]] = []
+        self._start = 0
+
+    def add(self, pred: list[float], true: list[int]) -> None:
+        self.pred.append(pred)
+        self.true.append(true)
+
+    def segment(self) -> dict:
+        out = self._score(self._start)
+        self._start = len(self.pred)
+        return out
+
+    def total(self) -> dict:
+        return self._score(0)
+
+    def _score(self, start: int) -> dict:
+        from predictors.online import mape, spearman
+
+        pred = [v for p in self.pred[start:] for v in p]
+        true = [v for t in self.true[start:] for v in t]
+        n = len(self.pred) - start
+        ok = [i for i, v in enumerate(pred) if not math.isnan(v)]
+        if not ok:
+            return {"mape": None, "spearman": None, "requests": n, "rows": 0}
+        p = [max(pred[i], 1e-9) for i in ok]
+        t = [true[i] for i in ok]
+        sp = spearman(p, t)
+        return {"mape": round(mape(np.asarray(p), np.asarray(t, float)), 4),
+                "spearman": None if math.isnan(sp) else round(sp, 4), "requests": n, "rows": len(ok)}
+
 
 def summarize(res: ClusterResult, specs: list[ClusterRequestSpec], correct: list[bool]) -> dict:
+    """Figures of a run. SLO attainment counts every arrival: a request refused at arrival (``shed``)
+    missed its SLO; latencies and accuracy are of the finished requests."""
     lat = sorted(r[1] for r in res.finished)
     met = sum(lat_s <= spec.slo_s + 1e-9 for spec, lat_s, _ in res.finished)
 
@@ -381,8 +559,10 @@ def summarize(res: ClusterResult, specs: list[ClusterRequestSpec], correct: list
 
     steps = sum(res.threshold_steps.values())
     return {
-        "requests": len(res.finished),
-        "slo_attainment": round(met / max(len(res.finished), 1), 4),
+        "requests": len(res.finished) + res.shed,
+        "slo_attainment": round(met / max(len(res.finished) + res.shed, 1), 4),
+        "shed": res.shed,
+        "served_slo_attainment": round(met / max(len(res.finished), 1), 4),
         "accuracy": round(sum(correct) / max(len(correct), 1), 4),
         "mean_latency_s": round(statistics.mean(lat), 3) if lat else 0.0,
         "p50_latency_s": pct(0.5),
@@ -396,4 +576,6 @@ def summarize(res: ClusterResult, specs: list[ClusterRequestSpec], correct: list
         "migrations": res.migrations,
         "load_control_runs": res.load_control_runs,
         "mean_in_system": round(res.mean_in_system, 2),
+        **({"admission": res.admission} if res.admission else {}),
+        **({"estimator": res.estimator} if res.estimator else {}),
     }

@@ -40,6 +40,7 @@ requests answer in one round whatever the threshold.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, replace
 
 from app.router import RouterConfig
@@ -119,8 +120,11 @@ def make_specs(sc: ClusterScenario, table: ThresholdTable, n: int, rate: float, 
         seq = prompt_tokens + sc.output_tokens
         isolated_ms = (blocks * base.round_ms([("recompute", seq, 0)])
                        + (steps[0] - blocks) * base.round_ms([("cached", sc.block_tokens, seq)]))
+        text = table.prompts[p]
         specs.append(ClusterRequestSpec(f"r{k}", p, table.categories[p], t, prompt_tokens, sc.output_tokens, steps,
-                                        tuple(table.correct[p][c] for c in cols), sc.slo_factor * isolated_ms / 1000.0))
+                                        tuple(table.correct[p][c] for c in cols), sc.slo_factor * isolated_ms / 1000.0,
+                                        prompt_features=(float(len(text.split())), float(text.count("\n")),
+                                                         float(prompt_tokens))))
     return specs
 
 
@@ -158,8 +162,23 @@ def get_cluster_scenario(name: str) -> ClusterScenario:
         raise ValueError(f"unknown cluster scenario {name!r}; known: {', '.join(sorted(CLUSTER_SCENARIOS))}") from None
 
 
+SHED_DEFAULT = ("remask",)  # policies that shed at arrival unless told (the live ingress's admission)
+
+
+def sheds(policy: str, shed: bool | None) -> bool:
+    """Whether ``policy`` refuses arrivals that cannot meet their SLO: ``shed``, or by default the ``remask``
+    policy only (the others are the papers' baselines, which admit everything)."""
+    return policy in SHED_DEFAULT if shed is None else shed
+
+
 def run_cluster_scenario(name: str, policies: list[str] | None, n: int, seed: int = 0, rate: float | None = None,
-                         progress: bool = False, **overrides) -> dict:
+                         progress: bool = False, estimator: str = "table", shed: bool | None = None,
+                         refit_every: int = 50, refit_early: tuple[int, ...] = (), min_requests: int = 100,
+                         **overrides) -> dict:
+    """Simulate scenario ``name`` under each policy. ``estimator``: ``table`` (oracle totals with a
+    synthetic error) or ``online`` (learnt from the run's own traffic, started cold: refits after
+    ``refit_every`` more finished requests once ``min_requests`` finished, and at ``refit_early``);
+    ``shed``: admission at arrival (None: remask only)."""
     sc = replace(get_cluster_scenario(name), **overrides)
     if name == "dilaserve-trace":
         from sim.cluster_trace import TraceScenario, run_trace
@@ -181,15 +200,21 @@ def run_cluster_scenario(name: str, policies: list[str] | None, n: int, seed: in
     profiles = load_tp_profiles(sc.profile, sorted(set(sc.tp_degrees) | {1}))
     specs = make_specs(sc, table, n, rate, seed, profiles, rcfg.thresholds)
     cfg = ClusterConfig(sc.tp_degrees, sc.slots, sc.block_tokens,
-                        sum(s.prompt_tokens + s.output_tokens for s in specs) // max(len(specs), 1), router=rcfg)
+                        sum(s.prompt_tokens + s.output_tokens for s in specs) // max(len(specs), 1), router=rcfg,
+                        estimator=estimator, online_refit_every=refit_every, online_min_requests=min_requests,
+                        online_early=tuple(refit_early))
     results = {}
     for policy in policies:
-        sim = ClusterSimulator(cfg, profiles, policy, seed)
+        t0 = time.perf_counter()
+        sim = ClusterSimulator(replace(cfg, shed=sheds(policy, shed)), profiles, policy, seed)
         res = sim.run(specs)
+        sim_s = time.perf_counter() - t0
         results[policy] = summarize(res, specs, accuracy_of(table, res.finished, sc.model))
+        results[policy]["shedding"] = sim.cfg.shed
+        results[policy]["simulation_wall_s"] = round(sim_s, 2)
     return {"scenario": name, "requests": n, "seed": seed, "profile": sc.profile,
             "instances": {f"tp{d}": sc.tp_degrees.count(d) for d in sorted(set(sc.tp_degrees))},
             "slots": sc.slots, "arrival_rate_rps": rate, "slo_factor": sc.slo_factor, "mix": sc.mix,
-            "candidate_thresholds": list(rcfg.thresholds),
+            "candidate_thresholds": list(rcfg.thresholds), "estimator": estimator,
             "fixed_threshold_accuracy": {f"{t:g}": round(table.accuracy(i), 4) for i, t in enumerate(table.thresholds)},
             "policies": results}

@@ -111,3 +111,68 @@ def test_simulate_cli_runs_a_cluster_scenario(small_table, monkeypatch, capsys):
     assert out["candidate_thresholds"][0] == 0.9
     assert main(["simulate", "--scenario", "dilaserve-bench", "--policies", "nope", "--requests", "5",
                  "--quiet"]) == 2
+
+
+def test_online_estimator_learns_from_the_run_and_reports_its_curve():
+    specs = synthetic(400, rate=25.0, seed=3)
+    tps = (1, 1, 1, 1)
+    cfg = ClusterConfig(tps, slots=16, router=RouterConfig(thresholds=TS), estimator="online", online_refit_every=50,
+                        online_min_requests=100)
+    sim = ClusterSimulator(cfg, load_tp_profiles("h200-llada8b", [1]), "remask", seed=1)
+    res = sim.run(specs)
+    assert res.lost == 0 and len(res.finished) == 400
+    est = summarize(res, specs, [True] * 400)["estimator"]
+    assert est["kind"] == "online" and est["source"] == "online" and est["refits"] == len(est["learning_curve"]) >= 5
+    first, last = est["learning_curve"][0], est["learning_curve"][-1]
+    assert first["requests_seen"] == 100 and first["swapped"] and first["trained_on"] == 80
+    assert first["replaced"]["mape"] > first["new"]["mape"]  # the first model beats the prior
+    assert last["served_mape"] < first["served_mape"]  # served with the prior, then with models
+    assert est["served_rows"] > 400 and 0.0 < est["served_mape"] and est["served_spearman"] > 0.5
+    assert est["tokens_per_step"]["0.9"] >= 1.0 and est["fit_s_total"] > 0
+    # the learner saw every finished request, with one row per step but the last
+    assert sim.learner.seen == 400
+    table = summarize(run("remask", specs, tps), specs, [True] * 400)["estimator"]
+    assert table["kind"] == "table" and "learning_curve" not in table and table["served_rows"] > 400
+
+
+def test_shedding_refuses_arrivals_as_the_ingress_does_and_counts_them_as_misses():
+    specs = synthetic(500, rate=40.0, seed=2)  # overloaded
+    cfg = ClusterConfig((1, 1, 1, 1), slots=16, router=RouterConfig(thresholds=TS), shed=True)
+    sim = ClusterSimulator(cfg, load_tp_profiles("h200-llada8b", [1]), "remask", seed=1)
+    res = sim.run(specs)
+    assert res.shed > 0 and res.lost == 0 and len(res.finished) + res.shed == 500
+    assert not sim.router.requests and not sim.truth  # refused ones left the router and the simulator
+    out = summarize(res, specs, [True] * len(res.finished))
+    met = sum(lat <= s.slo_s + 1e-9 for s, lat, _ in res.finished)
+    assert out["requests"] == 500 and out["shed"] == res.shed
+    assert out["slo_attainment"] == round(met / 500, 4)
+    assert out["served_slo_attainment"] == round(met / len(res.finished), 4)
+    assert 0.05 <= out["admission"]["util"] <= 1.0
+    off = run("remask", specs, (1, 1, 1, 1))
+    assert off.shed == 0 and len(off.finished) == 500
+
+
+def test_simulate_cli_online_estimator_and_learning_curve_plot(small_table, monkeypatch, capsys, tmp_path):
+    import sim.cluster_scenarios as cs
+
+    sc = replace(cs.CLUSTER_SCENARIOS["dilaserve-bench"], table_prompts=10, tp_degrees=(1, 1, 1, 1))
+    monkeypatch.setitem(cs.CLUSTER_SCENARIOS, "dilaserve-bench", sc)
+    png = tmp_path / "curve.png"
+    assert main(["simulate", "--scenario", "dilaserve-bench", "--policies", "infaas,remask", "--rate", "20",
+                 "--requests", "150", "--estimator", "online", "--refit-every", "50", "--refit-early", "25",
+                 "--plot", str(png), "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["estimator"] == "online"
+    remask, infaas = out["policies"]["remask"], out["policies"]["infaas"]
+    assert remask["shedding"] and not infaas["shedding"]  # auto: the remask policy only
+    assert remask["requests"] == infaas["requests"] == 150 and infaas["shed"] == 0
+    curve = remask["estimator"]["learning_curve"]
+    assert [p["requests_seen"] for p in curve][:2] == [25, 75]
+    assert {"holdout_mape", "holdout_spearman", "served_mape", "served_spearman", "swapped"} <= set(curve[0])
+    assert "admission" in remask["estimator"]  # the admission predictor learns from the prompts too
+    assert png.exists() and png.stat().st_size > 1000
+    assert main(["simulate", "--scenario", "dilaserve-bench", "--policies", "remask", "--rate", "20",
+                 "--requests", "30", "--shed", "off", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["estimator"] == "table" and out["policies"]["remask"]["shed"] == 0
+    assert out["policies"]["remask"]["estimator"]["kind"] == "table"

@@ -119,15 +119,46 @@ class OnlineStepEstimator(FeatureStepEstimator):
     """The step estimate of a learner that trains on served traffic (``predictors.online.OnlineStepLearner``,
     or anything with ``predict_rows(rows)`` over STEP_FEATURES rows): the learner's prior until its first
     model, then its latest model, read at each call (the learner swaps models atomically, so a refit on
-    another thread never blocks ``predict``). ``describe()`` is the learner's."""
+    another thread never blocks ``predict``).
+
+    ``admission`` (optional; ``predictors.online.OnlineAdmissionLearner`` or anything with ``source`` and
+    ``predict_one(row) -> total steps``) answers for a request that has not stepped yet (``steps_done``
+    0) and carries its prompt features in ``state.extra["admission"]``, as ``AdmissionStepEstimator``
+    does, once it has a model (``source`` not "prior": before, the step learner's prior, a measured
+    mean, says more than one step per block). ``describe()`` is the learners'."""
 
     def __init__(self, learner, thresholds: Sequence[float],
-                 row: Callable[[RequestState, float], list[float]] = feature_row) -> None:
+                 row: Callable[[RequestState, float], list[float]] = feature_row, admission=None) -> None:
         super().__init__(learner.predict_rows, thresholds, row)
-        self.learner = learner
+        self.learner, self.admission = learner, admission
+
+    def predict(self, states):
+        adm = self.admission
+        if adm is None or adm.source == "prior":
+            return super().predict(states)
+        out: list[list[float] | None] = [None] * len(states)
+        rest = []
+        for i, s in enumerate(states):
+            feats = s.extra.get("admission") if s.steps_done == 0 else None
+            if feats is None:
+                rest.append(i)
+            else:
+                out[i] = [max(float(adm.predict_one([*feats, t])), 1.0) for t in self.thresholds]
+        for i, row in zip(rest, super().predict([states[i] for i in rest])):
+            out[i] = row
+        return out
+
+    @property
+    def ready(self) -> bool:
+        """Past the priors: the learners have models (trained online or shipped). Shedding on a prior's
+        guess refuses requests the learners then never see (an admission decision needs estimates)."""
+        return self.learner.source != "prior" and (self.admission is None or self.admission.source != "prior")
 
     def describe(self) -> dict:
-        return self.learner.describe()
+        out = self.learner.describe()
+        if self.admission is not None:
+            out["admission"] = self.admission.describe()
+        return out
 
 
 class AdmissionStepEstimator:

@@ -238,3 +238,41 @@ def predictor_calibration(pred: dict | None, out: Path) -> str | None:
         ax.legend(fontsize=7)
     fig.suptitle(f"predictor calibration ({pred.get('model')}, {pred.get('requests')} held-out requests)")
     return _save(fig, out, "predictor_calibration.png")
+
+
+def learning_curve(report: dict, path: str | Path) -> str | None:
+    """The online step predictor's learning curve of a cluster run (``remask simulate --estimator online``):
+    MAPE of remaining steps and Spearman against finished requests seen, per refit, on the refit's holdout
+    (the model in service after it) and over the requests served before it. Writes ``path``; None when no
+    policy of the report learnt online."""
+    curves = {name: r["estimator"]["learning_curve"] for name, r in report.get("policies", {}).items()
+              if r.get("estimator", {}).get("learning_curve")}
+    if not curves:
+        return None
+    plt = _plt()
+    path = Path(path)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, pts in curves.items():
+        x = [p["requests_seen"] for p in pts]
+        for ax, key in ((axes[0], "mape"), (axes[1], "spearman")):
+            ax.plot(x, [_nan(p[f"holdout_{key}"]) for p in pts], ".-", label=f"{name}: holdout (in service after)")
+            ax.plot(x, [_nan(p[f"served_{key}"]) for p in pts], "x--", label=f"{name}: served (before the refit)")
+        table = report["policies"][name]["estimator"]
+        for ax, key in ((axes[0], "mape"), (axes[1], "spearman")):
+            ax.axhline(_nan(table.get(f"served_{key}")), color="grey", lw=0.8, ls=":", label=f"{name}: whole run")
+    for ax, label in ((axes[0], "MAPE of remaining steps"), (axes[1], "Spearman (remaining steps)")):
+        ax.set_xlabel("finished requests seen")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    fig.suptitle(f"online step predictor: {report.get('scenario')}, {report.get('arrival_rate_rps')} req/s, "
+                 f"seed {report.get('seed')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path.name
+
+
+def _nan(v) -> float:
+    return math.nan if v is None else float(v)

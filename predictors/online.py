@@ -1,0 +1,415 @@
+"""Predictors that learn from served traffic: nothing from offline training is needed.
+
+DiLaServe trains its step predictor online from about 100 requests. ``OnlineStepLearner`` does the
+same for the step predictor (``predictors.step``: the 11 ``STEP_FEATURES`` of a request after each
+step -> remaining steps) and ``OnlineAdmissionLearner`` for DWISE's admission predictor
+(``predictors.admission``: ``ADMISSION_FEATURES`` -> total rounds). Both
+
+- ``record`` each FINISHED request (its rows and true labels) into a window of the most recent
+  ``window`` requests (O(1): one append under a lock held for nothing else);
+- ``refit`` on demand (``due()`` after every ``refit_every`` finished requests, once ``min_requests``
+  have finished; ``early`` adds refits at those request counts): fit on the window less its most
+  recent ``holdout`` share, score the new model and the one in service on that share (MAPE and
+  Spearman), and swap the new one in only when its MAPE is lower. The swap is one attribute
+  assignment and no lock is held during the fit, so a refit may run on another thread
+  (``RefitWorker``) while the event loop records and predicts;
+- predict with the model in service: before the first, a prior that needs no training (``describe``
+  says which: "prior", "shipped" for a model given as ``start``, "online").
+
+The step prior: remaining tokens (output_len x (1 - progress)) over the tokens a step commits at the
+row's threshold, measured over the finished requests (per step, from the progress between
+consecutive rows). A lower threshold unmasks a superset of what a higher one does, so a threshold
+never measured takes the rate of the nearest measured higher one, and before any measurement a step
+commits 1 token (the least a step commits; no table is made up). The admission prior: one round per
+output block.
+
+Only numpy here; LightGBM is imported by the fits, ``predictors.features`` (torch) only for Spearman.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+STEP_WIDTH = 11  # len(predictors.features.STEP_FEATURES): threshold, output_len, progress, ...
+ADMISSION_WIDTH = 4  # len(predictors.features.ADMISSION_FEATURES): words, newlines, tokens, threshold
+SCORE_ROWS = 10_000  # holdout rows a refit scores the two models on (a uniform sample when there are more)
+
+
+def mape(pred: np.ndarray, true: np.ndarray) -> float:
+    """Mean absolute percentage error (true values are >= 1)."""
+    if not len(true):
+        return float("nan")
+    return float(np.mean(np.abs(np.asarray(pred, float) - true) / np.maximum(true, 1e-9)))
+
+
+def spearman(a, b) -> float:
+    from predictors.features import spearman as _spearman  # torch lives there: imported only when scoring
+
+    return _spearman(a, b) if len(a) > 1 else float("nan")
+
+
+def _round(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), 4)
+
+
+@dataclass(frozen=True)
+class _Served:
+    """The predictor in service (swapped as a whole: one attribute assignment)."""
+
+    model: object | None  # a StepPredictor / AdmissionPredictor; None: the prior
+    source: str  # prior | shipped | online
+    version: int
+    trained_on: int  # requests
+    cut: int  # requests recorded before it was trained (its holdout and everything after are new to it)
+
+
+class _Learner:
+    """Window, refit schedule, model swap and scoring shared by the two learners."""
+
+    width = 0
+
+    def __init__(self, *, window: int, refit_every: int, holdout: float, min_requests: int, seed: int,
+                 early: Sequence[int], recent: int, start) -> None:
+        if window < 2 or refit_every < 1 or not 0.0 < holdout < 1.0 or min_requests < 2:
+            raise ValueError("need window >= 2, refit_every >= 1, 0 < holdout < 1, min_requests >= 2")
+        self.window, self.refit_every, self.holdout = window, refit_every, holdout
+        self.min_requests, self.seed, self.recent = min_requests, seed, recent
+        self.early = tuple(sorted(int(n) for n in early))
+        self._reqs: deque = deque(maxlen=window)  # (seq, rows float32 [k, width], labels float32 [k], prior aux [k])
+        self._lock = threading.Lock()  # record and snapshot only, never a fit
+        self._refit_lock = threading.Lock()  # one refit at a time
+        self.seen = 0  # finished requests recorded
+        self._fitted_at = 0  # ``seen`` when the last refit started
+        self._served = _Served(start, "prior" if start is None else "shipped", 0, 0, 0)
+        self.history: list[dict] = []  # one entry per refit
+        self._described: tuple | None = None
+
+    # ---- recording (event loop) ---------------------------------------------------------------
+    def _append(self, rows: np.ndarray, labels: np.ndarray, aux: np.ndarray | None = None) -> None:
+        with self._lock:
+            self._reqs.append((self.seen, rows, labels, aux))
+            self.seen += 1
+
+    def due(self) -> bool:
+        """``min_requests`` finished, and ``refit_every`` more (or an ``early`` count) since the last refit."""
+        n = self.seen
+        if n < self.min_requests or n <= self._fitted_at:
+            return False
+        if n - self._fitted_at >= self.refit_every:
+            return True
+        return any(self._fitted_at < e <= n for e in self.early)
+
+    # ---- the model in service ---------------------------------------------------------------------
+    @property
+    def source(self) -> str:
+        return self._served.source
+
+    @property
+    def version(self) -> int:
+        return self._served.version
+
+    def _predict(self, rows: np.ndarray, served: _Served | None = None, aux: np.ndarray | None = None) -> np.ndarray:
+        served = served or self._served
+        if served.model is None:
+            return self._prior(rows, aux)
+        return self._clip(np.asarray(self._model_predict(served.model, rows), dtype=np.float64))
+
+    # ---- refit (any thread) -----------------------------------------------------------------------
+    def refit(self) -> dict | None:
+        """Fit on the window less the holdout and swap the new model in if it predicts the holdout better.
+        Returns the refit's record (also appended to ``history``), or None when too few requests."""
+        with self._refit_lock:
+            with self._lock:
+                reqs = list(self._reqs)
+                seen = self.seen
+            self._fitted_at = seen
+            if len(reqs) < self.min_requests:
+                return None
+            n_hold = max(1, round(self.holdout * len(reqs)))
+            train, hold = reqs[:-n_hold], reqs[-n_hold:]
+            x, y, _ = self._stack(train)
+            xh, yh, aux = self._stack(hold)
+            if len(yh) > SCORE_ROWS:  # scores of a uniform sample: as good, and predicting costs time
+                keep = np.sort(np.random.default_rng(self.seed + len(self.history)).choice(len(yh), SCORE_ROWS,
+                                                                                           replace=False))
+                xh, yh, aux = xh[keep], yh[keep], None if aux is None else aux[keep]
+            t0 = time.perf_counter()
+            model = self._fit(x, y)
+            fit_s = time.perf_counter() - t0
+            cur = self._served
+            new_pred = self._predict(xh, _Served(model, "online", 0, 0, 0))
+            cur_pred = self._predict(xh, cur, aux)
+            new = {"mape": mape(new_pred, yh), "spearman": spearman(new_pred, yh)}
+            old = {"mape": mape(cur_pred, yh), "spearman": spearman(cur_pred, yh)}
+            swap = not new["mape"] >= old["mape"]  # a nan score of the one in service loses
+            if swap:
+                self._served = _Served(model, "online", cur.version + 1, len(train), hold[0][0])
+            served = new if swap else old
+            rec = {"requests_seen": seen, "trained_on": len(train), "rows": int(len(y)), "holdout_requests": n_hold,
+                   "holdout_rows": int(len(yh)), "new": _scores(new), "in_service": _scores(old),
+                   "swapped": swap, "source": self._served.source, "version": self._served.version,
+                   "mape": _round(served["mape"]), "spearman": _round(served["spearman"]), "fit_s": round(fit_s, 3)}
+            self.history.append(rec)
+            return rec
+
+    def _stack(self, reqs) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Rows, labels and the prior's per-row data (None when the learner keeps none) of ``reqs``."""
+        if not reqs:
+            return np.zeros((0, self.width)), np.zeros(0), None
+        aux = None if reqs[0][3] is None else np.concatenate([r[3] for r in reqs]).astype(np.float64)
+        return (np.concatenate([r[1] for r in reqs]).astype(np.float64),
+                np.concatenate([r[2] for r in reqs]).astype(np.float64), aux)
+
+    # ---- report -----------------------------------------------------------------------------------
+    def describe(self) -> dict:
+        """Source, version, requests the model in service was trained on, and its error on the last
+        ``recent`` finished requests it was not trained on (MAPE and Spearman of every row's prediction
+        against the truth; cached until the next record or swap)."""
+        served = self._served
+        with self._lock:
+            key = (served.version, self.seen)
+            recent = [r for r in list(self._reqs)[-self.recent:] if r[0] >= served.cut]
+        if self._described is None or self._described[0] != key:
+            x, y, aux = self._stack(recent)
+            pred = self._predict(x, served, aux) if len(y) else np.zeros(0)
+            self._described = (key, {"mape_recent": _round(mape(pred, y)), "spearman_recent": _round(spearman(pred, y)),
+                                     "recent_requests": len(recent)})
+        return {"source": served.source, "version": served.version, "trained_on": served.trained_on,
+                "requests_seen": self.seen, **self._described[1], "refits": len(self.history)}
+
+    # ---- per learner ------------------------------------------------------------------------------
+    def _prior(self, rows: np.ndarray, aux: np.ndarray | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def _fit(self, x: np.ndarray, y: np.ndarray):
+        raise NotImplementedError
+
+    def _model_predict(self, model, x: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    @staticmethod
+    def _clip(v: np.ndarray) -> np.ndarray:
+        return np.maximum(v, 1.0)
+
+
+def _scores(s: dict) -> dict:
+    return {k: _round(v) for k, v in s.items()}
+
+
+class OnlineStepLearner(_Learner):
+    """DiLaServe's step predictor, learnt from finished requests (see the module's docstring).
+
+    ``record(rows, steps_done, total_steps)``: a finished request's step rows (``STEP_FEATURES``, one
+    after each of its steps but the last; ``steps_done[k]``: steps taken when row k was recorded,
+    default 1, 2, ...), labelled ``total_steps - steps_done[k]`` remaining steps. ``predict_rows`` is
+    ``StepPredictor.predict_rows``'s contract: remaining steps (>= 1) per row, which carries its own
+    threshold. ``prior(rows) -> remaining steps`` replaces the tokens-per-step prior; ``start``, a
+    shipped ``StepPredictor``, serves until an online model beats it.
+    """
+
+    width = STEP_WIDTH
+
+    def __init__(self, thresholds: Sequence[float] = (), *, window: int = 2000, refit_every: int = 50,
+                 holdout: float = 0.2, min_requests: int = 100, prior: Callable[[np.ndarray], np.ndarray] | None = None,
+                 start=None, seed: int = 0, early: Sequence[int] = (), recent: int = 200,
+                 max_rows: int = 50_000) -> None:
+        super().__init__(window=window, refit_every=refit_every, holdout=holdout, min_requests=min_requests,
+                         seed=seed, early=early, recent=recent, start=start)
+        self.thresholds = tuple(float(t) for t in thresholds)
+        self.max_rows = max_rows
+        self.custom_prior = prior
+        self._tokens: dict[float, list[float]] = {}  # threshold -> [tokens committed, steps]
+        self._rates: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))  # thresholds ascending, tokens/step
+
+    def record(self, rows: Sequence[Sequence[float]], steps_done: Sequence[int] | None, total_steps: int,
+               last_threshold: float | None = None) -> None:
+        """A finished request: its rows (after each step but the last) and its total steps.
+        ``last_threshold``: the threshold of its steps after the last row (default: the last row's);
+        needed for the tokens-per-step measurement of a request with no rows (one step)."""
+        x = np.asarray(rows, dtype=np.float64).reshape(-1, STEP_WIDTH)
+        done = np.arange(1, len(x) + 1) if steps_done is None else np.asarray(steps_done, dtype=np.float64)
+        if len(done) != len(x):
+            raise ValueError(f"{len(x)} rows but {len(done)} step counts")
+        self._measure(x, done, float(total_steps), last_threshold)
+        keep = done < total_steps  # a row after the last step has nothing left to predict
+        if keep.any():
+            self._append(x[keep].astype(np.float32), (total_steps - done[keep]).astype(np.float32))
+        else:
+            with self._lock:
+                self.seen += 1
+
+    def _measure(self, x: np.ndarray, done: np.ndarray, total: float, last_threshold: float | None) -> None:
+        """Tokens committed per step at each threshold, from the progress between consecutive rows (the steps
+        after the last row at ``last_threshold``, default the last row's)."""
+        if not len(x):
+            return  # no row: neither the output length nor the progress is known
+        prog = np.r_[0.0, x[:, 2]]
+        tail_t = x[-1, 0] if last_threshold is None else last_threshold
+        ts = np.round(np.r_[x[:, 0], tail_t], 4)
+        tokens = np.maximum(np.r_[np.diff(prog) * x[:, 1], (1.0 - prog[-1]) * x[-1, 1]], 0.0)
+        steps = np.r_[np.diff(np.r_[0.0, done]), total - done[-1]]
+        uniq, inv = np.unique(ts, return_inverse=True)
+        tok_sum, step_sum = np.bincount(inv, tokens), np.bincount(inv, np.maximum(steps, 0.0))
+        acc = self._tokens
+        with self._lock:
+            for t, tok, st in zip(uniq.tolist(), tok_sum.tolist(), step_sum.tolist()):
+                if st > 0:
+                    a = acc.setdefault(t, [0.0, 0.0])
+                    a[0] += tok
+                    a[1] += st
+            ts_ = sorted(acc)
+            rates = [max(acc[t][0] / acc[t][1], 1.0) if acc[t][1] else 1.0 for t in ts_]
+            for i in range(len(ts_) - 2, -1, -1):  # a lower threshold commits at least as much as a higher one
+                rates[i] = max(rates[i], rates[i + 1])
+            self._rates = (np.asarray(ts_), np.asarray(rates))
+
+    def tokens_per_step(self, threshold: float) -> float:
+        """The prior's rate at ``threshold``: measured, else the nearest measured higher threshold's, else 1."""
+        return float(self._rate_of(np.asarray([float(threshold)]))[0])
+
+    def _rate_of(self, t: np.ndarray) -> np.ndarray:
+        ts, rates = self._rates
+        if not len(ts):
+            return np.ones(len(t))
+        i = np.searchsorted(ts, t - 1e-6)  # the first measured threshold >= t
+        return np.where(i < len(ts), rates[np.minimum(i, len(ts) - 1)], 1.0)
+
+    def _prior(self, rows: np.ndarray, aux: np.ndarray | None = None) -> np.ndarray:
+        if self.custom_prior is not None:
+            return self._clip(np.asarray(self.custom_prior(rows), dtype=np.float64))
+        left = rows[:, 1] * (1.0 - rows[:, 2])
+        return self._clip(left / self._rate_of(rows[:, 0]))
+
+    def predict_rows(self, rows) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.float64).reshape(-1, STEP_WIDTH)
+        if not len(rows):
+            return np.zeros(0)
+        return self._predict(rows)
+
+    def _fit(self, x, y):
+        """LightGBM on at most ``max_rows`` rows (a uniform sample: a request's consecutive rows say much the
+        same, and a fit's time grows with its rows)."""
+        from predictors.step import StepPredictor
+
+        if len(y) > self.max_rows:
+            keep = np.sort(np.random.default_rng(self.seed + len(self.history)).choice(len(y), self.max_rows,
+                                                                                         replace=False))
+            x, y = x[keep], y[keep]
+        return StepPredictor.fit(x, y, seed=self.seed)
+
+    def _model_predict(self, model, x):
+        return model.predict_rows(x)
+
+    def describe(self) -> dict:
+        d = super().describe()
+        ts, rates = self._rates
+        d["tokens_per_step"] = {f"{t:g}": round(float(r), 3) for t, r in zip(ts, rates)}
+        return d
+
+
+class OnlineAdmissionLearner(_Learner):
+    """DWISE's admission predictor, learnt from finished requests: ``ADMISSION_FEATURES`` (words,
+    newlines, prompt tokens, threshold) -> total rounds. ``record(row, rounds, blocks=None)`` per
+    finished request; ``predict(rows, blocks)`` / ``predict_one(row, blocks)``. The prior: one round
+    per block of the output budget (``blocks``, else ``default_blocks``), a lower bound for a
+    block-wise decoder; ``describe()['prior']`` says so. ``start``: a shipped ``AdmissionPredictor``.
+    """
+
+    width = ADMISSION_WIDTH
+
+    def __init__(self, *, default_blocks: float = 1.0, window: int = 2000, refit_every: int = 50,
+                 holdout: float = 0.2, min_requests: int = 100, start=None, seed: int = 0,
+                 early: Sequence[int] = (), recent: int = 200) -> None:
+        super().__init__(window=window, refit_every=refit_every, holdout=holdout, min_requests=min_requests,
+                         seed=seed, early=early, recent=recent, start=start)
+        self.default_blocks = float(default_blocks)
+
+    def record(self, row: Sequence[float], rounds: float, blocks: float | None = None) -> None:
+        """A finished request: its admission row, its total rounds and its output budget in blocks."""
+        x = np.asarray(row, dtype=np.float32).reshape(1, ADMISSION_WIDTH)
+        b = np.asarray([self.default_blocks if blocks is None else float(blocks)])
+        self._append(x, np.asarray([max(float(rounds), 1.0)], dtype=np.float32), b)
+
+    def _prior(self, rows: np.ndarray, aux: np.ndarray | None = None) -> np.ndarray:
+        b = self.default_blocks if aux is None else aux
+        return self._clip(np.broadcast_to(np.asarray(b, dtype=np.float64), (len(rows),)).copy())
+
+    def predict(self, rows, blocks: float | Sequence[float] | None = None) -> np.ndarray:
+        """Total rounds per row; ``blocks`` (the output budget in blocks) only feeds the prior."""
+        rows = np.asarray(rows, dtype=np.float64).reshape(-1, ADMISSION_WIDTH)
+        return self._predict(rows, None, None if blocks is None else np.asarray(blocks, dtype=np.float64))
+
+    def predict_one(self, row: Sequence[float], blocks: float | None = None) -> float:
+        """One request (the serving path): LightGBM's compiled trees (``FlatForest``), about 6 us."""
+        model = self._served.model
+        if model is None:
+            return max(self.default_blocks if blocks is None else float(blocks), 1.0)
+        return max(model.predict_one(list(row)), 1.0)
+
+    def _fit(self, x, y):
+        from predictors.admission import AdmissionPredictor
+
+        return AdmissionPredictor.fit(x, y, seed=self.seed)
+
+    def _model_predict(self, model, x):
+        return model.predict(x)
+
+    def describe(self) -> dict:
+        d = super().describe()
+        if d["source"] == "prior":
+            d["prior"] = "one round per output block"
+        return d
+
+
+class RefitWorker:
+    """A daemon thread that refits its learners whenever one is ``due()`` after a ``notify()``.
+
+    The live service calls ``notify()`` after recording a finished request (it only sets an event, so
+    it never waits for a fit) and ``stop()`` on shutdown. A refit that raises is logged; the learner
+    keeps the model it had.
+    """
+
+    def __init__(self, *learners: _Learner, name: str = "remask-refit") -> None:
+        self.learners = learners
+        self._wake = threading.Event()
+        self._stopped = False
+        self.refits = 0
+        self.errors = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def notify(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait()
+            self._wake.clear()
+            for learner in self.learners:
+                while not self._stopped and learner.due():
+                    try:
+                        learner.refit()
+                        self.refits += 1
+                    except Exception:  # noqa: BLE001 - a bad fit must not end the thread
+                        self.errors += 1
+                        log.exception("online refit of %s failed", type(learner).__name__)
+                        break
