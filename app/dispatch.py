@@ -37,9 +37,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from app.channel import Link
 from app.router import RequestState, Router
+
+if TYPE_CHECKING:
+    from app.learning import LiveLearning
 from app.router.admission import AdmissionGovernor
 from engine.tokenizer import OutputText
 
@@ -80,6 +84,9 @@ class _Live:
     canvas: bool = False  # the client asked for each step's canvas (``canvas`` events)
     committed: list[int] = field(default_factory=list)
     first_step: float | None = None  # when its first step's progress arrived (its queue time ends)
+    rows: list = field(default_factory=list)  # its step rows after each denoising step (the online learners')
+    row_steps: list[int] = field(default_factory=list)  # denoising steps done at each row
+    denoise_steps: int = 0
     first_token: float | None = None
     accepted: bool = False
     sent_threshold: float | None = None
@@ -120,7 +127,8 @@ class Dispatcher:
                  on_batch: Callable[[dict, float], None] | None = None,
                  on_migration: Callable[[], None] | None = None,
                  on_arrival: Callable[[int, int], None] | None = None,
-                 on_instances: Callable[[dict[int, int]], None] | None = None) -> None:
+                 on_instances: Callable[[dict[int, int]], None] | None = None,
+                 learning: LiveLearning | None = None) -> None:
         """``per_instance_limit``: requests an instance may hold (slots, residents and its waiting
         queue); past it on every instance, new requests get 429. ``park_s``: while no instance is up,
         requests (new or resuming) wait this long for one to join, then get 503. ``shed_over_capacity``:
@@ -128,7 +136,8 @@ class Dispatcher:
         the lowest thresholds (``Router.admissible``), so the admitted ones keep theirs. ``on_batch(batch, now)``
         sees every progress batch (control-path timing, metrics); ``on_arrival(prompt_tokens, max_tokens)``
         every accepted request (the planner's workload); ``on_instances({tp: count})`` the joined
-        instances whenever one joins or leaves."""
+        instances whenever one joins or leaves. ``learning``: the online predictors (``app.learning``), given
+        every finished request's step rows and rounds."""
         self.router, self.decode = router, decode
         self.block_tokens, self.full_sequence = block_tokens, full_sequence
         self.per_instance_limit, self.default_slo_s = per_instance_limit, default_slo_s
@@ -138,6 +147,7 @@ class Dispatcher:
         self.parked: list[_Live] = []  # requests waiting for an instance to join
         self.on_batch, self.on_migration = on_batch, on_migration
         self.on_arrival, self.on_instances = on_arrival, on_instances
+        self.learning = learning
         self.instances: dict[int, InstanceLink] = {}
         self.by_replica: dict[str, int] = {}
         self.live: dict[str, _Live] = {}
@@ -295,7 +305,9 @@ class Dispatcher:
             self._park(live)
             return RequestStream(self, live)
         self.router.add_request(state, now)
-        if self.shed_over_capacity and not self.router.admissible(state, now, self.governor.util):
+        # shedding needs estimates: not on a prior's guess (the learners would never see what it refuses)
+        if (self.shed_over_capacity and getattr(self.router.estimator, "ready", True)
+                and not self.router.admissible(state, now, self.governor.util)):
             self.router.reject(state)
             self.live.pop(req_id, None)
             self.stats["shed"] += 1
@@ -399,6 +411,11 @@ class Dispatcher:
         self.router.finish(live.state)
         now = time.monotonic()
         self._emit(live, live.out.finish(), now)  # held-back text: an unfinished character, a stop's prefix
+        if self.learning is not None and done.get("finish_reason") in ("stop", "length") and live.denoise_steps:
+            st = live.state
+            self.learning.finished(live.rows, live.row_steps, live.denoise_steps,
+                                   [*st.extra["admission"], st.thresholds_used.mean or live.sent_threshold or 0.9],
+                                   st.output_tokens / st.block_tokens, st.threshold)
         if live.epoch == self.governor.epoch:
             self.governor.finished(now <= live.state.deadline, now, self.stats["shed"])
         used = live.state.thresholds_used
@@ -511,6 +528,14 @@ class Dispatcher:
                 if st.instance in self.instances:
                     self.instances[st.instance].link.send({"op": "abort", "id": live.req_id})
                 return {"finish_reason": "stop", "rounds": st.steps_done, "completion_tokens": len(live.committed)}
+        # a block-causal model's prefill steps denoise nothing (the step's kind when the replica says it, else:
+        # the step that ran was heavy)
+        kind = item.get("kind")
+        if kind != "prefill" if kind is not None else (self.full_sequence or not st.next_heavy):
+            live.denoise_steps += 1
+            if item.get("row") and not item.get("done"):
+                live.rows.append(item["row"])
+                live.row_steps.append(live.denoise_steps)
         row = item.get("row")
         if row:  # the replica's step features (predictors.features.STEP_FEATURES order)
             st.progress, st.block_progress = row[2], row[3]
@@ -557,32 +582,42 @@ class Dispatcher:
                                  **i.meta, **i.stats} for i in self.instances.values()}
 
 
-def build_router(cfg, model_cfg) -> Router:
+def predictors_mode(cfg) -> str:
+    """``AppConfig.predictors`` as a mode of ``app.learning`` (true: auto, false: off)."""
+    mode = cfg.predictors
+    return mode if isinstance(mode, str) else ("auto" if mode else "off")
+
+
+def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router:
     """The router of an app (``AppConfig``) serving a model (``ModelConfig``): latency profiles per
-    configured TP degree, and the model's trained step predictor when shipped (without one the
-    thresholds stay fixed: a dynamic policy needs step estimates)."""
-    from app.router import FeatureStepEstimator, RouterConfig, StepShape, TpLatencyModel
-    from app.router.estimator import AdmissionStepEstimator
+    configured TP degree, and step estimates from ``learning`` (the online learners, which start from
+    the shipped predictors when there are any); without it, from the shipped predictors alone, and
+    without those (or with ``predictors: off``) the thresholds stay fixed: a dynamic policy needs step
+    estimates."""
+    from app.learning import build_learning
+    from app.router import OnlineStepEstimator, RouterConfig, StepShape, TpLatencyModel
     from engine.profile import load_tp_profiles
+    from predictors.bundle import PredictorError
 
     thresholds = tuple(sorted(cfg.thresholds, reverse=True))
     shape = StepShape(block_tokens=model_cfg.block_size,
                       sequence_tokens=int(model_cfg.extra.get("gen_length", 128)) + 64,
                       full_sequence=model_cfg.attention != "block_causal")
     latency = TpLatencyModel(load_tp_profiles(cfg.profile_name(), cfg.tp_degrees), cfg.slots, shape)
-    policy, every = cfg.router_policy, 1
-    try:
-        from predictors.bundle import load_predictors
-
-        bundle = load_predictors(cfg.model)
-        estimator = AdmissionStepEstimator(bundle.admission.predict_one,
-                                           FeatureStepEstimator(bundle.step.predict_rows, thresholds))
-        every = bundle.step.interval
-    except ValueError as exc:  # PredictorError: none shipped for this model
+    policy = cfg.router_policy
+    if learning is None and predictors_mode(cfg) != "off":
+        try:
+            learning = build_learning("shipped", cfg.model, thresholds, 1.0)
+        except PredictorError as exc:
+            log.warning("no step predictor (%s)", exc)
+    if learning is not None:
+        estimator = OnlineStepEstimator(learning.step, thresholds, admission=learning.admission)
+    else:
         estimator = BlocksLeft(thresholds)
         if policy not in ("fixed-threshold", "infaas", "llumnix"):
-            log.warning("no step predictor (%s): router policy %r falls back to fixed-threshold", exc, policy)
+            log.warning("no step estimates: router policy %r falls back to fixed-threshold", policy)
             policy = "fixed-threshold"
+    every = learning.interval if learning is not None else 1
     rcfg = RouterConfig(thresholds=thresholds, fixed_threshold=thresholds[0], estimate_every=every)
     return Router(policy, latency, estimator, [], rcfg)
 

@@ -27,6 +27,7 @@ Exposed names (counters are named with their ``_total`` suffix, as Prometheus ex
 ``remask:threshold``                        histogram mean confidence threshold a request decoded with
 ``remask:filled_slots_per_round``           histogram requests stepped per round of an instance
 ``remask:control_event_seconds``            histogram delivery of a progress batch, round loop to ingress
+``remask:event_loop_lag_seconds``           histogram how late the ingress's event loop woke from a 10 ms sleep
 ``remask:migrations_total``                 counter   requests moved between instances by the router
 ``remask:resumes_total``                    counter   resumes (from committed tokens) of successful requests
 ``remask:slo_met_total``                    counter   successful requests with an SLO that met it
@@ -133,6 +134,8 @@ class Metrics:
                                             "Requests stepped per denoising round of an instance", SLOT_BUCKETS)
         self.control = self._histogram("control_event_seconds",
                                        "Delivery time of a progress batch, round loop to ingress", CONTROL_BUCKETS)
+        self.lag = self._histogram("event_loop_lag_seconds",
+                                   "How late the ingress's event loop woke from a 10 ms sleep", CONTROL_BUCKETS)
 
     def _make_counters(self) -> None:
         r, m = self.registry, self.model_name
@@ -243,6 +246,9 @@ class Metrics:
 
     def control_event(self, seconds: float) -> None:
         self.control.observe(seconds)
+
+    def loop_lag(self, seconds: float) -> None:
+        self.lag.observe(seconds)
 
     def migration(self) -> None:
         self.migrations.inc()

@@ -70,7 +70,8 @@ class _Stream(StreamingResponse):
 @serve.ingress(web)
 class Ingress:
     def __init__(self, denoisers: dict[int, DeploymentHandle], config: dict) -> None:
-        from app.dispatch import Dispatcher, build_router
+        from app.dispatch import Dispatcher, build_router, predictors_mode
+        from app.learning import build_learning
         from engine.loading import resolve_model
         from engine.models.loader import load_config
         from engine.tokenizer import load_tokenizer
@@ -84,12 +85,17 @@ class Ingress:
         self.metrics = Metrics(model_name=self.cfg.name)
         self.control = ControlTimer()
         self.outcomes = playground.RecentOutcomes()  # SLO met/missed over the last minutes (the playground)
+        mode = predictors_mode(self.cfg)
+        # the step and admission predictors, learnt from the traffic served (app.learning)
+        self.learning = None if mode == "off" else build_learning(mode, self.cfg.model, self.cfg.thresholds)
         self.dispatcher = Dispatcher(
-            build_router(self.cfg, self.model_cfg), self.tokenizer.decode, block_tokens=self.model_cfg.block_size,
+            build_router(self.cfg, self.model_cfg, self.learning), self.tokenizer.decode,
+            block_tokens=self.model_cfg.block_size,
             full_sequence=self.model_cfg.attention != "block_causal",
             per_instance_limit=self.cfg.slots * 8 + self.cfg.max_waiting, default_slo_s=self.cfg.default_slo_ms / 1e3,
             dead_after_s=self.cfg.dead_after_s, park_s=self.cfg.park_s, shed_over_capacity=self.cfg.shed_over_capacity,
-            on_batch=self._on_batch, on_migration=self.metrics.migration)
+            on_batch=self._on_batch, on_migration=self.metrics.migration, learning=self.learning)
+        self._lag_task: asyncio.Task | None = None  # the event-loop lag probe, started with the first request
         self.planner = None
         if self.cfg.planner is not None:  # the TP groups' sizes follow the planner (app.autoscaling)
             from app.autoscaling import build_service
@@ -230,6 +236,23 @@ class Ingress:
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
 
+    @web.get("/debug/predictors")
+    async def predictors(self, request: Request) -> dict:
+        """The step and admission predictors: source (prior | shipped | online), version, requests trained
+        on, and their error on the most recent finished requests (``spearman_recent``, ``mape_recent``)."""
+        self._authorize(request)
+        if self.learning is None:
+            return {"enabled": False}
+        return await asyncio.to_thread(self.learning.describe)
+
+    async def _probe_lag(self, period_s: float = 0.01) -> None:
+        """How late the event loop wakes up: a refit, a tokenization or a solve that held it shows here."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(period_s)
+            self.metrics.loop_lag(max(loop.time() - t - period_s, 0.0))
+
     @web.get("/debug/control")
     async def control_stats(self, request: Request, since: int = 0) -> dict:
         """Control-path timing: progress-event delivery (round loop -> ingress) since event ``since``."""
@@ -259,6 +282,8 @@ class Ingress:
     # ---- one request ---------------------------------------------------------------------
     async def _serve(self, kind: str, request: Request):
         """Authenticate, hold one of the key's concurrent slots until the response is sent, and serve."""
+        if self._lag_task is None:
+            self._lag_task = asyncio.get_running_loop().create_task(self._probe_lag())
         key = self._authorize(request)
         try:
             lease = self.keys.acquire(key)

@@ -261,6 +261,55 @@ def ids_of_answer(text: str) -> list[int]:
     return TOKENIZER.encode(text)
 
 
+def test_online_learners_train_on_the_requests_served(replicas):
+    """With the online learners (no shipped predictor), every finished request's step rows and rounds reach
+    them, a refit runs off the event loop, and the router estimates with the learnt model."""
+    import time as _time
+
+    from app.learning import LiveLearning
+    from app.router import OnlineStepEstimator
+    from predictors.online import OnlineAdmissionLearner, OnlineStepLearner
+
+    cfg = AppConfig(model="tiny-bd", slots=8)
+    step = OnlineStepLearner(cfg.thresholds, min_requests=8, refit_every=8)
+    learning = LiveLearning(step, OnlineAdmissionLearner(min_requests=8, refit_every=8))
+
+    async def main():
+        from engine.loading import resolve_model
+        from engine.models.loader import load_config
+
+        mcfg = load_config(resolve_model("tiny-bd"))
+        d = Dispatcher(build_router(cfg, mcfg, learning), ids_decode(), block_tokens=mcfg.block_size,
+                       full_sequence=False, per_instance_limit=cfg.slots * 8 + cfg.max_waiting, learning=learning)
+        assert isinstance(d.router.estimator, OnlineStepEstimator) and d.router.policy.name == "remask"
+        for i, r in enumerate(replicas):
+            await d.connect(f"l{i}", 1, **r.info())
+        prompts = PROSE * 8
+        results = await asyncio.gather(*(collect(submit(d, f"q{i}", p, 48, slo_ms=30_000))
+                                         for i, p in enumerate(prompts)))
+        return results
+
+    try:
+        results = asyncio.run(main())
+        deadline = _time.monotonic() + 60
+        while len(step.history) < 1 or len(learning.admission.history) < 1:
+            assert _time.monotonic() < deadline, "no refit within 60 s"
+            _time.sleep(0.05)
+        info = learning.describe()
+    finally:
+        learning.close()
+    assert all(last["type"] == "done" for _, last in results)
+    assert learning.recorded == 16 and step.seen == 16
+    assert step.history[0]["trained_on"] >= 6 and step.history[0]["rows"] > 50, step.history
+    assert info["step"]["tokens_per_step"], info  # the prior is measured: tokens a step commits per threshold
+    assert info["step"]["source"] in ("prior", "online") and info["refit_errors"] == 0, info
+
+
+def ids_decode():
+    ids("x")  # loads the tokenizer
+    return TOKENIZER.decode
+
+
 def test_channel_refuses_a_wrong_secret_and_oversized_frames(replicas):
     host, port = replicas[1].channel.address
 

@@ -23,7 +23,8 @@ MODEL = "tiny-bd"
 HISTOGRAMS = {"remask:time_to_first_token_seconds", "remask:inter_token_latency_seconds",
               "remask:time_per_output_token_seconds", "remask:e2e_request_latency_seconds",
               "remask:request_queue_time_seconds", "remask:rounds_per_request", "remask:tokens_per_step",
-              "remask:threshold", "remask:filled_slots_per_round", "remask:control_event_seconds"}
+              "remask:threshold", "remask:filled_slots_per_round", "remask:control_event_seconds",
+              "remask:event_loop_lag_seconds"}
 COUNTERS = {"remask:prompt_tokens_total", "remask:generation_tokens_total", "remask:request_success_total",
             "remask:request_failure_total", "remask:migrations_total", "remask:resumes_total",
             "remask:slo_met_total", "remask:slo_missed_total", "remask:requests_shed_total"}

@@ -1,0 +1,82 @@
+"""The ingress's online predictors: the step and admission predictors learnt from the traffic it serves.
+
+``LiveLearning`` holds an ``OnlineStepLearner`` (DiLaServe's step predictor: a request's state after a
+step -> remaining denoising steps) and an ``OnlineAdmissionLearner`` (DWISE's admission predictor:
+prompt features -> denoising rounds), and a ``RefitWorker`` thread that refits them off the event loop.
+The dispatcher hands it each finished request (``finished``: O(1) appends, then a wake-up of the
+worker); the router reads the learners through ``OnlineStepEstimator`` at every estimate, and a refit
+swaps a better model in atomically. Shipped predictors, when the mode allows them, are the learners'
+starting point; without any, the learners' priors serve (measured tokens per step; one round per
+block) until the first model, so every adaptive mechanism runs on any checkpoint.
+
+Modes (``AppConfig.predictors``): ``auto`` (shipped when present, else learnt), ``shipped`` (shipped
+only: no learning), ``online`` (learnt from a cold start, shipped ones ignored), ``off`` (no step
+estimates: the router keeps fixed thresholds).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from predictors.online import OnlineAdmissionLearner, OnlineStepLearner, RefitWorker
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "shipped", "online", "off")
+
+
+class LiveLearning:
+    def __init__(self, step: OnlineStepLearner, admission: OnlineAdmissionLearner, learn: bool = True,
+                 interval: int = 1) -> None:
+        self.step, self.admission = step, admission
+        self.learn = learn
+        self.interval = interval  # the router re-predicts every ``interval`` steps (counts down between)
+        self.worker = RefitWorker(step, admission) if learn else None
+        self.recorded = 0
+
+    def finished(self, rows: list[list[float]], row_steps: list[int], total_steps: int, admission_row: list[float],
+                 blocks: float, last_threshold: float | None) -> None:
+        """A request finished after ``total_steps`` denoising steps: its step rows (after each denoising step
+        but the last; ``row_steps[k]`` the steps done at row k), its admission row and output blocks."""
+        if not self.learn:
+            return
+        self.step.record(rows, row_steps, total_steps, last_threshold=last_threshold)
+        self.admission.record(admission_row, total_steps, blocks)
+        self.recorded += 1
+        self.worker.notify()
+
+    def describe(self) -> dict:
+        """``GET /debug/predictors``: per predictor, source (prior | shipped | online), version, requests
+        trained on, and its error on the most recent finished requests."""
+        out = {"step": self.step.describe(), "admission": self.admission.describe(), "learning": self.learn,
+               "recorded": self.recorded}
+        if self.worker is not None:
+            out["refits"], out["refit_errors"], out["worker_alive"] = (self.worker.refits, self.worker.errors,
+                                                                       self.worker.alive)
+        return out
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+
+def build_learning(mode: str, model: str, thresholds, default_blocks: float = 1.0) -> LiveLearning:
+    """The learners for ``mode``; the step estimate's interval is the shipped step predictor's, else 1.
+    ``shipped`` raises ``PredictorError`` when the model has none."""
+    if mode not in MODES or mode == "off":
+        raise ValueError(f"predictors mode {mode!r} has no learners; known: {', '.join(MODES)}")
+    shipped = None
+    if mode in ("auto", "shipped"):
+        from predictors.bundle import PredictorError, load_predictors
+
+        try:
+            shipped = load_predictors(model)
+        except PredictorError as exc:
+            if mode == "shipped":
+                raise
+            log.info("no shipped predictors (%s): learning them from the traffic served", exc)
+    step = OnlineStepLearner(thresholds, start=None if shipped is None else shipped.step)
+    admission = OnlineAdmissionLearner(default_blocks=default_blocks, start=None if shipped is None
+                                       else shipped.admission)
+    interval = shipped.step.interval if shipped is not None else 1
+    return LiveLearning(step, admission, learn=mode != "shipped", interval=interval)
