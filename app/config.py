@@ -24,6 +24,23 @@ class AppConfig(BaseModel):
                                                                "KV pool (one slot per block slot, allocated at "
                                                                "start; longer requests get caches of their own); "
                                                                "default 512 + the default generation length")
+    kv_memory_mb: float | None = Field(None, gt=0, description="KV pool budget per instance (per TP rank), in MiB; "
+                                                               "default: kv_memory_fraction of the free device "
+                                                               "memory on cuda, 1024 MiB on cpu. The scheduler "
+                                                               "reserves KV against exactly what the pool holds "
+                                                               "(unless kv_capacity_tokens is set)")
+    kv_memory_fraction: float = Field(0.9, gt=0, le=1, description="on cuda without kv_memory_mb: the fraction of "
+                                                                   "the device memory free after the weights are "
+                                                                   "loaded that the KV pool takes")
+    profile_seconds: float = Field(3.0, ge=0, description="each Denoiser replica measures its step-latency profile "
+                                                          "for about this long at start and sends it to the "
+                                                          "ingress with its registration; 0: off")
+    threshold_wait_ms: float = Field(2.0, ge=0, description="before a round, a replica waits up to this long (and "
+                                                            "at most threshold_wait_frac of the last round) for "
+                                                            "the ingress's thresholds answering the last round's "
+                                                            "batch; 0: never waits")
+    threshold_wait_frac: float = Field(0.1, ge=0, description="the wait's bound as a fraction of the last round's "
+                                                              "time (threshold_wait_ms)")
     cuda_graphs: bool = Field(True, description="on cuda, replay small rounds over the KV pool from CUDA graphs "
                                                 "(engine/graphs.py; single-GPU instances); false: always eager")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")

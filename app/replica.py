@@ -10,6 +10,17 @@ resumes its requests on the other instances; a replica shutting down
 (``drain``) first tells its ingresses, which move its requests elsewhere.
 The Denoiser deployment is this plus model loading and registration; tests
 run it in-process.
+
+Commands (beyond ``abort``):
+
+- ``{"op": "add", "id", "prompt_ids" | "prompt", "max_tokens", "threshold", "slo_left_s", "sent_at",
+  "committed", "sampling", "canvas", "est_rounds", "planned"}``: ``est_rounds`` (optional) is the
+  router's estimate of the request's remaining denoising rounds (at its threshold), which replaces the
+  instance's admission estimate; ``planned: true`` promises a ``thresholds`` answer to every batch
+  carrying the request (the loop waits a little for it before its next round: engine/loop.py).
+- ``{"op": "thresholds", "map": {id: threshold}, "estimates": {id: remaining rounds},
+  "after_round": n}``: both maps optional; ``after_round`` is the ``round`` of the batch the message
+  answers (the estimates are as of that round's end).
 """
 
 from __future__ import annotations
@@ -30,9 +41,10 @@ log = logging.getLogger(__name__)
 
 class ReplicaServer:
     def __init__(self, instance: Instance, *, max_waiting: int = 256, describe: Callable | None = None,
-                 host: str = "127.0.0.1", tick_s: float = 1.0) -> None:
+                 host: str = "127.0.0.1", tick_s: float = 1.0, **loop_kwargs) -> None:
+        """``loop_kwargs``: the round loop's (e.g. ``threshold_wait_s``, ``threshold_wait_frac``)."""
         self.loop = RoundLoop(instance, self._publish, max_waiting=max_waiting, describe=describe,
-                              on_fatal=self._broken)
+                              on_fatal=self._broken, **loop_kwargs)
         self._owner: dict[str, int] = {}  # request id -> the connection (ingress) that sent it
         self._lock = threading.Lock()
         self.draining = False
@@ -96,8 +108,12 @@ class ReplicaServer:
                 if self._owns(conn_id, str(msg["id"]), release=True):
                     self.loop.abort(str(msg["id"]))
             elif op == "thresholds":
-                self.loop.set_thresholds({str(k): float(v) for k, v in msg["map"].items()
-                                          if self._owns(conn_id, str(k))})
+                after = msg.get("after_round")
+                self.loop.set_thresholds({str(k): float(v) for k, v in (msg.get("map") or {}).items()
+                                          if self._owns(conn_id, str(k))},
+                                         {str(k): float(v) for k, v in (msg.get("estimates") or {}).items()
+                                          if self._owns(conn_id, str(k))},
+                                         None if after is None else int(after))
             else:
                 log.warning("control channel: unknown op %r", op)
         except (KeyError, TypeError, ValueError) as exc:
@@ -127,9 +143,11 @@ class ReplicaServer:
             params = sampling_params(msg)
             prompt = [int(i) for i in msg["prompt_ids"]] if "prompt_ids" in msg else str(msg["prompt"])
             left = msg.get("slo_left_s")
+            est = msg.get("est_rounds")
             self.loop.submit(rid, prompt, params, None if left is None else time.monotonic() + left,
                              sent_at=msg.get("sent_at"), committed=msg.get("committed") or None,
-                             canvas=bool(msg.get("canvas")))
+                             canvas=bool(msg.get("canvas")), est_rounds=None if est is None else float(est),
+                             planned=bool(msg.get("planned")))
         except Overloaded as exc:
             self.loop.reject(rid, f"server overloaded: {exc}", 429)
         except (KeyError, TypeError, ValueError) as exc:  # its error item releases the id

@@ -6,19 +6,48 @@ replica's control channel (``app.channel``) and apply at the next round
 boundary; progress leaves as one batch per round on the same channel. The
 replica registers its channel with the app's Ingress over Ray (again whenever
 it has had no ingress for a while, e.g. after an ingress restart).
+
+At start the replica sizes its KV pool from a memory budget (``kv_pool_args``;
+the scheduler reserves against exactly that pool) and measures its own
+step-latency profile on its device for about ``profile_seconds``
+(``engine.profiling.profile_instance``); the registration carries it as
+``info["profile"]``: ``LatencyProfile.to_dict()``, which
+``engine.profile.LatencyProfile.from_dict`` loads (``meta``: ``tp``, ``slots``,
+``replica``, ``device``, ``measured_at``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from ray import serve
 
 from app.config import AppConfig
 from engine.loading import load_engine
+from engine.scheduler import SchedulerConfig
 
 log = logging.getLogger("ray.serve")
+
+CPU_KV_MEMORY_MB = 1024  # the KV pool's budget on a CPU when the config gives none
+
+
+def kv_pool_args(cfg: AppConfig) -> dict:
+    """The engine's KV pool sizing from the config: a budget in bytes (``kv_memory_mb``; 1024 MiB on a CPU)
+    or, on CUDA, ``kv_memory_fraction`` of the memory free after the weights are loaded; never more
+    slots than the resident requests could take."""
+    mb = cfg.kv_memory_mb if cfg.kv_memory_mb is not None else (
+        None if cfg.device.startswith("cuda") else CPU_KV_MEMORY_MB)
+    return {"kv_memory_bytes": None if mb is None else int(mb * 2**20), "kv_memory_fraction": cfg.kv_memory_fraction,
+            "kv_residents_max": SchedulerConfig.resident_factor * cfg.slots}  # k x B residents at most
+
+
+def kv_capacity_override(cfg: AppConfig) -> int | None:
+    """``kv_capacity_tokens`` when the config sets it (anything but the field's default): the scheduler then
+    reserves against that many tokens instead of the KV pool's real capacity."""
+    value = cfg.kv_capacity_tokens
+    return None if value is None or value == AppConfig.model_fields["kv_capacity_tokens"].default else value
 
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=5)
@@ -31,29 +60,51 @@ class Denoiser:
 
         self.cfg = AppConfig(**config)
         self.tp = tp
+        ctx = serve.get_replica_context()
+        self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
+        self.actor_name = ctx.replica_id.to_full_id_str()  # its Ray actor (namespace "serve")
         self.workers, self.worker_names = [], []
         mirror = None
         kwargs = dict(device=self.cfg.device, dtype=self.cfg.torch_dtype(), cache=self.cfg.cache,
                       max_slots=self.cfg.slots, default_gen_length=self.cfg.default_max_tokens,
                       max_gen_length=self.cfg.max_tokens_limit, kv_slot_tokens=self.cfg.kv_slot_tokens,
-                      cuda_graphs=None if self.cfg.cuda_graphs else False)  # None: where they apply
+                      cuda_graphs=None if self.cfg.cuda_graphs else False,  # None: where they apply
+                      **kv_pool_args(self.cfg))
         if tp > 1:
             engine, mirror = self._start_tensor_parallel(kwargs)
         else:
             engine = load_engine(self.cfg.model, **kwargs)
+        log.info("KV pool: %s", engine.kv_pool_budget)
         self.instance = Instance(engine, policy=self.cfg.policy, slots=self.cfg.slots,
-                                 kv_capacity_tokens=self.cfg.kv_capacity_tokens, mirror=mirror,
+                                 kv_capacity_tokens=kv_capacity_override(self.cfg), mirror=mirror,
                                  followers_alive=self._followers_alive if tp > 1 else None)
+        self.profile = self._measure_profile() if self.cfg.profile_seconds > 0 else None
         describe = self._attach_predictors() if self.cfg.predictors else None
         self.server = ReplicaServer(self.instance, max_waiting=self.cfg.max_waiting, describe=describe,
-                                    host=ray.util.get_node_ip_address())
+                                    host=ray.util.get_node_ip_address(),
+                                    threshold_wait_s=self.cfg.threshold_wait_ms / 1e3,
+                                    threshold_wait_frac=self.cfg.threshold_wait_frac)
         self.loop, self.channel = self.server.loop, self.server.channel
-        ctx = serve.get_replica_context()
-        self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
-        self.actor_name = ctx.replica_id.to_full_id_str()  # its Ray actor (namespace "serve")
         self._stopped = threading.Event()
         self.register_s = 2.0
         threading.Thread(target=self._register, name="remask-register", daemon=True).start()
+
+    def _measure_profile(self) -> dict | None:
+        """This replica's step-latency profile, measured on its own device through its instance (rounds
+        of 1 to ``slots`` requests for about ``profile_seconds``), in ``LatencyProfile.to_dict`` form."""
+        from pathlib import Path
+
+        from engine.profiling import profile_instance
+
+        try:
+            prof = profile_instance(self.instance, f"{Path(self.cfg.model).name}-tp{self.tp}-measured",
+                                    budget_s=self.cfg.profile_seconds)
+        except Exception:  # a replica that cannot measure itself still serves: the ingress keeps its tables
+            log.exception("measuring the latency profile failed; registering without one")
+            return None
+        prof.meta.update(tp=self.tp, replica=self.replica_id, measured_at=time.time())
+        log.info("latency profile measured: %s", {k: v[:3] for k, v in prof.curves.items()})
+        return prof.to_dict()
 
     def _attach_predictors(self):
         from predictors.bundle import PredictorError, load_predictors
@@ -126,6 +177,8 @@ class Denoiser:
         handle = None
         info = {"replica": self.replica_id, "tp": self.tp, "actor": self.actor_name,
                 "workers": self.worker_names, **self.server.info()}
+        if self.profile is not None:
+            info["profile"] = self.profile  # LatencyProfile.to_dict(): engine.profile.LatencyProfile.from_dict
         while not self._stopped.is_set() and self.loop.broken is None:
             try:
                 handle = handle or serve.get_deployment_handle("Ingress", self.app_name)

@@ -57,13 +57,18 @@ class Engine:
                  cache: str = "dual", max_slots: int = 32, device: str = "cpu",
                  default_gen_length: int | None = None, max_gen_length: int = 1024,
                  kv_slots: int | None = None, kv_slot_tokens: int | None = None,
-                 cuda_graphs: bool | None = None) -> None:
-        """``kv_slots`` x ``kv_slot_tokens``: the KV pool, allocated once on ``device`` (engine/kv_cache.py);
-        by default one slot per round slot, each room for ``POOL_PROMPT_TOKENS`` of prompt and the
-        default generation length (at most the model's context). A request that does not fit a slot or
-        finds none free gets a cache of its own. ``kv_slots=0``: no pool. ``cuda_graphs``: replay small
-        forwards over the pool from CUDA graphs (engine/graphs.py); by default on CUDA with a pool, unless
-        the model is a tensor-parallel shard."""
+                 cuda_graphs: bool | None = None, kv_memory_bytes: int | None = None,
+                 kv_memory_fraction: float | None = None, kv_residents_max: int | None = None) -> None:
+        """The KV pool (engine/kv_cache.py): ``kv_slots`` x ``kv_slot_tokens`` positions, allocated once on
+        ``device``. A slot has room for ``POOL_PROMPT_TOKENS`` of prompt and the default generation
+        length (at most the model's context) unless ``kv_slot_tokens`` says otherwise; a longer request's
+        cache takes several slots. The number of slots, unless ``kv_slots`` fixes it (0: no pool): as many
+        as a memory budget holds (``kv_memory_bytes``; or on CUDA ``kv_memory_fraction`` of the device
+        memory free now, after the weights were loaded), at most what ``kv_residents_max`` resident
+        requests as long as the model's context could take; without a budget, one per round slot
+        (``max_slots``). ``kv_pool_budget`` says how it was sized. ``cuda_graphs``: replay small
+        forwards over the pool from CUDA graphs (engine/graphs.py); by default on CUDA with a pool,
+        unless the model is a tensor-parallel shard."""
         self.model = model.eval()
         self.cfg = model.config
         self.tokenizer = tokenizer
@@ -78,10 +83,11 @@ class Engine:
         self.device = torch.device(device)
         self.runner = TorchRunner(model, device)
         self.default_gen_length = default_gen_length or int(self.cfg.extra.get("gen_length", 128))
-        slots = max_slots if kv_slots is None else kv_slots
+        tokens = kv_slot_tokens or min(self.cfg.max_position_embeddings, POOL_PROMPT_TOKENS + self.default_gen_length)
+        self.kv_pool_budget = self._size_kv_pool(tokens, kv_slots, kv_memory_bytes, kv_memory_fraction,
+                                                 kv_residents_max)
+        slots = self.kv_pool_budget["slots"]
         if slots:
-            tokens = kv_slot_tokens or min(self.cfg.max_position_embeddings,
-                                           POOL_PROMPT_TOKENS + self.default_gen_length)
             self.runner.pool = KVPool(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, slots, tokens,
                                       self.runner.dtype, self.device)
         sharded = any(layer.reduce is not None for layer in model.layers)
@@ -108,6 +114,35 @@ class Engine:
         # logits, K/V and hidden rows unchanged; their K/V are dropped), and is refined after that
         # round with P(EOS) over those blocks too, as a full-sequence model's first round gives it.
         self.lookahead = 0
+
+    def kv_bytes_per_token(self) -> int:
+        """Device bytes of one position of K/V: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.runner.dtype.itemsize
+
+    def _size_kv_pool(self, tokens: int, slots: int | None, budget: int | None, fraction: float | None,
+                      residents_max: int | None) -> dict:
+        """How many slots of ``tokens`` positions the pool gets, and from what (the engine's docstring)."""
+        per_slot = (tokens + 1) * self.kv_bytes_per_token()  # a slot's positions and its scratch one
+        out = {"slot_tokens": tokens, "bytes_per_slot": per_slot, "budget_bytes": None}
+        if slots is not None:
+            source = "kv_slots"
+        elif budget is not None:
+            source = "kv_memory_bytes"
+        elif fraction is not None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * fraction)
+            source = f"{fraction:g} of {free / 2**20:.0f} MiB free"
+        else:
+            slots, source = self.max_slots, "max_slots"
+        if slots is None:
+            out["budget_bytes"] = budget
+            slots = budget // per_slot
+            if residents_max is not None:
+                slots = min(slots, residents_max * -(-self.cfg.max_position_embeddings // tokens))
+            if slots < 1:
+                raise ValueError(f"a KV budget of {budget / 2**20:.1f} MiB holds no slot of {tokens} positions "
+                                 f"({per_slot / 2**20:.2f} MiB each)")
+        return {**out, "slots": slots, "source": source}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -8,7 +8,16 @@ predictors are loaded; the fallback assumes one round per output block). The
 refined estimate is whatever the engine's refine hook wrote into
 ``seq.refined_rounds`` after the first denoising round (the second when the engine's lookahead
 ran), or an explicit
-``refiner(seq)`` (the simulator's calibrated stand-in).
+``refiner(seq)`` (the simulator's calibrated stand-in). An external estimate (the
+cluster router's: ``add_request(est_rounds=)``, ``set_estimate``) replaces
+whichever estimate the scheduler holds; the most recent one holds (engine/scheduler.py).
+
+KV reservations: by default the scheduler reserves against exactly what the
+engine's KV pool holds (its slots x positions per slot; a request reserves the
+whole slots its cache will take), so a request whose cache does not fit waits
+in the queue and no cache is ever allocated past the pool. An explicit
+``kv_capacity_tokens`` overrides this with a token budget (reservations
+estimated from blocks, as without a pool).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ def blocks_estimate(seq: Sequence) -> float:
 
 class Instance:
     def __init__(self, engine: Engine, policy: str = "dwise", slots: int | None = None,
-                 kv_capacity_tokens: int = 1 << 22, clock: Clock | None = None,
+                 kv_capacity_tokens: int | None = None, clock: Clock | None = None,
                  estimator: Callable[[Sequence], float] = blocks_estimate,
                  refiner: Callable[[Sequence], float] | None = None, costs: StepCosts | None = None,
                  mirror: Callable[[list[tuple], RoundPlan], Callable[[], None]] | None = None,
@@ -53,26 +62,35 @@ class Instance:
         self.mirror, self.followers_alive = mirror, followers_alive
         self._failed_rounds = 0
         self._commands: list[tuple] = []
-        cfg = SchedulerConfig(slots=slots or engine.max_slots, kv_capacity_tokens=kv_capacity_tokens,
+        pool = engine.runner.pool
+        self.kv_from_pool = kv_capacity_tokens is None and pool is not None
+        if self.kv_from_pool:
+            sched_kwargs = {"kv_limit": 1.0, **sched_kwargs, "kv_slot_tokens": pool.capacity}
+            kv_capacity_tokens = pool.slots * pool.capacity
+        cfg = SchedulerConfig(slots=slots or engine.max_slots, kv_capacity_tokens=kv_capacity_tokens or 1 << 22,
                               block_size=engine.cfg.block_size, **sched_kwargs)
         self.clock = clock or WallClock()
         self.scheduler = Scheduler(make_policy(policy, costs=costs), cfg, self.clock)
         self.estimator, self.refiner = estimator, refiner
         self.seqs: dict[str, Sequence] = {}
         self.outputs: dict[str, Output] = {}
+        self.last_round: EngineRound | None = None
 
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     deadline: float | None = None, true_rounds: int | None = None,
-                    committed: list[int] | None = None) -> SchedRequest:
-        """``committed``: output tokens a previous instance already committed (resume)."""
+                    committed: list[int] | None = None, est_rounds: float | None = None) -> SchedRequest:
+        """``committed``: output tokens a previous instance already committed (resume); ``est_rounds``: an
+        external estimate of its remaining denoising rounds (the cluster router's), instead of the
+        instance's own admission estimate."""
         seq = self.engine.add_request(prompt, params, committed)
         left = len(seq.blocks) - seq.block_idx  # a resumed request starts past its committed blocks
-        est = self.estimator(seq) * left / len(seq.blocks)
+        est = self.estimator(seq) * left / len(seq.blocks) if est_rounds is None else max(float(est_rounds), 0.0)
         req = SchedRequest(
             req_id=req_id, prompt_blocks=seq.prefill_blocks if seq.cache_mode == "exact" else seq.block_idx,
             output_blocks=left, est_rounds=est, arrival=self.clock.now(), deadline=deadline,
             threshold=seq.threshold, predicted_output_tokens=float(seq.max_tokens), true_rounds=true_rounds,
             full_sequence=seq.cache_mode != "exact",
+            kv_positions=(0 if seq.cache_mode == "none" else seq.kv_capacity()) if self.kv_from_pool else None,
         )
         try:
             self.scheduler.add_request(req)
@@ -93,6 +111,11 @@ class Instance:
         self.scheduler.requests[req_id].threshold = threshold
         self._commands.append(("threshold", req_id, threshold))
 
+    def set_estimate(self, req_id: str, remaining_rounds: float) -> bool:
+        """An external estimate of ``req_id``'s remaining denoising rounds, from the next round on (the
+        scheduler's alone: follower ranks need not hear it)."""
+        return self.scheduler.set_estimate(req_id, remaining_rounds)
+
     def abort(self, req_id: str) -> None:
         self.scheduler.abort(req_id)
         seq = self.seqs.pop(req_id, None)
@@ -104,8 +127,10 @@ class Instance:
         return self.scheduler.has_work()
 
     def execute(self, plan: RoundPlan) -> RoundResult:
-        """Run ``plan`` on the engine; outcomes in the scheduler's terms."""
-        return execute_plan(self.engine, self.seqs, plan, self.refiner)[0]
+        """Run ``plan`` on the engine; outcomes in the scheduler's terms. The engine's round (its
+        composition: kind, query tokens, context per step) stays in ``last_round``."""
+        result, self.last_round = execute_plan(self.engine, self.seqs, plan, self.refiner)
+        return result
 
     def step(self) -> tuple[RoundPlan, RoundResult, list[SchedRequest]]:
         plan = self.scheduler.schedule()

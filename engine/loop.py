@@ -1,7 +1,8 @@
 """The round loop of one instance, in its own thread.
 
 Control messages (add, abort, thresholds) are queued and take effect at the
-next round boundary, so the loop never waits on its callers. Progress leaves
+next round boundary, so the loop never waits on its callers (with one bounded
+exception, below). Progress leaves
 as one *batch* per round boundary through a callback: for every request that
 stepped, its newly committed token ids, its step count, its next step's kind,
 and (with a ``describe`` function) its step-predictor state row; plus requests
@@ -12,7 +13,8 @@ receiver turns token ids into text.
 A batch::
 
     {"t": wall-clock emission time, "round": n, "round_ms": last round's time,
-     "stats": {...}, "items": [item, ...]}
+     "kinds": {kind: steps}, "kind_tokens": {kind: query tokens} (the last round's
+     composition by step kind), "stats": {...}, "items": [item, ...]}
 
 Items (all carry ``"id"``): ``{"accepted": add_ms, "prompt_tokens": n}``,
 ``{"error": message, "status": 400 | 429 | 500}``, and step items
@@ -20,6 +22,30 @@ Items (all carry ``"id"``): ``{"accepted": add_ms, "prompt_tokens": n}``,
 recompute, "row": [...] or absent, "canvas": {...} or absent (requests sent
 with ``canvas``: ``Sequence.canvas_step``), "done": None | {"finish_reason",
 "rounds", "completion_tokens"}}``.
+
+Thresholds and external estimates. ``set_thresholds(map, estimates, after_round)``
+carries the cluster router's thresholds and its estimates of remaining
+denoising rounds, chosen after the batch of round ``after_round``. They are
+meant for round ``after_round + 1``: applied before it starts they are *on
+time*, after it started *late*. ``stats()`` counts messages that changed a
+threshold (``thresholds_on_time``, ``thresholds_late``, and the rounds they
+were late by, ``thresholds_late_rounds``), every message with an
+``after_round`` (``answers_on_time``, ``answers_late``) and the mean time from
+a batch's emission to its answer's arrival (``threshold_answer_ms_mean``).
+
+A request submitted with ``planned=True`` has a sender that answers every
+batch carrying it with such a message (an empty one when nothing changed);
+after a round that stepped one, the loop waits for that answer before
+scheduling the next round, at most ``min(threshold_wait_s, threshold_wait_frac
+x the last round's time)`` (``threshold_waits``, ``threshold_wait_timeouts``,
+``threshold_wait_ms``).
+
+An estimate made after round n is the request's remaining rounds as of then:
+the loop subtracts the denoising rounds the request ran since (it remembers
+the last 64 rounds; an older estimate is dropped), and drops it when the
+request's refinement came after round n: the most recent estimate holds
+(engine/scheduler.py). The ``add``'s ``est_rounds`` replaces the instance's
+admission estimate.
 
 A round that raises fails the requests it held (500) and the loop goes on;
 one that raises ``InstanceBroken`` (a tensor-parallel rank is gone) ends the
@@ -33,6 +59,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,15 +81,20 @@ class _Tracked:
     sent: int = 0  # output token ids already published
     seq: Sequence | None = None  # kept when its sender asked for the canvas of each step
     canvas_step: int = 0  # the last step whose canvas was published
+    planned: bool = False  # its sender answers each batch carrying it with thresholds (``after_round``)
+    refined_round: int | None = None  # the round after which the instance refined its estimate
 
 
 class RoundLoop:
     def __init__(self, instance: Instance, on_batch: Callable[[Batch], None], max_waiting: int = 256,
                  idle_wait_s: float = 0.05, describe: Callable[[Sequence, float | None], list[float]] | None = None,
-                 on_fatal: Callable[[Exception], None] | None = None) -> None:
+                 on_fatal: Callable[[Exception], None] | None = None, threshold_wait_s: float = 0.002,
+                 threshold_wait_frac: float = 0.1) -> None:
         """``describe(seq, threshold)``: the state row a step item carries (the router's step
         features), called after each of the request's steps with the threshold it used.
-        ``on_fatal(exc)``: called from the loop's thread when an ``InstanceBroken`` ends it."""
+        ``on_fatal(exc)``: called from the loop's thread when an ``InstanceBroken`` ends it.
+        ``threshold_wait_s``, ``threshold_wait_frac``: the bound on waiting for the thresholds of
+        planned requests (module docstring; 0: never wait)."""
         self.instance = instance
         self._emit = on_batch
         self.max_waiting = max_waiting
@@ -80,30 +112,48 @@ class RoundLoop:
         self.rounds = 0
         self.filled_slots = 0
         self.last_round_s = 0.0
+        self.last_kinds: dict[str, int] = {}
+        self.last_kind_tokens: dict[str, int] = {}
+        self.threshold_wait_s, self.threshold_wait_frac = threshold_wait_s, threshold_wait_frac
+        self._recent: deque[tuple[int, set[str]]] = deque(maxlen=64)  # (round, requests that took a denoising step)
+        self._expect: int | None = None  # a planned request stepped in this round: its answer is due
+        self._answered = -1  # the latest round a thresholds message answered
+        self.counts = dict.fromkeys(("thresholds_on_time", "thresholds_late", "thresholds_late_rounds",
+                                     "threshold_waits", "threshold_wait_timeouts", "estimates_applied",
+                                     "estimates_dropped", "threshold_answers", "answers_on_time", "answers_late"),
+                                    0)
+        self.threshold_wait_ms = 0.0
+        self.threshold_answer_ms = 0.0  # summed over the answers (after_round) to this loop's batches
+        self._emitted: deque[tuple[int, float]] = deque(maxlen=64)  # (round, when its batch left)
         self._thread = threading.Thread(target=self._run, name="remask-round-loop", daemon=True)
         self._thread.start()
 
     # ---- control (any thread) ------------------------------------------------------------
     def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams,
                deadline: float | None = None, sent_at: float | None = None,
-               committed: list[int] | None = None, canvas: bool = False) -> None:
+               committed: list[int] | None = None, canvas: bool = False, est_rounds: float | None = None,
+               planned: bool = False) -> None:
         """Queue a request; ``sent_at`` (wall clock) is when its sender dispatched it;
         ``committed``: output tokens another instance already committed (resume); ``canvas``: its step
-        items carry the canvas of each denoising step (``Sequence.canvas_step``)."""
+        items carry the canvas of each denoising step (``Sequence.canvas_step``); ``est_rounds``: its
+        remaining denoising rounds as its sender estimates them (replaces the admission estimate);
+        ``planned``: its sender answers each batch carrying it with thresholds (module docstring)."""
         with self._lock:
             if self.instance.scheduler.num_waiting + self._pending >= self.max_waiting:
                 raise Overloaded(f"{self.max_waiting} requests already waiting")
             self._pending += 1
-        self._cmds.put(("add", req_id, prompt, params, deadline, sent_at, committed, canvas))
+        self._cmds.put(("add", req_id, prompt, params, deadline, sent_at, committed, canvas, est_rounds, planned))
         self._wake.set()
 
     def abort(self, req_id: str) -> None:
         self._cmds.put(("abort", req_id))
         self._wake.set()
 
-    def set_thresholds(self, thresholds: dict[str, float]) -> None:
-        """Thresholds of the requests' next steps, from the next round on."""
-        self._cmds.put(("thresholds", thresholds))
+    def set_thresholds(self, thresholds: dict[str, float], estimates: dict[str, float] | None = None,
+                       after_round: int | None = None) -> None:
+        """Thresholds of the requests' next steps and estimates of their remaining denoising rounds, from
+        the next round on; ``after_round``: the round whose batch they answer (module docstring)."""
+        self._cmds.put(("thresholds", thresholds, estimates or {}, after_round, time.perf_counter()))
         self._wake.set()
 
     def reject(self, req_id: str, message: str, status: int) -> None:
@@ -118,10 +168,15 @@ class RoundLoop:
     def stats(self) -> dict:
         s = self.instance.scheduler
         t0 = self._round_t0
+        pool = self.instance.engine.runner.pool
         return {"running": s.num_running, "resident": len(s.resident), "waiting": s.num_waiting + self._pending,
                 "rounds": self.rounds, "filled_slots": self.filled_slots, "last_round_s": self.last_round_s,
-                "kv_reserved_tokens": s.kv_reserved, "alive": self._thread.is_alive(),
-                "round_running_s": 0.0 if t0 is None else time.perf_counter() - t0}
+                "kv_reserved_tokens": s.kv_reserved, "kv_capacity_tokens": s.cfg.kv_budget,
+                "kv_beyond_pool": 0 if pool is None else pool.beyond, "alive": self._thread.is_alive(),
+                "round_running_s": 0.0 if t0 is None else time.perf_counter() - t0,
+                **self.counts, "threshold_wait_ms": round(self.threshold_wait_ms, 3),
+                "threshold_answer_ms_mean": round(self.threshold_answer_ms / max(self.counts["threshold_answers"], 1),
+                                                  3)}
 
     # ---- the loop ----------------------------------------------------------------------------
     def _apply_commands(self, items: list[dict]) -> bool:
@@ -134,25 +189,82 @@ class RoundLoop:
             applied = True
             op = cmd[0]
             if op == "add":
-                _, req_id, prompt, params, deadline, sent_at, committed, canvas = cmd
+                _, req_id, prompt, params, deadline, sent_at, committed, canvas, est, planned = cmd
                 with self._lock:
                     self._pending -= 1
                 try:
-                    self.instance.add_request(req_id, prompt, params, deadline=deadline, committed=committed)
+                    self.instance.add_request(req_id, prompt, params, deadline=deadline, committed=committed,
+                                              est_rounds=est)
                 except (ValueError, RuntimeError) as exc:
                     items.append({"id": req_id, "error": str(exc), "status": 400})
                     continue
                 seq = self.instance.seqs[req_id]
-                self._tracked[req_id] = _Tracked(sent=len(seq.committed), seq=seq if canvas else None)
+                self._tracked[req_id] = _Tracked(sent=len(seq.committed), seq=seq if canvas else None,
+                                                 planned=planned)
                 items.append({"id": req_id, "accepted": None if sent_at is None else (time.time() - sent_at) * 1e3,
                               "prompt_tokens": len(seq.prompt_ids) - len(seq.committed)})
             elif op == "abort":
                 if self._tracked.pop(cmd[1], None) is not None:
                     self.instance.abort(cmd[1])
             elif op == "thresholds":
-                for req_id, t in cmd[1].items():
-                    if req_id in self._tracked:
-                        self.instance.set_threshold(req_id, t)
+                self._apply_thresholds(*cmd[1:])
+
+    def _apply_thresholds(self, thresholds: dict[str, float], estimates: dict[str, float], after: int | None,
+                          arrived: float) -> None:
+        changed = False
+        for req_id, t in thresholds.items():
+            if req_id in self._tracked:
+                self.instance.set_threshold(req_id, t)
+                changed = True
+        for req_id, rounds in estimates.items():
+            self._apply_estimate(req_id, rounds, after)
+        if after is None:
+            return
+        late = self.rounds - after  # it takes effect in round self.rounds + 1; it was meant for round after + 1
+        self.counts["answers_late" if late > 0 else "answers_on_time"] += 1
+        if after > self._answered:
+            self._answered = after
+            sent = next((t for n, t in reversed(self._emitted) if n == after), None)
+            if sent is not None:  # how long the answer took: from the batch's emission to its arrival
+                self.counts["threshold_answers"] += 1
+                self.threshold_answer_ms += (arrived - sent) * 1e3
+        if changed:
+            self.counts["thresholds_late" if late > 0 else "thresholds_on_time"] += 1
+            self.counts["thresholds_late_rounds"] += max(late, 0)
+
+    def _apply_estimate(self, req_id: str, rounds: float, after: int | None) -> None:
+        """An external estimate of ``req_id``'s remaining rounds as of round ``after`` (None: now)."""
+        tr = self._tracked.get(req_id)
+        if tr is None:
+            return
+        if after is not None:
+            since = self.rounds - after
+            if since > len(self._recent) or (tr.refined_round is not None and tr.refined_round > after):
+                self.counts["estimates_dropped"] += 1  # older than what is recorded, or the refinement is newer
+                return
+            rounds -= sum(1 for n, ids in self._recent if n > after and req_id in ids)
+        self.counts["estimates_applied"] += self.instance.set_estimate(req_id, rounds)
+
+    def _await_thresholds(self, items: list[dict]) -> None:
+        """Before a round: wait (bounded) for the answer to the last round's batch when a planned request
+        stepped in it, applying whatever arrives meanwhile."""
+        want, self._expect = self._expect, None
+        if want is None or self._answered >= want or self.threshold_wait_s <= 0:
+            return
+        t0 = time.perf_counter()
+        deadline = t0 + min(self.threshold_wait_s, self.threshold_wait_frac * self.last_round_s)
+        self.counts["threshold_waits"] += 1
+        while self._answered < want and not self._stop.is_set():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                self.counts["threshold_wait_timeouts"] += 1
+                break
+            self._wake.clear()  # cleared before the queue is read: a command put after it sets it again
+            if self._apply_commands(items) and not any(tr.planned for tr in self._tracked.values()):
+                break  # aborted meanwhile: no answer is due any more
+            if self._answered < want:
+                self._wake.wait(left)
+        self.threshold_wait_ms += (time.perf_counter() - t0) * 1e3
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -164,9 +276,10 @@ class RoundLoop:
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
                 continue
+            self._await_thresholds(items)
             try:
                 self._round_t0 = t0 = time.perf_counter()
-                plan, _, done = self.instance.step()
+                plan, result, done = self.instance.step()
                 self.last_round_s = time.perf_counter() - t0
             except InstanceBroken as exc:  # no round can run here any more: hand the requests back
                 log.error("instance broken, round loop stopped: %s", exc)
@@ -187,11 +300,30 @@ class RoundLoop:
             self.rounds += 1
             self.filled_slots += len(plan.slots)
             finished = {r.req_id for r in done}
+            self._note_round(plan, result, finished)
             for slot in plan.slots:
                 item = self._step_item(slot.req_id, slot.req_id in finished)
                 if item is not None:
                     items.append(item)
             self._send(items)
+
+    def _note_round(self, plan, result, finished: set[str]) -> None:
+        """What the next round's bookkeeping needs of this one: the requests that took a denoising step,
+        those the instance refined, whether a planned request's answer is due, the composition by kind."""
+        n = self.rounds
+        self._recent.append((n, {s.req_id for s in plan.slots if s.kind is not StepKind.PREFILL}))
+        for out in result.outcomes:
+            if out.refined_rounds is not None and (tr := self._tracked.get(out.req_id)) is not None:
+                tr.refined_round = n
+        self._expect = n if any((tr := self._tracked.get(s.req_id)) is not None and tr.planned
+                                and s.req_id not in finished for s in plan.slots) else None
+        kinds: dict[str, int] = {}
+        tokens: dict[str, int] = {}
+        last = self.instance.last_round
+        for kind, t, _ in last.composition if last is not None else ():
+            kinds[kind] = kinds.get(kind, 0) + 1
+            tokens[kind] = tokens.get(kind, 0) + t
+        self.last_kinds, self.last_kind_tokens = kinds, tokens
 
     def _step_item(self, req_id: str, finished: bool) -> dict | None:
         tr = self._tracked.get(req_id)
@@ -222,10 +354,12 @@ class RoundLoop:
 
     def batch(self, items: list[dict]) -> Batch:
         """A progress batch of ``items`` at this moment (the module docstring's format)."""
-        return {"t": time.time(), "round": self.rounds, "round_ms": self.last_round_s * 1e3, "stats": self.stats(),
-                "items": items}
+        return {"t": time.time(), "round": self.rounds, "round_ms": self.last_round_s * 1e3, "kinds": self.last_kinds,
+                "kind_tokens": self.last_kind_tokens, "stats": self.stats(), "items": items}
 
     def _send(self, items: list[dict]) -> None:
+        if not self._emitted or self._emitted[-1][0] != self.rounds:
+            self._emitted.append((self.rounds, time.perf_counter()))
         try:
             self._emit(self.batch(items))
         except Exception:  # the receiver's problem must not stop the rounds

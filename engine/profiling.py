@@ -3,6 +3,7 @@ profile against a recorded real run (the simulator's predicted round times again
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import time
@@ -45,13 +46,88 @@ def _timed_step(engine: Engine, seqs) -> tuple[float, list[tuple[str, int, int]]
     return (time.perf_counter() - t0) * 1000, result.composition
 
 
+class _EngineRounds:
+    """Rounds of identical requests on a bare engine (``remask profile``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def start(self, prompt, params: SamplingParams, n: int) -> list:
+        return [self.engine.add_request(prompt, params) for _ in range(n)]
+
+    def prefill_blocks(self, reqs: list) -> int:
+        return reqs[0].prefill_blocks
+
+    def step(self, reqs: list) -> tuple[float, list[tuple[str, int, int]], bool]:
+        ms, comp = _timed_step(self.engine, reqs)
+        return ms, comp, any(s.finished for s in reqs)
+
+    def stop(self, reqs: list) -> None:
+        for s in reqs:
+            self.engine.abort(s.seq_id)
+
+
+class _InstanceRounds:
+    """Rounds of identical requests through a serving instance: its scheduler plans them and a
+    tensor-parallel instance's follower ranks run them too (a replica measuring itself at start)."""
+
+    def __init__(self, instance) -> None:
+        self.instance, self.engine = instance, instance.engine
+        self._ids = itertools.count()
+
+    def start(self, prompt, params: SamplingParams, n: int) -> list[str]:
+        ids = [f"~profile-{next(self._ids)}" for _ in range(n)]
+        for rid in ids:
+            self.instance.add_request(rid, prompt, params)
+        return ids
+
+    def prefill_blocks(self, reqs: list[str]) -> int:
+        return self.instance.seqs[reqs[0]].prefill_blocks
+
+    def step(self, reqs: list[str]) -> tuple[float, list[tuple[str, int, int]], bool]:
+        sync(self.engine.device)
+        t0 = time.perf_counter()
+        self.instance.step()
+        sync(self.engine.device)
+        ms = (time.perf_counter() - t0) * 1000
+        last = self.instance.last_round
+        return ms, [] if last is None else last.composition, any(r not in self.instance.seqs for r in reqs)
+
+    def stop(self, reqs: list[str]) -> None:
+        for rid in reqs:
+            self.instance.abort(rid)
+            self.instance.outputs.pop(rid, None)
+
+
 def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 64), rounds: int = 6,
                    progress: bool = False, prompt_lens: tuple[int | None, ...] = (None,),
-                   max_tokens: int | None = None) -> LatencyProfile:
+                   max_tokens: int | None = None, budget_s: float | None = None) -> LatencyProfile:
     """Run batches of identical requests and record the median time of rounds whose steps are all of
     one kind, against the tokens in the round. The curves come from the first prompt length; rounds at
     the other (longer) lengths fit the attention term (ms per query token x context token beyond the
-    curves' reference context), least squares through the origin."""
+    curves' reference context), least squares through the origin. ``budget_s``: stop starting batches
+    after this long (the batches left out are listed in ``meta["skipped"]``)."""
+    return _profile(_EngineRounds(engine), engine, name, batch_sizes, rounds, progress, prompt_lens, max_tokens,
+                    budget_s)
+
+
+def profile_instance(instance, name: str, budget_s: float = 3.0, batch_sizes: tuple[int, ...] | None = None,
+                     rounds: int = 4, max_tokens: int | None = None) -> LatencyProfile:
+    """A serving instance's own latency profile, measured through its scheduler in about ``budget_s``
+    (a replica at start, before it serves): batches of 1 to the instance's round slots, the extremes
+    first so a short budget still spans them. Leaves the instance as it was (no requests)."""
+    slots = instance.scheduler.cfg.slots
+    if batch_sizes is None:
+        sizes = sorted({min(2**k, slots) for k in range(slots.bit_length() + 1)})
+        batch_sizes = tuple(dict.fromkeys([sizes[0], sizes[-1], *sizes[1:-1]]))
+    prof = _profile(_InstanceRounds(instance), instance.engine, name, batch_sizes, rounds, False, (None,),
+                    max_tokens, budget_s)
+    prof.meta.update(slots=slots, budget_s=budget_s)
+    return prof
+
+
+def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progress: bool,
+             prompt_lens: tuple[int | None, ...], max_tokens: int | None, budget_s: float | None) -> LatencyProfile:
     samples: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     contexts: list[int] = []
     longer: list[tuple[str, int, float, float]] = []  # (kind, tokens, mean context, ms) at other lengths
@@ -65,30 +141,31 @@ def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 6
     skipped: list[str] = []
     forwards0, pooled0 = engine.runner.forwards, engine.runner.pooled
     graphs = engine.runner.graphs
-    for plen, n in iterator:
-        prompt = _prompt(engine, plen)
-        seqs = [engine.add_request(prompt, params) for _ in range(n)]
-        for _ in range(rounds + seqs[0].prefill_blocks + 1 + (2 if graphs is not None else 0)):
-            if any(s.finished for s in seqs):
-                break
+    t_start = time.perf_counter()
+    for i, (plen, n) in enumerate(iterator):
+        if i and budget_s is not None and time.perf_counter() - t_start > budget_s:  # the first batch always runs
+            skipped.append(f"batch {n} x prompt {plen}: past the {budget_s:g} s budget")
+            continue
+        reqs = driver.start(_prompt(engine, plen), params, n)
+        for _ in range(rounds + driver.prefill_blocks(reqs) + 1 + (2 if graphs is not None else 0)):
             before = _graph_state(engine)
             try:
-                ms, comp = _timed_step(engine, seqs)
+                ms, comp, finished = driver.step(reqs)
             except torch.OutOfMemoryError:  # too large for this device: keep the points measured so far
                 skipped.append(f"batch {n} x prompt {plen}: out of memory")
                 torch.cuda.empty_cache()
                 break
             kinds = {k for k, _, _ in comp}
-            if len(kinds) != 1 or _graph_state(engine) != before:  # not a steady round
-                continue
-            tokens = sum(t for _, t, _ in comp)
-            if plen == prompt_lens[0]:
-                samples[kinds.pop()][tokens].append(ms)
-                contexts += [c for _, _, c in comp]
-            else:
-                longer.append((kinds.pop(), tokens, statistics.mean(c for _, _, c in comp), ms))
-        for s in seqs:
-            engine.abort(s.seq_id)
+            if len(kinds) == 1 and _graph_state(engine) == before:  # a steady round
+                tokens = sum(t for _, t, _ in comp)
+                if plen == prompt_lens[0]:
+                    samples[kinds.pop()][tokens].append(ms)
+                    contexts += [c for _, _, c in comp]
+                else:
+                    longer.append((kinds.pop(), tokens, statistics.mean(c for _, _, c in comp), ms))
+            if finished:
+                break
+        driver.stop(reqs)
     curves = {}
     for kind, by_tokens in samples.items():
         curves[kind] = [(t, round(statistics.median(v), 3)) for t, v in sorted(by_tokens.items())]

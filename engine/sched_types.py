@@ -52,6 +52,7 @@ class SchedRequest:
     predicted_output_tokens: float = 0.0  # for ssjf
     true_rounds: int | None = None  # for the oracle policy (simulation and tests)
     full_sequence: bool = False  # recompute/cached steps instead of prefill/denoise
+    kv_positions: int | None = None  # positions its KV cache holds (the engine's); None: estimated from blocks
     kv_tokens: int = 0  # worst-case KV footprint, set by the scheduler
     # progress
     prefill_done: int = 0

@@ -6,6 +6,18 @@ k*B requests are resident, and its worst-case KV footprint fits the
 reservation budget; a resident request keeps its reservation until it
 finishes, so preemption (pausing) never overcommits memory and every
 resident request can always finish. The B best-ranked residents run.
+
+KV reservations count what the engine's KV pool really holds when the
+config gives its slot size (``kv_slot_tokens``): a request reserves the whole
+slots its cache takes, ceil(positions / slot) of them (a cache longer than a
+slot takes several slots of the pool, engine/kv_cache.py), against a budget of
+exactly the pool's slots. A request that does not fit waits in the queue until
+residents finish; one that could never fit is refused at ``add_request``.
+
+r_i, the remaining-work estimate, starts as the admission estimate; the
+refinement (after the first denoising round) replaces it, and so does an
+external estimate (the cluster router's, ``set_estimate``): whichever came
+last holds, and each denoising round decrements it.
 """
 
 from __future__ import annotations
@@ -26,12 +38,15 @@ class SchedulerConfig:
     resident_factor: int = 8  # k: at most k * B resident requests
     kv_capacity_tokens: int = 1 << 30  # KV pool size, in tokens
     kv_limit: float = 0.9  # reserve at most this fraction of the pool
-    slack_blocks: int = 2  # reservation slack per resident request
+    slack_blocks: int = 2  # reservation slack per resident request (estimated footprints only)
     block_size: int = 32
+    kv_slot_tokens: int = 0  # > 0: the KV pool's slot size; reservations take whole slots
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.resident_factor < 1:
             raise ValueError("slots and resident_factor must be at least 1")
+        if self.kv_slot_tokens < 0:
+            raise ValueError("kv_slot_tokens must be >= 0")
         if not 0 < self.kv_limit <= 1:
             raise ValueError("kv_limit must be in (0, 1]")
 
@@ -64,8 +79,14 @@ class Scheduler:
 
     # ---- requests -------------------------------------------------------------------------
     def worst_case_kv(self, req: SchedRequest) -> int:
-        blocks = req.prompt_blocks + req.output_blocks + self.cfg.slack_blocks
-        return blocks * self.cfg.block_size
+        """KV tokens ``req`` reserves: its cache's positions when known (else its blocks plus slack), in
+        whole pool slots when the config has a slot size."""
+        if req.kv_positions is not None:
+            tokens = req.kv_positions
+        else:
+            tokens = (req.prompt_blocks + req.output_blocks + self.cfg.slack_blocks) * self.cfg.block_size
+        slot = self.cfg.kv_slot_tokens
+        return -(-tokens // slot) * slot if slot else tokens
 
     def add_request(self, req: SchedRequest) -> None:
         if req.req_id in self.requests:
@@ -81,6 +102,21 @@ class Scheduler:
     def _push_waiting(self, req: SchedRequest) -> None:
         req.key = self.policy.key(req)
         heapq.heappush(self._waiting, (req.key, next(self._seq), req))
+
+    def set_estimate(self, req_id: str, remaining_rounds: float) -> bool:
+        """An external estimate of ``req_id``'s remaining denoising rounds (the cluster router's): it
+        replaces r_i (admission or refined estimate) and re-ranks the request. False if it is gone."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return False
+        req.est_rounds = max(float(remaining_rounds), 0.0)
+        key = self.policy.key(req)
+        if key != req.key:
+            if req.residency is Residency.WAITING:
+                self._push_waiting(req)  # its old heap entry is stale now: dropped when it surfaces
+            else:
+                req.key = key  # residents are re-sorted every round
+        return True
 
     def abort(self, req_id: str) -> SchedRequest | None:
         req = self.requests.pop(req_id, None)
@@ -126,9 +162,12 @@ class Scheduler:
             self._prefilling[req.req_id] = req
 
     def _top_waiting(self) -> SchedRequest | None:
-        while self._waiting and self._waiting[0][2].residency is not Residency.WAITING:
-            heapq.heappop(self._waiting)
-        return self._waiting[0][2] if self._waiting else None
+        """The best waiting request; heap entries of requests no longer waiting, or pushed again with a
+        new key (``set_estimate``), are dropped on the way."""
+        heap = self._waiting
+        while heap and (heap[0][2].residency is not Residency.WAITING or heap[0][0] is not heap[0][2].key):
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
 
     def _admit_round(self) -> tuple[list[SchedRequest], list[str]]:
         """Admit waiting requests; return all residents, best-ranked first.

@@ -17,7 +17,7 @@ def test_preemption_does_not_change_outputs(tok, attention):
     alone = Engine(model, tok, max_slots=8).generate(PROMPTS, params)
     results = {}
     for policy in ("dwise", "fcfs-mixed", "fcfs-prefill-first", "mlfq"):
-        inst = Instance(Engine(model, tok, max_slots=2), policy=policy, slots=2, resident_factor=3,
+        inst = Instance(Engine(model, tok, max_slots=2, kv_slots=6), policy=policy, slots=2, resident_factor=3,
                         estimator=lambda seq: float(len(seq.prompt_ids)))  # long prompts look long
         paused = 0
         for i, (p, sp) in enumerate(zip(PROMPTS, params)):

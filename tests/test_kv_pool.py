@@ -193,3 +193,114 @@ def test_engine_pool_defaults(tok):
     cfg = model.config
     assert engine.runner.pool.slots == 3
     assert engine.runner.pool.capacity == min(cfg.max_position_embeddings, 512 + 32)
+
+
+def test_a_cache_longer_than_a_slot_takes_several_slots_and_reads_back_what_was_written():
+    cfg = make_model().config
+    pool = _pool(cfg, slots=5, capacity=16)
+    args = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    g = torch.Generator().manual_seed(3)
+    exact = ExactCache(*args, 40, torch.float32, "cpu", pool=pool)  # 40 positions: three slots of 16
+    assert exact.slot is None and len(exact.slots) == 3 and exact.capacity == 40 and pool.free == 2
+    assert exact.nbytes() == 40 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    data = _kv(cfg, 40, g)
+    exact.append(data[:, :, :, :10], 0)
+    exact.append(data[:, :, :, 10:30], 10)  # across a slot boundary
+    kv, pos = exact.context()
+    assert isinstance(kv, tuple) and [k.shape[3] for k in kv] == [16, 14]  # one view per slot, in order
+    assert torch.equal(torch.cat(kv, 3), data[:, :, :, :30]) and torch.equal(pos, torch.arange(30))
+    with pytest.raises(RuntimeError, match="overflow"):
+        exact.append(data[:, :, :, :11], 30)
+    dual = ApproxCache(*args, 20, torch.float32, "cpu", variant="dual", pool=pool)  # the last two slots
+    dual.refresh(data[:, :, :, :20])
+    kv, pos = dual.context(8, 16)
+    assert torch.equal(torch.cat(kv, 3), torch.cat((data[:, :, :, :8], data[:, :, :, 16:20]), 3))
+    assert torch.equal(pos, torch.cat((torch.arange(8), torch.arange(16, 20))))
+    beyond = ExactCache(*args, 20, torch.float32, "cpu", pool=pool)  # no free slot left: its own tensor
+    assert beyond.slot is None and not beyond.slots and pool.beyond == 1
+    with pytest.raises(AttributeError, match="several pool slots"):
+        _ = exact.kv
+    del exact, dual
+    gc.collect()
+    assert pool.free == 5
+
+
+@pytest.mark.parametrize("attention,cache", [("block_causal", "dual"), ("bidirectional", "dual"),
+                                             ("bidirectional", "prefix")])
+def test_engine_decodes_the_same_with_caches_over_several_slots(tok, attention, cache):
+    model = make_model(attention=attention)
+    params = SamplingParams(max_tokens=24, threshold=0.5)
+    ref = Engine(model, tok, cache=cache, max_slots=4, kv_slots=0).generate(PROMPTS, params)
+    engine = Engine(model, tok, cache=cache, max_slots=4, kv_slots=16, kv_slot_tokens=16)  # 2-5 slots each
+    out = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert engine.runner.pool.beyond == 0 and engine.runner.pool.free == 16
+
+
+def test_the_pool_is_sized_from_a_memory_budget(tok):
+    model = make_model()
+    cfg = model.config
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32
+    budget = 1_000_000
+    engine = Engine(model, tok, max_slots=4, kv_slot_tokens=64, kv_memory_bytes=budget)
+    pool = engine.runner.pool
+    assert engine.kv_bytes_per_token() == per_token and pool.bytes_per_slot == 65 * per_token
+    assert pool.slots == budget // (65 * per_token) == engine.kv_pool_budget["slots"]
+    assert pool.kv.numel() * pool.kv.element_size() == pool.slots * pool.bytes_per_slot <= budget
+    assert engine.kv_pool_budget["source"] == "kv_memory_bytes"
+    # never more slots than the resident requests could take, each as long as the model's context
+    capped = Engine(model, tok, max_slots=4, kv_slot_tokens=64, kv_memory_bytes=budget, kv_residents_max=2)
+    assert capped.runner.pool.slots == 2 * (512 // 64)
+    with pytest.raises(ValueError, match="holds no slot"):
+        Engine(model, tok, kv_slot_tokens=64, kv_memory_bytes=1000)
+    if not torch.cuda.is_available():  # the free-memory fraction applies on CUDA only: the default pool here
+        assert Engine(model, tok, max_slots=3, kv_memory_fraction=0.5).runner.pool.slots == 3
+
+
+def test_on_cuda_the_pool_takes_a_fraction_of_the_memory_free_after_the_weights(tok, monkeypatch):
+    engine = Engine(make_model(), tok, kv_slots=0)
+    engine.device = torch.device("cuda")  # the sizing alone: no tensor is allocated here
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**20, 80 * 2**20))
+    out = engine._size_kv_pool(64, None, None, 0.5, None)
+    per_slot = 65 * engine.kv_bytes_per_token()
+    assert out["budget_bytes"] == 5 * 2**20 and out["slots"] == 5 * 2**20 // per_slot
+    assert out["source"] == "0.5 of 10 MiB free"
+    assert engine._size_kv_pool(64, None, 2**20, 0.5, None)["budget_bytes"] == 2**20  # an explicit budget wins
+    assert engine._size_kv_pool(64, 7, None, 0.5, None)["slots"] == 7  # and explicit slots over both
+
+
+def test_the_instance_reserves_exactly_the_pool_and_a_request_that_does_not_fit_waits(tok):
+    """The scheduler's capacity is the pool's slots; a request whose cache needs two slots waits while only
+    one is free and is admitted once another request finishes; reservations (residents and running) never
+    exceed the pool, no cache is allocated beyond it, and the outputs are those of an engine alone."""
+    from engine.instance import Instance
+
+    model = make_model()
+    prompts = ["abc", "12+5=", "story: cat 3 and some more words here, a few more"]
+    params = [SamplingParams(max_tokens=8, threshold=0.9), SamplingParams(max_tokens=16, threshold=0.9),
+              SamplingParams(max_tokens=40, threshold=0.9)]
+    ref = Engine(model, tok, max_slots=4, kv_slots=0).generate(prompts, params)
+    engine = Engine(model, tok, max_slots=4, kv_slots=3, kv_slot_tokens=64)
+    inst = Instance(engine, slots=4)
+    sched, pool = inst.scheduler, engine.runner.pool
+    assert sched.cfg.kv_budget == 3 * 64
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        inst.add_request(f"q{i}", p, sp)
+    assert [sched.requests[f"q{i}"].kv_tokens for i in range(3)] == [64, 64, 128]
+    waited = admitted_after_finish = False
+    finished: set[str] = set()
+    while inst.has_work():
+        plan, _, done = inst.step()
+        waited |= "q2" in sched.requests and "q2" not in sched.resident
+        admitted_after_finish |= "q2" in plan.admitted and bool(finished)
+        finished |= {r.req_id for r in done}
+        assert sched.kv_reserved <= sched.cfg.kv_budget
+        assert (pool.slots - pool.free) * pool.capacity <= sched.kv_reserved
+    assert waited and admitted_after_finish and pool.beyond == 0
+    for i, r in enumerate(ref):
+        assert inst.outputs[f"q{i}"].token_ids == r.token_ids
+    with pytest.raises(ValueError, match="reservation budget"):  # four slots' worth never fits three
+        inst.add_request("huge", "x" * 200, SamplingParams(max_tokens=64))
+    assert "huge" not in inst.seqs and not engine.sequences
+    # an explicit token budget overrides the pool's (reservations estimated from blocks, as before)
+    assert Instance(Engine(model, tok, max_slots=2), slots=2, kv_capacity_tokens=5000).scheduler.cfg.kv_budget == 4500

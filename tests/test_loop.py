@@ -143,3 +143,87 @@ def test_a_failed_tensor_parallel_round_breaks_the_instance_only_when_a_rank_is_
             assert len(fatal) == 1 and isinstance(fatal[0], InstanceBroken)
         finally:
             loop.stop()
+
+
+def _never_ends(tok):
+    """A model whose answers never reach EOS (every request runs its whole budget)."""
+    model = make_model()
+    head = model.lm_head
+
+    class NeverEnds(torch.nn.Module):
+        def forward(self, h):
+            logits = head(h)
+            logits[..., tok.eos_token_id] -= 100.0
+            return logits
+
+    model.lm_head = NeverEnds()
+    return model
+
+
+def test_external_estimates_replace_r_i_count_elapsed_rounds_and_yield_to_a_newer_refinement(tok):
+    """The add's ``est_rounds`` replaces the admission estimate; an estimate made after round n applies
+    less the denoising rounds the request ran since; one older than the instance's refinement is
+    dropped. Each batch carries the round's composition by step kind."""
+    inst = Instance(Engine(_never_ends(tok), tok, max_slots=2), slots=2, refiner=lambda seq: 42.0)
+    seen: list[tuple[int, float, bool, dict, dict]] = []
+    done = threading.Event()
+    loop = None
+
+    def on_batch(batch):
+        req = inst.scheduler.requests.get("a")
+        if req is None or not any("ids" in i for i in batch["items"]):
+            return done.set() if req is None and seen else None
+        seen.append((batch["round"], req.est_rounds, req.refined, batch["kinds"], batch["kind_tokens"]))
+        # the answer to this batch, as if it had taken a round to arrive: as of the previous round
+        loop.set_thresholds({}, {"a": 1000.0}, after_round=batch["round"] - 1)
+
+    loop = RoundLoop(inst, on_batch)
+    try:
+        loop.submit("a", "story: dog 2", SamplingParams(max_tokens=24, threshold=1.0), est_rounds=7.0)
+        assert done.wait(30)
+    finally:
+        loop.stop()
+    stats = loop.stats()
+    r = next(i for i, s in enumerate(seen) if s[2])  # the refinement's round (the first denoising one)
+    assert seen[0][1] == 7.0  # the add's estimate, as sent (a prefill round leaves it)
+    assert all(s[1] == 1000.0 for s in seen[1:r])  # answers during the prefill: no denoising round since
+    assert seen[r][1] == 41.0  # refined: 42 less the round done
+    assert seen[r + 1][1] == 40.0 and stats["estimates_dropped"] == 1  # the answer older than it: dropped
+    # later answers: 1000 as of the previous round, less the round run since, less the round after it
+    assert r + 2 < len(seen) and all(s[1] == 998.0 for s in seen[r + 2:])
+    assert stats["estimates_applied"] == len(seen) - 1  # every answer but the dropped one
+    assert all(s[3] in ({"prefill": 1}, {"denoise": 1}) for s in seen)
+    assert seen[-1][3] == {"denoise": 1} and seen[-1][4]["denoise"] % 8 == 0
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_thresholds_answering_a_batch_land_late_unless_the_loop_waits_for_them(tok, planned):
+    """Every batch is answered 5 ms after it left (thresholds for the next round, ``after_round``). A loop
+    that does not wait starts the next round first: the thresholds land late. For a ``planned`` request
+    the loop waits for the answer (here up to 0.5 s): they land on time."""
+    inst = Instance(Engine(_never_ends(tok), tok, max_slots=2), slots=2)
+    done = threading.Event()
+    loop = None
+
+    def on_batch(batch):
+        if any(i.get("done") for i in batch["items"]):
+            return done.set()
+        if any("ids" in i for i in batch["items"]):
+            t = 0.9 if batch["round"] % 2 else 0.95
+            threading.Timer(0.005, loop.set_thresholds, ({"a": t},), {"after_round": batch["round"]}).start()
+
+    loop = RoundLoop(inst, on_batch, threshold_wait_s=0.5, threshold_wait_frac=1e6)
+    try:
+        loop.submit("a", "abc", SamplingParams(max_tokens=48, threshold=1.0), planned=planned)
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    s = loop.stats()
+    answered = s["thresholds_on_time"] + s["thresholds_late"]
+    assert answered >= 3
+    if planned:
+        assert s["thresholds_late"] == 0 and s["threshold_waits"] > 0 and s["threshold_wait_timeouts"] == 0
+        assert s["threshold_answer_ms_mean"] >= 4.0
+    else:
+        assert s["thresholds_late"] >= 0.75 * answered and s["threshold_waits"] == 0
+        assert s["thresholds_late_rounds"] >= s["thresholds_late"]

@@ -11,7 +11,7 @@ import torch
 from app.cli import main
 from engine.loading import load_engine
 from engine.profile import LatencyProfile, load_profile
-from engine.profiling import check_profile, profile_engine
+from engine.profiling import check_profile, profile_engine, profile_instance
 
 SMALL = "llada-8b-shape:layers=2,vocab=512,hidden=128,heads=4,kv_heads=4,intermediate=256"
 
@@ -158,3 +158,31 @@ def test_tp_profile_rejects_bad_input(argv, message, capsys):
         pytest.skip("this machine has two GPUs")
     assert main(["profile", "--model", SMALL, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_instance_measures_its_own_profile_within_a_budget_and_is_left_as_it_was():
+    """A replica at start: rounds of 1 to B requests through its own scheduler for about ``budget_s``;
+    the profile is the one engine.profile loads and the router's latency model reads; no request, KV
+    reservation or pool slot is left behind."""
+    import time
+
+    from app.router.latency import StepShape, TpLatencyModel
+    from engine.instance import Instance
+
+    inst = Instance(load_engine("tiny-bd", max_slots=8), slots=8)
+    t0 = time.perf_counter()
+    prof = profile_instance(inst, "tiny-bd-tp1-measured", budget_s=1.0)
+    assert time.perf_counter() - t0 < 5.0
+    assert {"prefill", "denoise"} <= set(prof.curves)
+    assert prof.meta["batch_sizes"][:2] == [1, 8] and prof.meta["slots"] == 8  # the extremes first
+    tokens = [t for t, _ in prof.curves["denoise"]]
+    assert tokens[0] == 8 and 64 in tokens or prof.meta["skipped"]  # one block, and B blocks unless skipped
+    again = LatencyProfile.from_dict(json.loads(json.dumps(prof.to_dict())))
+    assert again.curves == prof.curves and again.meta["slots"] == 8
+    model = TpLatencyModel({1: again}, 8, StepShape(block_tokens=8, full_sequence=False))
+    assert 0 < model.step_ms(1, 1, "denoise") <= model.step_ms(1, 8, "denoise")
+    s, pool = inst.scheduler, inst.engine.runner.pool
+    assert not inst.has_work() and not inst.seqs and not inst.outputs and not inst.engine.sequences
+    assert s.kv_reserved == 0 and pool.free == pool.slots and pool.beyond == 0
+    skipped = profile_instance(inst, "t", budget_s=0.0)  # no time: the first batch only
+    assert skipped.meta["batch_sizes"] == [1, 8, 2, 4] and len(skipped.meta["skipped"]) == 3

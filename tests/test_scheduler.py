@@ -162,6 +162,67 @@ def test_estimates_decrement_clamp_and_refine_once():
     assert sched.requests["a"].est_rounds == 0.0
 
 
+def _finish(sched: Scheduler, plan, *done: str) -> None:
+    sched.update(plan, RoundResult([StepOutcome(s.req_id, s.kind, finished=s.req_id in done,
+                                                next_kind=StepKind.DENOISE) for s in plan.slots]))
+
+
+def test_an_external_estimate_replaces_r_i_and_reranks_residents_and_waiting_requests():
+    sched = Scheduler("dwise", SchedulerConfig(slots=1, resident_factor=2))
+    for rid, est in (("a", 10.0), ("b", 5.0), ("c", 20.0), ("d", 30.0)):
+        sched.add_request(SchedRequest(rid, 0, 1, est))
+    assert sched.fill_resident(2) == 2
+    plan = sched.schedule()
+    assert [s.req_id for s in plan.slots] == ["b"] and set(sched.resident) == {"a", "b"}
+    _finish(sched, plan)
+    assert sched.set_estimate("a", 1.0) and sched.requests["a"].est_rounds == 1.0
+    plan = sched.schedule()
+    assert [s.req_id for s in plan.slots] == ["a"] and plan.paused == ["b"]  # a resident overtakes
+    _finish(sched, plan, "a")
+    # a waiting request's new estimate moves it up the queue; its old heap entry is dropped, not run twice
+    assert sched.set_estimate("d", 0.5) and not sched.set_estimate("gone", 1.0)
+    plan = sched.schedule()
+    assert [s.req_id for s in plan.slots] == ["d"] and plan.admitted == ["d"]
+    ran = []
+    while sched.has_work():
+        plan = sched.schedule()
+        ran += [s.req_id for s in plan.slots]
+        _finish(sched, plan, *(s.req_id for s in plan.slots))
+    assert sorted(ran) == ["b", "c", "d"] and sched.num_waiting == 0  # each once more: none ran twice
+    assert sched.set_estimate("b", -3.0) is False  # finished
+    # a waiting request whose estimate grew no longer ranks by its old one
+    sched = Scheduler("dwise", SchedulerConfig(slots=1, resident_factor=1))
+    sched.add_request(SchedRequest("x", 0, 1, 1.0))
+    sched.add_request(SchedRequest("y", 0, 1, 2.0))
+    sched.set_estimate("x", 50.0)
+    assert sched.schedule().admitted == ["y"]
+
+
+def test_reservations_take_whole_pool_slots_and_a_request_that_does_not_fit_waits():
+    """With the KV pool's slot size, a request reserves the slots its cache takes (its positions rounded up
+    to whole slots) against exactly the pool's slots; one that does not fit waits until another finishes;
+    one that could never fit is refused."""
+    cfg = SchedulerConfig(slots=4, resident_factor=4, kv_capacity_tokens=3 * 100, kv_limit=1.0, kv_slot_tokens=100)
+    sched = Scheduler("dwise", cfg)
+    sched.add_request(SchedRequest("one", 0, 1, 1.0, kv_positions=60))
+    sched.add_request(SchedRequest("two", 0, 1, 2.0, kv_positions=150))  # longer than a slot: two of them
+    sched.add_request(SchedRequest("late", 0, 1, 3.0, kv_positions=100))
+    assert [sched.requests[r].kv_tokens for r in ("one", "two", "late")] == [100, 200, 100]
+    plan = sched.schedule()
+    assert set(sched.resident) == {"one", "two"} and sched.kv_reserved == 300 and sched.num_waiting == 1
+    _finish(sched, plan)
+    assert set(sched.resident) == {"one", "two"}  # still waiting: nothing finished
+    plan = sched.schedule()
+    _finish(sched, plan, "one")
+    plan = sched.schedule()
+    assert "late" in plan.admitted and sched.kv_reserved == 300
+    with pytest.raises(ValueError, match="reservation budget"):
+        sched.add_request(SchedRequest("huge", 0, 1, 1.0, kv_positions=301))
+    # without positions, the footprint is estimated from the blocks (plus slack) and rounded up to slots
+    est = SchedRequest("est", 2, 1, 1.0)
+    assert sched.worst_case_kv(est) == 200  # (2 + 1 + 2 slack) blocks x 32 = 160 -> two slots
+
+
 def test_abort_releases_reservation():
     sched = Scheduler("dwise", SchedulerConfig(slots=2))
     sched.add_request(SchedRequest("a", 1, 1, 1.0))
