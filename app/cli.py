@@ -370,10 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--estimator", choices=["table", "online"], default="table",
                    help="cluster scenarios: the router's step estimates, from the oracle totals with a synthetic "
                         "error (table) or learnt online from the run's own finished requests, started cold (online)")
-    s.add_argument("--refit-every", type=int, default=50, help="--estimator online: refit after this many more "
-                   "finished requests (the first once twice as many finished, or at the first --refit-early)")
-    s.add_argument("--refit-early", help="--estimator online: extra refits at these finished-request counts, "
-                   "comma-separated (e.g. 25,50,100)")
+    s.add_argument("--refit-every", type=int, default=100, help="--estimator online: refit after this many more "
+                   "finished requests (the first at the first --refit-early count, or once twice as many finished)")
+    s.add_argument("--refit-early", default="25,50", help="--estimator online: extra refits at these finished-request "
+                   "counts, comma-separated; '' for none")
     s.add_argument("--shed", choices=["auto", "on", "off"], default="auto",
                    help="cluster scenarios: refuse arrivals that cannot meet their SLO, as the live ingress does "
                         "(auto: the remask policy only); refused requests count as SLO misses")

@@ -108,9 +108,11 @@ class ClusterConfig:
     estimator_sigma: float = 0.3
     router: RouterConfig = field(default_factory=RouterConfig)
     estimator: str = "table"  # table (oracle totals, synthetic error) | online (learnt from the run's traffic)
-    online_refit_every: int = 50  # online: refit after this many more finished requests ...
-    online_min_requests: int = 100  # ... once this many have finished
-    online_early: tuple[int, ...] = ()  # online: extra refits at these finished-request counts
+    # online: refits at 25 and 50 finished requests, then after every 100 more (early models matter most: the
+    # first few seconds of a cold start are served by the priors)
+    online_refit_every: int = 100
+    online_min_requests: int = 25
+    online_early: tuple[int, ...] = (25, 50)
     online_admission: bool = True  # online: also learn DWISE's admission predictor (prompt features -> steps)
     shed: bool = False  # refuse arrivals that cannot meet their SLO (the live ingress's admission)
 
@@ -513,16 +515,17 @@ class ClusterSimulator:
 
 class _ServedError:
     """MAPE and Spearman of the remaining-step estimates the router served with, against the truth: over
-    the whole run and over segments (the requests finished between two refits)."""
+    the whole run and over segments (the requests finished between two refits). Compact: one float32 and
+    one int32 per step row."""
 
     def __init__(self) -> None:
-        self.pred: list[list[float]] = []
-        self.true: list[list[int]] = []
+        self.pred: list[np.ndarray] = []
+        self.true: list[np.ndarray] = []
         self._start = 0
 
     def add(self, pred: list[float], true: list[int]) -> None:
-        self.pred.append(pred)
-        self.true.append(true)
+        self.pred.append(np.asarray(pred, dtype=np.float32))
+        self.true.append(np.asarray(true, dtype=np.int32))
 
     def segment(self) -> dict:
         out = self._score(self._start)
@@ -535,17 +538,18 @@ class _ServedError:
     def _score(self, start: int) -> dict:
         from predictors.online import mape, spearman
 
-        pred = [v for p in self.pred[start:] for v in p]
-        true = [v for t in self.true[start:] for v in t]
         n = len(self.pred) - start
-        ok = [i for i, v in enumerate(pred) if not math.isnan(v)]
-        if not ok:
+        if not n:
+            return {"mape": None, "spearman": None, "requests": 0, "rows": 0}
+        pred = np.concatenate(self.pred[start:]).astype(np.float64)
+        true = np.concatenate(self.true[start:]).astype(np.float64)
+        ok = ~np.isnan(pred)
+        if not ok.any():
             return {"mape": None, "spearman": None, "requests": n, "rows": 0}
-        p = [max(pred[i], 1e-9) for i in ok]
-        t = [true[i] for i in ok]
-        sp = spearman(p, t)
-        return {"mape": round(mape(np.asarray(p), np.asarray(t, float)), 4),
-                "spearman": None if math.isnan(sp) else round(sp, 4), "requests": n, "rows": len(ok)}
+        pred, true = np.maximum(pred[ok], 1e-9), true[ok]
+        sp = spearman(pred, true)
+        return {"mape": round(mape(pred, true), 4), "spearman": None if math.isnan(sp) else round(sp, 4),
+                "requests": n, "rows": int(ok.sum())}
 
 
 def summarize(res: ClusterResult, specs: list[ClusterRequestSpec], correct: list[bool]) -> dict:

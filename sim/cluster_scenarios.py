@@ -173,7 +173,7 @@ def sheds(policy: str, shed: bool | None) -> bool:
 
 def run_cluster_scenario(name: str, policies: list[str] | None, n: int, seed: int = 0, rate: float | None = None,
                          progress: bool = False, estimator: str = "table", shed: bool | None = None,
-                         refit_every: int = 50, refit_early: tuple[int, ...] = (), min_requests: int = 100,
+                         refit_every: int = 100, refit_early: tuple[int, ...] = (25, 50), min_requests: int = 25,
                          **overrides) -> dict:
     """Simulate scenario ``name`` under each policy. ``estimator``: ``table`` (oracle totals with a
     synthetic error) or ``online`` (learnt from the run's own traffic, started cold: refits after

@@ -283,3 +283,14 @@ def test_online_step_estimator_in_the_router():
     assert est.predict([fresh, s]) == [[9.0, 8.0, 7.0], [128.0, 128.0, 128.0]]
     fresh.steps_done = 1
     assert est.predict([fresh])[0] == [256.0] * 3  # stepped: the step learner answers
+
+
+def test_table_estimator_memory_is_bounded():
+    from app.router import RequestState, TableStepEstimator
+
+    est = TableStepEstimator(TS, lambda s: (10.0, 8.0, 6.0), max_requests=50)
+    for i in range(500):
+        est.predict([RequestState(f"r{i}", 0.0, 1.0, 10, 64, 32)])
+    assert len(est._z) == 50 and "r499" in est._z and "r0" not in est._z
+    est.forget("r499")  # Router.finish calls it
+    assert "r499" not in est._z
