@@ -376,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "counts, comma-separated; '' for none")
     s.add_argument("--shed", choices=["auto", "on", "off"], default="auto",
                    help="cluster scenarios: refuse arrivals that cannot meet their SLO, as the live ingress does "
-                        "(auto: the remask policy only); refused requests count as SLO misses")
+                        "(auto: off for now, see sim.cluster_scenarios.SHED_DEFAULT); refused requests count as "
+                        "SLO misses")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_simulate)
