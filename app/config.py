@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.auth import ApiKeySpec
@@ -19,7 +21,9 @@ class AppConfig(BaseModel):
     dtype: str | None = Field(None, description="float32 | bfloat16 | float16 (default: bfloat16 on cuda)")
     slots: int = Field(32, ge=1, description="B: block slots per round")
     policy: str = Field("dwise", description="instance scheduling policy")
-    kv_capacity_tokens: int = Field(1 << 20, ge=1, description="KV pool per instance, in tokens")
+    kv_capacity_tokens: int | None = Field(None, ge=1, description="an explicit KV budget per instance, in tokens "
+                                                                     "(default: exactly what the KV pool holds, "
+                                                                     "sized by kv_memory_mb / kv_memory_fraction)")
     kv_slot_tokens: int | None = Field(None, ge=1, description="positions per slot of the engine's preallocated "
                                                                "KV pool (one slot per block slot, allocated at "
                                                                "start; longer requests get caches of their own); "
@@ -46,8 +50,12 @@ class AppConfig(BaseModel):
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int | None = Field(None, description="max_tokens when a request gives none")
     max_waiting: int = Field(256, ge=1, description="waiting requests per instance before 429")
-    predictors: bool = Field(True, description="use the model's trained work predictors (admission + refinement) "
-                                               "when shipped; otherwise one round per block is assumed")
+    predictors: Literal["auto", "shipped", "online", "off"] = Field(
+        "auto", description="the step and admission predictors (app.learning): auto = the model's shipped ones "
+                            "(and the refinement) as a start, learnt further from the traffic served, else learnt "
+                            "from a cold start; shipped = shipped only, no learning; online = learnt from a cold "
+                            "start, shipped ones ignored; off = no estimates (fixed thresholds, one round per "
+                            "block). true/false mean auto/off")
     lookahead_blocks: int = Field(8, ge=0, description="with predictors, a block-causal request whose first "
                                                        "block does not end its answer appends this many masked "
                                                        "blocks to its second round to read where it ends "
@@ -95,6 +103,11 @@ class AppConfig(BaseModel):
         if not v or any(d < 1 or d & (d - 1) for d in v):
             raise ValueError("tp_degrees must be powers of two, e.g. [1, 2, 4]")
         return sorted(set(v))
+
+    @field_validator("predictors", mode="before")
+    @classmethod
+    def _predictors(cls, v):
+        return {True: "auto", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("dtype")
     @classmethod

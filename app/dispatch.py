@@ -44,6 +44,7 @@ from app.router import RequestState, Router
 
 if TYPE_CHECKING:
     from app.learning import LiveLearning
+    from engine.profile import LatencyProfile
 from app.router.admission import AdmissionGovernor
 from engine.tokenizer import OutputText
 
@@ -157,6 +158,24 @@ class Dispatcher:
         self._watchdog: asyncio.Task | None = None
 
     # ---- instances ---------------------------------------------------------------------------
+    def measured_profile(self, tp: int, data: dict) -> LatencyProfile | None:
+        """A replica's own latency profile (measured at its start, sent when it registers): the router's for
+        degree ``tp`` from now on, unless it is the one already in use. The attention term of the
+        configured profile is kept when the measurement has none (it measures one prompt length).
+        Returns the profile when it is new."""
+        from engine.profile import LatencyProfile
+
+        prof = LatencyProfile.from_dict(data)
+        stamp = prof.meta.get("measured_at")
+        old = self.router.latency.profiles.get(tp)
+        if old is not None and stamp is not None and old.meta.get("measured_at") == stamp:
+            return None
+        if old is not None and not prof.attn_ms_per_pair:
+            prof.attn_ms_per_pair, prof.ref_context = old.attn_ms_per_pair, old.ref_context
+        self.router.latency.set_profile(tp, prof)
+        log.info("TP-%d latency profile measured by a replica (%s)", tp, prof.meta.get("replica"))
+        return prof
+
     async def connect(self, replica: str, tp: int, host: str, port: int, secret: str, meta: dict | None = None) -> int:
         """Open a replica's channel and add it to the router (idempotent per live replica)."""
         if replica in self.by_replica:
@@ -378,7 +397,10 @@ class Dispatcher:
         ok = self.instances[inst_id].link.send({
             "op": "add", "id": live.req_id, "prompt_ids": live.prompt_ids, "max_tokens": live.max_tokens,
             "threshold": t, "slo_left_s": left_s, "sent_at": time.time(), "committed": live.committed,
-            "sampling": live.sampling, "canvas": live.canvas})
+            "sampling": live.sampling, "canvas": live.canvas,
+            # the router's estimate of its remaining denoising rounds: the instance scheduler's r_i (DWISE)
+            "est_rounds": self.router.remaining_steps(live.state) if live.state.est else None,
+            "planned": self._planned(live)})
         if not ok:  # its channel just broke: the reader's drop resumes it, or do it now
             self.drop(inst_id, "unreachable")
 
@@ -466,8 +488,14 @@ class Dispatcher:
         round_ms = self._effective_round_ms(inst, batch)
         if self.calibrate and round_ms:  # the profile under this deployment's real load
             router_inst = self.router.by_id[inst_id]
-            heavy = round(len(stepped) * router_inst.n_heavy / max(router_inst.n, 1))
-            self.router.latency.calibrate(router_inst.tp, heavy, len(stepped) - heavy, round_ms)
+            kinds = batch.get("kinds")  # the round's steps per kind, when the replica counts them
+            if kinds:
+                heavy = kinds.get("prefill", 0) + kinds.get("recompute", 0)
+                light = kinds.get("denoise", 0) + kinds.get("cached", 0)
+            else:
+                heavy = round(len(stepped) * router_inst.n_heavy / max(router_inst.n, 1))
+                light = len(stepped) - heavy
+            self.router.latency.calibrate(router_inst.tp, heavy, light, round_ms)
         moves = self.router.on_step(inst_id, stepped, now)
         for live, done in finished:
             self._finish(live, done)
@@ -475,7 +503,7 @@ class Dispatcher:
             self._foresee_misses(stepped, round_ms, now)
         for state, dst in moves:
             self._migrate(self.live[state.req_id], inst_id, dst)
-        self._plan(inst_id, now)
+        self._plan(inst_id, now, batch.get("round"))
 
     def _foresee_misses(self, stepped: list, round_ms: float, now: float) -> None:
         """Tell the admission governor of a request that will miss its SLO as soon as that is clear (its
@@ -560,8 +588,16 @@ class Dispatcher:
             self.on_migration()
         self._send_add(live, dst)
 
-    def _plan(self, inst_id: int, now: float) -> None:
-        """New thresholds for the instance's requests whose threshold the router chooses."""
+    def _planned(self, live: _Live) -> bool:
+        """Whether the router chooses the request's thresholds: then every batch carrying it is answered
+        (``_plan``), and its instance waits a little for the answer before its next round."""
+        return self.router.policy.dynamic and live.fixed is None
+
+    def _plan(self, inst_id: int, now: float, after_round: int | None = None) -> None:
+        """Answer an instance's progress batch (of round ``after_round``): the thresholds of its requests'
+        next steps where the router chooses them (those that changed), and the router's estimates of their
+        remaining denoising rounds (the instance scheduler's r_i). Sent for every batch while the instance
+        holds a request whose thresholds the router chooses (its loop waits for the answer)."""
         if not self.router.policy.dynamic:
             return
         inst = self.router.by_id[inst_id]
@@ -573,8 +609,9 @@ class Dispatcher:
             if t != live.sent_threshold:
                 changed[live.req_id] = t
                 live.sent_threshold = t
-        if changed:
-            self.instances[inst_id].link.send({"op": "thresholds", "map": changed})
+        estimates = {lv.req_id: round(self.router.remaining_steps(lv.state), 2) for lv in lives if lv.state.est}
+        self.instances[inst_id].link.send({"op": "thresholds", "map": changed, "estimates": estimates,
+                                           "after_round": after_round})
 
     # ---- views -----------------------------------------------------------------------------------
     def describe(self) -> dict:
@@ -583,9 +620,8 @@ class Dispatcher:
 
 
 def predictors_mode(cfg) -> str:
-    """``AppConfig.predictors`` as a mode of ``app.learning`` (true: auto, false: off)."""
-    mode = cfg.predictors
-    return mode if isinstance(mode, str) else ("auto" if mode else "off")
+    """``AppConfig.predictors``: a mode of ``app.learning``."""
+    return cfg.predictors
 
 
 def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router:

@@ -224,11 +224,12 @@ class Metrics:
 
     def set_cluster(self, instance_stats: Iterable[Mapping], kv_capacity_tokens: int, shed: int | None = None) -> None:
         """The gauges from each instance's last reported stats (``running``, ``waiting``,
-        ``kv_reserved_tokens``; KV capacity ``kv_capacity_tokens`` per instance), and the dispatcher's running
+        ``kv_reserved_tokens``; KV capacity the instance's ``kv_capacity_tokens`` when it reports one, else
+        ``kv_capacity_tokens``), and the dispatcher's running
         count of shed requests mirrored into ``remask:requests_shed_total``."""
         views = list(instance_stats)
         self.set_queue(sum(v.get("running", 0) for v in views), sum(v.get("waiting", 0) for v in views))
-        capacity = kv_capacity_tokens * len(views)
+        capacity = sum(v.get("kv_capacity_tokens") or kv_capacity_tokens for v in views)  # each instance's own
         used = sum(v.get("kv_reserved_tokens", 0) for v in views)
         self.kv_usage.set(min(used / capacity, 1.0) if capacity > 0 else 0.0)
         if shed is not None:

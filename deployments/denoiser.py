@@ -44,10 +44,9 @@ def kv_pool_args(cfg: AppConfig) -> dict:
 
 
 def kv_capacity_override(cfg: AppConfig) -> int | None:
-    """``kv_capacity_tokens`` when the config sets it (anything but the field's default): the scheduler then
+    """``kv_capacity_tokens`` when the config sets it: the scheduler then
     reserves against that many tokens instead of the KV pool's real capacity."""
-    value = cfg.kv_capacity_tokens
-    return None if value is None or value == AppConfig.model_fields["kv_capacity_tokens"].default else value
+    return cfg.kv_capacity_tokens
 
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=5)
@@ -79,7 +78,7 @@ class Denoiser:
                                  kv_capacity_tokens=kv_capacity_override(self.cfg), mirror=mirror,
                                  followers_alive=self._followers_alive if tp > 1 else None)
         self.profile = self._measure_profile() if self.cfg.profile_seconds > 0 else None
-        describe = self._attach_predictors() if self.cfg.predictors else None
+        describe = self._attach_predictors() if self.cfg.predictors != "off" else None
         self.server = ReplicaServer(self.instance, max_waiting=self.cfg.max_waiting, describe=describe,
                                     host=ray.util.get_node_ip_address(),
                                     threshold_wait_s=self.cfg.threshold_wait_ms / 1e3,
@@ -107,15 +106,19 @@ class Denoiser:
         return prof.to_dict()
 
     def _attach_predictors(self):
+        """The shipped admission and refinement predictors on the instance (modes auto and shipped); in any
+        mode but off, the step rows the router's step predictor reads and the online learners train on."""
         from predictors.bundle import PredictorError, load_predictors
         from predictors.features import state_row
 
-        try:
-            load_predictors(self.cfg.model).attach(self.instance, lookahead=self.cfg.lookahead_blocks)
-        except PredictorError as exc:
-            log.warning("no work predictors: %s; assuming one round per block", exc)
-            return None
-        return state_row  # the router's step predictor reads these rows
+        if self.cfg.predictors in ("auto", "shipped"):
+            try:
+                load_predictors(self.cfg.model).attach(self.instance, lookahead=self.cfg.lookahead_blocks)
+            except PredictorError as exc:
+                if self.cfg.predictors == "shipped":
+                    raise
+                log.info("no shipped work predictors (%s): the router's estimates rank the requests", exc)
+        return state_row
 
     def _start_tensor_parallel(self, kwargs: dict):
         """Rank 0 here; ranks 1..tp-1 as actors in this replica's placement group."""

@@ -11,6 +11,7 @@ one batch per round and each request's committed text streams to its client.
 # no `from __future__ import annotations`: FastAPI must see the real Request type
 
 import asyncio
+import logging
 import secrets
 import time
 
@@ -27,6 +28,7 @@ from app.config import AppConfig
 from app.control import ControlTimer
 from app.metrics import Metrics, failure_reason
 
+log = logging.getLogger(__name__)
 web = FastAPI(title="Remask", description="OpenAI-compatible serving of diffusion language models")
 
 
@@ -142,7 +144,15 @@ class Ingress:
         return b"".join(chunks)
 
     async def register(self, info: dict) -> int:
-        """A Denoiser replica announces its control channel (called over Ray, not HTTP)."""
+        """A Denoiser replica announces its control channel (called over Ray, not HTTP), and the latency
+        profile it measured at its start (the router's and the planner's for its TP degree)."""
+        if info.get("profile"):
+            try:
+                prof = self.dispatcher.measured_profile(int(info["tp"]), info["profile"])
+                if prof is not None and self.planner is not None:
+                    self.planner.set_profile(int(info["tp"]), prof)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("replica %s sent an unreadable latency profile: %s", info.get("replica"), exc)
         return await self.dispatcher.connect(info["replica"], int(info["tp"]), info["host"], int(info["port"]),
                                              info["secret"],
                                              meta={"actor": info.get("actor"), "workers": info.get("workers", [])})
@@ -231,8 +241,7 @@ class Ingress:
 
     @web.get("/metrics")
     async def metrics(self) -> Response:
-        self.metrics.set_cluster([i.stats for i in self.dispatcher.instances.values()], self.cfg.kv_capacity_tokens,
-                                 self.dispatcher.stats["shed"])  # as of now, between progress batches too
+        self._cluster_gauges()  # as of now, between progress batches too
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
 
@@ -502,8 +511,12 @@ class Ingress:
             stepped = sum("steps" in item for item in batch["items"])
             if stepped:
                 self.metrics.round_observed(stepped)
-        self.metrics.set_cluster([i.stats for i in self.dispatcher.instances.values()], self.cfg.kv_capacity_tokens,
-                                 self.dispatcher.stats["shed"])
+        self._cluster_gauges()
+
+    def _cluster_gauges(self) -> None:
+        """Running and waiting requests, KV usage (each instance's reported capacity) and the shed count."""
+        self.metrics.set_cluster([i.stats for i in self.dispatcher.instances.values()],
+                                 self.cfg.kv_capacity_tokens or 0, self.dispatcher.stats["shed"])
 
     def _finished(self, req: api.GenRequest, done: dict) -> None:
         slo_met = None if req.slo_ms is None else done["e2e_s"] * 1000 <= req.slo_ms

@@ -37,19 +37,29 @@ class TpLatencyModel:
         self.shape = shape or StepShape()
         self.scale = 1.0  # measured / profiled round time (``calibrate``): the profile under this deployment's load
         self.calibrations = 0  # rounds folded into ``scale``
-        s = self.shape
-        heavy, light = ("recompute", "cached") if s.full_sequence else ("prefill", "denoise")
-        ctx = s.sequence_tokens
         self._heavy: dict[int, list[float]] = {}
         self._light: dict[int, list[float]] = {}
         for tp, prof in profiles.items():
-            pairs = max(ctx - prof.ref_context, 0.0) * prof.attn_ms_per_pair
-            self._heavy[tp] = [0.0] + [prof.curve_ms(heavy, k * (ctx if s.full_sequence else s.block_tokens))
-                                       for k in range(1, slots + 1)]
-            self._light[tp] = [0.0] + [prof.curve_ms(light, k * s.block_tokens) + k * s.block_tokens * pairs
-                                       for k in range(1, slots + 1)]
-            if prof.overhead_ms:
-                self._light[tp] = [v + prof.overhead_ms for v in self._light[tp]]
+            self._tabulate(tp, prof)
+
+    def _tabulate(self, tp: int, prof: LatencyProfile) -> None:
+        s, slots = self.shape, self.slots
+        heavy, light = ("recompute", "cached") if s.full_sequence else ("prefill", "denoise")
+        ctx = s.sequence_tokens
+        pairs = max(ctx - prof.ref_context, 0.0) * prof.attn_ms_per_pair
+        self._heavy[tp] = [0.0] + [prof.curve_ms(heavy, k * (ctx if s.full_sequence else s.block_tokens))
+                                   for k in range(1, slots + 1)]
+        self._light[tp] = [0.0] + [prof.curve_ms(light, k * s.block_tokens) + k * s.block_tokens * pairs
+                                   for k in range(1, slots + 1)]
+        if prof.overhead_ms:
+            self._light[tp] = [v + prof.overhead_ms for v in self._light[tp]]
+
+    def set_profile(self, tp: int, prof: LatencyProfile) -> None:
+        """A profile measured by an instance of degree ``tp`` replaces the configured one; the calibration
+        (measured / profiled round time) starts over, since it was relative to the old profile."""
+        self.profiles[tp] = prof
+        self._tabulate(tp, prof)
+        self.scale, self.calibrations = 1.0, 0
 
     @property
     def degrees(self) -> list[int]:
