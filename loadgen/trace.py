@@ -112,17 +112,10 @@ def read_prompts(path: str | Path) -> list[dict]:
     ``{"messages": [{"role": "user", "content": "..."}]}`` (a chat), each with an optional ``max_tokens``.
     Blank lines are skipped; a bad line raises ValueError naming ``path:line``."""
     out = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from None
-            if (err := _prompt_error(obj)) is not None:
-                raise ValueError(f"{path}:{lineno}: {err}")
-            out.append(obj)
+    for lineno, obj in _jsonl(path):
+        if (err := _prompt_error(obj)) is not None:
+            raise ValueError(f"{path}:{lineno}: {err}")
+        out.append(obj)
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
@@ -223,15 +216,25 @@ def write_trace(trace: list[TraceRequest], path: str | Path) -> None:
 def read_trace(path: str | Path) -> list[TraceRequest]:
     """Requests of a JSONL trace, sorted by arrival; raises ValueError on a malformed line."""
     out = []
+    for lineno, obj in _jsonl(path):
+        try:
+            r = TraceRequest(**obj)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{lineno}: not a trace request ({exc})") from None
+        if r.endpoint not in ("completion", "chat") or (r.prompt is None) == (r.messages is None):
+            raise ValueError(f"{path}:{lineno}: needs endpoint completion with a prompt or chat with messages")
+        out.append(r)
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def _jsonl(path: str | Path):
+    """(line number, object) of each non-blank line of a JSONL file; ValueError naming ``path:line`` for a
+    line that is not JSON."""
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                r = TraceRequest(**json.loads(line))
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a trace request ({exc})") from None
-            if r.endpoint not in ("completion", "chat") or (r.prompt is None) == (r.messages is None):
-                raise ValueError(f"{path}:{lineno}: needs endpoint completion with a prompt or chat with messages")
-            out.append(r)
-    return sorted(out, key=lambda r: r.arrival_s)
+                yield lineno, json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from None
