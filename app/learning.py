@@ -10,7 +10,7 @@ starting point; without any, the learners' priors serve (measured tokens per ste
 block) until the first model, so every adaptive mechanism runs on any checkpoint.
 
 Modes (``AppConfig.predictors``): ``auto`` (shipped when present, else learnt), ``shipped`` (shipped
-only: no learning), ``online`` (learnt from a cold start, shipped ones ignored), ``off`` (no step
+only: no refits; the finished requests still score them), ``online`` (learnt from a cold start, shipped ones ignored), ``off`` (no step
 estimates: the router keeps fixed thresholds).
 """
 
@@ -38,12 +38,11 @@ class LiveLearning:
                  blocks: float, last_threshold: float | None) -> None:
         """A request finished after ``total_steps`` denoising steps: its step rows (after each denoising step
         but the last; ``row_steps[k]`` the steps done at row k), its admission row and output blocks."""
-        if not self.learn:
-            return
         self.step.record(rows, row_steps, total_steps, last_threshold=last_threshold)
         self.admission.record(admission_row, total_steps, blocks)
         self.recorded += 1
-        self.worker.notify()
+        if self.worker is not None:  # without learning the records only score the predictors in service
+            self.worker.notify()
 
     def describe(self) -> dict:
         """``GET /debug/predictors``: per predictor, source (prior | shipped | online), version, requests
