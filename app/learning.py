@@ -10,8 +10,8 @@ starting point; without any, the learners' priors serve (measured tokens per ste
 block) until the first model, so every adaptive mechanism runs on any checkpoint.
 
 Modes (``AppConfig.predictors``): ``auto`` (shipped when present, else learnt), ``shipped`` (shipped
-only: no refits; the finished requests still score them), ``online`` (learnt from a cold start, shipped ones ignored), ``off`` (no step
-estimates: the router keeps fixed thresholds).
+only: no refits; the finished requests still score them), ``online`` (learnt from a cold start, shipped
+ones ignored), ``off`` (no step estimates: the router keeps fixed thresholds).
 """
 
 from __future__ import annotations
