@@ -56,6 +56,7 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
                    120.0, 240.0, 480.0, 960.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 CONTROL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0)
 ROUND_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 TOKENS_PER_STEP_BUCKETS = (0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -135,7 +136,7 @@ class Metrics:
         self.control = self._histogram("control_event_seconds",
                                        "Delivery time of a progress batch, round loop to ingress", CONTROL_BUCKETS)
         self.lag = self._histogram("event_loop_lag_seconds",
-                                   "How late the ingress's event loop woke from a 10 ms sleep", CONTROL_BUCKETS)
+                                   "How late the ingress's event loop woke from a 10 ms sleep", LAG_BUCKETS)
 
     def _make_counters(self) -> None:
         r, m = self.registry, self.model_name

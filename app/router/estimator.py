@@ -148,11 +148,16 @@ class OnlineStepEstimator(FeatureStepEstimator):
             out[i] = row
         return out
 
+    measured_prior = 20  # finished requests after which the step prior's tokens per step are measured
+
     @property
     def ready(self) -> bool:
-        """Past the priors: the learners have models (trained online or shipped). Shedding on a prior's
-        guess refuses requests the learners then never see (an admission decision needs estimates)."""
-        return self.learner.source != "prior" and (self.admission is None or self.admission.source != "prior")
+        """Estimates an admission decision may trust: the step learner has a model (trained online or
+        shipped), or its prior has measured the tokens a step commits on ``measured_prior`` finished
+        requests. Before, the prior assumes 1 token a step, and shedding on that guess refuses the requests
+        the learners would learn from; without shedding meanwhile, an overloaded start builds a backlog
+        that misses its SLOs. (The admission prior, one round per block, is a lower bound: it admits.)"""
+        return self.learner.source != "prior" or getattr(self.learner, "seen", 0) >= self.measured_prior
 
     def describe(self) -> dict:
         out = self.learner.describe()
