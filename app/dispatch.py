@@ -450,13 +450,7 @@ class Dispatcher:
             "migrations": live.state.migrations, "resumes": live.resumes,
             # for the planner's measured inputs: the budget, the SLO, the denoising steps and the TP degree
             "max_tokens": live.max_tokens, "slo_s": live.state.deadline - live.state.arrival,
-            "denoise_steps": self._denoise_steps(live.state), "tp": inst.tp if inst is not None else None})
-
-    def _denoise_steps(self, state: RequestState) -> int:
-        """A request's denoising steps: the router counts every step, a block-causal model's prompt blocks'
-        prefill steps too (one per prompt block)."""
-        prefill = 0 if self.full_sequence else -(-state.prompt_tokens // self.block_tokens)
-        return max(state.steps_done - prefill, 1)
+            "denoise_steps": max(live.denoise_steps, 1), "tp": inst.tp if inst is not None else None})
 
     # ---- progress ----------------------------------------------------------------------------------
     def handle_batch(self, inst_id: int, batch: dict) -> None:
@@ -619,11 +613,6 @@ class Dispatcher:
                                  **i.meta, **i.stats} for i in self.instances.values()}
 
 
-def predictors_mode(cfg) -> str:
-    """``AppConfig.predictors``: a mode of ``app.learning``."""
-    return cfg.predictors
-
-
 def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router:
     """The router of an app (``AppConfig``) serving a model (``ModelConfig``): latency profiles per
     configured TP degree, and step estimates from ``learning`` (the online learners, which start from
@@ -641,7 +630,7 @@ def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router
                       full_sequence=model_cfg.attention != "block_causal")
     latency = TpLatencyModel(load_tp_profiles(cfg.profile_name(), cfg.tp_degrees), cfg.slots, shape)
     policy = cfg.router_policy
-    if learning is None and predictors_mode(cfg) != "off":
+    if learning is None and cfg.predictors != "off":
         try:
             learning = build_learning("shipped", cfg.model, thresholds, 1.0)
         except PredictorError as exc:

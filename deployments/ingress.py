@@ -72,7 +72,7 @@ class _Stream(StreamingResponse):
 @serve.ingress(web)
 class Ingress:
     def __init__(self, denoisers: dict[int, DeploymentHandle], config: dict) -> None:
-        from app.dispatch import Dispatcher, build_router, predictors_mode
+        from app.dispatch import Dispatcher, build_router
         from app.learning import build_learning
         from engine.loading import resolve_model
         from engine.models.loader import load_config
@@ -87,8 +87,8 @@ class Ingress:
         self.metrics = Metrics(model_name=self.cfg.name)
         self.control = ControlTimer()
         self.outcomes = playground.RecentOutcomes()  # SLO met/missed over the last minutes (the playground)
-        mode = predictors_mode(self.cfg)
         # the step and admission predictors, learnt from the traffic served (app.learning)
+        mode = self.cfg.predictors
         self.learning = None if mode == "off" else build_learning(mode, self.cfg.model, self.cfg.thresholds)
         self.dispatcher = Dispatcher(
             build_router(self.cfg, self.model_cfg, self.learning), self.tokenizer.decode,
