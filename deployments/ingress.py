@@ -145,11 +145,12 @@ class Ingress:
 
     async def register(self, info: dict) -> int:
         """A Denoiser replica announces its control channel (called over Ray, not HTTP), and the latency
-        profile it measured at its start (the router's and the planner's for its TP degree)."""
-        if info.get("profile"):
+        profile it measured at its start: the router's and the planner's for its TP degree, unless the
+        config names a profile (``profile``, ``planner.profile``)."""
+        if info.get("profile") and self.cfg.profile is None:  # a profile named in the config stays in use
             try:
                 prof = self.dispatcher.measured_profile(int(info["tp"]), info["profile"])
-                if prof is not None and self.planner is not None:
+                if prof is not None and self.planner is not None and self.cfg.planner.profile is None:
                     self.planner.set_profile(int(info["tp"]), prof)
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("replica %s sent an unreadable latency profile: %s", info.get("replica"), exc)

@@ -218,20 +218,24 @@ def test_killed_replica_loses_no_request(app_url):
     from engine import tasks
 
     examples = [e for e in tasks.heldout_set(200) if e.category in ("reverse", "choice")][:16]
+    # long stories (one token a step) besides: the victim surely still holds requests when it is killed
+    stories = [e for e in tasks.heldout_set(200) if e.category == "prose"][:4]
     results = [None] * len(examples)
+    long_results = [None] * len(stories)
 
-    def run(i, ex):
+    def run(i, ex, out=results, max_tokens=16):
         text, finish = "", None
         with httpx.stream("POST", app_url + "/v1/completions", timeout=300, json={
-                "prompt": ex.prompt, "max_tokens": 16, "threshold": 0.9999, "stream": True}) as r:
+                "prompt": ex.prompt, "max_tokens": max_tokens, "threshold": 0.9999, "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     choice = json.loads(line[6:])["choices"][0]
                     text += choice["text"]
                     finish = choice["finish_reason"] or finish
-        results[i] = (r.status_code, text, finish)
+        out[i] = (r.status_code, text, finish)
 
-    threads = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(examples)]
+    threads = [threading.Thread(target=run, args=(i, e, long_results, 96)) for i, e in enumerate(stories)]
+    threads += [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(examples)]
     for t in threads:
         t.start()
     victim = None
@@ -247,6 +251,7 @@ def test_killed_replica_loses_no_request(app_url):
     for t in threads:
         t.join(300)
     assert all(r is not None and r[0] == 200 and r[2] == "stop" for r in results), results
+    assert all(r is not None and r[0] == 200 and r[2] in ("stop", "length") for r in long_results), long_results
     assert sum(e.check(r[1]) for e, r in zip(examples, results)) >= 0.8 * len(examples)
     dispatch = httpx.get(app_url + "/debug/instances", timeout=30).json()["dispatch"]
     assert dispatch["instances_lost"] >= 1 and dispatch["failed_over"] >= 1, dispatch
