@@ -17,6 +17,7 @@ class TPWorker:
         import torch.distributed as dist
 
         from app.config import AppConfig
+        from deployments.denoiser import kv_pool_args
         from engine.engine import Engine
         from engine.instance import Follower
         from engine.loading import resolve_model
@@ -32,7 +33,8 @@ class TPWorker:
         model = shard_model(load_model(path, dtype=cfg.torch_dtype()), rank, world, all_reduce_sum())
         engine = Engine(model.to(cfg.device), load_tokenizer(path), device=cfg.device, cache=cfg.cache,
                         max_slots=cfg.slots, default_gen_length=cfg.default_max_tokens,
-                        max_gen_length=cfg.max_tokens_limit, kv_slot_tokens=cfg.kv_slot_tokens)
+                        max_gen_length=cfg.max_tokens_limit, kv_slot_tokens=cfg.kv_slot_tokens,
+                        **kv_pool_args(cfg))  # the KV pool sized as rank 0's: its shard's caches fit in it
         self.follower = Follower(engine)
         self.rank = rank
 
