@@ -25,9 +25,9 @@ class AppConfig(BaseModel):
                                                                      "(default: exactly what the KV pool holds, "
                                                                      "sized by kv_memory_mb / kv_memory_fraction)")
     kv_slot_tokens: int | None = Field(None, ge=1, description="positions per slot of the engine's preallocated "
-                                                               "KV pool (one slot per block slot, allocated at "
-                                                               "start; longer requests get caches of their own); "
-                                                               "default 512 + the default generation length")
+                                                               "KV pool (as many slots as the memory budget holds, "
+                                                               "allocated at start; a longer request takes several "
+                                                               "slots); default 512 + the default generation length")
     kv_memory_mb: float | None = Field(None, gt=0, description="KV pool budget per instance (per TP rank), in MiB; "
                                                                "default: kv_memory_fraction of the free device "
                                                                "memory on cuda, 1024 MiB on cpu. The scheduler "

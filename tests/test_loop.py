@@ -62,17 +62,7 @@ def test_round_loop_streams_every_request_to_completion(tok):
 
 def test_abort_and_overload(tok):
     sink = Collector()
-    model = make_model()
-    head = model.lm_head
-
-    class NeverEnds(torch.nn.Module):
-        def forward(self, h):
-            logits = head(h)
-            logits[..., tok.eos_token_id] -= 100.0
-            return logits
-
-    model.lm_head = NeverEnds()
-    inst = Instance(Engine(model, tok, max_slots=1), slots=1)
+    inst = Instance(Engine(_never_ends(tok), tok, max_slots=1), slots=1)
     loop = RoundLoop(inst, sink, max_waiting=2)
     try:
         loop.submit("a", "abc", SamplingParams(max_tokens=400, threshold=1.0))
