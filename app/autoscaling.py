@@ -121,7 +121,7 @@ class PlannerService:
         self._finished.append((prompt_tokens, output_tokens, steps, threshold, slo_s, e2e_s, tp))
 
     def set_profile(self, tp: int, profile) -> None:
-        """A replica's measured latency profile (``engine.profile.LatencyProfile``) for its TP degree."""
+        """A replica's measured latency profile (``engine.latency_profile.LatencyProfile``) for its TP degree."""
         with self._lock:
             self.planner.set_profile(tp, profile)
 
@@ -208,7 +208,7 @@ class PlannerService:
 
 def build_service(cfg, model_cfg=None, clock: Callable[[], float] = time.monotonic) -> PlannerService:
     """The service of an app (``AppConfig`` with ``planner`` set)."""
-    from engine.profile import PROFILES_DIR, load_tp_profiles
+    from engine.latency_profile import PROFILES_DIR, load_tp_profiles
     from planner.costs import StepModel, default_steps_per_token
     from planner.inputs import InputsConfig
     from planner.planner import Planner, PlannerConfig
@@ -220,7 +220,7 @@ def build_service(cfg, model_cfg=None, clock: Callable[[], float] = time.monoton
     initial = initial_counts(cfg)
     name = args.profile or cfg.profile_name()
     profiles = load_tp_profiles(name, cfg.tp_degrees)
-    # a degree without its own profile file is TP-1's scaled (engine.profile.load_tp_profiles)
+    # a degree without its own profile file is TP-1's scaled (engine.latency_profile.load_tp_profiles)
     sources = {d: "configured" if d == 1 or (PROFILES_DIR / f"{name}-tp{d}.json").exists() else "scaled"
                for d in cfg.tp_degrees}
     # the router's candidate thresholds; their default steps per token until finished requests measure them

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.auth import ApiKeySpec
 from app.autoscaling import PlannerArgs
+from engine.scheduler import SchedulerConfig
 
 
 class AppConfig(BaseModel):
@@ -51,7 +52,7 @@ class AppConfig(BaseModel):
     default_max_tokens: int | None = Field(None, description="max_tokens when a request gives none")
     max_waiting: int = Field(256, ge=1, description="waiting requests per instance before 429")
     predictors: Literal["auto", "shipped", "online", "off"] = Field(
-        "auto", description="the step and admission predictors (app.learning): auto = the model's shipped ones "
+        "auto", description="the step and admission predictors (cluster.learning): auto = the model's shipped ones "
                             "(and the refinement) as a start, learnt further from the traffic served, else learnt "
                             "from a cold start; shipped = shipped only, no learning; online = learnt from a cold "
                             "start, shipped ones ignored; off = no estimates (fixed thresholds, one round per "
@@ -126,13 +127,13 @@ class AppConfig(BaseModel):
     @field_validator("router_policy")
     @classmethod
     def _policy(cls, v: str) -> str:
-        from app.router.policies import ROUTER_POLICIES
+        from cluster.policies import ROUTER_POLICIES
 
         ROUTER_POLICIES.make(v)  # raises with the known names
         return v
 
     def profile_name(self) -> str:
-        from engine.profile import PROFILES_DIR
+        from engine.latency_profile import PROFILES_DIR
 
         if self.profile:
             return self.profile
@@ -148,3 +149,22 @@ class AppConfig(BaseModel):
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+
+CPU_KV_MEMORY_MB = 1024  # the KV pool's budget on a CPU when the config gives none
+
+
+def kv_pool_args(cfg: AppConfig) -> dict:
+    """The engine's KV pool sizing from the config: a budget in bytes (``kv_memory_mb``; 1024 MiB on a CPU)
+    or, on CUDA, ``kv_memory_fraction`` of the memory free after the weights are loaded; never more
+    slots than the resident requests could take."""
+    mb = cfg.kv_memory_mb if cfg.kv_memory_mb is not None else (
+        None if cfg.device.startswith("cuda") else CPU_KV_MEMORY_MB)
+    return {"kv_memory_bytes": None if mb is None else int(mb * 2**20), "kv_memory_fraction": cfg.kv_memory_fraction,
+            "kv_residents_max": SchedulerConfig.resident_factor * cfg.slots}  # k x B residents at most
+
+
+def kv_capacity_override(cfg: AppConfig) -> int | None:
+    """``kv_capacity_tokens`` when the config sets it: the scheduler then
+    reserves against that many tokens instead of the KV pool's real capacity."""
+    return cfg.kv_capacity_tokens

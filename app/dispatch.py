@@ -1,7 +1,7 @@
 """The ingress's view of the cluster: the router core driving live instances.
 
 ``Dispatcher`` (asyncio, no Ray) owns one control channel per instance and
-the cluster router (``app.router.Router``). For each request it
+the cluster router (``cluster.Router``). For each request it
 
 - places it on arrival (the router policy; Alg. 3 for ``remask``) and sends
   it with the threshold of its first step;
@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from app.channel import Link
-from app.router import RequestState, Router
+from cluster import RequestState, Router
 
 if TYPE_CHECKING:
-    from app.learning import LiveLearning
-    from engine.profile import LatencyProfile
-from app.router.admission import AdmissionGovernor
+    from cluster.learning import LiveLearning
+    from engine.latency_profile import LatencyProfile
+from cluster.admission import AdmissionGovernor
 from engine.tokenizer import OutputText
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class Dispatcher:
         the lowest thresholds (``Router.admissible``), so the admitted ones keep theirs. ``on_batch(batch, now)``
         sees every progress batch (control-path timing, metrics); ``on_arrival(prompt_tokens, max_tokens)``
         every accepted request (the planner's workload); ``on_instances({tp: count})`` the joined
-        instances whenever one joins or leaves. ``learning``: the online predictors (``app.learning``), given
+        instances whenever one joins or leaves. ``learning``: the online predictors (``cluster.learning``), given
         every finished request's step rows and rounds."""
         self.router, self.decode = router, decode
         self.block_tokens, self.full_sequence = block_tokens, full_sequence
@@ -163,7 +163,7 @@ class Dispatcher:
         degree ``tp`` from now on, unless it is the one already in use. The attention term of the
         configured profile is kept when the measurement has none (it measures one prompt length).
         Returns the profile when it is new."""
-        from engine.profile import LatencyProfile
+        from engine.latency_profile import LatencyProfile
 
         prof = LatencyProfile.from_dict(data)
         stamp = prof.meta.get("measured_at")
@@ -611,47 +611,3 @@ class Dispatcher:
     def describe(self) -> dict:
         return {str(i.inst_id): {"replica": i.replica, "tp": i.tp, "requests": self.router.by_id[i.inst_id].n,
                                  **i.meta, **i.stats} for i in self.instances.values()}
-
-
-def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router:
-    """The router of an app (``AppConfig``) serving a model (``ModelConfig``): latency profiles per
-    configured TP degree, and step estimates from ``learning`` (the online learners, which start from
-    the shipped predictors when there are any); without it, from the shipped predictors alone, and
-    without those (or with ``predictors: off``) the thresholds stay fixed: a dynamic policy needs step
-    estimates."""
-    from app.learning import build_learning
-    from app.router import OnlineStepEstimator, RouterConfig, StepShape, TpLatencyModel
-    from engine.profile import load_tp_profiles
-    from predictors.bundle import PredictorError
-
-    thresholds = tuple(sorted(cfg.thresholds, reverse=True))
-    shape = StepShape(block_tokens=model_cfg.block_size,
-                      sequence_tokens=int(model_cfg.extra.get("gen_length", 128)) + 64,
-                      full_sequence=model_cfg.attention != "block_causal")
-    latency = TpLatencyModel(load_tp_profiles(cfg.profile_name(), cfg.tp_degrees), cfg.slots, shape)
-    policy = cfg.router_policy
-    if learning is None and cfg.predictors != "off":
-        try:
-            learning = build_learning("shipped", cfg.model, thresholds, 1.0)
-        except PredictorError as exc:
-            log.warning("no step predictor (%s)", exc)
-    if learning is not None:
-        estimator = OnlineStepEstimator(learning.step, thresholds, admission=learning.admission)
-    else:
-        estimator = BlocksLeft(thresholds)
-        if policy not in ("fixed-threshold", "infaas", "llumnix"):
-            log.warning("no step estimates: router policy %r falls back to fixed-threshold", policy)
-            policy = "fixed-threshold"
-    every = learning.interval if learning is not None else 1
-    rcfg = RouterConfig(thresholds=thresholds, fixed_threshold=thresholds[0], estimate_every=every)
-    return Router(policy, latency, estimator, [], rcfg)
-
-
-class BlocksLeft:
-    """Step estimate without a trained predictor: one step per block left (a lower bound)."""
-
-    def __init__(self, thresholds) -> None:
-        self.thresholds = tuple(thresholds)
-
-    def predict(self, states):
-        return [[float(s.blocks_left)] * len(self.thresholds) for s in states]

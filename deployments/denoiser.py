@@ -12,7 +12,7 @@ the scheduler reserves against exactly that pool) and measures its own
 step-latency profile on its device for about ``profile_seconds``
 (``engine.profiling.profile_instance``); the registration carries it as
 ``info["profile"]``: ``LatencyProfile.to_dict()``, which
-``engine.profile.LatencyProfile.from_dict`` loads (``meta``: ``tp``, ``slots``,
+``engine.latency_profile.LatencyProfile.from_dict`` loads (``meta``: ``tp``, ``slots``,
 ``replica``, ``device``, ``measured_at``).
 """
 
@@ -24,29 +24,11 @@ import time
 
 from ray import serve
 
-from app.config import AppConfig
+from app.config import AppConfig, kv_capacity_override, kv_pool_args
 from engine.loading import load_engine
-from engine.scheduler import SchedulerConfig
 
 log = logging.getLogger("ray.serve")
 
-CPU_KV_MEMORY_MB = 1024  # the KV pool's budget on a CPU when the config gives none
-
-
-def kv_pool_args(cfg: AppConfig) -> dict:
-    """The engine's KV pool sizing from the config: a budget in bytes (``kv_memory_mb``; 1024 MiB on a CPU)
-    or, on CUDA, ``kv_memory_fraction`` of the memory free after the weights are loaded; never more
-    slots than the resident requests could take."""
-    mb = cfg.kv_memory_mb if cfg.kv_memory_mb is not None else (
-        None if cfg.device.startswith("cuda") else CPU_KV_MEMORY_MB)
-    return {"kv_memory_bytes": None if mb is None else int(mb * 2**20), "kv_memory_fraction": cfg.kv_memory_fraction,
-            "kv_residents_max": SchedulerConfig.resident_factor * cfg.slots}  # k x B residents at most
-
-
-def kv_capacity_override(cfg: AppConfig) -> int | None:
-    """``kv_capacity_tokens`` when the config sets it: the scheduler then
-    reserves against that many tokens instead of the KV pool's real capacity."""
-    return cfg.kv_capacity_tokens
 
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=5)
@@ -181,7 +163,7 @@ class Denoiser:
         info = {"replica": self.replica_id, "tp": self.tp, "actor": self.actor_name,
                 "workers": self.worker_names, **self.server.info()}
         if self.profile is not None:
-            info["profile"] = self.profile  # LatencyProfile.to_dict(): engine.profile.LatencyProfile.from_dict
+            info["profile"] = self.profile  # LatencyProfile.to_dict(): engine.latency_profile.LatencyProfile.from_dict
         while not self._stopped.is_set() and self.loop.broken is None:
             try:
                 handle = handle or serve.get_deployment_handle("Ingress", self.app_name)

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from app import api, playground
 from app.auth import ApiKey, Keyring
 from app.config import AppConfig
-from app.control import ControlTimer
+from app.control_timer import ControlTimer
 from app.metrics import Metrics, failure_reason
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,9 @@ class _Stream(StreamingResponse):
 @serve.ingress(web)
 class Ingress:
     def __init__(self, denoisers: dict[int, DeploymentHandle], config: dict) -> None:
-        from app.dispatch import Dispatcher, build_router
-        from app.learning import build_learning
+        from app.dispatch import Dispatcher
+        from cluster.factory import build_router
+        from cluster.learning import build_learning
         from engine.loading import resolve_model
         from engine.models.loader import load_config
         from engine.tokenizer import load_tokenizer
@@ -87,7 +88,7 @@ class Ingress:
         self.metrics = Metrics(model_name=self.cfg.name)
         self.control = ControlTimer()
         self.outcomes = playground.RecentOutcomes()  # SLO met/missed over the last minutes (the playground)
-        # the step and admission predictors, learnt from the traffic served (app.learning)
+        # the step and admission predictors, learnt from the traffic served (cluster.learning)
         mode = self.cfg.predictors
         self.learning = None if mode == "off" else build_learning(mode, self.cfg.model, self.cfg.thresholds)
         self.dispatcher = Dispatcher(

@@ -16,8 +16,7 @@ class TPWorker:
     def __init__(self, config: dict, rank: int, world: int, addr: str, port: int) -> None:
         import torch.distributed as dist
 
-        from app.config import AppConfig
-        from deployments.denoiser import kv_pool_args
+        from app.config import AppConfig, kv_pool_args
         from engine.engine import Engine
         from engine.instance import Follower
         from engine.loading import resolve_model

@@ -13,7 +13,7 @@ import torch
 
 from engine.device import device_name, sync
 from engine.engine import Engine
-from engine.profile import LatencyProfile
+from engine.latency_profile import LatencyProfile
 from engine.sequence import SamplingParams
 
 PROFILE_PROMPT = "story: cat 8 and a few more words"  # two or more prompt blocks
@@ -214,7 +214,7 @@ def profile_tp(model: str, tp: int, out: str, device: str = "cpu", dtype: torch.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_tp_rank, args=(tp, port, model, out, device, dtype, name or f"{model.split(':')[0]}-tp{tp}", kwargs),
              nprocs=tp, join=True)
-    from engine.profile import load_profile
+    from engine.latency_profile import load_profile
 
     return load_profile(out)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from engine.clock import Clock, WallClock
-from engine.policies import Policy, make_policy
+from engine.sched_policies import Policy, make_policy
 from engine.sched_types import Residency, RoundPlan, RoundResult, SchedRequest, SlotAssignment, StepKind
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine import tasks
+import tasksuite as tasks
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import time
 import gevent
 from locust import HttpUser, LoadTestShape, between, events, task
 
-from engine import tasks
+import tasksuite as tasks
 from loadgen.client import PATHS, auth_headers, chunk_text, resolve_api_key, unauthorized_hint
 from loadgen.lengths import max_tokens_for
 from loadgen.trace import TraceRequest, read_trace

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import tasks
+import tasksuite as tasks
 from loadgen.arrivals import ArrivalParams, arrivals
 from loadgen.lengths import max_tokens_for, sample_lengths
 
@@ -34,7 +34,7 @@ class TraceRequest:
     endpoint: str  # "completion" | "chat"
     max_tokens: int | None
     category: str
-    answer: str  # one reference answer; engine.tasks.check accepts every valid one
+    answer: str  # one reference answer; tasksuite.check accepts every valid one
     prompt: str | None = None  # completion requests
     messages: list[dict] | None = None  # chat requests
     threshold: float | None = None

@@ -9,7 +9,7 @@ one step. With the approximate KV cache (``kv_cache="approx"``) each block start
 recompute step (the paper's s) and the rest are cached steps (s'); with ``kv_cache="none"`` every
 step is a recompute step.
 
-Costs come from ``engine.profile.LatencyProfile`` per TP degree d and batch b, for a class with
+Costs come from ``engine.latency_profile.LatencyProfile`` per TP degree d and batch b, for a class with
 sequence length L = input + output:
 
 - ``t_rec[c, d, b]``, ``t_cac[c, d, b]``: round time (ms) of a round of b recompute (cached) steps,
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.profile import LatencyProfile
+from engine.latency_profile import LatencyProfile
 
 DEFAULT_STEPS_PER_TOKEN = {0.5: 0.18, 0.6: 0.22, 0.7: 0.25, 0.8: 0.31, 0.9: 0.40}
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)

@@ -23,7 +23,7 @@ a configured value and is replaced by a measurement once enough traffic was seen
   class's ``slo_ms``.
 - **latency profile per TP degree**: the configured one (``profiles/<name>[-tp<d>].json``) until a
   replica of that degree sends its measured profile; a degree without a profile file of its own
-  is TP-1's scaled by ``engine.profile.TP_SPEEDUP`` (source "scaled"), re-derived from TP-1's
+  is TP-1's scaled by ``engine.latency_profile.TP_SPEEDUP`` (source "scaled"), re-derived from TP-1's
   measured profile once that arrives.
 
 The workload classes themselves (sizes and rates) come from arrivals (``workload.WorkloadMonitor``).
@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from engine.profile import TP_SPEEDUP, LatencyProfile
+from engine.latency_profile import TP_SPEEDUP, LatencyProfile
 from planner.costs import StepModel, isolated_ms
 from planner.workload import WorkloadClass
 

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from engine.profile import LatencyProfile
+from engine.latency_profile import LatencyProfile
 from planner.costs import StepModel
 from planner.inputs import FinishedRequest, Inputs, InputsConfig, MeasuredInputs
 from planner.stage1 import CapacityPlan, Stage1Config, plan_capacity

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.profile import load_tp_profiles
+from engine.latency_profile import load_tp_profiles
 from planner.costs import StepModel
 from planner.stage1 import CapacityPlan, Stage1Config, plan_capacity
 from planner.stage2 import Cluster, Stage2Config, plan_transition

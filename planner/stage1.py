@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import scipy.sparse as sp
 
-from engine.profile import LatencyProfile
+from engine.latency_profile import LatencyProfile
 from planner.costs import DEFAULT_BATCHES, CostTables, StepModel, cost_tables
 from planner.milp import SOLVED, Milp, solve_milp
 from planner.solver import SolveInfo

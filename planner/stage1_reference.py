@@ -15,7 +15,7 @@ from dataclasses import replace
 import cvxpy as cp
 import numpy as np
 
-from engine.profile import LatencyProfile
+from engine.latency_profile import LatencyProfile
 from planner.costs import StepModel, cost_tables
 from planner.milp import SOLVED
 from planner.solver import solve

@@ -137,7 +137,7 @@ def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", pr
 
 
 def heldout_and_train(n_train: int, n_heldout: int, seed: int = 0):
-    from engine import tasks
+    import tasksuite as tasks
 
     rng = random.Random(seed)
     train = [tasks.sample(rng, split="train") for _ in range(n_train)]

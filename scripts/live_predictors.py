@@ -64,8 +64,8 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from app.builder import build_app
-    from app.cli import main as remask
+    from deployments.builder import build_app
+    from tools.cli import main as remask
 
     def wait_until(cond, limit_s: float) -> None:
         t0 = time.monotonic()

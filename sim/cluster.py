@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.router import (
+from cluster import (
     AdmissionGovernor,
     OnlineStepEstimator,
     Router,
@@ -70,12 +70,12 @@ from app.router import (
     TpLatencyModel,
     foreseen_miss,
 )
-from app.router.estimator import feature_row
-from app.router.placement import best_instance
-from app.router.state import InstanceState, RequestState
+from cluster.estimator import feature_row
+from cluster.placement import best_instance
+from cluster.state import InstanceState, RequestState
 from engine.clock import VirtualClock
-from engine.policies import make_policy
-from engine.profile import LatencyProfile
+from engine.latency_profile import LatencyProfile
+from engine.sched_policies import make_policy
 from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepKind, StepOutcome
 from engine.scheduler import Scheduler, SchedulerConfig
 

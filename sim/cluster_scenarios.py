@@ -40,13 +40,10 @@ requests answer in one round whatever the threshold.
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass, replace
 
-from app.router import RouterConfig
-from engine.profile import load_tp_profiles
-from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterSimulator, summarize
-from sim.threshold_table import ThresholdTable, load_table, replay, step_thresholds
+from sim.cluster import ClusterRequestSpec
+from sim.threshold_table import ThresholdTable, replay, step_thresholds
 
 MIXES = {
     "long": {"prose": 0.7, "lookup": 0.1, "arith": 0.1, "choice": 0.05, "reverse": 0.05},
@@ -160,65 +157,3 @@ def get_cluster_scenario(name: str) -> ClusterScenario:
         return CLUSTER_SCENARIOS[name]
     except KeyError:
         raise ValueError(f"unknown cluster scenario {name!r}; known: {', '.join(sorted(CLUSTER_SCENARIOS))}") from None
-
-
-# Policies that shed at arrival unless told (the live ingress's admission). None for now: with shedding the
-# remask policy's attainment on dilaserve-bench at 85 req/s falls from 0.857 to 0.573 (seed 0): every
-# admitted request meets its SLO, but Router.admissible refuses 855 of 2,000, every short one among them
-# under load (its own-serial cost charges each step a round of recompute steps). `--shed on` runs it.
-SHED_DEFAULT: tuple[str, ...] = ()
-
-
-def sheds(policy: str, shed: bool | None) -> bool:
-    """Whether ``policy`` refuses arrivals that cannot meet their SLO: ``shed``, or by default the policies
-    in ``SHED_DEFAULT`` (the papers' baselines admit everything)."""
-    return policy in SHED_DEFAULT if shed is None else shed
-
-
-def run_cluster_scenario(name: str, policies: list[str] | None, n: int, seed: int = 0, rate: float | None = None,
-                         progress: bool = False, estimator: str = "table", shed: bool | None = None,
-                         refit_every: int = 100, refit_early: tuple[int, ...] = (25, 50), min_requests: int = 25,
-                         **overrides) -> dict:
-    """Simulate scenario ``name`` under each policy. ``estimator``: ``table`` (oracle totals with a
-    synthetic error) or ``online`` (learnt from the run's own traffic, started cold: refits after
-    ``refit_every`` more finished requests once ``min_requests`` finished, and at ``refit_early``);
-    ``shed``: admission at arrival (None: remask only)."""
-    sc = replace(get_cluster_scenario(name), **overrides)
-    if name == "dilaserve-trace":
-        from sim.cluster_trace import TraceScenario, run_trace
-
-        if policies is not None and len(policies) != 1:
-            raise ValueError("dilaserve-trace compares instance mixes under one router policy; give one")
-        trace = TraceScenario(requests=sc, policy=(policies or sc.policies)[0])
-        return run_trace(trace, n, seed, rate, progress=progress)
-    rate = sc.rate if rate is None else rate
-    if rate <= 0:
-        raise ValueError("rate must be positive")
-    policies = list(policies or sc.policies)
-    from app.router import make_router_policy
-
-    for p in policies:
-        make_router_policy(p)  # fail fast on unknown names
-    table = load_table(sc.model, sc.table_prompts, thresholds=RouterConfig().thresholds, progress=progress)
-    rcfg = RouterConfig(thresholds=candidate_thresholds(table, sc.quality_tolerance))
-    profiles = load_tp_profiles(sc.profile, sorted(set(sc.tp_degrees) | {1}))
-    specs = make_specs(sc, table, n, rate, seed, profiles, rcfg.thresholds)
-    cfg = ClusterConfig(sc.tp_degrees, sc.slots, sc.block_tokens,
-                        sum(s.prompt_tokens + s.output_tokens for s in specs) // max(len(specs), 1), router=rcfg,
-                        estimator=estimator, online_refit_every=refit_every, online_min_requests=min_requests,
-                        online_early=tuple(refit_early))
-    results = {}
-    for policy in policies:
-        t0 = time.perf_counter()
-        sim = ClusterSimulator(replace(cfg, shed=sheds(policy, shed)), profiles, policy, seed)
-        res = sim.run(specs)
-        sim_s = time.perf_counter() - t0
-        results[policy] = summarize(res, specs, accuracy_of(table, res.finished, sc.model))
-        results[policy]["shedding"] = sim.cfg.shed
-        results[policy]["simulation_wall_s"] = round(sim_s, 2)
-    return {"scenario": name, "requests": n, "seed": seed, "profile": sc.profile,
-            "instances": {f"tp{d}": sc.tp_degrees.count(d) for d in sorted(set(sc.tp_degrees))},
-            "slots": sc.slots, "arrival_rate_rps": rate, "slo_factor": sc.slo_factor, "mix": sc.mix,
-            "candidate_thresholds": list(rcfg.thresholds), "estimator": estimator,
-            "fixed_threshold_accuracy": {f"{t:g}": round(table.accuracy(i), 4) for i, t in enumerate(table.thresholds)},
-            "policies": results}

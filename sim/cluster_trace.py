@@ -42,8 +42,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from app.router import RouterConfig
-from engine.profile import load_tp_profiles
+from cluster import RouterConfig
+from engine.latency_profile import load_tp_profiles
 from loadgen.arrivals import ArrivalParams, arrivals
 from planner import Cluster, Planner, PlannerConfig, Stage1Config, StepModel, WorkloadMonitor, plan_capacity
 from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterResult, ClusterSimulator, summarize

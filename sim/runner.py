@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.profile import LatencyProfile
+from engine.latency_profile import LatencyProfile
 from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepKind, StepOutcome
-from sim.workload import SimRequestSpec
+from sim.workload import SimRequestSpec, sched_request
 
 
 @dataclass
@@ -30,7 +30,6 @@ class SimulatedRunner:
         self.progress: dict[str, _Progress] = {}
 
     def register(self, spec: SimRequestSpec) -> SchedRequest:
-        from sim.simulator import sched_request
 
         req = sched_request(spec, self.block)
         self.progress[spec.req_id] = _Progress(spec, req.prompt_blocks)

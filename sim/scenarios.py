@@ -18,7 +18,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from engine.profile import load_profile
+from engine.latency_profile import load_profile
 from sim.simulator import run_policy, simulate
 from sim.workload import SimRequestSpec, dwise_workload, noisy_estimates, set_arrivals
 
@@ -60,7 +60,7 @@ def get_scenario(name: str) -> Scenario:
 
 def _model_specs(sc: Scenario, n: int, seed: int, progress: bool):
     """Held-out prompts; true rounds from one batched pre-pass (decoding is deterministic)."""
-    from engine import tasks
+    import tasksuite as tasks
     from engine.loading import load_engine
     from engine.sequence import SamplingParams
 
@@ -91,7 +91,8 @@ def _model_specs(sc: Scenario, n: int, seed: int, progress: bool):
 
 def run_scenario(name: str, policies: list[str], n: int, seed: int = 0, progress: bool = False,
                  rate: float | None = None) -> dict:
-    from sim.cluster_scenarios import CLUSTER_SCENARIOS, run_cluster_scenario
+    from sim.cluster_run import run_cluster_scenario
+    from sim.cluster_scenarios import CLUSTER_SCENARIOS
 
     if name in CLUSTER_SCENARIOS:  # N instances behind the cluster router (sim/cluster.py)
         return run_cluster_scenario(name, policies, n, seed, rate, progress)
@@ -118,7 +119,7 @@ def run_scenario(name: str, policies: list[str], n: int, seed: int = 0, progress
 def _run_model_policy(sc: Scenario, specs, policy: str, profile):
     from engine.clock import VirtualClock
     from engine.loading import load_engine
-    from engine.policies import make_policy
+    from engine.sched_policies import make_policy
     from engine.scheduler import Scheduler, SchedulerConfig
     from sim.model_runner import ModelInTheLoopRunner
 

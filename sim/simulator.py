@@ -6,12 +6,10 @@ runner (simulated or model-in-the-loop) and the clock differ.
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 
 from engine.clock import VirtualClock
-from engine.sched_types import SchedRequest
 from engine.scheduler import Scheduler, SchedulerConfig
 from sim.workload import BLOCK, SimRequestSpec
 
@@ -48,19 +46,6 @@ class SimStats:
         if self.correct:
             out["accuracy"] = round(sum(self.correct) / len(self.correct), 4)
         return out
-
-
-def sched_request(spec: SimRequestSpec, block: int = BLOCK, full_sequence: bool = False) -> SchedRequest:
-    return SchedRequest(
-        req_id=spec.req_id,
-        prompt_blocks=math.ceil(spec.prompt_tokens / block),
-        output_blocks=len(spec.block_rounds),
-        est_rounds=spec.admission_est,
-        arrival=spec.arrival,
-        predicted_output_tokens=spec.predicted_output_tokens,
-        true_rounds=spec.true_rounds,
-        full_sequence=full_sequence,
-    )
 
 
 def simulate(specs: list[SimRequestSpec], scheduler: Scheduler, runner, clock: VirtualClock,
@@ -107,7 +92,7 @@ def simulate(specs: list[SimRequestSpec], scheduler: Scheduler, runner, clock: V
 
 def run_policy(specs: list[SimRequestSpec], policy: str, profile, slots: int = 128,
                kv_capacity_tokens: int = 666_000, block: int = BLOCK) -> SimStats:
-    from engine.policies import make_policy
+    from engine.sched_policies import make_policy
     from sim.runner import SimulatedRunner
 
     clock = VirtualClock()

@@ -83,7 +83,7 @@ def load_table(model: str = "tiny-bd", n: int = 400, seed: int = 2026,
 
 
 def build_table(model: str, n: int, seed: int, thresholds: tuple[float, ...], progress: bool = False) -> ThresholdTable:
-    from engine import tasks
+    import tasksuite as tasks
     from engine.loading import load_engine
     from engine.sequence import SamplingParams
 
@@ -128,7 +128,7 @@ def replay(table: ThresholdTable, jobs: list[tuple[int, tuple[float, ...]]], mod
            max_slots: int = 128) -> list[bool]:
     """Decode prompt ``jobs[k][0]`` of the table with threshold ``jobs[k][1][i]`` at its i-th decoding
     step (the last one repeating); returns whether each answer is right."""
-    from engine import tasks
+    import tasksuite as tasks
     from engine.loading import load_engine
     from engine.sequence import SamplingParams
 

@@ -18,6 +18,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from engine.sched_types import SchedRequest
+
 
 @dataclass
 class SimRequestSpec:
@@ -132,3 +134,16 @@ def set_arrivals(specs: list[SimRequestSpec], pattern: str, rate: float = 16.0, 
             s.arrival = 0.0 if i < half else t
     else:
         raise ValueError(f"unknown arrival pattern {pattern!r}; known: burst, burst-poisson")
+
+
+def sched_request(spec: SimRequestSpec, block: int = BLOCK, full_sequence: bool = False) -> SchedRequest:
+    return SchedRequest(
+        req_id=spec.req_id,
+        prompt_blocks=math.ceil(spec.prompt_tokens / block),
+        output_blocks=len(spec.block_rounds),
+        est_rounds=spec.admission_est,
+        arrival=spec.arrival,
+        predicted_output_tokens=spec.predicted_output_tokens,
+        true_rounds=spec.true_rounds,
+        full_sequence=full_sequence,
+    )

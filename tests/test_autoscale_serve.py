@@ -34,7 +34,7 @@ def app():
                         "min_gain": 0.05, "check_s": 0.5, "step_timeout_s": 120}}
     # the app-level policy is part of the app's config, as `serve run` of a config file sets it
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [{
-        "name": "auto", "route_prefix": "/", "import_path": "app.builder:build_app", "args": args,
+        "name": "auto", "route_prefix": "/", "import_path": "deployments.builder:build_app", "args": args,
         "autoscaling_policy": {"policy_function": "app.autoscaling:planner_policy"}}]}))
     wait_for(lambda: planner().get("live") == {"1": 2, "2": 0}, 240)
     yield URL

@@ -5,17 +5,17 @@ import json
 import pytest
 import torch
 
-from app.cli import main
-from engine.bench_engine import bench_engine, format_report, measure_peak
 from engine.decoding import make_rule
 from engine.device import parse_dtype
 from engine.engine import Engine
 from engine.loading import load_engine
 from engine.models.flops import forward_flops
-from engine.reference import fastdllm_generate, llada_generate
 from engine.sequence import SamplingParams
-from engine.tasks import heldout_set
+from tasksuite import heldout_set
 from tests.conftest import make_model
+from tools.bench_engine import bench_engine, format_report, measure_peak
+from tools.cli import main
+from tools.reference import fastdllm_generate, llada_generate
 
 PRESET = "llada-8b-shape:layers=2,vocab=1024,hidden=128,heads=4,kv_heads=4,intermediate=256"
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from app.cli import main
 from engine.loading import DEFAULTS_DIR
+from tools.cli import main
 
 pytestmark = pytest.mark.skipif(not (DEFAULTS_DIR / "tiny-bd" / "config.json").exists(),
                                 reason="embedded models not present")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from app.router import RouterConfig
-from engine.profile import load_tp_profiles
+from cluster import RouterConfig
+from engine.latency_profile import load_tp_profiles
 from planner import Cluster, Instance, Planner, PlannerConfig, Stage1Config, WorkloadClass
 from sim.cluster import ClusterConfig, ClusterSimulator
 from sim.reconfig import PlannerController

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from app.cli import main
-from app.router import RouterConfig
-from engine.profile import load_tp_profiles
+from cluster import RouterConfig
+from engine.latency_profile import load_tp_profiles
 from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterSimulator, summarize
+from tools.cli import main
 
 TS = (0.9, 0.8, 0.7, 0.6, 0.5)
 

@@ -16,5 +16,5 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_serve_configs_validate(name):
     data = yaml.safe_load((ROOT / name).read_text())
     for app in data["applications"]:
-        assert app["import_path"] == "app.builder:build_app"
+        assert app["import_path"] == "deployments.builder:build_app"
         AppConfig(**app["args"])

@@ -31,7 +31,7 @@ _RUNNER = textwrap.dedent("""
     sys.meta_path.insert(0, Absent())
     for module in json.loads(sys.argv[2]):  # what the gpu-tests step collects
         __import__(module)
-    from app.cli import main
+    from tools.cli import main
     for argv in json.loads(sys.argv[3]):
         rc = main(argv)
         if rc:

@@ -9,11 +9,12 @@ import socket
 
 import pytest
 
+import tasksuite as tasks
 from app.channel import ChannelError, Link, encode
 from app.config import AppConfig
-from app.dispatch import Dispatcher, DispatchError, build_router
+from app.dispatch import Dispatcher, DispatchError
 from app.replica import ReplicaServer
-from engine import tasks
+from cluster.factory import build_router
 from engine.instance import Instance
 from engine.loading import load_engine
 from predictors.bundle import load_predictors
@@ -266,8 +267,8 @@ def test_online_learners_train_on_the_requests_served(replicas):
     them, a refit runs off the event loop, and the router estimates with the learnt model."""
     import time as _time
 
-    from app.learning import LiveLearning
-    from app.router import OnlineStepEstimator
+    from cluster import OnlineStepEstimator
+    from cluster.learning import LiveLearning
     from predictors.online import OnlineAdmissionLearner, OnlineStepLearner
 
     cfg = AppConfig(model="tiny-bd", slots=8)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.cli import main
 from engine.loading import load_engine
 from engine.sequence import SamplingParams
 from tests.checkpoints import ARCHS, MULTILINGUAL
+from tools.cli import main
 
 
 @pytest.mark.parametrize("arch", ARCHS)

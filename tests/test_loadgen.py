@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from engine import tasks
+import tasksuite as tasks
 from loadgen.arrivals import ArrivalParams, arrivals
 from loadgen.client import RequestResult
 from loadgen.lengths import LENGTHS, answer_need, max_tokens_for, sample_lengths
@@ -260,7 +260,7 @@ def test_chat_client_streams_and_keeps_history(server):
 
 
 def test_cli_synth(tmp_path):
-    from app.cli import main
+    from tools.cli import main
 
     out = tmp_path / "trace.jsonl"
     assert main(["loadgen", "synth", "--n", "30", "--rate", "2", "--arrivals", "gamma", "--burstiness", "0.5",
@@ -317,9 +317,9 @@ def test_replay_sends_the_api_key(server, transport):
 
 
 def test_chat_and_bench_control_send_the_api_key(server, monkeypatch, capsys):
-    from app.bench_control import bench_control
-    from app.cli import main
     from loadgen.chat import chat
+    from tools.bench_control import bench_control
+    from tools.cli import main
 
     url = server("--reply", "hi", "--api-key", KEY)
     out = io.StringIO()
@@ -337,10 +337,10 @@ def test_chat_and_bench_control_send_the_api_key(server, monkeypatch, capsys):
 
 
 def test_401_is_reported_clearly(server, tmp_path, monkeypatch, capsys):
-    from app.bench_control import bench_control
-    from app.cli import main
     from loadgen.chat import chat
     from loadgen.client import Unauthorized
+    from tools.bench_control import bench_control
+    from tools.cli import main
 
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     url = server("--reply", "42", "--api-key", KEY)
@@ -434,7 +434,7 @@ def test_max_concurrency_is_honoured(server):
 
 
 def test_replay_cli_with_benchmark_options(server, tmp_path, capsys):
-    from app.cli import main
+    from tools.cli import main
 
     url = server("--reply", "42", "--chunks", "2", "--first-delay-ms", "20")
     write_trace([arith(i, 40, 2, 0.0) for i in range(6)], tmp_path / "t.jsonl")
@@ -481,7 +481,7 @@ def test_prompts_file_is_parsed_and_bad_lines_are_refused(tmp_path):
 
 
 def test_synth_from_prompts_file_and_replay(server, tmp_path, capsys):
-    from app.cli import main
+    from tools.cli import main
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "Once upon a time", "max_tokens": 32}\n'
                                       '{"messages": [{"role": "user", "content": "hi"}]}\n{"prompt": "Hello"}\n')

@@ -387,7 +387,7 @@ def test_ingress_sse_records_success_gaps_errors_and_cancellations():
 def test_ingress_finished_and_on_batch():
     ing = _ingress()
     m = ing.metrics
-    from app.control import ControlTimer
+    from app.control_timer import ControlTimer
 
     ing.control = ControlTimer()
     ing.dispatcher = SimpleNamespace(

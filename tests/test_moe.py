@@ -95,7 +95,7 @@ def test_grouped_experts_match_the_loop_with_idle_experts_and_fall_back_when_mis
 
 
 def test_bench_round_times_the_grouped_experts_against_the_grid():
-    from engine.bench_round import bench_round
+    from tools.bench_round import bench_round
 
     res = bench_round(SMALL, slots=2, tokens=8, context=8, warmup=0, repeats=1, peak=1e9)
     names = [v["variant"] for v in res["variants"]]

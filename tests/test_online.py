@@ -260,7 +260,7 @@ def test_refit_worker_survives_a_failing_fit():
 
 
 def test_online_step_estimator_in_the_router():
-    from app.router import OnlineStepEstimator, RequestState
+    from cluster import OnlineStepEstimator, RequestState
 
     learner = OnlineStepLearner(TS)
     est = OnlineStepEstimator(learner, TS)
@@ -286,7 +286,7 @@ def test_online_step_estimator_in_the_router():
 
 
 def test_table_estimator_memory_is_bounded():
-    from app.router import RequestState, TableStepEstimator
+    from cluster import RequestState, TableStepEstimator
 
     est = TableStepEstimator(TS, lambda s: (10.0, 8.0, 6.0), max_requests=50)
     for i in range(500):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.profile import load_tp_profiles
+from engine.latency_profile import load_tp_profiles
 from planner import (
     Cluster,
     Instance,
@@ -282,7 +282,7 @@ def test_cli_plan_json_stdout_is_only_json():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "app.cli", "plan", "--gpus", "16", "--json"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "plan", "--gpus", "16", "--json"], capture_output=True,
                          text=True, check=True, timeout=120).stdout
     r = json.loads(out)  # nothing else (no solver banner) on stdout
     assert r["gpus"] == 16 and r["stage1"]["gpus_used"] <= 16

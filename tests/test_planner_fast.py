@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linprog
 
-from engine.profile import load_tp_profiles
+from engine.latency_profile import load_tp_profiles
 from planner import Stage1Config, WorkloadClass, plan_capacity
 from planner.costs import StepModel, cost_tables
 from planner.milp import _solve_cvxpy, _solve_highs

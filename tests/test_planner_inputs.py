@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from engine.profile import TP_SPEEDUP, load_tp_profiles
+from engine.latency_profile import TP_SPEEDUP, load_tp_profiles
 from planner.costs import DEFAULT_STEPS_PER_TOKEN, StepModel, cost_tables, default_steps_per_token, isolated_ms
 from planner.inputs import FinishedRequest, InputsConfig, MeasuredInputs, fit_steps_per_token, nearest, pav
 from planner.planner import Planner, PlannerConfig

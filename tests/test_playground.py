@@ -120,7 +120,8 @@ class FakeLink:
 def real_dispatcher():
     """The ingress's Dispatcher (tiny-bd's router) with two instances on fake channels and three requests."""
     from app.config import AppConfig
-    from app.dispatch import Dispatcher, InstanceLink, build_router
+    from app.dispatch import Dispatcher, InstanceLink
+    from cluster.factory import build_router
     from engine.loading import resolve_model
     from engine.models.loader import load_config
 

@@ -171,7 +171,7 @@ def test_missing_and_corrupt_artifacts(tmp_path):
 
 
 def test_shipped_predictors_refine_inside_the_engine():
-    from engine import tasks
+    import tasksuite as tasks
     from engine.instance import Instance
     from engine.loading import load_engine
 
@@ -201,7 +201,7 @@ def test_a_failing_refine_hook_does_not_fail_rounds():
 
 
 def test_collect_train_eval_cli(tmp_path, capsys):
-    from app.cli import main
+    from tools.cli import main
 
     data, art = str(tmp_path / "data"), str(tmp_path / "art")
     common = ["--model", "tiny-bd", "--data-dir", data, "--quiet"]

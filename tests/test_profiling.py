@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from app.cli import main
+from engine.latency_profile import LatencyProfile, load_profile
 from engine.loading import load_engine
-from engine.profile import LatencyProfile, load_profile
 from engine.profiling import check_profile, profile_engine, profile_instance
+from tools.cli import main
 
 SMALL = "llada-8b-shape:layers=2,vocab=512,hidden=128,heads=4,kv_heads=4,intermediate=256"
 
@@ -74,9 +74,9 @@ def test_profile_cli_rejects_bad_input(argv, message, capsys):
 
 
 def test_bench_round_times_the_round_and_its_variants(tmp_path, capsys):
-    from engine.bench_round import bench_round
     from engine.models.flops import forward_flops
     from engine.models.presets import preset_config
+    from tools.bench_round import bench_round
 
     res = bench_round(SMALL, slots=4, tokens=8, context=16, warmup=1, repeats=2, peak=1e9)
     assert [v["variant"] for v in res["variants"]] == ["round", "round, contexts copied", "forward only",
@@ -95,7 +95,7 @@ def test_bench_round_times_the_round_and_its_variants(tmp_path, capsys):
 
 
 def test_bench_round_with_gaps_fills_them_only_where_copying_costs_more():
-    from engine.bench_round import bench_round
+    from tools.bench_round import bench_round
 
     short = bench_round(SMALL, slots=4, tokens=8, context=16, gaps=1, warmup=0, repeats=1, variants=False, peak=1e9)
     long = bench_round(SMALL, slots=4, tokens=8, context=200, gaps=1, warmup=0, repeats=1, variants=False, peak=1e9)
@@ -162,11 +162,11 @@ def test_tp_profile_rejects_bad_input(argv, message, capsys):
 
 def test_an_instance_measures_its_own_profile_within_a_budget_and_is_left_as_it_was():
     """A replica at start: rounds of 1 to B requests through its own scheduler for about ``budget_s``;
-    the profile is the one engine.profile loads and the router's latency model reads; no request, KV
+    the profile is the one engine.latency_profile loads and the router's latency model reads; no request, KV
     reservation or pool slot is left behind."""
     import time
 
-    from app.router.latency import StepShape, TpLatencyModel
+    from cluster.latency import StepShape, TpLatencyModel
     from engine.instance import Instance
 
     inst = Instance(load_engine("tiny-bd", max_slots=8), slots=8)

@@ -8,34 +8,35 @@ from types import SimpleNamespace
 
 import pytest
 
+from app import config
 from app.config import AppConfig
 from app.replica import ReplicaServer
 from engine.instance import Instance
+from engine.latency_profile import LatencyProfile
 from engine.loading import load_engine
-from engine.profile import LatencyProfile
 
 denoiser = pytest.importorskip("deployments.denoiser")
 
 
 def test_kv_pool_args_and_the_capacity_override():
-    cpu = denoiser.kv_pool_args(AppConfig(slots=4))
+    cpu = config.kv_pool_args(AppConfig(slots=4))
     assert cpu == {"kv_memory_bytes": 1024 * 2**20, "kv_memory_fraction": 0.9, "kv_residents_max": 32}
-    cuda = denoiser.kv_pool_args(AppConfig(device="cuda", slots=4, kv_memory_fraction=0.5))
+    cuda = config.kv_pool_args(AppConfig(device="cuda", slots=4, kv_memory_fraction=0.5))
     assert cuda["kv_memory_bytes"] is None and cuda["kv_memory_fraction"] == 0.5
-    assert denoiser.kv_pool_args(AppConfig(kv_memory_mb=2.5))["kv_memory_bytes"] == int(2.5 * 2**20)
-    assert denoiser.kv_capacity_override(AppConfig()) is None  # the default: the pool's real capacity
-    assert denoiser.kv_capacity_override(AppConfig(kv_capacity_tokens=5000)) == 5000
+    assert config.kv_pool_args(AppConfig(kv_memory_mb=2.5))["kv_memory_bytes"] == int(2.5 * 2**20)
+    assert config.kv_capacity_override(AppConfig()) is None  # the default: the pool's real capacity
+    assert config.kv_capacity_override(AppConfig(kv_capacity_tokens=5000)) == 5000
 
 
 def test_a_replica_sizes_its_pool_measures_its_profile_and_registers_with_it(monkeypatch):
     cfg = AppConfig(model="tiny-bd", slots=4, kv_memory_mb=8, profile_seconds=0.5)
-    engine = load_engine("tiny-bd", max_slots=4, **denoiser.kv_pool_args(cfg))
+    engine = load_engine("tiny-bd", max_slots=4, **config.kv_pool_args(cfg))
     pool = engine.runner.pool
     assert pool.slots == min(8 * 2**20 // pool.bytes_per_slot, 32)  # the budget's slots, at most k x B residents
     cls = denoiser.Denoiser.func_or_class
     rep = cls.__new__(cls)
     rep.cfg, rep.tp, rep.replica_id, rep.app_name, rep.actor_name, rep.worker_names = cfg, 1, "r1", "app", "a", []
-    rep.instance = Instance(engine, slots=4, kv_capacity_tokens=denoiser.kv_capacity_override(cfg))
+    rep.instance = Instance(engine, slots=4, kv_capacity_tokens=config.kv_capacity_override(cfg))
     assert rep.instance.scheduler.cfg.kv_budget == pool.slots * pool.capacity
     rep.profile = rep._measure_profile()
     prof = LatencyProfile.from_dict(rep.profile)

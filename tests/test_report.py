@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.profile import load_profile, load_tp_profiles
+from engine.latency_profile import load_profile, load_tp_profiles
 from sim.report import checks as ck
 from sim.report.instance import PROFILE, extend_budget, poisson_arrivals, rescale_blocks, run_instance
 from sim.report.tables import fmt, md_table
@@ -149,7 +149,7 @@ def test_workload_variants(small):
 def _cluster_setup(slo_scale: float = 1.0, n: int = 80, rate: float = 30.0):
     import random
 
-    from app.router import RouterConfig
+    from cluster import RouterConfig
     from sim.cluster import ClusterConfig, ClusterRequestSpec
     from sim.report.cluster_runs import ClusterSetup
 
@@ -201,8 +201,8 @@ def test_combined_verdicts():
 
 def test_tiny_report_instance_sections(tmp_path):
     from sim.report.experiments import run_all
-    from sim.report.plan import TINY
     from sim.report.render import all_checks, write_report
+    from sim.report.sizes import TINY
 
     r = run_all(TINY, progress=False, only={"instance", "instance_seeds"})
     path = write_report(r, tmp_path, "test", 1.0, 1.0)

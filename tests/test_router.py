@@ -5,7 +5,7 @@ import tracemalloc
 
 import pytest
 
-from app.router import (
+from cluster import (
     FeatureStepEstimator,
     RequestState,
     Router,
@@ -15,12 +15,12 @@ from app.router import (
     TpLatencyModel,
     make_router_policy,
 )
-from app.router.estimator import STEP_FEATURES
-from app.router.placement import best_instance
-from app.router.policies import ROUTER_POLICIES
-from app.router.state import ThresholdHistory
-from app.router.thresholds import choose_threshold, load_control
-from engine.profile import load_tp_profiles
+from cluster.estimator import STEP_FEATURES
+from cluster.placement import best_instance
+from cluster.policies import ROUTER_POLICIES
+from cluster.state import ThresholdHistory
+from cluster.thresholds import choose_threshold, load_control
+from engine.latency_profile import load_tp_profiles
 
 TS = (0.9, 0.8, 0.7, 0.6, 0.5)
 
@@ -205,7 +205,7 @@ def test_feature_estimator_asks_every_threshold_with_11_features():
 
 
 def test_bench_router_reports_cost_per_event():
-    from app.router.bench import bench_router
+    from tools.bench_router import bench_router
 
     out = bench_router(instances=4, requests=100, events=200, slots=16)
     assert out["requests"] == 100 and out["events"] == 200

@@ -267,8 +267,8 @@ def test_cuda_round_launch_never_waits_on_the_device(name):
            "experts=32"),  # grouped experts: no host read of the pair counts, so the forward captures
 ])
 def test_cuda_graph_replay_of_a_prepared_forward_matches_eager(pooled, name):
-    from engine.bench_round import graphed_forward, round_inputs
     from engine.kv_cache import KVPool
+    from tools.bench_round import graphed_forward, round_inputs
 
     cfg = preset_config(name)
     runner = TorchRunner(build_preset(name, device="cuda", dtype=torch.bfloat16), "cuda")

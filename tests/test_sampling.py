@@ -11,7 +11,7 @@ from engine.engine import Engine
 from engine.instance import Follower, Instance
 from engine.loading import load_engine
 from engine.sequence import SamplingParams
-from engine.tasks import heldout_set
+from tasksuite import heldout_set
 
 PROMPTS = [e.prompt for e in heldout_set(8)]
 STORIES = [e.prompt for e in heldout_set(16) if e.prompt.startswith("story:")]  # long answers: many rounds

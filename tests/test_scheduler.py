@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.clock import VirtualClock
-from engine.policies import POLICIES, make_policy
-from engine.profile import load_profile
+from engine.latency_profile import load_profile
+from engine.sched_policies import POLICIES, make_policy
 from engine.sched_types import Residency, RoundResult, SchedRequest, StepKind, StepOutcome
 from engine.scheduler import Scheduler, SchedulerConfig
 from sim.runner import SimulatedRunner

@@ -23,7 +23,7 @@ HF_MODEL = "dream-tiny"
 def app_url(hf_checkpoints):
     import os
 
-    from app.builder import build_app
+    from deployments.builder import build_app
 
     # a busy 2-core machine can take longer than Serve's 5 s to start the HTTP proxy
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
@@ -104,7 +104,7 @@ def test_bad_input_gets_openai_errors(app_url, body, param):
 
 
 def test_concurrent_streams_all_complete_correctly(app_url):
-    from engine import tasks
+    import tasksuite as tasks
 
     examples = [e for e in tasks.heldout_set(200) if e.category in ("reverse", "choice")][:50]
     results = [None] * len(examples)
@@ -134,7 +134,7 @@ def test_openai_client(app_url):
 
 
 def test_tp2_returns_the_same_tokens_as_tp1(app_url):
-    from engine import tasks
+    import tasksuite as tasks
 
     # categories without free word choices: no near-ties that summation order could flip
     for ex in [e for e in tasks.heldout_set(20) if e.category != "prose"][:8]:
@@ -202,7 +202,7 @@ def test_disconnect_frees_slot_and_kv(app_url):
 
 
 def test_control_path_is_measured(app_url):
-    from app.bench_control import bench_control
+    from tools.bench_control import bench_control
 
     res = bench_control(app_url, requests=6, concurrency=2)
     assert res["events"] > 6 and res["median_ms"] is not None and res["add_median_ms"] is not None
@@ -215,7 +215,7 @@ def test_killed_replica_loses_no_request(app_url):
     replica from their committed tokens, every stream completes, and Serve's replacement joins."""
     import time
 
-    from engine import tasks
+    import tasksuite as tasks
 
     examples = [e for e in tasks.heldout_set(200) if e.category in ("reverse", "choice")][:16]
     # long stories (one token a step) besides: the victim surely still holds requests when it is killed
@@ -323,7 +323,7 @@ def test_redeploy_with_a_changed_config_drains_in_flight_requests(app_url):
     their requests, every stream completes, and the new config serves."""
     import time
 
-    from app.builder import build_app
+    from deployments.builder import build_app
 
     prompts = [f"story: {a} {n}" for a in ("fox", "owl", "elk", "cat") for n in (6, 8)]
     results = [None] * len(prompts)
@@ -365,7 +365,7 @@ def test_redeploy_with_a_changed_config_drains_in_flight_requests(app_url):
 
 
 def tasks_check(prompt: str, text: str) -> bool:
-    from engine import tasks
+    import tasksuite as tasks
 
     return tasks.check("prose", prompt, text)
 

@@ -39,7 +39,7 @@ TIMEOUT = 60  # a hang fails the test
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
-    from app.builder import build_app
+    from deployments.builder import build_app
 
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     key_file = tmp_path_factory.mktemp("keys") / "tight.key"
@@ -534,8 +534,8 @@ def test_normal_requests_unaffected_afterwards(app_url):
 def test_loadgen_replay_with_an_api_key(app_url, tmp_path):
     """`remask loadgen replay --api-key K` against the keyed app: every request completes; without the key
     every request gets 401 and the tool says so."""
-    from app.cli import main
     from loadgen.trace import SynthConfig, synth, write_trace
+    from tools.cli import main
 
     trace = tmp_path / "trace.jsonl"
     write_trace(synth(SynthConfig(n=6, seed=0, mix={"choice": 1.0, "reverse": 1.0})), trace)  # max_tokens <= 8

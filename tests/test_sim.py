@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from app.cli import main
-from engine.profile import LatencyProfile, load_profile
+from engine.latency_profile import LatencyProfile, load_profile
 from sim.scenarios import run_scenario
 from sim.workload import dwise_workload, set_arrivals, spearman
+from tools.cli import main
 
 
 def test_dwise_workload_matches_the_paper_shape():

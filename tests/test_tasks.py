@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine import tasks
+import tasksuite as tasks
 from engine.tokenizer import CharTokenizer
 
 

@@ -19,9 +19,9 @@ import time
 
 import pytest
 
+import tasksuite as tasks
 from app.dispatch import Dispatcher
 from app.replica import ReplicaServer
-from engine import tasks
 from engine.instance import Instance
 from engine.loading import load_engine
 from predictors.bundle import load_predictors

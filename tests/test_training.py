@@ -7,9 +7,10 @@ import re
 import pytest
 import torch
 
-from engine import tasks, training
+import tasksuite as tasks
 from engine.models.checkpoint import load_remask
 from engine.tokenizer import CharTokenizer
+from tools import training
 
 
 @pytest.mark.parametrize("name", ["tiny-bd", "tiny-mdm"])

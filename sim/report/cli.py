@@ -25,8 +25,8 @@ def add_parsers(sub) -> None:
 def cmd_report(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from sim.report.experiments import SECTIONS, run_all
-    from sim.report.plan import PLANS
     from sim.report.render import all_checks, write_report
+    from sim.report.sizes import PLANS
 
     plan = PLANS["tiny" if args.tiny else "quick" if args.quick else "full"]
     only = None

@@ -31,10 +31,10 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 
-from app.router import RouterConfig
-from app.router.placement import best_instance, migration_gain_ms
-from app.router.policies import RemaskPolicy, walk_order
-from engine.profile import load_tp_profiles
+from cluster import RouterConfig
+from cluster.placement import best_instance, migration_gain_ms
+from cluster.policies import RemaskPolicy, walk_order
+from engine.latency_profile import load_tp_profiles
 from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterResult, ClusterSimulator, summarize
 from sim.cluster_scenarios import ClusterScenario, accuracy_of, candidate_thresholds, get_cluster_scenario, make_specs
 from sim.report.checks import trace_hash

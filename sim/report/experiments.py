@@ -27,7 +27,7 @@ from sim.report.instance import (
     rescale_blocks,
     run_instance,
 )
-from sim.report.plan import Plan
+from sim.report.sizes import Plan
 from sim.workload import dwise_workload, set_arrivals
 
 DWISE_RATE = 16.0  # burst+Poisson rate of the DWISE scenarios (the paper's lambda for LLaDA)
@@ -61,7 +61,7 @@ class Runner:
     @property
     def profile(self):
         if self._profile is None:
-            from engine.profile import load_profile
+            from engine.latency_profile import load_profile
 
             self._profile = load_profile(PROFILE)
         return self._profile

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from engine.clock import VirtualClock
-from engine.policies import DwisePolicy, MlfqPolicy, Policy, SsjfPolicy, make_policy
-from engine.profile import LatencyProfile
+from engine.latency_profile import LatencyProfile
+from engine.sched_policies import DwisePolicy, MlfqPolicy, Policy, SsjfPolicy, make_policy
 from engine.scheduler import Scheduler, SchedulerConfig
 from sim.report.checks import trace_hash
 from sim.runner import SimulatedRunner

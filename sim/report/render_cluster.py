@@ -379,7 +379,7 @@ def combined(data: dict) -> list[str]:
             "- The router sets thresholds and places requests; SRPT inside an instance only decides which of its "
             "requests get the B = 32 slots of the next round. Where instances never hold more than 32, SRPT and "
             "FCFS run the same requests in every round, and the router considers a round's requests for "
-            "migration in its own order (priority, then arrival: `walk_order` in `app/router/policies.py`), "
+            "migration in its own order (priority, then arrival: `walk_order` in `cluster/policies.py`), "
             "whatever order the instance hands them back in, so the combined policy and DiLaServe alone decide "
             f"alike: the same SLO attainment and mean latency in {len(same)} of {len(vs)} scenarios"
             + (" (" + "; ".join(v["scenario"] for v in same) + ")." if same else ".")]

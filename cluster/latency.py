@@ -1,6 +1,6 @@
 """Per-TP step-latency model used by the router (pure Python).
 
-Built from one ``LatencyProfile`` per TP degree (``engine.profile.load_tp_profiles``).
+Built from one ``LatencyProfile`` per TP degree (``engine.latency_profile.load_tp_profiles``).
 A round of an instance runs all of its batched steps together, so every
 request in the round waits the whole round: a request's step latency is the
 instance's round latency. A round with ``n_rec`` recompute steps and
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.profile import LatencyProfile
+from engine.latency_profile import LatencyProfile
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ async def _drive(url: str, n: int, rate: float, kills: int, timeout: float,
                  target: str = "replica") -> tuple[list, list, dict, float]:
     import httpx
 
-    from engine import tasks
+    import tasksuite as tasks
     from loadgen.http import RawTransport
 
     examples = [e for e in tasks.heldout_set(4 * n) if e.category in PROMPTS_CATEGORIES][:n]
@@ -156,7 +156,7 @@ def local_app(args: dict, replicas: int, port: int):
     import ray
     from ray import serve
 
-    from app.builder import build_app
+    from deployments.builder import build_app
 
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -220,7 +220,7 @@ def _replica_rss_mb() -> dict[str, float]:
 def planner_rate(max_tokens: int, prompt_tokens: int, profile: str = "cpu-tiny-bd") -> tuple[float, float]:
     """The highest request rate Stage 1 says one TP-1 instance holds for this request shape (bisection
     on feasibility with the configuration fixed), and the SLO it plans for (ms)."""
-    from engine.profile import load_tp_profiles
+    from engine.latency_profile import load_tp_profiles
     from planner.stage1 import plan_capacity
     from planner.workload import WorkloadClass
 
@@ -273,7 +273,7 @@ def run_overload(factor: float = 10.0, seconds: float = 20.0, port: int = 8790, 
     and whether the replicas' memory stays bounded."""
     import httpx
 
-    from engine import tasks
+    import tasksuite as tasks
 
     if workload not in OVERLOAD_WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; known: {', '.join(OVERLOAD_WORKLOADS)}")
@@ -443,7 +443,7 @@ def run_redeploy(streams: int = 8, port: int = 8790) -> dict:
     import httpx
     from ray import serve
 
-    from app.builder import build_app
+    from deployments.builder import build_app
 
     args = {"model": "tiny-bd", "replicas": {1: 2}, "slots": 16, "max_tokens_limit": 256}
 

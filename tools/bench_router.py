@@ -19,15 +19,15 @@ import random
 import statistics
 import time
 
-from app.router.core import Router
-from app.router.estimator import TableStepEstimator
-from app.router.latency import StepShape, TpLatencyModel
-from app.router.state import RequestState
+from cluster.estimator import TableStepEstimator
+from cluster.latency import StepShape, TpLatencyModel
+from cluster.router import Router
+from cluster.state import RequestState
 
 
 def bench_router(instances: int = 16, requests: int = 1000, events: int = 5000, slots: int = 32,
                  policy: str = "remask", profile: str = "h200-llada8b", seed: int = 0) -> dict:
-    from engine.profile import load_tp_profiles
+    from engine.latency_profile import load_tp_profiles
 
     rng = random.Random(seed)
     latency = TpLatencyModel(load_tp_profiles(profile, [1]), slots, StepShape())

@@ -28,12 +28,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.router.capacity import cluster_capacity
-from app.router.estimator import StepEstimator
-from app.router.latency import TpLatencyModel
-from app.router.policies import RouterPolicy, make_router_policy
-from app.router.state import InstanceState, RequestState
-from app.router.thresholds import choose_threshold, load_control, request_load
+from cluster.capacity import cluster_capacity
+from cluster.estimator import StepEstimator
+from cluster.latency import TpLatencyModel
+from cluster.policies import RouterPolicy, make_router_policy
+from cluster.state import InstanceState, RequestState
+from cluster.thresholds import choose_threshold, load_control, request_load
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from app.router.latency import TpLatencyModel
-from app.router.state import InstanceState, RequestState
+from cluster.latency import TpLatencyModel
+from cluster.state import InstanceState, RequestState
 
 
 def latency_with(model: TpLatencyModel, inst: InstanceState, heavy: bool = True) -> float:

@@ -5,9 +5,9 @@ Four contenders decode the same prompts with the same model object:
 - ``remask-batched``: Remask's engine with every request at once (threshold rule);
 - ``remask-single``: the same engine, one request at a time;
 - ``fastdllm-loop``: Fast-dLLM-style threshold decoding with a prefix cache, per request
-  (:func:`engine.reference.fastdllm_generate`), at the same threshold;
+  (:func:`tools.reference.fastdllm_generate`), at the same threshold;
 - ``llada-loop``: LLaDA's low-confidence remasking loop, per request
-  (:func:`engine.reference.llada_generate`).
+  (:func:`tools.reference.llada_generate`).
 
 For each: wall time, output tokens, tokens/s, rounds (decoding steps; forwards for the
 loops) per second, mean per-request latency, counted FLOPs (``engine/models/flops.py``)
@@ -31,8 +31,8 @@ import torch
 from engine.decoding import make_rule
 from engine.device import parse_dtype
 from engine.device import sync as _sync
-from engine.reference import fastdllm_generate, llada_generate
 from engine.sequence import SamplingParams
+from tools.reference import fastdllm_generate, llada_generate
 
 CONTENDERS = ("remask-batched", "remask-single", "fastdllm-loop", "llada-loop")
 TARGET_THROUGHPUT_RATIO = 10.0  # batched engine / best reference loop
@@ -85,8 +85,8 @@ def _prompts(engine, model: str, n: int, prompt_len: int, seed: int) -> tuple[li
 
     if is_preset(model):
         return [random_prompt(engine.cfg, prompt_len, seed=seed + i) for i in range(n)], [None] * n
-    from engine.tasks import heldout_set
     from engine.tokenizer import CharTokenizer
+    from tasksuite import heldout_set
 
     examples = heldout_set(n, seed=2026 + seed)
     ids = [engine.tokenizer.prompt_ids(e.prompt, engine.cfg.block_size) for e in examples]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from engine import tasks
+import tasksuite as tasks
 from engine.engine import Engine
 from engine.sequence import SamplingParams
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from app.router.state import RequestState
+from cluster.state import RequestState
 
 
 def choose_threshold(est: Sequence[float], cap: int, budget_ms: float, step_ms: float,

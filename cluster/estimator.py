@@ -43,7 +43,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from app.router.state import RequestState
+from cluster.state import RequestState
 
 STEP_FEATURES = (
     "threshold", "output_len", "progress", "block_progress", "blocks_left", "step_in_block",

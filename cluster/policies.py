@@ -25,12 +25,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from app.router.placement import best_instance, can_migrate_free, migration_gain_ms
-from app.router.state import InstanceState, RequestState
+from cluster.placement import best_instance, can_migrate_free, migration_gain_ms
+from cluster.state import InstanceState, RequestState
 from engine.registry import Registry
 
 if TYPE_CHECKING:
-    from app.router.core import Router
+    from cluster.router import Router
 
 
 class RouterPolicy:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine import tasks
+import tasksuite as tasks
 from engine.models.checkpoint import save_pretrained
 from engine.models.config import ModelConfig
 from engine.models.masks import full_mask

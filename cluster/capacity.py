@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.router.latency import TpLatencyModel
-from app.router.state import InstanceState
+from cluster.latency import TpLatencyModel
+from cluster.state import InstanceState
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import statistics
 import time
 
 from engine.clock import VirtualClock
-from engine.policies import make_policy
+from engine.sched_policies import make_policy
 from engine.sched_types import RoundResult, SchedRequest, StepKind, StepOutcome
 from engine.scheduler import Scheduler, SchedulerConfig
 

@@ -14,7 +14,7 @@ from engine.argtypes import thresholds as _thresholds
 
 def cmd_train_default(args) -> int:
     from engine.loading import DEFAULT_MODELS, DEFAULTS_DIR
-    from engine.training import average_checkpoints, train, train_default
+    from tools.training import average_checkpoints, train, train_default
 
     if args.average:
         if not args.out:
@@ -38,8 +38,8 @@ def cmd_train_default(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from engine.evaluate import evaluate
     from engine.loading import load_engine
+    from tools.evaluate import evaluate
 
     engine = load_engine(args.model, device=args.device, cache=args.cache, max_slots=args.slots)
     results = evaluate(engine, args.thresholds, n=args.n, seed=args.seed, progress=not args.quiet)
@@ -105,7 +105,7 @@ def cmd_generate(args) -> int:
 def _simulate_cluster(args) -> int:
     import torch
 
-    from sim.cluster_scenarios import run_cluster_scenario
+    from sim.cluster_run import run_cluster_scenario
 
     torch.set_num_threads(1)  # the tiny model's decodes: a second thread only spins on a shared machine
     trace = args.scenario == "dilaserve-trace"
@@ -150,7 +150,7 @@ def cmd_simulate(args) -> int:
     if args.scenario in CLUSTER_SCENARIOS:
         return _simulate_cluster(args)
     policies = [p.strip() for p in (args.policies or "fcfs-prefill-first,dwise,oracle").split(",") if p.strip()]
-    from engine.policies import make_policy
+    from engine.sched_policies import make_policy
 
     for p in policies:
         make_policy(p)  # fail fast on unknown names
@@ -170,10 +170,10 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from app.bench import bench_scheduler
+    from tools.bench_scheduler import bench_scheduler
 
     if args.what == "round":
-        from engine.bench_round import bench_round, format_round
+        from tools.bench_round import bench_round, format_round
 
         res = bench_round(args.model or "llada-8b-shape", device=args.device, dtype=args.dtype,
                           slots=128 if args.slots is None else args.slots, tokens=args.tokens,
@@ -183,7 +183,7 @@ def cmd_bench(args) -> int:
         print(json.dumps(res) if args.json else format_round(res))
         return 0
     if args.what == "engine":
-        from engine.bench_engine import bench_engine, format_report
+        from tools.bench_engine import bench_engine, format_report
 
         requests = 16 if args.requests is None else args.requests
         res = bench_engine(args.model or "tiny-mdm", device=args.device, dtype=args.dtype or "float32",
@@ -194,7 +194,7 @@ def cmd_bench(args) -> int:
         print(json.dumps(res) if args.json else format_report(res))
         return 0
     if args.what == "control":
-        from app.bench_control import bench_control
+        from tools.bench_control import bench_control
 
         res = bench_control(args.url, 40 if args.requests is None else args.requests, args.concurrency,
                             api_key=args.api_key)
@@ -203,7 +203,7 @@ def cmd_bench(args) -> int:
               f"{res['events']} events; request dispatch to round boundary median {res['add_median_ms']} ms")
         return 0
     if args.what == "router":
-        from app.router.bench import bench_router
+        from tools.bench_router import bench_router
 
         res = bench_router(args.instances, args.active, args.events, args.slots or 32, args.router_policy,
                            seed=args.seed)
@@ -223,8 +223,8 @@ def cmd_bench(args) -> int:
 
 def cmd_profile(args) -> int:
     from engine.device import parse_dtype
+    from engine.latency_profile import load_profile
     from engine.loading import load_engine
-    from engine.profile import load_profile
     from engine.profiling import check_profile, profile_engine
 
     dtype = parse_dtype(args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
@@ -265,7 +265,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_faults(args) -> int:
-    from app import faults
+    from tools import faults
 
     if args.scenario == "overload":
         res = faults.run_overload(args.factor, args.seconds, args.port, workload=args.workload)
@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "counts, comma-separated; '' for none")
     s.add_argument("--shed", choices=["auto", "on", "off"], default="auto",
                    help="cluster scenarios: refuse arrivals that cannot meet their SLO, as the live ingress does "
-                        "(auto: off for now, see sim.cluster_scenarios.SHED_DEFAULT); refused requests count as "
+                        "(auto: off for now, see sim.cluster_run.SHED_DEFAULT); refused requests count as "
                         "SLO misses")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true")

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from app.router.core import Router
-    from app.router.state import RequestState
+    from cluster.router import Router
+    from cluster.state import RequestState
 
 
 class AdmissionGovernor:

@@ -21,7 +21,6 @@ import time
 
 import torch
 
-from engine.bench_engine import measure_peak
 from engine.device import device_name, parse_dtype
 from engine.device import sync as _sync
 from engine.graphs import ForwardGraphs, capture_forward
@@ -32,6 +31,7 @@ from engine.models.transformer import SparseMoE
 from engine.runner import TorchRunner
 from engine.sched_types import StepKind
 from engine.sequence import StepInput
+from tools.bench_engine import measure_peak
 
 
 def round_inputs(cfg, slots: int, tokens: int, context: int, device, dtype, seed: int = 0,

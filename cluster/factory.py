@@ -1,0 +1,57 @@
+"""The router an app serves with: latency profiles per TP degree and its step estimates."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from cluster.router import Router
+
+if TYPE_CHECKING:
+    from cluster.learning import LiveLearning
+
+log = logging.getLogger(__name__)
+
+
+def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router:
+    """The router of an app (``AppConfig``) serving a model (``ModelConfig``): latency profiles per
+    configured TP degree, and step estimates from ``learning`` (the online learners, which start from
+    the shipped predictors when there are any); without it, from the shipped predictors alone, and
+    without those (or with ``predictors: off``) the thresholds stay fixed: a dynamic policy needs step
+    estimates."""
+    from cluster import OnlineStepEstimator, RouterConfig, StepShape, TpLatencyModel
+    from cluster.learning import build_learning
+    from engine.latency_profile import load_tp_profiles
+    from predictors.bundle import PredictorError
+
+    thresholds = tuple(sorted(cfg.thresholds, reverse=True))
+    shape = StepShape(block_tokens=model_cfg.block_size,
+                      sequence_tokens=int(model_cfg.extra.get("gen_length", 128)) + 64,
+                      full_sequence=model_cfg.attention != "block_causal")
+    latency = TpLatencyModel(load_tp_profiles(cfg.profile_name(), cfg.tp_degrees), cfg.slots, shape)
+    policy = cfg.router_policy
+    if learning is None and cfg.predictors != "off":
+        try:
+            learning = build_learning("shipped", cfg.model, thresholds, 1.0)
+        except PredictorError as exc:
+            log.warning("no step predictor (%s)", exc)
+    if learning is not None:
+        estimator = OnlineStepEstimator(learning.step, thresholds, admission=learning.admission)
+    else:
+        estimator = BlocksLeft(thresholds)
+        if policy not in ("fixed-threshold", "infaas", "llumnix"):
+            log.warning("no step estimates: router policy %r falls back to fixed-threshold", policy)
+            policy = "fixed-threshold"
+    every = learning.interval if learning is not None else 1
+    rcfg = RouterConfig(thresholds=thresholds, fixed_threshold=thresholds[0], estimate_every=every)
+    return Router(policy, latency, estimator, [], rcfg)
+
+
+class BlocksLeft:
+    """Step estimate without a trained predictor: one step per block left (a lower bound)."""
+
+    def __init__(self, thresholds) -> None:
+        self.thresholds = tuple(thresholds)
+
+    def predict(self, states):
+        return [[float(s.blocks_left)] * len(self.thresholds) for s in states]

@@ -1,0 +1,1 @@
+"""Remask's tools: the `remask` CLI, fault harness, benchmarks, training and evaluation."""
