@@ -31,7 +31,9 @@ POOL_PROMPT_TOKENS = 512  # prompt room of a default KV pool slot (plus the defa
 
 
 @dataclass
-class RoundResult:
+class EngineRound:
+    """What one engine round did: each sequence's step report, the wall time, the slots' composition."""
+
     reports: list[StepReport]
     latency_s: float
     composition: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, tokens, context) per slot
@@ -197,7 +199,7 @@ class Engine:
         live = [s for s in self.sequences.values() if not s.finished]
         return live[: self.max_slots]
 
-    def step(self, plan: list[Sequence] | None = None) -> RoundResult:
+    def step(self, plan: list[Sequence] | None = None) -> EngineRound:
         plan = self.schedule() if plan is None else plan
         t0 = time.perf_counter()
         for seq in plan:
@@ -241,7 +243,7 @@ class Engine:
                 self.refine_hook = None
         self.rounds += bool(plan)
         comp = [(i.kind.value, len(i.ids), 0 if i.ctx_pos is None else len(i.ctx_pos)) for i in ran]
-        return RoundResult(reports, time.perf_counter() - t0, comp)
+        return EngineRound(reports, time.perf_counter() - t0, comp)
 
     def _defer_for_lookahead(self, first: list[Sequence]) -> list[Sequence]:
         """Of the requests that just ran their first round, those of a block-causal model whose
@@ -286,7 +288,7 @@ class Engine:
                       seq.prefilled, [k.value for k in seq.history])
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 on_round: Callable[[RoundResult], None] | None = None, progress: bool = False) -> list[Output]:
+                 on_round: Callable[[EngineRound], None] | None = None, progress: bool = False) -> list[Output]:
         """Run ``prompts`` to completion together; outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]

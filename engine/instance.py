@@ -25,8 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.clock import Clock, WallClock
-from engine.engine import Engine, Output
-from engine.engine import RoundResult as EngineRound
+from engine.engine import Engine, EngineRound, Output
 from engine.sched_policies import make_policy
 from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepCosts, StepOutcome
 from engine.scheduler import Scheduler, SchedulerConfig
