@@ -1,6 +1,6 @@
 """Runs every experiment of the report (fixed seeds) and collects results and fidelity checks.
 
-Each section is a function of a ``Runner``; it stores JSON-able results in ``runner.data[section]``,
+Each section is a function of an ``ExperimentRunner``; it stores JSON-able results in ``runner.data[section]``,
 objects the plots need in ``runner.runs[section]``, and its checks in ``runner.checks``. Every run's
 Little's-law check goes to ``runner.little``, every experiment's trace-identity check to
 ``runner.traces``.
@@ -40,7 +40,7 @@ def _copy(specs):
     return [replace(s, extra=dict(s.extra)) for s in specs]
 
 
-class Runner:
+class ExperimentRunner:
     def __init__(self, plan: Plan, seed: int = 0, progress: bool = True) -> None:
         self.plan, self.seed = plan, seed
         self.checks: list[ck.Check] = []
@@ -127,7 +127,7 @@ class Runner:
 
 
 # ---- instance level --------------------------------------------------------------------------------------
-def instance_main(r: Runner) -> None:
+def instance_main(r: ExperimentRunner) -> None:
     p = r.plan
     base = dwise_workload(p.inst_n, r.seed)
     out = {}
@@ -143,7 +143,7 @@ def instance_main(r: Runner) -> None:
                           for arr, runs in out.items()}
 
 
-def instance_sweeps(r: Runner) -> None:
+def instance_sweeps(r: ExperimentRunner) -> None:
     p = r.plan
     pols = (BASE, SYSTEM)
     base = dwise_workload(p.sweep_n, r.seed)
@@ -188,7 +188,7 @@ def instance_sweeps(r: Runner) -> None:
                         "budgets": {f"{a}/{b}": summ(v) for (a, b), v in budgets.items()}}
 
 
-def instance_seeds(r: Runner) -> None:
+def instance_seeds(r: ExperimentRunner) -> None:
     p = r.plan
     pols = (BASE, SYSTEM)
     per = {pol: [] for pol in pols}
@@ -214,7 +214,7 @@ def _summ(runs: dict[str, ClusterRun]) -> dict:
     return {c: {**run.summary, "wall_s": round(run.wall_s, 1)} for c, run in runs.items()}
 
 
-def cluster_rates(r: Runner) -> None:
+def cluster_rates(r: ExperimentRunner) -> None:
     p = r.plan
     out = {}
     for rate in p.cl_rates:
@@ -229,7 +229,7 @@ FIXED_COMBOS = ("infaas/fcfs", "llumnix/fcfs", "infaas/dwise")  # never read SLO
 DYNAMIC_COMBOS = ("remask/fcfs", "remask/dwise")
 
 
-def cluster_slo(r: Runner) -> None:
+def cluster_slo(r: ExperimentRunner) -> None:
     p = r.plan
     f0 = p.slo_factors[0]
     fixed = r.cl_group(f"SLO {f0:g}x (fixed-threshold policies)", setup(p.cl_n, p.slo_rate, r.seed, slo_factor=f0),
@@ -251,7 +251,7 @@ ABLATION = ("fixed-threshold/dwise", "dynamic-no-load-control/dwise", "remask/dw
 MIGRATION = ("remask-no-migration/dwise", "remask-any-step/dwise", "remask/dwise")
 
 
-def cluster_ablations(r: Runner) -> None:
+def cluster_ablations(r: ExperimentRunner) -> None:
     abl, mig = ABLATION, MIGRATION
     p = r.plan
     data = {"ablation": _summ(r.cl_group(f"ablation {p.ablation_rate:g}", setup(p.cl_n, p.ablation_rate, r.seed),
@@ -280,7 +280,7 @@ def _work_ms(st: ClusterSetup, batch: int = 32) -> float:
     return out / len(st.specs)
 
 
-def cluster_lengths(r: Runner) -> None:
+def cluster_lengths(r: ExperimentRunner) -> None:
     p = r.plan
     ref = _work_ms(setup(200, p.length_rate, r.seed))
     out = {}
@@ -295,7 +295,7 @@ def cluster_lengths(r: Runner) -> None:
     r.data["cluster_lengths"] = {"base_rate": p.length_rate, "points": out}
 
 
-def cluster_burst(r: Runner) -> None:
+def cluster_burst(r: ExperimentRunner) -> None:
     p = r.plan
     combos = (*GRID4, PLAN_WALK)
     rng = random.Random(r.seed + 31)
@@ -315,7 +315,7 @@ def cluster_burst(r: Runner) -> None:
 DIURNAL = ("infaas/fcfs", "llumnix/fcfs", "remask/fcfs", "infaas/dwise", "remask/dwise", PLAN_WALK)
 
 
-def cluster_diurnal(r: Runner) -> None:
+def cluster_diurnal(r: ExperimentRunner) -> None:
     from loadgen.arrivals import ArrivalParams, arrivals
 
     p = r.plan
@@ -333,7 +333,7 @@ def cluster_diurnal(r: Runner) -> None:
 SEED_COMBOS = ("infaas/fcfs", DILA_ALONE, COMBINED, PLAN_WALK)
 
 
-def cluster_seeds(r: Runner) -> None:
+def cluster_seeds(r: ExperimentRunner) -> None:
     p = r.plan
     pols = SEED_COMBOS
     slo = {c: [] for c in pols}
@@ -365,7 +365,7 @@ def trace_available() -> bool:
     return "dilaserve-trace" in CLUSTER_SCENARIOS and importlib.util.find_spec("sim.cluster_trace") is not None
 
 
-def cluster_trace(r: Runner) -> None:
+def cluster_trace(r: ExperimentRunner) -> None:
     p = r.plan
     if not trace_available():
         r.pending.append("dilaserve-trace (reconfiguration over the 2-hour trace): not in this checkout yet")
@@ -385,7 +385,7 @@ def cluster_trace(r: Runner) -> None:
     r.data["cluster_trace"] = rep
 
 
-def predictors(r: Runner) -> None:
+def predictors(r: ExperimentRunner) -> None:
     if not r.plan.predictors:
         return
     from sim.report.predictor_cal import calibration
@@ -421,8 +421,8 @@ def units(p: Plan) -> dict[str, int]:
     }
 
 
-def run_all(plan: Plan, seed: int = 0, progress: bool = True, only: set[str] | None = None) -> Runner:
-    r = Runner(plan, seed, progress)
+def run_all(plan: Plan, seed: int = 0, progress: bool = True, only: set[str] | None = None) -> ExperimentRunner:
+    r = ExperimentRunner(plan, seed, progress)
     r.expect(sum(n for k, n in units(plan).items() if only is None or k in only) - 1)
     try:
         for name, fn in SECTIONS.items():

@@ -1,4 +1,4 @@
-"""Writes REPORT.md, the plots and results.json of a ``Runner``."""
+"""Writes REPORT.md, the plots and results.json of an ``ExperimentRunner``."""
 
 from __future__ import annotations
 
