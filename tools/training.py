@@ -57,7 +57,7 @@ def default_config(name: str, tok: CharTokenizer) -> ModelConfig:
 
 
 @dataclass
-class Batch:
+class TrainingBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     mask: torch.Tensor
@@ -164,7 +164,7 @@ def build_rows(name: str, examples: list[tasks.Example], tok: CharTokenizer, rng
     return rows
 
 
-def collate(name: str, rows: list[tuple], tok: CharTokenizer) -> Batch:
+def collate(name: str, rows: list[tuple], tok: CharTokenizer) -> TrainingBatch:
     length = max(len(r[0]) for r in rows)
     ids = torch.full((len(rows), length), tok.pad_token_id, dtype=torch.long)
     tgt = torch.full((len(rows), length), -100, dtype=torch.long)
@@ -177,10 +177,10 @@ def collate(name: str, rows: list[tuple], tok: CharTokenizer) -> Batch:
         valid[i, :len(r_ids)] = True
     positions = torch.arange(length).expand(len(rows), length)
     mode = "block_causal" if name == "tiny-bd" else "bidirectional"
-    return Batch(ids, positions, full_mask(mode, positions, valid, BLOCK), tgt, wts, [r[3] for r in rows])
+    return TrainingBatch(ids, positions, full_mask(mode, positions, valid, BLOCK), tgt, wts, [r[3] for r in rows])
 
 
-def make_batch(name: str, examples: list[tasks.Example], tok: CharTokenizer, rng: random.Random) -> Batch:
+def make_batch(name: str, examples: list[tasks.Example], tok: CharTokenizer, rng: random.Random) -> TrainingBatch:
     return collate(name, build_rows(name, examples, tok, rng), tok)
 
 
@@ -203,7 +203,7 @@ def bucketed_batches(name: str, tok: CharTokenizer, rng: random.Random, batch_si
             yield collate(name, chunk, tok)
 
 
-def loss_fn(model: DLMTransformer, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+def loss_fn(model: DLMTransformer, batch: TrainingBatch) -> tuple[torch.Tensor, dict[str, float]]:
     logits, _, _ = model(batch.input_ids, batch.positions, batch.mask)
     ce = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none").view_as(batch.weights)
     on = batch.targets != -100
@@ -288,7 +288,7 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr_at(frac, lr)
         batch = next(batches)
-        batch = Batch(*(t.to(device) if torch.is_tensor(t) else t for t in vars(batch).values()))
+        batch = TrainingBatch(*(t.to(device) if torch.is_tensor(t) else t for t in vars(batch).values()))
         loss, acc = loss_fn(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
