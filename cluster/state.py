@@ -98,6 +98,12 @@ class RequestState:
     slack: float = 5.0  # SLO over the predicted isolated TP-1 latency at the highest threshold (set on arrival)
     threshold: float | None = None  # last chosen
     migrations: int = 0
+    # the cluster driver's (cluster/driver.py)
+    fixed_threshold: float | None = None  # the client's own threshold: the router never changes it
+    attempt: int = 0  # placements so far: progress or arrivals of an older attempt are stale
+    counted: bool = True  # its SLO counts in the admission governor's attainment (the client set it)
+    epoch: int = -1  # the governor's epoch it was admitted in (-1: not counted)
+    shed: bool = False  # refused on arrival
     extra: dict = field(default_factory=dict)  # owner's data (the simulator's truth, say); never read here
 
     def __post_init__(self) -> None:

@@ -61,18 +61,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster import (
-    AdmissionGovernor,
     OnlineStepEstimator,
     Router,
     RouterConfig,
     StepShape,
     TableStepEstimator,
     TpLatencyModel,
-    foreseen_miss,
 )
+from cluster.driver import ClusterDriver, Move
 from cluster.estimator import feature_row
-from cluster.placement import best_instance
-from cluster.state import InstanceState, RequestState
+from cluster.state import RequestState
 from engine.clock import VirtualClock
 from engine.latency_profile import LatencyProfile
 from engine.sched_policies import make_policy
@@ -133,10 +131,11 @@ class _Truth:
     rows: list[list[float]] = field(default_factory=list)  # step rows after each step (online estimator)
     row_steps: list[int] = field(default_factory=list)  # steps done at each row
     served: list[float] = field(default_factory=list)  # the router's estimate at each row, at that step's threshold
-    epoch: int = -1  # the admission governor's epoch it was admitted in (-1: not counted)
 
 
-class _Inst:
+class SimInstance:
+    """One simulated model instance: its real scheduler, its TP profile and its state."""
+
     def __init__(self, inst_id: int, tp: int, profile: LatencyProfile, sched: Scheduler) -> None:
         self.inst_id, self.tp, self.profile, self.sched = inst_id, tp, profile, sched
         self.state = "serving"  # serving -> draining (no new requests; evacuates at a round boundary) -> stopped
@@ -175,7 +174,11 @@ class ClusterResult:
 
 
 class ClusterSimulator:
-    def __init__(self, cfg: ClusterConfig, profiles: dict[int, LatencyProfile], policy: str, seed: int = 0) -> None:
+    def __init__(self, cfg: ClusterConfig, profiles: dict[int, LatencyProfile], policy: str, seed: int = 0,
+                 log: bool = False) -> None:
+        """``log``: keep the cluster driver's decisions (``driver.decisions``) and the world's events
+        (``world``: arrivals and rounds, as a live instance reports them) for comparing with the live
+        dispatcher on the same scenario."""
         self.cfg = cfg
         self.profiles = profiles
         self.clock = VirtualClock()
@@ -197,11 +200,13 @@ class ClusterSimulator:
                                            sigma=cfg.estimator_sigma, seed=seed)
         self._served = _ServedError()  # the error of the estimates the router served with
         self.curve: list[dict] = []  # online: one point per refit
-        self.governor = AdmissionGovernor()
         self.router = Router(policy, self.latency, estimator, list(enumerate(cfg.tp_degrees)), cfg.router)
+        # the cluster control the live ingress runs too: admission, membership, progress, thresholds
+        self.driver = ClusterDriver(self.router, shed=cfg.shed, log=log)
+        self.governor = self.driver.governor
         base = profiles[min(profiles)]
         self._costs = base.step_costs(cfg.block_tokens, cfg.sequence_tokens, batch=cfg.slots)
-        self.insts: list[_Inst] = []
+        self.insts: list[SimInstance] = []
         for tp in cfg.tp_degrees:
             self._new_inst(tp)
         self._events: list = []
@@ -210,21 +215,20 @@ class ClusterSimulator:
         self.res = ClusterResult()
         self._th_index = {t: i for i, t in enumerate(cfg.router.thresholds)}
         self.on_arrival: Callable[[ClusterRequestSpec, float], None] | None = None
-        self._held: list[RequestState] = []  # evacuated while no instance served
-        self._held_specs: list[ClusterRequestSpec] = []  # arrived while no instance served
+        self.world: list[tuple] | None = [] if log else None
         self._pending_arrivals = 0
         self._in_system = 0
 
-    def _new_inst(self, tp: int) -> _Inst:
+    def _new_inst(self, tp: int) -> SimInstance:
         scfg = SchedulerConfig(slots=self.cfg.slots, kv_capacity_tokens=self.cfg.kv_capacity_tokens,
                                block_size=self.cfg.block_tokens)
         sched = Scheduler(make_policy(self.cfg.instance_policy, costs=self._costs), scfg, self.clock)
-        inst = _Inst(len(self.insts), tp, self.profiles[tp], sched)
+        inst = SimInstance(len(self.insts), tp, self.profiles[tp], sched)
         self.insts.append(inst)
         return inst
 
     # ---- reconfiguration -------------------------------------------------------------------
-    def serving(self) -> list[_Inst]:
+    def serving(self) -> list[SimInstance]:
         return [i for i in self.insts if i.state == "serving"]
 
     def active(self) -> bool:
@@ -239,57 +243,45 @@ class ClusterSimulator:
         if tp not in self.profiles:
             raise ValueError(f"no latency profile for TP-{tp}")
         inst = self._new_inst(tp)
-        self.router.add_instance(inst.inst_id, tp)
         self.res.instances_started += 1
-        held, self._held = self._held, []
-        for st in held:  # requests evacuated while nothing served
-            self._relocate(st, None)
-        specs, self._held_specs = self._held_specs, []
-        for spec in specs:
-            self._admit(spec)
+        self._execute(self.driver.join(inst.inst_id, tp, self.clock.now()))
         return inst.inst_id
 
     def drain_instance(self, inst_id: int, on_stopped: Callable[[float], None] | None = None) -> None:
         """Stop placing requests on ``inst_id``; at its next round boundary (now, if idle) its requests
-        move to the best serving instances and it stops (then ``on_stopped(now)``)."""
+        move to the serving instances (or wait for the next one) and it stops (then ``on_stopped(now)``)."""
         inst = self.insts[inst_id]
         if inst.state != "serving":
             raise ValueError(f"instance {inst_id} is {inst.state}")
         inst.state = "draining"
         inst.on_stopped = on_stopped
-        # out of placement and migration targets now; still known by id (its round in flight reports to it)
-        state = self.router.by_id[inst_id]
-        self.router.instances = [i for i in self.router.instances if i is not state]
+        self.driver.drain(inst_id, self.clock.now())
         if not inst.busy:
             self._evacuate(inst)
 
-    def _evacuate(self, inst: _Inst) -> None:
-        src = self.router.by_id[inst.inst_id]
+    def _evacuate(self, inst: SimInstance) -> None:
+        """A draining instance's round boundary: its requests leave its scheduler and move (its GPUs are
+        wanted: with nothing serving they wait for the next instance), and it stops."""
         for req_id in list(inst.sched.requests):
             inst.sched.abort(req_id)
             self.res.evacuated += 1
-            self._relocate(self.states[req_id], src)
+        self._execute(self.driver.evacuate(inst.inst_id, self.clock.now(), keep_if_alone=False))
         inst.state = "stopped"
         self.res.instances_stopped += 1
         if inst.on_stopped is not None:
             inst.on_stopped(self.clock.now())
 
-    def _relocate(self, st: RequestState, src: InstanceState | None) -> None:
-        """Move ``st`` (accounted to ``src``, or to no instance) to the best serving instance, as a migration;
-        with none serving it waits for the next instance."""
-        dst, _ = best_instance(self.latency, self.router.instances, st.next_heavy)
-        if dst is None:
-            if src is not None:
-                src.remove(st)
-            self._held.append(st)
-            self.res.held += 1
-            return
-        if src is not None:
-            self.router.move(st, src, dst)
-        else:
-            st.next_heavy = True  # no KV travels: it recomputes on arrival
-            dst.add(st)
-        self._push(self.clock.now() + self.router.migration_cost_ms(st) / 1000.0, "migrate", (st, dst.inst_id))
+    def _execute(self, moves: list[Move]) -> None:
+        """Carry out the driver's moves: an arrival (or one that waited for an instance) enters its
+        instance now; a request that leaves an instance travels first (a migration: prompt and committed
+        tokens, never KV)."""
+        now = self.clock.now()
+        for m in moves:
+            if m.why == "place":
+                self._enter(m.state, m.dst)
+            else:
+                delay = self.router.migration_cost_ms(m.state) / 1000.0
+                self._push(now + delay, "migrate", (m.state, m.dst, m.attempt))
 
     # ---- events --------------------------------------------------------------------------
     def _push(self, t: float, kind: str, data) -> None:
@@ -319,10 +311,9 @@ class ClusterSimulator:
             elif kind == "done":
                 self._in_system -= self._done(*data, res)
             elif kind == "migrate":
-                st, dst = data
-                if self.insts[dst].state != "serving":  # it started draining while the request travelled
-                    res.redirected += 1
-                    self._relocate(st, self.router.by_id[dst])
+                st, dst, attempt = data
+                if st.attempt != attempt or self.insts[dst].state != "serving":
+                    res.redirected += 1  # it moved on while it travelled (its target started draining): stale
                 else:
                     self._enter(st, dst)
             elif kind == "call":
@@ -330,6 +321,7 @@ class ClusterSimulator:
         res.makespan_s = last_t - first
         res.mean_in_system = area / res.makespan_s if res.makespan_s else 0.0
         res.estimator = self._estimator_report()
+        res.held = self.driver.stats["held"]
         if self.cfg.shed:
             res.admission = {"util": round(self.governor.util, 4), "cuts": self.governor.cuts}
         res.migrations = self.router.stats["migrations"]
@@ -341,13 +333,6 @@ class ClusterSimulator:
         return res
 
     def _arrive(self, spec: ClusterRequestSpec) -> None:
-        if not self.router.instances:  # nothing serves (mid-reconfiguration): it waits for the next instance
-            self._held_specs.append(spec)
-            self.res.held += 1
-            return
-        self._admit(spec)
-
-    def _admit(self, spec: ClusterRequestSpec) -> None:
         blocks = max(1, math.ceil(spec.output_tokens / self.cfg.block_tokens))
         self.truth[spec.req_id] = _Truth(spec, blocks)
         st = RequestState(spec.req_id, spec.arrival, spec.arrival + spec.slo_s, spec.prompt_tokens,
@@ -355,19 +340,16 @@ class ClusterSimulator:
         if self.admission_learner is not None and spec.prompt_features:
             st.extra["admission"] = tuple(spec.prompt_features)
         self.states[spec.req_id] = st
-        now = self.clock.now()
-        inst_id = self.router.add_request(st, now)
-        if self.cfg.shed:
-            # no shedding on a prior's guess (OnlineStepEstimator.ready): requests refused then are never learnt from
-            ready = getattr(self.router.estimator, "ready", True)
-            if ready and not self.router.admissible(st, now, self.governor.util):
-                self.router.reject(st)
-                del self.truth[spec.req_id], self.states[spec.req_id]
-                self.res.shed += 1
-                self._in_system -= 1
-                return
-            self.truth[spec.req_id].epoch = self.governor.epoch
-        self._enter(st, inst_id)
+        if self.world is not None:
+            self.world.append(("arrive", self.clock.now(), spec))
+        move = self.driver.arrive(st, self.clock.now())
+        if move is not None:
+            self._enter(st, move.dst)
+        elif st.shed:
+            del self.truth[spec.req_id], self.states[spec.req_id]
+            self.res.shed += 1
+            self._in_system -= 1
+        # else it waits for an instance (the driver holds it)
 
     def _enter(self, st: RequestState, inst_id: int) -> None:
         """``st`` joins instance ``inst_id``'s scheduler (arrival or the end of a migration)."""
@@ -384,12 +366,13 @@ class ClusterSimulator:
         if not inst.busy:
             self._push(self.clock.now(), "kick", inst_id)
 
-    def _start(self, inst: _Inst) -> None:
+    def _start(self, inst: SimInstance) -> None:
         if inst.busy or inst.state != "serving" or not inst.sched.has_work():
             return
         plan = inst.sched.schedule()
         states = [self.states[s.req_id] for s in plan.slots]
-        ths = self.router.plan_thresholds(inst.inst_id, states, self.clock.now())
+        planned = self.driver.plan(inst.inst_id, self.clock.now(), states)
+        ths = [planned[st.req_id] for st in states]
         comp = []
         for st in states:
             seq = st.prompt_tokens + st.output_tokens
@@ -404,7 +387,7 @@ class ClusterSimulator:
         inst.busy_s += dt
         self._push(self.clock.now() + dt, "done", (inst, plan, states, ths, dt))
 
-    def _done(self, inst: _Inst, plan: RoundPlan, states: list[RequestState], ths: list[float], dt: float,
+    def _done(self, inst: SimInstance, plan: RoundPlan, states: list[RequestState], ths: list[float], dt: float,
               res: ClusterResult) -> int:
         index = self._th_index
         outcomes, stepped = [], []
@@ -438,13 +421,17 @@ class ClusterSimulator:
                 if self.learner is not None:  # what a replica sends after the step (no confidences here: zeros)
                     tr.rows.append(feature_row(st, t))
         inst.sched.update(plan, RoundResult(outcomes))
-        moves = self.router.on_step(inst.inst_id, stepped, now)
-        self._after_step(stepped, ths, dt, now)
-        for st, dst in moves:
-            inst.sched.abort(st.req_id)
-            self._push(self.clock.now() + self.router.migration_cost_ms(st) / 1000.0, "migrate", (st, dst))
+        if self.world is not None:
+            self.world.append(("round", now, inst.inst_id, dt, [(st.req_id, feature_row(st, t), heavy, done)
+                                                                for (st, heavy, done), t in zip(stepped, ths)]))
+        moves = self.driver.on_round(inst.inst_id, stepped, now, round_ms=dt * 1000.0)
+        self._after_step(stepped, ths, now)
+        for m in moves:
+            inst.sched.abort(m.state.req_id)
+        self._execute(moves)
         for st, _, done in stepped:
             if done:
+                self.driver.finished(st, now)
                 del self.truth[st.req_id], self.states[st.req_id]
                 continue
             req = inst.sched.requests.get(st.req_id)
@@ -462,12 +449,10 @@ class ClusterSimulator:
             self._start(inst)
         return finished
 
-    def _after_step(self, stepped: list[tuple[RequestState, bool, bool]], ths: list[float], dt: float,
-                    now: float) -> None:
+    def _after_step(self, stepped: list[tuple[RequestState, bool, bool]], ths: list[float], now: float) -> None:
         """After the router's step event: the estimate it now serves for each request (for the error
-        report), finished requests to the learner, and the admission governor's feedback (as the
-        live ingress: a finished request of the current epoch, or one foreseen to miss)."""
-        index, g, shed = self._th_index, self.governor, self.cfg.shed
+        report), and finished requests to the learners."""
+        index = self._th_index
         for (st, _, done), t in zip(stepped, ths):
             tr = self.truth[st.req_id]
             if done:
@@ -478,13 +463,8 @@ class ClusterSimulator:
                 if self.admission_learner is not None and tr.spec.prompt_features:
                     mean_t = sum(st.thresholds_used) / len(st.thresholds_used) if st.thresholds_used else t
                     self.admission_learner.record([*tr.spec.prompt_features, mean_t], tr.steps, tr.blocks)
-                if shed and tr.epoch == g.epoch:
-                    g.finished(now - tr.spec.arrival <= tr.spec.slo_s + 1e-9, now, self.res.shed)
                 continue
             tr.served.append(st.est[index[t]] if st.est else math.nan)
-            if shed and tr.epoch == g.epoch and foreseen_miss(self.router, st, dt * 1000.0, now):
-                tr.epoch = -1  # counted now, not again when it finishes
-                g.finished(False, now, self.res.shed)
 
     def _refit(self, now: float) -> None:
         rec = self.learner.refit()

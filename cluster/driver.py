@@ -1,0 +1,279 @@
+"""The cluster driver: what happens to requests and instances, decided once for the live ingress and the
+cluster simulator (pure Python: no asyncio, no torch, no ray).
+
+The router (``cluster.router.Router``) answers questions: where does a request go, which threshold does
+its next step take, which requests move. The driver owns everything around those answers that both
+the live ``app.dispatch.Dispatcher`` and ``sim.cluster.ClusterSimulator`` need, so that neither
+writes it again:
+
+- **admission** (``arrive``): the router places the arrival; with shedding on, an arrival that cannot
+  meet its SLO even at the lowest thresholds (``Router.admissible`` at the governor's ``util``) is
+  refused; with no instance serving it waits (``held``) for the next one;
+- **membership** (``join``, ``drain``, ``evacuate``, ``lost``): an instance joins the router; a draining
+  one takes nothing new, and its requests move to the serving ones when the executor evacuates it
+  (live: at once; the simulator: at its next round boundary); when none serves they wait for the next
+  to join (``held``), or stay where they are when the instance can keep serving (a live replica that
+  shuts down gracefully); a lost instance's requests are returned for the executor to resume;
+- **progress** (``on_round``): an instance's round of steps becomes the router's step event (with the
+  latency profile calibrated by the round's measured time, live), the migrations the policy decides,
+  and the admission governor's early feedback (a request foreseen to miss its SLO);
+- **thresholds** (``plan``): after each round, and when a request is placed, the thresholds of the
+  instance's requests' next steps (requests with a client-fixed threshold keep it) and the router's
+  estimate of their remaining rounds (the instance scheduler's r_i);
+- **finishing** (``finished``, ``cancelled``): the request leaves the router; the governor learns
+  whether an admitted request met its SLO.
+
+Every decision comes back as ``Move`` objects (send this request to that instance: a placement, a
+migration, an evacuation or a resume); executing one (a wire message, or a migration event in virtual
+time) is the caller's. Each move raises the request's ``attempt``: an executor drops progress or
+arrivals of an older attempt (a request that moved on since). With ``log=True`` the driver records its
+decisions (``decisions``), so the two executors can be compared on one scenario.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cluster.admission import AdmissionGovernor, foreseen_miss
+from cluster.router import Router
+from cluster.state import RequestState
+
+
+@dataclass(frozen=True)
+class Move:
+    """Send ``state`` to instance ``dst`` (its ``attempt``-th placement); ``src``: the instance it leaves
+    (None: none, e.g. an arrival or a request that waited); ``why``: place | migrate | evacuate | resume."""
+
+    state: RequestState
+    dst: int
+    src: int | None
+    why: str
+    attempt: int
+
+
+class ClusterDriver:
+    def __init__(self, router: Router, *, shed: bool = False, calibrate: bool = False,
+                 per_instance_limit: int | None = None, log: bool = False) -> None:
+        """``shed``: refuse arrivals that cannot meet their SLO; ``calibrate``: scale the latency profiles by
+        the rounds' measured times (live); ``per_instance_limit``: requests an instance may hold (a placement
+        on a fuller one goes to the least full instead); ``log``: keep the decisions in ``decisions``."""
+        self.router = router
+        self.governor = AdmissionGovernor()
+        self.shed, self.calibrate, self.per_instance_limit = shed, calibrate, per_instance_limit
+        self.draining: set[int] = set()  # take nothing new (in the router while they hold requests)
+        self.stranded: set[int] = set()  # draining, evacuated when no other served: they keep theirs until a join
+        self.held: list[RequestState] = []  # requests waiting for an instance (arrivals and orphans)
+        self.stats = {"shed": 0, "held": 0, "evacuated": 0, "migrated": 0}
+        self.decisions: list[tuple] | None = [] if log else None
+
+    # ---- views ---------------------------------------------------------------------------------
+    def serving(self) -> list[int]:
+        """Instances that take new requests."""
+        return [i.inst_id for i in self.router.instances]
+
+    def _log(self, *entry) -> None:
+        if self.decisions is not None:
+            self.decisions.append(entry)
+
+    def _move(self, state: RequestState, dst: int, src: int | None, why: str, now: float) -> Move:
+        attempt = state.attempt = state.attempt + 1
+        self._log(round(now, 9), why, state.req_id, src, dst)
+        return Move(state, dst, src, why, attempt)
+
+    # ---- admission -------------------------------------------------------------------------------
+    def arrive(self, state: RequestState, now: float) -> Move | None:
+        """A new request. Returns its placement; None when it was refused (``state.shed`` is then True: the
+        caller answers 429) or it waits for an instance (in ``held``)."""
+        if not self.router.instances:
+            self._hold(state, now)
+            return None
+        self.router.add_request(state, now)
+        # no shedding on a prior's guess (OnlineStepEstimator.ready): the learners never see what it refuses
+        if (self.shed and getattr(self.router.estimator, "ready", True)
+                and not self.router.admissible(state, now, self.governor.util)):
+            self.router.reject(state)
+            state.shed = True
+            self.stats["shed"] += 1
+            self._log(round(now, 9), "shed", state.req_id, None, None)
+            return None
+        state.epoch = self.governor.epoch if self.shed and state.counted else -1
+        return self._placed(state, state.instance, None, "place", now)
+
+    def _placed(self, state: RequestState, inst_id: int, src: int | None, why: str, now: float) -> Move:
+        """``state`` was just placed on ``inst_id`` by the router: past the per-instance limit it goes to the
+        least full instance instead."""
+        limit = self.per_instance_limit
+        if limit is not None and self.router.by_id[inst_id].n > limit:
+            here = self.router.by_id[inst_id]
+            dst = min(self.router.instances, key=lambda i: (i.n, i.inst_id))
+            if dst is not here:
+                here.remove(state)
+                dst.add(state)
+                inst_id = dst.inst_id
+        return self._move(state, inst_id, src, why, now)
+
+    def _hold(self, state: RequestState, now: float) -> None:
+        self.held.append(state)
+        self.stats["held"] += 1
+        self._log(round(now, 9), "hold", state.req_id, state.instance, None)
+
+    def unhold(self, state: RequestState) -> bool:
+        """``state`` no longer waits (cancelled, or it waited too long: the caller fails it)."""
+        try:
+            self.held.remove(state)
+        except ValueError:
+            return False
+        self.router.finish(state)
+        return True
+
+    # ---- membership ------------------------------------------------------------------------------
+    def join(self, inst_id: int, tp: int, now: float) -> list[Move]:
+        """A new instance serves from now: the requests of draining instances move to the serving ones,
+        and the held ones are placed (arrivals as arrivals, without a second admission test: they waited)."""
+        self.router.add_instance(inst_id, tp)
+        moves = []
+        for src in sorted(self.stranded):
+            moves += self.evacuate(src, now)
+        held, self.held = self.held, []
+        for state in held:
+            if state.req_id in self.router.requests:  # an active request whose instance went away
+                moves.append(self._placed(state, self.router.place(state), None, "resume", now))
+            else:
+                self.router.add_request(state, now)
+                state.epoch = self.governor.epoch if self.shed and state.counted else -1
+                moves.append(self._placed(state, state.instance, None, "place", now))
+        return moves
+
+    def drain(self, inst_id: int, now: float) -> None:
+        """``inst_id`` takes nothing new from now; its requests move when the executor calls ``evacuate``."""
+        inst = self.router.by_id.get(inst_id)
+        if inst is None or inst_id in self.draining:
+            return
+        self.draining.add(inst_id)
+        self.router.instances = [i for i in self.router.instances if i is not inst]
+        self._log(round(now, 9), "drain", None, inst_id, None)
+
+    def evacuate(self, inst_id: int, now: float, keep_if_alone: bool = True) -> list[Move]:
+        """Move a draining instance's requests to the serving instances (as the router places them; no KV
+        travels: a full-sequence request recomputes on arrival) and forget the instance. With none serving:
+        with ``keep_if_alone`` nothing happens (it goes on serving them; ``join`` moves them later), else
+        the instance goes and its requests wait for the next one to join (``held``)."""
+        if inst_id not in self.router.by_id:
+            return []
+        if not self.router.instances and keep_if_alone:
+            self.stranded.add(inst_id)
+            return []
+        self.draining.discard(inst_id)
+        self.stranded.discard(inst_id)
+        moves = []
+        for state in self._remove(inst_id):
+            self.stats["evacuated"] += 1
+            dst = self.router.place(state)
+            if dst is None:
+                self._hold(state, now)
+            else:
+                moves.append(self._placed(state, dst, inst_id, "evacuate", now))
+        return moves
+
+    def lost(self, inst_id: int, now: float) -> list[RequestState]:
+        """``inst_id`` is gone (died, disconnected): it leaves the router; its requests (unplaced) are
+        returned for the caller to ``resume`` (or fail)."""
+        if inst_id not in self.router.by_id:
+            return []
+        self.draining.discard(inst_id)
+        self.stranded.discard(inst_id)
+        self._log(round(now, 9), "lost", None, inst_id, None)
+        return self._remove(inst_id)
+
+    def _remove(self, inst_id: int) -> list[RequestState]:
+        inst = self.router.by_id[inst_id]
+        if inst not in self.router.instances:  # drained: out of placement already
+            self.router.instances.append(inst)
+        return self.router.remove_instance(inst_id)
+
+    def resume(self, state: RequestState, now: float, exclude: int | None = None) -> Move | None:
+        """Place an active request again (its instance went away or refused it), not on ``exclude``; None:
+        no instance can take it (when none serves it waits in ``held``)."""
+        dst = self.router.place(state, exclude)
+        if dst is None:
+            if not self.router.instances:
+                self._hold(state, now)
+            return None
+        return self._placed(state, dst, None, "resume", now)
+
+    # ---- progress ----------------------------------------------------------------------------------
+    def on_round(self, inst_id: int, stepped: Sequence[tuple[RequestState, bool, bool]], now: float,
+                 round_ms: float | None = None, kinds: dict | None = None) -> list[Move]:
+        """An instance's round: ``stepped`` is (request, its next step is heavy, finished) per request that
+        stepped (progress fields already written); ``round_ms``: what the round took (live: measured;
+        calibrates the profile when ``calibrate``; the governor's foreseen misses use it); ``kinds``: the
+        round's steps per kind when the instance counts them. Returns the migrations the policy decided
+        (already accounted in the router). Finished requests leave the router here; the caller reports
+        each with ``finished`` once it has what it needs."""
+        router = self.router
+        if self.calibrate and round_ms:
+            inst = router.by_id[inst_id]
+            if kinds:
+                heavy = kinds.get("prefill", 0) + kinds.get("recompute", 0)
+                light = kinds.get("denoise", 0) + kinds.get("cached", 0)
+            else:
+                heavy = round(len(stepped) * inst.n_heavy / max(inst.n, 1))
+                light = len(stepped) - heavy
+            router.latency.calibrate(inst.tp, heavy, light, round_ms)
+        moves = router.on_step(inst_id, stepped, now)
+        if self.shed and round_ms:
+            g = self.governor
+            for state, _, done in stepped:
+                if not done and state.epoch == g.epoch and foreseen_miss(router, state, round_ms, now):
+                    state.epoch = -1  # counted now, not again when it finishes
+                    g.finished(False, now, self.stats["shed"])
+        out = []
+        for state, dst in moves:
+            self.stats["migrated"] += 1
+            out.append(self._move(state, dst, inst_id, "migrate", now))
+        return out
+
+    def plan(self, inst_id: int, now: float, states: Sequence[RequestState] | None = None) -> dict[str, float]:
+        """The thresholds of the next steps of ``states`` (default: every request on ``inst_id`` whose
+        threshold the router chooses), by request id. Fixed thresholds are not the router's: left out."""
+        inst = self.router.by_id.get(inst_id)
+        if inst is None:
+            return {}
+        if states is None:
+            states = [self.router.requests[r] for r in inst.requests if r in self.router.requests]
+        states = [s for s in states if s.fixed_threshold is None]
+        if not states:
+            return {}
+        before = [s.threshold for s in states]
+        out = {}
+        for s, t, old in zip(states, self.router.plan_thresholds(inst_id, states, now), before):
+            out[s.req_id] = t
+            if t != old:
+                self._log(round(now, 9), "threshold", s.req_id, inst_id, t)
+        return out
+
+    def threshold_for(self, state: RequestState, now: float) -> float:
+        """The threshold of a request's next step on the instance it was just placed on."""
+        if state.fixed_threshold is not None:
+            return state.fixed_threshold
+        return self.plan(state.instance, now, [state])[state.req_id]
+
+    def estimate(self, state: RequestState) -> float | None:
+        """The router's estimate of ``state``'s remaining rounds at its threshold (None before any)."""
+        return self.router.remaining_steps(state) if state.est else None
+
+    # ---- leaving ----------------------------------------------------------------------------------
+    def finished(self, state: RequestState, now: float) -> None:
+        """``state`` finished (all its tokens, a stop, its budget): it leaves the router, and the governor
+        learns whether it met its SLO when it was admitted in the current epoch."""
+        self.router.finish(state)
+        if state.epoch >= 0 and state.epoch == self.governor.epoch:
+            self.governor.finished(now <= state.deadline + 1e-9, now, self.stats["shed"])
+        state.epoch = -1
+
+    def cancelled(self, state: RequestState) -> None:
+        """``state`` left without finishing (the client went away, or it failed)."""
+        if state in self.held:
+            self.held.remove(state)
+        self.router.finish(state)
