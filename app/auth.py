@@ -1,6 +1,6 @@
 """Optional API keys: Bearer authentication and per-key limits for the ingress.
 
-Pure Python (pydantic only). ``AppConfig.api_keys`` lists :class:`ApiKeySpec` entries; an empty list
+Pure Python (pydantic only). ``AppConfig.http.api_keys`` lists :class:`ApiKeySpec` entries; an empty list
 leaves the API open. The ingress builds a :class:`Keyring` from them once, then for each request
 
 - :meth:`Keyring.authenticate` maps the ``Authorization`` header to an :class:`ApiKey` (or raises a

@@ -39,35 +39,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+from app.config import INGRESS, AppConfig, PlannerArgs, denoiser_tp
 
 log = logging.getLogger(__name__)
-INGRESS = "Ingress"
-DENOISER_PREFIX = "Denoiser_TP"
-
-
-class PlannerArgs(BaseModel):
-    """``AppConfig.planner``: the cluster the planner sizes and how often it re-plans."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(8, ge=1, description="GPUs (or logical GPUs) per node")
-    period_s: float = Field(300.0, gt=0, description="re-plan this often")
-    window_s: float = Field(300.0, gt=0, description="arrival-rate window of the workload monitor")
-    min_gain: float = Field(0.10, ge=0, description="act only when an objective improves this much")
-    profile: str | None = Field(None, description="latency profile; default: the router's")
-    check_s: float = Field(1.0, gt=0, description="how often the background thread looks")
-    step_timeout_s: float = Field(180.0, gt=0, description="move to the next transition step after this long")
-    min_requests: int = Field(50, ge=1, description="finished requests before a measured input (steps per token, "
-                                                   "SLO scale) replaces its default")
-    min_bucket: int = Field(10, ge=1, description="finished requests at a threshold before its steps per token is "
-                                                 "measured (the others follow the measured ones)")
-    finished_window: int = Field(2000, ge=1, description="finished requests the measured inputs are taken over")
-
-    @property
-    def gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
 
 
 def pack(counts: dict[int, int], gpus_per_node: tuple[int, ...]):
@@ -206,7 +180,7 @@ class PlannerService:
                     "inputs": self.planner.describe_inputs(now)}
 
 
-def build_service(cfg, model_cfg=None, clock: Callable[[], float] = time.monotonic) -> PlannerService:
+def build_service(cfg: AppConfig, model_cfg=None, clock: Callable[[], float] = time.monotonic) -> PlannerService:
     """The service of an app (``AppConfig`` with ``planner`` set)."""
     from engine.latency_profile import PROFILES_DIR, load_tp_profiles
     from planner.costs import StepModel, default_steps_per_token
@@ -219,25 +193,27 @@ def build_service(cfg, model_cfg=None, clock: Callable[[], float] = time.monoton
     cluster = Cluster.uniform(args.nodes, args.gpus_per_node)
     initial = initial_counts(cfg)
     name = args.profile or cfg.profile_name()
-    profiles = load_tp_profiles(name, cfg.tp_degrees)
+    degrees = cfg.resources.tp_degrees
+    profiles = load_tp_profiles(name, degrees)
     # a degree without its own profile file is TP-1's scaled (engine.latency_profile.load_tp_profiles)
     sources = {d: "configured" if d == 1 or (PROFILES_DIR / f"{name}-tp{d}.json").exists() else "scaled"
-               for d in cfg.tp_degrees}
+               for d in degrees}
     # the router's candidate thresholds; their default steps per token until finished requests measure them
-    steps = StepModel(steps_per_token=default_steps_per_token(cfg.thresholds),
+    steps = StepModel(steps_per_token=default_steps_per_token(cfg.router.thresholds),
                       block_tokens=getattr(model_cfg, "block_size", None) or StepModel.block_tokens)
     pcfg = PlannerConfig(period_s=args.period_s, min_gain=args.min_gain, steps=steps,
                          inputs=InputsConfig(args.min_requests, args.min_bucket, args.finished_window))
     planner = Planner(cluster, profiles, pcfg, monitor=WorkloadMonitor(window_s=args.window_s),
                       current=pack(initial, cluster.gpus_per_node), clock=clock, profile_sources=sources)
-    return PlannerService(planner, cfg.tp_degrees, initial, args.check_s, args.step_timeout_s, clock=clock)
+    return PlannerService(planner, degrees, initial, args.check_s, args.step_timeout_s, clock=clock)
 
 
-def initial_counts(cfg) -> dict[int, int]:
-    """Replicas per TP degree at start: ``cfg.replicas`` where given, else every GPU in the smallest degree."""
-    degrees = cfg.tp_degrees
-    if cfg.replicas:
-        counts = {d: cfg.replicas.get(d, 0) for d in degrees}
+def initial_counts(cfg: AppConfig) -> dict[int, int]:
+    """Replicas per TP degree at start: ``resources.replicas`` where given, else every GPU in the smallest
+    degree."""
+    degrees, replicas = cfg.resources.tp_degrees, cfg.resources.replicas
+    if replicas:
+        counts = {d: replicas.get(d, 0) for d in degrees}
     else:
         counts = {d: 0 for d in degrees}
         counts[degrees[0]] = cfg.planner.gpus // degrees[0]
@@ -272,8 +248,9 @@ def planner_policy(contexts: dict) -> tuple[dict, dict]:
     for dep_id, ctx in contexts.items():
         state[dep_id] = {}
         decisions[dep_id] = ctx.target_num_replicas
-        if ctx.deployment_name.startswith(DENOISER_PREFIX) and ingress is not None:
-            target = _latest(ingress, f"target_tp{ctx.deployment_name[len(DENOISER_PREFIX):]}")
+        tp = denoiser_tp(ctx.deployment_name)
+        if tp is not None and ingress is not None:
+            target = _latest(ingress, f"target_tp{tp}")
             if target is not None:
                 decisions[dep_id] = int(round(target))
     return decisions, state

@@ -17,22 +17,23 @@ def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router
     """The router of an app (``AppConfig``) serving a model (``ModelConfig``): latency profiles per
     configured TP degree, and step estimates from ``learning`` (the online learners, which start from
     the shipped predictors when there are any); without it, from the shipped predictors alone, and
-    without those (or with ``predictors: off``) the thresholds stay fixed: a dynamic policy needs step
-    estimates."""
+    without those (or with ``router.predictors: off``) the thresholds stay fixed: a dynamic policy needs
+    step estimates."""
     from cluster import OnlineStepEstimator, RouterConfig, StepShape, TpLatencyModel
     from cluster.learning import build_learning
     from engine.latency_profile import load_tp_profiles
     from predictors.bundle import PredictorError
 
-    thresholds = tuple(sorted(cfg.thresholds, reverse=True))
+    rc, degrees = cfg.router, cfg.resources.tp_degrees
+    thresholds = tuple(sorted(rc.thresholds, reverse=True))
     shape = StepShape(block_tokens=model_cfg.block_size,
                       sequence_tokens=int(model_cfg.extra.get("gen_length", 128)) + 64,
                       full_sequence=model_cfg.attention != "block_causal")
-    latency = TpLatencyModel(load_tp_profiles(cfg.profile_name(), cfg.tp_degrees), cfg.slots, shape)
-    policy = cfg.router_policy
-    if learning is None and cfg.predictors != "off":
+    latency = TpLatencyModel(load_tp_profiles(cfg.profile_name(), degrees), cfg.engine.slots, shape)
+    policy = rc.policy
+    if learning is None and rc.predictors != "off":
         try:
-            learning = build_learning("shipped", cfg.model, thresholds, 1.0)
+            learning = build_learning("shipped", cfg.engine.model, thresholds, 1.0)
         except PredictorError as exc:
             log.warning("no step predictor (%s)", exc)
     if learning is not None:

@@ -9,7 +9,7 @@ swaps a better model in atomically. Shipped predictors, when the mode allows the
 starting point; without any, the learners' priors serve (measured tokens per step; one round per
 block) until the first model, so every adaptive mechanism runs on any checkpoint.
 
-Modes (``AppConfig.predictors``): ``auto`` (shipped when present, else learnt), ``shipped`` (shipped
+Modes (``AppConfig.router.predictors``): ``auto`` (shipped when present, else learnt), ``shipped`` (shipped
 only: no refits; the finished requests still score them), ``online`` (learnt from a cold start, shipped
 ones ignored), ``off`` (no step estimates: the router keeps fixed thresholds).
 """

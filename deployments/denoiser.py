@@ -7,9 +7,11 @@ boundary; progress leaves as one batch per round on the same channel. The
 replica registers its channel with the app's Ingress over Ray (again whenever
 it has had no ingress for a while, e.g. after an ingress restart).
 
-At start the replica sizes its KV pool from a memory budget (``kv_pool_args``;
-the scheduler reserves against exactly that pool) and measures its own
-step-latency profile on its device for about ``profile_seconds``
+It takes the validated ``AppConfig``; its engine starts as every rank's does
+(``deployments.startup.start_engine``): the KV pool sized from a memory budget
+(``kv_pool_args``; the scheduler reserves against exactly that pool). It then
+measures its own step-latency profile on its device for about
+``engine.profile_seconds``
 (``engine.profiling.profile_instance``); the registration carries it as
 ``info["profile"]``: ``LatencyProfile.to_dict()``, which
 ``engine.latency_profile.LatencyProfile.from_dict`` loads (``meta``: ``tp``, ``slots``,
@@ -24,8 +26,7 @@ import time
 
 from ray import serve
 
-from app.config import AppConfig, kv_capacity_override, kv_pool_args
-from engine.loading import load_engine
+from app.config import INGRESS, AppConfig, tp_worker_name
 
 log = logging.getLogger("ray.serve")
 
@@ -33,38 +34,33 @@ log = logging.getLogger("ray.serve")
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=5)
 class Denoiser:
-    def __init__(self, config: dict, tp: int = 1) -> None:
+    def __init__(self, cfg: AppConfig, tp: int = 1) -> None:
         import ray
 
         from app.replica import ReplicaServer
+        from deployments.startup import start_engine
         from engine.instance import Instance
 
-        self.cfg = AppConfig(**config)
+        self.cfg = cfg
         self.tp = tp
         ctx = serve.get_replica_context()
         self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
         self.actor_name = ctx.replica_id.to_full_id_str()  # its Ray actor (namespace "serve")
         self.workers, self.worker_names = [], []
-        mirror = None
-        kwargs = dict(device=self.cfg.device, dtype=self.cfg.torch_dtype(), cache=self.cfg.cache,
-                      max_slots=self.cfg.slots, default_gen_length=self.cfg.default_max_tokens,
-                      max_gen_length=self.cfg.max_tokens_limit, kv_slot_tokens=self.cfg.kv_slot_tokens,
-                      cuda_graphs=None if self.cfg.cuda_graphs else False,  # None: where they apply
-                      **kv_pool_args(self.cfg))
+        e = cfg.engine
         if tp > 1:
-            engine, mirror = self._start_tensor_parallel(kwargs)
+            engine, mirror = self._start_tensor_parallel()
         else:
-            engine = load_engine(self.cfg.model, **kwargs)
+            engine, mirror = start_engine(cfg), None
         log.info("KV pool: %s", engine.kv_pool_budget)
-        self.instance = Instance(engine, policy=self.cfg.policy, slots=self.cfg.slots,
-                                 kv_capacity_tokens=kv_capacity_override(self.cfg), mirror=mirror,
-                                 followers_alive=self._followers_alive if tp > 1 else None)
-        self.profile = self._measure_profile() if self.cfg.profile_seconds > 0 else None
-        describe = self._attach_predictors() if self.cfg.predictors != "off" else None
-        self.server = ReplicaServer(self.instance, max_waiting=self.cfg.max_waiting, describe=describe,
+        self.instance = Instance(engine, policy=e.policy, slots=e.slots, kv_capacity_tokens=e.kv_capacity_tokens,
+                                 mirror=mirror, followers_alive=self._followers_alive if tp > 1 else None)
+        self.profile = self._measure_profile() if e.profile_seconds > 0 else None
+        describe = self._attach_predictors() if cfg.router.predictors != "off" else None
+        self.server = ReplicaServer(self.instance, max_waiting=e.max_waiting, describe=describe,
                                     host=ray.util.get_node_ip_address(),
-                                    threshold_wait_s=self.cfg.threshold_wait_ms / 1e3,
-                                    threshold_wait_frac=self.cfg.threshold_wait_frac)
+                                    threshold_wait_s=e.threshold_wait_ms / 1e3,
+                                    threshold_wait_frac=e.threshold_wait_frac)
         self.loop, self.channel = self.server.loop, self.server.channel
         self._stopped = threading.Event()
         self.register_s = 2.0
@@ -72,14 +68,14 @@ class Denoiser:
 
     def _measure_profile(self) -> dict | None:
         """This replica's step-latency profile, measured on its own device through its instance (rounds
-        of 1 to ``slots`` requests for about ``profile_seconds``), in ``LatencyProfile.to_dict`` form."""
+        of 1 to ``slots`` requests for about ``engine.profile_seconds``), in ``LatencyProfile.to_dict`` form."""
         from pathlib import Path
 
         from engine.profiling import profile_instance
 
         try:
-            prof = profile_instance(self.instance, f"{Path(self.cfg.model).name}-tp{self.tp}-measured",
-                                    budget_s=self.cfg.profile_seconds)
+            prof = profile_instance(self.instance, f"{Path(self.cfg.engine.model).name}-tp{self.tp}-measured",
+                                    budget_s=self.cfg.engine.profile_seconds)
         except Exception:  # a replica that cannot measure itself still serves: the ingress keeps its tables
             log.exception("measuring the latency profile failed; registering without one")
             return None
@@ -93,52 +89,44 @@ class Denoiser:
         from predictors.bundle import PredictorError, load_predictors
         from predictors.features import state_row
 
-        if self.cfg.predictors in ("auto", "shipped"):
+        mode = self.cfg.router.predictors
+        if mode in ("auto", "shipped"):
             try:
-                load_predictors(self.cfg.model).attach(self.instance, lookahead=self.cfg.lookahead_blocks)
+                load_predictors(self.cfg.engine.model).attach(self.instance, lookahead=self.cfg.engine.lookahead_blocks)
             except PredictorError as exc:
-                if self.cfg.predictors == "shipped":
+                if mode == "shipped":
                     raise
                 log.info("no shipped work predictors (%s): the router's estimates rank the requests", exc)
         return state_row
 
-    def _start_tensor_parallel(self, kwargs: dict):
-        """Rank 0 here; ranks 1..tp-1 as actors in this replica's placement group."""
-        import datetime
+    def _start_tensor_parallel(self):
+        """Rank 0 here; ranks 1..tp-1 as actors in this replica's placement group; every rank's engine
+        from ``start_engine``."""
         import socket
 
         import ray
-        import torch.distributed as dist
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from deployments.startup import start_engine
         from deployments.tp_worker import TPWorker
-        from engine.engine import Engine
-        from engine.loading import resolve_model
-        from engine.models.loader import load_model
-        from engine.models.tensor_parallel import all_reduce_sum, shard_model
-        from engine.tokenizer import load_tokenizer
 
         addr = ray.util.get_node_ip_address()
         with socket.socket() as sock:
             sock.bind((addr, 0))
             port = sock.getsockname()[1]
+        init_method = f"tcp://{addr}:{port}"
         pg = ray.util.get_current_placement_group()
-        gpus = {"num_gpus": self.cfg.gpus_per_rank} if self.cfg.gpus_per_rank else {}
+        gpus = {"num_gpus": self.cfg.resources.gpus_per_rank} if self.cfg.resources.gpus_per_rank else {}
         for rank in range(1, self.tp):
             strategy = (PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
                         if pg is not None else "DEFAULT")
             # named (namespace "serve", like the replica's own actor) so operators and fault tests find them
-            name = f"{serve.get_replica_context().replica_id.to_full_id_str()}:rank{rank}"
+            name = tp_worker_name(self.actor_name, rank)
             self.workers.append(TPWorker.options(num_cpus=0.01, scheduling_strategy=strategy, name=name,
                                                  namespace="serve", **gpus)
-                                .remote(self.cfg.model_dump(), rank, self.tp, addr, port))
+                                .remote(self.cfg, rank, self.tp, init_method))
             self.worker_names.append(name)
-        backend = "nccl" if self.cfg.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=0, world_size=self.tp,
-                                timeout=datetime.timedelta(seconds=120))
-        path = resolve_model(self.cfg.model)
-        model = shard_model(load_model(path, dtype=kwargs.pop("dtype")), 0, self.tp, all_reduce_sum())
-        engine = Engine(model.to(self.cfg.device), load_tokenizer(path), **kwargs)
+        engine = start_engine(self.cfg, 0, self.tp, init_method)
         ray.get([w.ready.remote() for w in self.workers])
 
         def mirror(commands, plan):
@@ -166,7 +154,7 @@ class Denoiser:
             info["profile"] = self.profile  # LatencyProfile.to_dict(): engine.latency_profile.LatencyProfile.from_dict
         while not self._stopped.is_set() and self.loop.broken is None:
             try:
-                handle = handle or serve.get_deployment_handle("Ingress", self.app_name)
+                handle = handle or serve.get_deployment_handle(INGRESS, self.app_name)
                 handle.register.remote(info).result(timeout_s=30)
             except Exception as exc:  # the ingress is starting or restarting: try again
                 log.info("registering with the ingress failed (%s); retrying", exc)
@@ -180,21 +168,21 @@ class Denoiser:
             raise RuntimeError(f"instance broken: {self.loop.broken}")
         if not stats["alive"]:
             raise RuntimeError("round loop died")
-        if stats["round_running_s"] > self.cfg.round_timeout_s:
+        if stats["round_running_s"] > self.cfg.engine.round_timeout_s:
             self.server.channel.close()  # the ingress resumes its requests now, not when the actor dies
             raise RuntimeError(f"a round has run for {stats['round_running_s']:.0f} s "
-                               f"(round_timeout_s {self.cfg.round_timeout_s:g})")
+                               f"(engine.round_timeout_s {self.cfg.engine.round_timeout_s:g})")
 
     def __del__(self) -> None:
         """Serve stops this replica (a redeploy, a scale-down, shutdown): drain first. Each ingress moves
         the requests it can to other instances; the rest may finish here for up to ``drain_s``; whatever
-        is left then resumes elsewhere when the channel closes."""
+        is left then resumes elsewhere when the channel closes (``resources.drain_s``)."""
         stopped = getattr(self, "_stopped", None)
         if stopped is not None:
             stopped.set()
         server = getattr(self, "server", None)
         if server is not None:
-            left = server.drain(self.cfg.drain_s) if server.channel.connected else 0
+            left = server.drain(self.cfg.resources.drain_s) if server.channel.connected else 0
             if left:
                 log.warning("%d requests did not finish within drain_s; they resume elsewhere", left)
             server.close()

@@ -71,7 +71,7 @@ class _Stream(StreamingResponse):
 @serve.deployment(num_replicas=1, max_ongoing_requests=4096)
 @serve.ingress(web)
 class Ingress:
-    def __init__(self, denoisers: dict[int, DeploymentHandle], config: dict) -> None:
+    def __init__(self, denoisers: dict[int, DeploymentHandle], cfg: AppConfig) -> None:
         from app.dispatch import Dispatcher
         from cluster.factory import build_router
         from cluster.learning import build_learning
@@ -79,31 +79,31 @@ class Ingress:
         from engine.models.loader import load_config
         from engine.tokenizer import load_tokenizer
 
-        self.cfg = AppConfig(**config)
-        self.keys = Keyring.from_specs(self.cfg.api_keys)  # reads key_env / key_file here, in the replica
+        self.cfg = cfg
+        self.keys = Keyring.from_specs(cfg.http.api_keys)  # reads key_env / key_file here, in the replica
         self.denoisers = {int(k): v for k, v in denoisers.items()}  # keeps the deployments in the app
-        path = resolve_model(self.cfg.model)
+        path = resolve_model(cfg.engine.model)
         self.model_cfg = load_config(path)
         self.tokenizer = load_tokenizer(path)
-        self.metrics = Metrics(model_name=self.cfg.name)
+        self.metrics = Metrics(model_name=cfg.name)
         self.control = ControlTimer()
         self.outcomes = playground.RecentOutcomes()  # SLO met/missed over the last minutes (the playground)
         # the step and admission predictors, learnt from the traffic served (cluster.learning)
-        mode = self.cfg.predictors
-        self.learning = None if mode == "off" else build_learning(mode, self.cfg.model, self.cfg.thresholds)
+        rc, ec = cfg.router, cfg.engine
+        self.learning = None if rc.predictors == "off" else build_learning(rc.predictors, ec.model, rc.thresholds)
         self.dispatcher = Dispatcher(
-            build_router(self.cfg, self.model_cfg, self.learning), self.tokenizer.decode,
+            build_router(cfg, self.model_cfg, self.learning), self.tokenizer.decode,
             block_tokens=self.model_cfg.block_size,
             full_sequence=self.model_cfg.attention != "block_causal",
-            per_instance_limit=self.cfg.slots * 8 + self.cfg.max_waiting, default_slo_s=self.cfg.default_slo_ms / 1e3,
-            dead_after_s=self.cfg.dead_after_s, park_s=self.cfg.park_s, shed_over_capacity=self.cfg.shed_over_capacity,
+            per_instance_limit=ec.slots * 8 + ec.max_waiting, default_slo_s=rc.default_slo_ms / 1e3,
+            dead_after_s=rc.dead_after_s, park_s=rc.park_s, shed_over_capacity=rc.shed_over_capacity,
             on_batch=self._on_batch, on_migration=self.metrics.migration, learning=self.learning)
         self._lag_task: asyncio.Task | None = None  # the event-loop lag probe, started with the first request
         self.planner = None
-        if self.cfg.planner is not None:  # the TP groups' sizes follow the planner (app.autoscaling)
+        if cfg.planner is not None:  # the TP groups' sizes follow the planner (app.autoscaling)
             from app.autoscaling import build_service
 
-            self.planner = build_service(self.cfg, self.model_cfg)
+            self.planner = build_service(cfg, self.model_cfg)
             self.dispatcher.on_arrival = self.planner.observe
             self.dispatcher.on_instances = self.planner.set_live
             self.planner.start()
@@ -115,7 +115,7 @@ class Ingress:
         doc = web.openapi()
         for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat"),
                            ("/tokenize", "tokenize"), ("/detokenize", "detokenize")):
-            doc["paths"][path]["post"].update(api.openapi_body(kind, self.cfg.name, self.cfg.max_tokens_limit,
+            doc["paths"][path]["post"].update(api.openapi_body(kind, self.cfg.name, self.cfg.http.max_tokens_limit,
                                                                vocab_size=self.model_cfg.vocab_size))
         if self.keys.enabled:
             doc.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
@@ -133,8 +133,8 @@ class Ingress:
             raise
 
     async def _body(self, request: Request) -> bytes:
-        """The request body, at most ``max_body_bytes`` (413 past it, before reading the rest)."""
-        limit = self.cfg.max_body_bytes
+        """The request body, at most ``http.max_body_bytes`` (413 past it, before reading the rest)."""
+        limit = self.cfg.http.max_body_bytes
         api.check_content_length(request.headers.get("content-length"), limit)
         chunks, size = [], 0
         async for chunk in request.stream():
@@ -147,8 +147,8 @@ class Ingress:
     async def register(self, info: dict) -> int:
         """A Denoiser replica announces its control channel (called over Ray, not HTTP), and the latency
         profile it measured at its start: the router's and the planner's for its TP degree, unless the
-        config names a profile (``profile``, ``planner.profile``)."""
-        if info.get("profile") and self.cfg.profile is None:  # a profile named in the config stays in use
+        config names a profile (``router.profile``, ``planner.profile``)."""
+        if info.get("profile") and self.cfg.router.profile is None:  # a profile named in the config stays in use
             try:
                 prof = self.dispatcher.measured_profile(int(info["tp"]), info["profile"])
                 if prof is not None and self.planner is not None and self.cfg.planner.profile is None:
@@ -239,7 +239,7 @@ class Ingress:
         attainment over the last minute, the planner's last decision."""
         self._authorize(request)
         return playground.cluster_view(self.dispatcher, self.planner, time.monotonic(), self.outcomes,
-                                       slots=self.cfg.slots)
+                                       slots=self.cfg.engine.slots)
 
     @web.get("/metrics")
     async def metrics(self) -> Response:
@@ -315,8 +315,8 @@ class Ingress:
 
     def _parse(self, kind: str, body: bytes, key: ApiKey) -> api.GenRequest:
         return api.parse_request(kind, body, known_models=[self.cfg.name],
-                                 max_tokens_limit=key.max_tokens_limit(self.cfg.max_tokens_limit),
-                                 default_max_tokens=self.cfg.default_max_tokens
+                                 max_tokens_limit=key.max_tokens_limit(self.cfg.http.max_tokens_limit),
+                                 default_max_tokens=self.cfg.http.default_max_tokens
                                  or int(self.model_cfg.extra.get("gen_length", 128)),
                                  vocab_size=self.model_cfg.vocab_size)
 
@@ -518,7 +518,7 @@ class Ingress:
     def _cluster_gauges(self) -> None:
         """Running and waiting requests, KV usage (each instance's reported capacity) and the shed count."""
         self.metrics.set_cluster([i.stats for i in self.dispatcher.instances.values()],
-                                 self.cfg.kv_capacity_tokens or 0, self.dispatcher.stats["shed"])
+                                 self.cfg.engine.kv_capacity_tokens or 0, self.dispatcher.stats["shed"])
 
     def _finished(self, req: api.GenRequest, done: dict) -> None:
         slo_met = None if req.slo_ms is None else done["e2e_s"] * 1000 <= req.slo_ms

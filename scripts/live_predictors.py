@@ -88,8 +88,8 @@ def main() -> int:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        serve.run(build_app({"model": args.model, "slots": args.slots, "predictors": args.mode,
-                             "max_tokens_limit": 512}), name="live", route_prefix="/", blocking=False)
+        serve.run(build_app({"engine": {"model": args.model, "slots": args.slots}, "router": {"predictors": args.mode},
+                             "http": {"max_tokens_limit": 512}}), name="live", route_prefix="/", blocking=False)
         wait_until(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, limit_s=300)
         t0 = time.monotonic()
         results = tmp / "results.json"

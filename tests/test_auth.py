@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 
 import pytest
 from pydantic import ValidationError
@@ -98,13 +99,13 @@ def test_spec_needs_exactly_one_source(sources):
 
 
 def test_config_never_shows_an_inline_key():
-    cfg = AppConfig(api_keys=[{"name": "alpha", "key": SECRET_A, "max_concurrent": 2}])
+    cfg = AppConfig(http={"api_keys": [{"name": "alpha", "key": SECRET_A, "max_concurrent": 2}]})
     assert SECRET_A not in repr(cfg) and SECRET_A not in str(cfg.model_dump())
     assert SECRET_A not in cfg.model_dump_json()
-    again = AppConfig(**cfg.model_dump())  # the builder hands the dump to the deployments
-    assert Keyring.from_specs(again.api_keys).authenticate(f"Bearer {SECRET_A}").name == "alpha"
+    again = pickle.loads(pickle.dumps(cfg))  # the builder hands the config to the deployments through Ray
+    assert Keyring.from_specs(again.http.api_keys).authenticate(f"Bearer {SECRET_A}").name == "alpha"
     with pytest.raises(ValidationError):
-        AppConfig(api_keys=[{"name": "alpha", "key": SECRET_A, "max_concurrent": 0}])
+        AppConfig(http={"api_keys": [{"name": "alpha", "key": SECRET_A, "max_concurrent": 0}]})
 
 
 def test_concurrency_limit_429_and_release():

@@ -29,7 +29,8 @@ def app():
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    args = {"model": "tiny-bd", "tp_degrees": [1, 2], "gpus_per_rank": 1, "slots": 8, "max_tokens_limit": 256,
+    args = {"engine": {"model": "tiny-bd", "slots": 8}, "http": {"max_tokens_limit": 256},
+            "resources": {"tp_degrees": [1, 2], "gpus_per_rank": 1},
             "planner": {"nodes": 1, "gpus_per_node": 2, "period_s": 4, "window_s": 4, "profile": "cpu-tiny-bd",
                         "min_gain": 0.05, "check_s": 0.5, "step_timeout_s": 120}}
     # the app-level policy is part of the app's config, as `serve run` of a config file sets it

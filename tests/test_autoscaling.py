@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.autoscaling import build_service, initial_counts, pack, planner_policy
-from app.config import AppConfig
+from app.config import INGRESS, AppConfig, denoiser_name
 
 
 class Clock:
@@ -20,7 +20,7 @@ class Clock:
 
 
 def config(**planner) -> AppConfig:
-    return AppConfig(model="tiny-bd", tp_degrees=[1, 2], planner={
+    return AppConfig(engine={"model": "tiny-bd"}, resources={"tp_degrees": [1, 2]}, planner={
         "nodes": 1, "gpus_per_node": 2, "period_s": 10, "window_s": 10, "profile": "cpu-tiny-bd", "min_gain": 0.05,
         **planner})
 
@@ -92,10 +92,12 @@ def test_a_stuck_step_times_out():
 
 def test_initial_counts_and_packing():
     assert initial_counts(config()) == {1: 2, 2: 0}
-    cfg = AppConfig(model="tiny-bd", tp_degrees=[1, 2], replicas={2: 1}, planner={"gpus_per_node": 2})
+    cfg = AppConfig(engine={"model": "tiny-bd"}, resources={"tp_degrees": [1, 2], "replicas": {2: 1}},
+                    planner={"gpus_per_node": 2})
     assert initial_counts(cfg) == {1: 0, 2: 1}
     with pytest.raises(ValueError, match="need 4 GPUs"):
-        initial_counts(AppConfig(model="tiny-bd", tp_degrees=[1, 2], replicas={2: 2}, planner={"gpus_per_node": 2}))
+        initial_counts(AppConfig(engine={"model": "tiny-bd"}, resources={"tp_degrees": [1, 2], "replicas": {2: 2}},
+                                 planner={"gpus_per_node": 2}))
     nodes = [i.node for i in pack({1: 2, 4: 1}, (4, 2))]
     assert nodes == [0, 1, 1]
 
@@ -109,11 +111,11 @@ def test_policy_applies_the_ingress_targets():
     ts = SimpleNamespace
     rid = "ingress-replica"
     contexts = {
-        "ing": ctx("Ingress", 1, {"target_tp1": {rid: [ts(timestamp=1.0, value=2.0), ts(timestamp=2.0, value=0.0)]},
+        "ing": ctx(INGRESS, 1, {"target_tp1": {rid: [ts(timestamp=1.0, value=2.0), ts(timestamp=2.0, value=0.0)]},
                                   "target_tp2": {rid: [ts(timestamp=2.0, value=1.0)]}}),
-        "tp1": ctx("Denoiser_TP1", 2),
-        "tp2": ctx("Denoiser_TP2", 0),
-        "tp4": ctx("Denoiser_TP4", 3),  # no target published: left alone
+        "tp1": ctx(denoiser_name(1), 2),
+        "tp2": ctx(denoiser_name(2), 0),
+        "tp4": ctx(denoiser_name(4), 3),  # no target published: left alone
     }
     decisions, state = planner_policy(contexts)
     assert decisions == {"ing": 1, "tp1": 0, "tp2": 1, "tp4": 3}

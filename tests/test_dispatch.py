@@ -51,11 +51,12 @@ def make_dispatcher(**kw) -> Dispatcher:
     from engine.models.loader import load_config
     from engine.tokenizer import load_tokenizer
 
-    cfg = AppConfig(model="tiny-bd", slots=8, **kw)
+    cfg = AppConfig(engine={"model": "tiny-bd", "slots": 8}, **kw)
     path = resolve_model("tiny-bd")
     mcfg = load_config(path)
     return Dispatcher(build_router(cfg, mcfg), load_tokenizer(path).decode, block_tokens=mcfg.block_size,
-                      full_sequence=False, per_instance_limit=cfg.slots * 8 + cfg.max_waiting, dead_after_s=2.0)
+                      full_sequence=False, per_instance_limit=cfg.engine.slots * 8 + cfg.engine.max_waiting,
+                      dead_after_s=2.0)
 
 
 async def collect(stream) -> tuple[str, dict]:
@@ -271,8 +272,8 @@ def test_online_learners_train_on_the_requests_served(replicas):
     from cluster.learning import LiveLearning
     from predictors.online import OnlineAdmissionLearner, OnlineStepLearner
 
-    cfg = AppConfig(model="tiny-bd", slots=8)
-    step = OnlineStepLearner(cfg.thresholds, min_requests=8, refit_every=8)
+    cfg = AppConfig(engine={"model": "tiny-bd", "slots": 8})
+    step = OnlineStepLearner(cfg.router.thresholds, min_requests=8, refit_every=8)
     learning = LiveLearning(step, OnlineAdmissionLearner(min_requests=8, refit_every=8))
 
     async def main():
@@ -281,7 +282,8 @@ def test_online_learners_train_on_the_requests_served(replicas):
 
         mcfg = load_config(resolve_model("tiny-bd"))
         d = Dispatcher(build_router(cfg, mcfg, learning), ids_decode(), block_tokens=mcfg.block_size,
-                       full_sequence=False, per_instance_limit=cfg.slots * 8 + cfg.max_waiting, learning=learning)
+                       full_sequence=False, per_instance_limit=cfg.engine.slots * 8 + cfg.engine.max_waiting,
+                       learning=learning)
         assert isinstance(d.router.estimator, OnlineStepEstimator) and d.router.policy.name == "remask"
         for i, r in enumerate(replicas):
             await d.connect(f"l{i}", 1, **r.info())
@@ -341,7 +343,7 @@ def test_router_migrates_requests_to_a_new_instance():
 
     async def main():
         reps = [mdm_replica(), mdm_replica()]
-        cfg = AppConfig(model="tiny-mdm", slots=8)
+        cfg = AppConfig(engine={"model": "tiny-mdm", "slots": 8})
         path = resolve_model("tiny-mdm")
         mcfg = load_config(path)
         d = Dispatcher(build_router(cfg, mcfg), load_tokenizer(path).decode, block_tokens=mcfg.block_size,

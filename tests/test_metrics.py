@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.config import AppConfig
 from app.metrics import FAILURE_REASONS, Metrics, failure_reason
 from app.playground import RecentOutcomes
 from tests.dashboard import dashboard_metric_names, exposed_metric_names, promql_metric_names, template_metric_names
@@ -335,7 +336,7 @@ def _ingress():
     cls = Ingress.func_or_class.__wrapped__  # the class itself, without Serve's ASGI replica wrapper
     ing = cls.__new__(cls)
     ing.metrics = Metrics(model_name=MODEL)
-    ing.cfg = SimpleNamespace(name=MODEL, kv_capacity_tokens=1000)
+    ing.cfg = AppConfig(http={"served_model_name": MODEL}, engine={"kv_capacity_tokens": 1000})
     ing.outcomes, ing.planner = RecentOutcomes(), None
     return ing
 

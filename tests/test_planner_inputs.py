@@ -223,7 +223,7 @@ def _service():
         def __call__(self) -> float:
             return self.t
 
-    cfg = AppConfig(model="tiny-bd", tp_degrees=[1, 2], planner={
+    cfg = AppConfig(engine={"model": "tiny-bd"}, resources={"tp_degrees": [1, 2]}, planner={
         "nodes": 1, "gpus_per_node": 2, "period_s": 10, "window_s": 10, "profile": "cpu-tiny-bd",
         "min_requests": 20, "min_bucket": 5, "finished_window": 500})
     clock = Clock()

@@ -125,10 +125,10 @@ def real_dispatcher():
     from engine.loading import resolve_model
     from engine.models.loader import load_config
 
-    cfg = AppConfig(model="tiny-bd", slots=8)
+    cfg = AppConfig(engine={"model": "tiny-bd", "slots": 8})
     mcfg = load_config(resolve_model("tiny-bd"))
     d = Dispatcher(build_router(cfg, mcfg), lambda ids: "", block_tokens=mcfg.block_size, full_sequence=False,
-                   per_instance_limit=cfg.slots * 8 + cfg.max_waiting)
+                   per_instance_limit=cfg.engine.slots * 8 + cfg.engine.max_waiting)
     for inst_id, tp in enumerate(sorted(d.router.latency.profiles)[:1] * 2):
         d.router.add_instance(inst_id, tp)
         d.instances[inst_id] = InstanceLink(inst_id, f"r{inst_id}", tp, FakeLink(), time.monotonic(), stats={

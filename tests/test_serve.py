@@ -30,19 +30,21 @@ def app_url(hf_checkpoints):
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     # two TP-1 replicas: the router spreads requests, and one can be killed
-    serve.run(build_app({"model": "tiny-bd", "slots": 16, "max_waiting": 64, "max_tokens_limit": 256,
-                         "replicas": {1: 2}}),
+    serve.run(build_app({"engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
+                         "http": {"max_tokens_limit": 256}, "resources": {"replicas": {1: 2}}}),
               name="remask", route_prefix="/", blocking=False)
     # the same model with tensor parallelism 2 (gloo on CPU), as a second application
     # (small queues: the overload test fills them)
     # (its one replica is replaced when a TP worker is killed: its requests wait for the replacement,
     # which can take over 30 s on a loaded 2-core machine)
-    serve.run(build_app({"model": "tiny-bd", "tp_degrees": [2], "slots": 2, "max_waiting": 2,
-                         "max_tokens_limit": 256, "park_s": 150}),
+    serve.run(build_app({"engine": {"model": "tiny-bd", "slots": 2, "max_waiting": 2},
+                         "http": {"max_tokens_limit": 256}, "router": {"park_s": 150},
+                         "resources": {"tp_degrees": [2]}}),
               name="remask-tp2", route_prefix="/tp2", blocking=False)
     # a real-format checkpoint (random weights): its own tokenizer, chat template and generation_config.json
-    serve.run(build_app({"model": str(hf_checkpoints["dream"]), "served_model_name": HF_MODEL, "slots": 4,
-                         "max_waiting": 16, "max_tokens_limit": 64, "cpus_per_replica": 0.25}),
+    serve.run(build_app({"engine": {"model": str(hf_checkpoints["dream"]), "slots": 4, "max_waiting": 16},
+                         "http": {"served_model_name": HF_MODEL, "max_tokens_limit": 64},
+                         "resources": {"cpus_per_replica": 0.25}}),
               name="remask-hf", route_prefix=HF, blocking=False)
     # wait for the app to answer
     from tests.conftest import wait_until
@@ -349,8 +351,9 @@ def test_redeploy_with_a_changed_config_drains_in_flight_requests(app_url):
         if httpx.get(app_url + "/debug/instances", timeout=30).json()["live"] >= len(prompts):
             break
         time.sleep(0.05)
-    serve.run(build_app({"model": "tiny-bd", "served_model_name": "tiny-bd-v2", "slots": 16, "max_waiting": 64,
-                         "max_tokens_limit": 256, "replicas": {1: 2}}),
+    serve.run(build_app({"engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
+                         "http": {"served_model_name": "tiny-bd-v2", "max_tokens_limit": 256},
+                         "resources": {"replicas": {1: 2}}}),
               name="remask", route_prefix="/", blocking=False)
     for t in threads:
         t.join(300)

@@ -49,10 +49,12 @@ def app_url(tmp_path_factory):
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app({
-        "model": "tiny-bd", "slots": 16, "max_waiting": 64, "max_tokens_limit": 8, "max_body_bytes": BODY_LIMIT,
-        "api_keys": [{"name": "main", "key_env": "REMASK_GUARD_KEY"},
-                     {"name": "tight", "key_file": str(key_file), "max_concurrent": 1, "max_prompt_tokens": 48,
-                      "max_tokens": 4}]}), name="remask-guard", route_prefix="/", blocking=False)
+        "engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
+        "http": {"max_tokens_limit": 8, "max_body_bytes": BODY_LIMIT,
+                 "api_keys": [{"name": "main", "key_env": "REMASK_GUARD_KEY"},
+                              {"name": "tight", "key_file": str(key_file), "max_concurrent": 1,
+                               "max_prompt_tokens": 48, "max_tokens": 4}]}}),
+        name="remask-guard", route_prefix="/", blocking=False)
     wait_until(lambda: httpx.get(f"{BASE}/health", timeout=2).status_code == 200)
     yield BASE
     serve.shutdown()

@@ -22,6 +22,8 @@ import re
 import statistics
 import time
 
+from app.config import INGRESS
+
 PROMPTS_CATEGORIES = ("reverse", "choice", "arith", "prose")
 
 
@@ -150,6 +152,17 @@ def _recovery(results: list, reports: list) -> None:
         del rep["t"]
 
 
+def app_args(replicas: dict[int, int], slots: int, **sections: dict) -> dict:
+    """The harness's app config (``AppConfig``'s sections): tiny-bd, ``replicas`` Denoiser replicas per TP
+    degree, ``slots`` per round, max_tokens up to 256; ``sections``: more keys, by section
+    (``router={"dead_after_s": 5.0}``)."""
+    args = {"http": {"max_tokens_limit": 256}, "engine": {"model": "tiny-bd", "slots": slots},
+            "resources": {"tp_degrees": sorted(replicas), "replicas": dict(replicas)}}
+    for name, keys in sections.items():
+        args[name] = {**args.get(name, {}), **keys}
+    return args
+
+
 @contextlib.contextmanager
 def local_app(args: dict, replicas: int, port: int):
     """The app on a fresh local Ray cluster; yields its URL once ``replicas`` instances have joined."""
@@ -175,8 +188,7 @@ def run_faults(requests: int = 200, kills: int = 2, rate: float = 8.0, replicas:
                timeout: float = 180.0, target: str = "replica", tp: int = 1) -> dict:
     if target not in ("replica", "tp-worker") or (target == "tp-worker" and tp < 2):
         raise ValueError("target is 'replica' or 'tp-worker' (which needs tp >= 2)")
-    args = {"model": "tiny-bd", "tp_degrees": [tp], "replicas": {tp: replicas}, "slots": 16, "max_tokens_limit": 256,
-            "dead_after_s": 5.0}
+    args = app_args({tp: replicas}, 16, router={"dead_after_s": 5.0})
     with local_app(args, replicas, port) as url:
         results, reports, dispatch, wall = asyncio.run(_drive(url, requests, rate, kills, timeout, target))
     _recovery(results, reports)
@@ -270,7 +282,8 @@ def run_overload(factor: float = 10.0, seconds: float = 20.0, port: int = 8790, 
                  extra_args: dict | None = None) -> dict:
     """Offer ``factor`` x the rate the planner says one TP-1 instance holds, with the planner's SLO on
     every request: how much is shed (429 + Retry-After), whether the admitted requests meet their SLO,
-    and whether the replicas' memory stays bounded."""
+    and whether the replicas' memory stays bounded. ``extra_args``: more config keys, by section
+    (``{"router": {"shed_over_capacity": False}}``)."""
     import httpx
 
     import tasksuite as tasks
@@ -281,7 +294,7 @@ def run_overload(factor: float = 10.0, seconds: float = 20.0, port: int = 8790, 
     examples = [e for e in tasks.heldout_set(800) if e.category in categories]
     rate, slo_ms = planner_rate(max_tokens, prompt_tokens)
     offered = factor * rate
-    args = {"model": "tiny-bd", "replicas": {1: 1}, "slots": 32, "max_tokens_limit": 256, **(extra_args or {})}
+    args = app_args({1: 1}, 32, **(extra_args or {}))
 
     def body(i: int) -> dict:
         return {"prompt": examples[i % len(examples)].prompt, "max_tokens": max_tokens, "stream": True,
@@ -347,7 +360,7 @@ def run_cancel(cycles: int = 1000, concurrency: int = 8, port: int = 8790) -> di
     must come back, and the replicas' memory must not grow."""
     import httpx
 
-    args = {"model": "tiny-bd", "replicas": {1: 1}, "slots": 32, "max_tokens_limit": 256}
+    args = app_args({1: 1}, 32)
     with local_app(args, 1, port) as url:
         asyncio.run(_cancel_cycles(url, 100, concurrency))  # warm-up: allocator pools, caches
         idle = _settle(url)
@@ -418,14 +431,14 @@ def run_ingress_restart(streams: int = 8, port: int = 8790) -> dict:
     import httpx
     import ray
 
-    args = {"model": "tiny-bd", "replicas": {1: 2}, "slots": 16, "max_tokens_limit": 256}
+    args = app_args({1: 2}, 16)
 
     async def drive(url: str):
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=streams + 8)) as client:
             jobs = await _long_streams(url, streams)
             await _until_streaming(client, url, streams)
             (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if "#Ingress#" in a["name"]]
+                       if f"#{INGRESS}#" in a["name"]]
             t0 = time.monotonic()
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
             probe = await _probe(client, url, t0, 120)
@@ -445,15 +458,15 @@ def run_redeploy(streams: int = 8, port: int = 8790) -> dict:
 
     from deployments.builder import build_app
 
-    args = {"model": "tiny-bd", "replicas": {1: 2}, "slots": 16, "max_tokens_limit": 256}
+    args = app_args({1: 2}, 16)
 
     async def drive(url: str):
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=streams + 8)) as client:
             jobs = await _long_streams(url, streams)
             await _until_streaming(client, url, streams)
             t0 = time.monotonic()
-            serve.run(build_app({**args, "served_model_name": "tiny-bd-v2"}), name="remask", route_prefix="/",
-                      blocking=False)
+            changed = app_args({1: 2}, 16, http={"served_model_name": "tiny-bd-v2"})
+            serve.run(build_app(changed), name="remask", route_prefix="/", blocking=False)
             results = await asyncio.gather(*jobs)
             streams_s = time.monotonic() - t0
             new_s = None
