@@ -277,6 +277,7 @@ class ClusterSimulator:
         tokens, never KV)."""
         now = self.clock.now()
         for m in moves:
+            self.driver.threshold_for(m.state, now)  # its first step's on its new instance, chosen now (as live)
             if m.why == "place":
                 self._enter(m.state, m.dst)
             else:
@@ -344,7 +345,7 @@ class ClusterSimulator:
             self.world.append(("arrive", self.clock.now(), spec))
         move = self.driver.arrive(st, self.clock.now())
         if move is not None:
-            self._enter(st, move.dst)
+            self._execute([move])
         elif st.shed:
             del self.truth[spec.req_id], self.states[spec.req_id]
             self.res.shed += 1
@@ -371,8 +372,8 @@ class ClusterSimulator:
             return
         plan = inst.sched.schedule()
         states = [self.states[s.req_id] for s in plan.slots]
-        planned = self.driver.plan(inst.inst_id, self.clock.now(), states)
-        ths = [planned[st.req_id] for st in states]
+        # chosen when the instance's previous round ended, or when the request was placed (as live)
+        ths = [st.threshold for st in states]
         comp = []
         for st in states:
             seq = st.prompt_tokens + st.output_tokens
@@ -429,6 +430,7 @@ class ClusterSimulator:
         for m in moves:
             inst.sched.abort(m.state.req_id)
         self._execute(moves)
+        self.driver.plan(inst.inst_id, now)  # the next steps' thresholds of the requests it holds (as live)
         for st, _, done in stepped:
             if done:
                 self.driver.finished(st, now)
