@@ -1,0 +1,118 @@
+"""The cluster driver (cluster/driver.py): admission, membership, moves and their attempts, thresholds."""
+
+from __future__ import annotations
+
+from cluster import RequestState, Router, RouterConfig, StepShape, TableStepEstimator, TpLatencyModel
+from cluster.driver import ClusterDriver
+from engine.latency_profile import load_tp_profiles
+
+TS = (0.9, 0.8, 0.7)
+
+
+def driver(tps=(1, 1), policy="remask", **kw) -> ClusterDriver:
+    est = TableStepEstimator(TS, lambda s: (40.0, 30.0, 20.0), sigma=0.0)
+    lat = TpLatencyModel(load_tp_profiles("h200-llada8b", sorted(set(tps)) or [1]), 16, StepShape(32, 396))
+    return ClusterDriver(Router(policy, lat, est, list(enumerate(tps)), RouterConfig(thresholds=TS)), log=True, **kw)
+
+
+def req(rid: str, now: float = 0.0, slo: float = 10.0, **kw) -> RequestState:
+    return RequestState(rid, now, now + slo, 140, 256, **kw)
+
+
+def test_arrivals_are_placed_with_a_first_attempt_and_a_threshold():
+    d = driver()
+    m = d.arrive(req("a"), 0.0)
+    assert m.why == "place" and m.src is None and m.attempt == 1 and m.state.instance == m.dst
+    assert d.threshold_for(m.state, 0.0) in TS
+    fixed = req("b", fixed_threshold=0.85)
+    d.arrive(fixed, 0.0)
+    assert d.threshold_for(fixed, 0.0) == 0.85  # the client's own: never the router's
+    assert "b" not in d.plan(fixed.instance, 0.0)
+    assert [e[1] for e in d.decisions][:2] == ["place", "threshold"]
+
+
+def test_with_no_instance_arrivals_wait_and_the_next_instance_takes_them():
+    d = driver(tps=())
+    a = req("a")
+    assert d.arrive(a, 0.0) is None and not a.shed and d.held == [a]
+    moves = d.join(7, 1, 1.0)
+    assert [(m.state.req_id, m.dst, m.why) for m in moves] == [("a", 7, "place")]
+    assert d.held == [] and a.instance == 7
+
+
+def test_drain_moves_requests_to_the_other_instance_with_a_new_attempt():
+    d = driver()
+    states = [req(f"r{i}") for i in range(4)]
+    for s in states:
+        d.arrive(s, 0.0)
+    on0 = [s for s in states if s.instance == 0]
+    assert on0, "placement spread the requests"
+    d.drain(0, 1.0)
+    assert d.serving() == [1]
+    moves = d.evacuate(0, 1.0)
+    assert sorted(m.state.req_id for m in moves) == sorted(s.req_id for s in on0)
+    assert all(m.src == 0 and m.dst == 1 and m.why == "evacuate" and m.attempt == 2 for m in moves)
+    assert 0 not in d.router.by_id and all(s.instance == 1 for s in states)
+    assert all(s.next_heavy for s in on0)  # no KV travels: a recompute step first
+
+
+def test_a_draining_instance_alone_keeps_its_requests_until_another_joins():
+    d = driver(tps=(1,))
+    a = req("a")
+    d.arrive(a, 0.0)
+    d.drain(0, 1.0)
+    assert d.evacuate(0, 1.0) == [] and a.instance == 0 and d.stranded == {0}
+    b = req("b")
+    assert d.arrive(b, 1.5) is None and d.held == [b]  # nothing new goes to a draining instance
+    moves = d.join(1, 1, 2.0)
+    assert {(m.state.req_id, m.why) for m in moves} == {("a", "evacuate"), ("b", "place")}
+    assert 0 not in d.router.by_id and a.instance == b.instance == 1
+
+
+def test_a_stopping_instance_alone_hands_its_requests_to_the_next_one():
+    d = driver(tps=(1,))
+    a = req("a")
+    d.arrive(a, 0.0)
+    d.drain(0, 1.0)
+    assert d.evacuate(0, 1.0, keep_if_alone=False) == [] and d.held == [a]
+    (m,) = d.join(1, 1, 2.0)
+    assert (m.state, m.dst, m.why, m.attempt) == (a, 1, "resume", 2)
+
+
+def test_lost_instance_requests_resume_elsewhere_or_wait():
+    d = driver()
+    states = [req(f"r{i}") for i in range(4)]
+    for s in states:
+        d.arrive(s, 0.0)
+    orphans = d.lost(0, 1.0)
+    assert orphans and all(s.instance is None for s in orphans)
+    moves = [d.resume(s, 1.0) for s in orphans]
+    assert all(m is not None and m.dst == 1 for m in moves)
+    orphans = d.lost(1, 2.0)
+    assert all(d.resume(s, 2.0) is None for s in orphans) and d.held == orphans
+
+
+def test_shedding_refuses_an_arrival_that_cannot_make_its_slo():
+    d = driver(shed=True)
+    hopeless = req("h", slo=0.001)
+    assert d.arrive(hopeless, 0.0) is None and hopeless.shed and d.stats["shed"] == 1
+    assert "h" not in d.router.requests and d.held == []
+    ok = req("ok", slo=60.0)
+    assert d.arrive(ok, 0.0) is not None and ok.epoch == d.governor.epoch
+
+
+def test_per_instance_limit_sends_to_the_least_full():
+    d = driver(tps=(1, 1, 1), policy="fixed-threshold", per_instance_limit=1)
+    dsts = [d.arrive(req(f"r{i}"), 0.0).dst for i in range(3)]
+    assert sorted(dsts) == [0, 1, 2]
+
+
+def test_finished_feeds_the_governor_only_for_counted_admissions():
+    d = driver(shed=True)
+    a, b = req("a", slo=60.0), req("b", slo=60.0, counted=False)
+    d.arrive(a, 0.0)
+    d.arrive(b, 0.0)
+    assert a.epoch == 0 and b.epoch == -1
+    d.finished(a, 1.0)
+    d.finished(b, 1.0)
+    assert d.governor._n == 1 and "a" not in d.router.requests and "b" not in d.router.requests
