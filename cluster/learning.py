@@ -2,7 +2,8 @@
 
 ``LiveLearning`` holds an ``OnlineStepLearner`` (DiLaServe's step predictor: a request's state after a
 step -> remaining denoising steps) and an ``OnlineAdmissionLearner`` (DWISE's admission predictor:
-prompt features -> denoising rounds), and a ``RefitWorker`` thread that refits them off the event loop.
+prompt features -> denoising rounds), and a ``RefitWorker`` that refits them in a worker process (a
+thread here only hands it the new requests and swaps the answer in: no fit holds the ingress's GIL).
 The dispatcher hands it each finished request (``finished``: O(1) appends, then a wake-up of the
 worker); the router reads the learners through ``OnlineStepEstimator`` at every estimate, and a refit
 swaps a better model in atomically. Shipped predictors, when the mode allows them, are the learners'
@@ -50,8 +51,9 @@ class LiveLearning:
         out = {"step": self.step.describe(), "admission": self.admission.describe(), "learning": self.learn,
                "recorded": self.recorded}
         if self.worker is not None:
-            out["refits"], out["refit_errors"], out["worker_alive"] = (self.worker.refits, self.worker.errors,
-                                                                       self.worker.alive)
+            w = self.worker
+            out.update(refits=w.refits, refit_errors=w.errors, worker_alive=w.alive, worker_pid=w.pid,
+                       worker_restarts=w.restarts)
         return out
 
     def close(self) -> None:

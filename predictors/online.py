@@ -7,12 +7,13 @@ step -> remaining steps) and ``OnlineAdmissionLearner`` for DWISE's admission pr
 
 - ``record`` each FINISHED request (its rows and true labels) into a window of the most recent
   ``window`` requests (O(1): one append under a lock held for nothing else);
-- ``refit`` on demand (``due()`` after every ``refit_every`` finished requests, once ``min_requests``
-  have finished; ``early`` adds refits at those request counts): fit on the window less its most
-  recent ``holdout`` share, score the new model and the one in service on that share (MAPE and
-  Spearman), and swap the new one in only when its MAPE is lower. The swap is one attribute
-  assignment and no lock is held during the fit, so a refit may run on another thread
-  (``RefitWorker``) while the event loop records and predicts;
+- refit (``due()`` after every ``refit_every`` finished requests, once ``min_requests`` have
+  finished; ``early`` adds refits at those request counts): fit on the window less its most recent
+  ``holdout`` share, score the new model and the one in service on that share (MAPE and Spearman),
+  and swap the new one in only when its MAPE is lower. The swap is one attribute assignment.
+  ``refit()`` does it all at once (the cluster simulator, in virtual time); a ``RefitWorker`` has the
+  fit and the scores computed in a worker process, so the serving process's GIL is free while the
+  event loop records and predicts;
 - predict with the model in service: before the first, a prior that needs no training (``describe``
   says which: "prior", "shipped" for a model given as ``start``, "online").
 
@@ -23,17 +24,25 @@ never measured takes the rate of the nearest measured higher one, and before any
 commits 1 token (the least a step commits; no table is made up). The admission prior: one round per
 output block.
 
-Only numpy here; LightGBM is imported by the fits, ``predictors.features`` (torch) only for Spearman.
+Only numpy here; LightGBM is imported by the fits, ``predictors.features`` (torch) only for Spearman
+(and the model classes by ``RefitWorker`` at its start).
 """
 
 from __future__ import annotations
 
 import logging
+import marshal
 import math
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
+import traceback
+import types
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,10 +133,11 @@ class _Learner:
             return self._prior(rows, aux)
         return self._clip(np.asarray(self._model_predict(served.model, rows), dtype=np.float64))
 
-    # ---- refit (any thread) -----------------------------------------------------------------------
+    # ---- refit ------------------------------------------------------------------------------------
     def refit(self) -> dict | None:
-        """Fit on the window less the holdout and swap the new model in if it predicts the holdout better.
-        Returns the refit's record (also appended to ``history``), or None when too few requests."""
+        """Fit on the window less the holdout and swap the new model in if it predicts the holdout better,
+        here and now (the cluster simulator's path: its fits take no virtual time). Returns the refit's record
+        (also appended to ``history``), or None when too few requests."""
         with self._refit_lock:
             with self._lock:
                 reqs = list(self._reqs)
@@ -135,32 +145,43 @@ class _Learner:
             self._fitted_at = seen
             if len(reqs) < self.min_requests:
                 return None
-            n_hold = max(1, round(self.holdout * len(reqs)))
-            train, hold = reqs[:-n_hold], reqs[-n_hold:]
-            x, y, _ = self._stack(train)
-            xh, yh, aux = self._stack(hold)
-            if len(yh) > SCORE_ROWS:  # scores of a uniform sample: as good, and predicting costs time
-                keep = np.sort(np.random.default_rng(self.seed + len(self.history)).choice(len(yh), SCORE_ROWS,
-                                                                                           replace=False))
-                xh, yh, aux = xh[keep], yh[keep], None if aux is None else aux[keep]
-            t0 = time.perf_counter()
-            model = self._fit(x, y)
-            fit_s = time.perf_counter() - t0
-            cur = self._served
-            new_pred = self._predict(xh, _Served(model, "online", 0, 0, 0))
-            cur_pred = self._predict(xh, cur, aux)
-            new = {"mape": mape(new_pred, yh), "spearman": spearman(new_pred, yh)}
-            old = {"mape": mape(cur_pred, yh), "spearman": spearman(cur_pred, yh)}
-            swap = not new["mape"] >= old["mape"]  # a nan score of the one in service loses
-            if swap:
-                self._served = _Served(model, "online", cur.version + 1, len(train), hold[0][0])
-            served = new if swap else old
-            rec = {"requests_seen": seen, "trained_on": len(train), "rows": int(len(y)), "holdout_requests": n_hold,
-                   "holdout_rows": int(len(yh)), "new": _scores(new), "in_service": _scores(old),
-                   "swapped": swap, "source": self._served.source, "version": self._served.version,
-                   "mape": _round(served["mape"]), "spearman": _round(served["spearman"]), "fit_s": round(fit_s, 3)}
-            self.history.append(rec)
-            return rec
+            return self._apply(self._compute(reqs, len(self.history)), seen)
+
+    def _compute(self, reqs: list, n_refits: int) -> dict:
+        """The fit and both models' scores on the holdout (no swap): what a refit worker's process runs."""
+        n_hold = max(1, round(self.holdout * len(reqs)))
+        train, hold = reqs[:-n_hold], reqs[-n_hold:]
+        x, y, _ = self._stack(train)
+        xh, yh, aux = self._stack(hold)
+        if len(yh) > SCORE_ROWS:  # scores of a uniform sample: as good, and predicting costs time
+            keep = np.sort(np.random.default_rng(self.seed + n_refits).choice(len(yh), SCORE_ROWS, replace=False))
+            xh, yh, aux = xh[keep], yh[keep], None if aux is None else aux[keep]
+        t0 = time.perf_counter()
+        model = self._fit(x, y, n_refits)
+        fit_s = time.perf_counter() - t0
+        new_pred = self._predict(xh, _Served(model, "online", 0, 0, 0))
+        cur_pred = self._predict(xh, self._served, aux)
+        return {"model": model, "new": {"mape": mape(new_pred, yh), "spearman": spearman(new_pred, yh)},
+                "in_service": {"mape": mape(cur_pred, yh), "spearman": spearman(cur_pred, yh)},
+                "trained_on": len(train), "rows": int(len(y)), "holdout_requests": n_hold,
+                "holdout_rows": int(len(yh)), "cut": hold[0][0], "fit_s": fit_s}
+
+    def _apply(self, res: dict, seen: int) -> dict:
+        """Swap the computed model in when its holdout MAPE is lower (a nan score of the one in service
+        loses); record the refit."""
+        cur = self._served
+        new, old = res["new"], res["in_service"]
+        swap = not new["mape"] >= old["mape"]
+        if swap:
+            self._served = _Served(res["model"], "online", cur.version + 1, res["trained_on"], res["cut"])
+        served = new if swap else old
+        rec = {"requests_seen": seen, "trained_on": res["trained_on"], "rows": res["rows"],
+               "holdout_requests": res["holdout_requests"], "holdout_rows": res["holdout_rows"],
+               "new": _scores(new), "in_service": _scores(old), "swapped": swap, "source": self._served.source,
+               "version": self._served.version, "mape": _round(served["mape"]),
+               "spearman": _round(served["spearman"]), "fit_s": round(res["fit_s"], 3)}
+        self.history.append(rec)
+        return rec
 
     def _stack(self, reqs) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Rows, labels and the prior's per-row data (None when the learner keeps none) of ``reqs``."""
@@ -191,8 +212,20 @@ class _Learner:
     def _prior(self, rows: np.ndarray, aux: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError
 
-    def _fit(self, x: np.ndarray, y: np.ndarray):
+    def _fit(self, x: np.ndarray, y: np.ndarray, n_refits: int):
         raise NotImplementedError
+
+    def _spec(self) -> dict:
+        """Constructor arguments of an empty copy (a refit worker's process keeps one per learner)."""
+        return {"window": self.window, "refit_every": self.refit_every, "holdout": self.holdout,
+                "min_requests": self.min_requests, "seed": self.seed, "early": self.early, "recent": self.recent}
+
+    def _prior_state(self):
+        """What the prior predicts from beyond the rows (sent to a refit worker's copy with every job)."""
+        return None
+
+    def _set_prior_state(self, state) -> None:
+        pass
 
     def _model_predict(self, model, x: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -213,21 +246,18 @@ class OnlineStepLearner(_Learner):
     after each of its steps but the last; ``steps_done[k]``: steps taken when row k was recorded,
     default 1, 2, ...), labelled ``total_steps - steps_done[k]`` remaining steps. ``predict_rows`` is
     ``StepPredictor.predict_rows``'s contract: remaining steps (>= 1) per row, which carries its own
-    threshold. ``prior(rows) -> remaining steps`` replaces the tokens-per-step prior; ``start``, a
-    shipped ``StepPredictor``, serves until an online model beats it.
+    threshold. ``start``, a shipped ``StepPredictor``, serves until an online model beats it.
     """
 
     width = STEP_WIDTH
 
     def __init__(self, thresholds: Sequence[float] = (), *, window: int = 2000, refit_every: int = 50,
-                 holdout: float = 0.2, min_requests: int = 100, prior: Callable[[np.ndarray], np.ndarray] | None = None,
-                 start=None, seed: int = 0, early: Sequence[int] = (), recent: int = 200,
-                 max_rows: int = 50_000) -> None:
+                 holdout: float = 0.2, min_requests: int = 100, start=None, seed: int = 0,
+                 early: Sequence[int] = (), recent: int = 200, max_rows: int = 50_000) -> None:
         super().__init__(window=window, refit_every=refit_every, holdout=holdout, min_requests=min_requests,
                          seed=seed, early=early, recent=recent, start=start)
         self.thresholds = tuple(float(t) for t in thresholds)
         self.max_rows = max_rows
-        self.custom_prior = prior
         self._tokens: dict[float, list[float]] = {}  # threshold -> [tokens committed, steps]
         self._rates: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))  # thresholds ascending, tokens/step
 
@@ -273,6 +303,15 @@ class OnlineStepLearner(_Learner):
                 rates[i] = max(rates[i], rates[i + 1])
             self._rates = (np.asarray(ts_), np.asarray(rates))
 
+    def _spec(self) -> dict:
+        return {**super()._spec(), "thresholds": self.thresholds, "max_rows": self.max_rows}
+
+    def _prior_state(self):
+        return self._rates
+
+    def _set_prior_state(self, state) -> None:
+        self._rates = state
+
     def tokens_per_step(self, threshold: float) -> float:
         """The prior's rate at ``threshold``: measured, else the nearest measured higher threshold's, else 1."""
         return float(self._rate_of(np.asarray([float(threshold)]))[0])
@@ -285,8 +324,6 @@ class OnlineStepLearner(_Learner):
         return np.where(i < len(ts), rates[np.minimum(i, len(ts) - 1)], 1.0)
 
     def _prior(self, rows: np.ndarray, aux: np.ndarray | None = None) -> np.ndarray:
-        if self.custom_prior is not None:
-            return self._clip(np.asarray(self.custom_prior(rows), dtype=np.float64))
         left = rows[:, 1] * (1.0 - rows[:, 2])
         return self._clip(left / self._rate_of(rows[:, 0]))
 
@@ -296,14 +333,13 @@ class OnlineStepLearner(_Learner):
             return np.zeros(0)
         return self._predict(rows)
 
-    def _fit(self, x, y):
+    def _fit(self, x, y, n_refits):
         """LightGBM on at most ``max_rows`` rows (a uniform sample: a request's consecutive rows say much the
         same, and a fit's time grows with its rows)."""
         from predictors.step import StepPredictor
 
         if len(y) > self.max_rows:
-            keep = np.sort(np.random.default_rng(self.seed + len(self.history)).choice(len(y), self.max_rows,
-                                                                                         replace=False))
+            keep = np.sort(np.random.default_rng(self.seed + n_refits).choice(len(y), self.max_rows, replace=False))
             x, y = x[keep], y[keep]
         return StepPredictor.fit(x, y, seed=self.seed)
 
@@ -356,7 +392,10 @@ class OnlineAdmissionLearner(_Learner):
             return max(self.default_blocks if blocks is None else float(blocks), 1.0)
         return max(model.predict_one(list(row)), 1.0)
 
-    def _fit(self, x, y):
+    def _spec(self) -> dict:
+        return {**super()._spec(), "default_blocks": self.default_blocks}
+
+    def _fit(self, x, y, n_refits):
         from predictors.admission import AdmissionPredictor
 
         return AdmissionPredictor.fit(x, y, seed=self.seed)
@@ -371,45 +410,240 @@ class OnlineAdmissionLearner(_Learner):
         return d
 
 
-class RefitWorker:
-    """A daemon thread that refits its learners whenever one is ``due()`` after a ``notify()``.
+class RefitError(RuntimeError):
+    """A refit failed in the worker process (its traceback is the message), or the process died."""
 
-    The live service calls ``notify()`` after recording a finished request (it only sets an event, so
-    it never waits for a fit) and ``stop()`` on shutdown. A refit that raises is logged; the learner
-    keeps the model it had.
+
+def _portable(model) -> tuple:
+    """A fitted model as plain data for the pipe: LightGBM's model text, and for the admission predictor
+    its compiled forest's code too (compiling it where it is received would hold that process's GIL for
+    about 15 ms)."""
+    from predictors.admission import AdmissionPredictor
+    from predictors.step import StepPredictor
+
+    if isinstance(model, StepPredictor):
+        return ("step", model.booster.model_to_string(), model.interval)
+    if isinstance(model, AdmissionPredictor):
+        return ("admission", model.booster.model_to_string(), marshal.dumps(model.flat._fn.__code__),
+                model.flat.n_features)
+    raise TypeError(f"no portable form for {type(model).__name__}")
+
+
+def _rebuild(portable: tuple):
+    """The model of ``_portable``'s answer. LightGBM parses the text with the GIL released (ctypes); the
+    admission predictor gets its forest from the received code, so nothing is compiled here."""
+    import lightgbm as lgb
+
+    from predictors.admission import AdmissionPredictor, FlatForest
+    from predictors.step import StepPredictor
+
+    kind, text = portable[0], portable[1]
+    booster = lgb.Booster(model_str=text)
+    if kind == "step":
+        return StepPredictor(booster, portable[2])
+    if kind == "admission":
+        flat = FlatForest.__new__(FlatForest)  # FlatForest's own fields, as its constructor sets them
+        flat._fn = types.FunctionType(marshal.loads(portable[2]), {"__builtins__": {}}, "forest")
+        flat.n_features = portable[3]
+        model = AdmissionPredictor.__new__(AdmissionPredictor)
+        model.booster, model.flat = booster, flat
+        return model
+    raise ValueError(f"unknown model kind {kind!r}")
+
+
+class RefitWorker:
+    """Refits its learners in a separate process, so that no fit holds this process's GIL.
+
+    A daemon thread here waits for ``notify()`` (the live service calls it after recording a finished
+    request: it only sets an event), and for each learner that is ``due()`` sends a job to one
+    long-lived worker process: the requests recorded since its previous job (the process keeps a copy
+    of each learner's window: numpy arrays, a few hundred kB per refit), the prior's state, and the
+    model in service when the process does not hold it yet. The process fits, scores the new model and
+    the one in service on the holdout, and answers with the scores and, when the new model is better,
+    the model (``_portable``). This thread then swaps it in as ``refit`` would (``_apply``: the same
+    rule, decided on the same scores on both sides), so the only work here is copying rows, the
+    pickling of a job and the parse of a model's text (in LightGBM, without the GIL); ``history``
+    records each refit's ``parent_cpu_s``.
+
+    The process (``python -c``, niced, one LightGBM thread) exits when this one does: its pipe closes
+    (and it watches its parent's pid while it fits); ``stop()`` ends it at once. A refit that fails in
+    the process is logged with its traceback and counted in ``errors``; the learner keeps the model it
+    had. A process that dies is started afresh at the next job (``restarts``).
     """
 
     def __init__(self, *learners: _Learner, name: str = "remask-refit") -> None:
+        # the model classes, imported now rather than at the first swap (their imports hold the GIL for seconds)
+        import lightgbm  # noqa: F401
+
+        import predictors.admission  # noqa: F401
+        import predictors.step  # noqa: F401
+
         self.learners = learners
         self._wake = threading.Event()
         self._stopped = False
         self.refits = 0
         self.errors = 0
+        self.restarts = -1  # the first start is not a restart
+        self._proc: subprocess.Popen | None = None
+        self._conn = None
+        self._start_process()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    # ---- the process ------------------------------------------------------------------------------
+    def _start_process(self) -> None:
+        from multiprocessing.connection import Connection
+
+        ours, theirs = socket.socketpair()
+        paths = [p or os.getcwd() for p in sys.path]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-c", "import sys; from predictors.online import _worker_main; "
+               "_worker_main(int(sys.argv[1]), int(sys.argv[2]))", str(theirs.fileno()), str(os.getpid())]
+        try:
+            self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
+        self._sent = [-1] * len(self.learners)  # per learner: the last request (seq) the process holds
+        self._held = [None] * len(self.learners)  # per learner: the version of the model it holds in service
+        self.restarts += 1
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def _kill(self) -> None:
+        proc, conn = self._proc, self._conn
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if conn is not None:
+            conn.close()
+
+    # ---- the thread -------------------------------------------------------------------------------
     def notify(self) -> None:
         self._wake.set()
 
     def stop(self, timeout: float | None = 5.0) -> None:
         self._stopped = True
         self._wake.set()
+        self._kill()  # a fit under way ends with the process: its answer would be dropped anyway
         self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self._proc is not None and self._proc.poll() is None
 
     def _run(self) -> None:
         while not self._stopped:
             self._wake.wait()
             self._wake.clear()
-            for learner in self.learners:
+            for i, learner in enumerate(self.learners):
                 while not self._stopped and learner.due():
                     try:
-                        learner.refit()
-                        self.refits += 1
+                        if self._refit(i, learner) is not None:
+                            self.refits += 1
                     except Exception:  # noqa: BLE001 - a bad fit must not end the thread
+                        if self._stopped:
+                            return
                         self.errors += 1
                         log.exception("online refit of %s failed", type(learner).__name__)
                         break
+
+    def _refit(self, i: int, learner: _Learner) -> dict | None:
+        cpu0 = time.thread_time()
+        if self._proc.poll() is not None or self._conn.closed:
+            log.warning("the refit worker process exited (%s): starting another", self._proc.returncode)
+            self._kill()
+            self._start_process()
+        with learner._refit_lock:
+            with learner._lock:
+                seen = learner.seen
+                n = len(learner._reqs)
+                new = []
+                for r in reversed(learner._reqs):  # the requests the process has not seen (newest first)
+                    if r[0] <= self._sent[i]:
+                        break
+                    new.append(r)
+            learner._fitted_at = seen
+            if n < learner.min_requests:
+                return None
+            served = learner._served
+            job = {"new": new[::-1], "seen": seen, "refits": len(learner.history),
+                   "prior": learner._prior_state(), "version": served.version}
+            if self._held[i] != served.version:
+                job["served"] = (served.source, served.trained_on, served.cut,
+                                 None if served.model is None else _portable(served.model))
+            try:
+                self._conn.send((i, type(learner), learner._spec(), job))
+                if new:
+                    self._sent[i] = new[0][0]
+                cpu = time.thread_time() - cpu0
+                status, res = self._conn.recv()  # waits without the GIL
+            except (OSError, EOFError) as exc:
+                if self._stopped:
+                    raise
+                self._kill()
+                raise RefitError(f"the refit worker process died: {exc!r}") from exc
+            cpu0 = time.thread_time()
+            if status != "ok":
+                self._sent[i], self._held[i] = -1, None  # it dropped its copy: the window and model again next time
+                raise RefitError(res)
+            self._held[i] = res.pop("version")
+            res["model"] = None if res["model"] is None else _rebuild(res["model"])
+            rec = learner._apply(res, seen)
+            rec["parent_cpu_s"] = round(cpu + time.thread_time() - cpu0, 4)
+            return rec
+
+
+def _worker_main(fd: int, parent: int) -> None:
+    """The refit worker process: answers each job with ``_compute`` on its copy of the learner's window."""
+    from multiprocessing.connection import Connection
+
+    try:
+        os.nice(10)  # serving comes first
+    except OSError:
+        pass
+
+    def watch() -> None:  # the pipe's EOF ends the loop below, but not a fit under way
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+    conn = Connection(fd)
+    copies: dict[int, _Learner] = {}
+    while True:
+        try:
+            i, cls, spec, job = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            learner = copies.get(i)
+            if learner is None or type(learner) is not cls:
+                learner = copies[i] = cls(**spec)
+            learner._reqs.extend(job["new"])
+            learner.seen = job["seen"]
+            learner._set_prior_state(job["prior"])
+            if "served" in job:
+                source, trained_on, cut, portable = job["served"]
+                model = None if portable is None else _rebuild(portable)
+                learner._served = _Served(model, source, job["version"], trained_on, cut)
+            elif learner._served.version != job["version"]:
+                raise RefitError(f"holds version {learner._served.version}, the learner serves {job['version']}")
+            res = learner._compute(list(learner._reqs), job["refits"])
+            rec = learner._apply(dict(res), job["seen"])  # the same swap as the learner's, on the same scores
+            learner.history.clear()
+            res["model"] = _portable(res["model"]) if rec["swapped"] else None
+            res["version"] = learner._served.version
+            conn.send(("ok", res))
+        except Exception:  # noqa: BLE001 - reported to the learner's process, which logs it
+            copies.pop(i, None)
+            try:
+                conn.send(("error", traceback.format_exc()))
+            except OSError:
+                return

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import statistics
-import threading
 import time
 import tracemalloc
 
@@ -101,8 +102,8 @@ def test_a_worse_refit_is_not_swapped_in():
     class Spoilt(OnlineStepLearner):
         bad = False
 
-        def _fit(self, x, y):
-            return Constant() if self.bad else super()._fit(x, y)
+        def _fit(self, x, y, n_refits):
+            return Constant() if self.bad else super()._fit(x, y, n_refits)
 
     rng = np.random.default_rng(2)
     learner = Spoilt(TS, refit_every=50, min_requests=100)
@@ -193,70 +194,198 @@ def test_admission_learner_prior_is_one_round_per_block_then_it_learns():
     assert "prior" not in learner.describe()
 
 
-def test_refit_worker_fits_off_the_calling_thread():
-    rng = np.random.default_rng(7)
-    reqs = [request(rng, rows_every=1) for _ in range(60)]
-    learner = OnlineStepLearner(TS, refit_every=400, min_requests=400, window=3000)
-    for i in range(400):
-        learner.record(*reqs[i % len(reqs)])
-    started, release = threading.Event(), threading.Event()
-    fit = learner._fit
+class SlowFit(OnlineStepLearner):
+    """Fits as usual, and takes at least a second doing it (in the worker process)."""
 
-    def slow_fit(x, y):  # a real LightGBM fit, held open until the caller has measured
-        started.set()
-        model = fit(x, y)
-        release.wait(10)
+    def _fit(self, x, y, n_refits):
+        t0 = time.perf_counter()
+        model = super()._fit(x, y, n_refits)
+        time.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
         return model
 
-    learner._fit = slow_fit
+
+class FailingFit(OnlineStepLearner):
+    def _fit(self, x, y, n_refits):
+        raise RuntimeError("no fit today")
+
+
+def wait_for(cond, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_refit_worker_fits_in_another_process_and_swaps_as_refit_does():
+    rng = np.random.default_rng(7)
+    reqs = [request(rng) for _ in range(60)]
+    learner = SlowFit(TS, refit_every=100, min_requests=100, window=3000)
+    twin = OnlineStepLearner(TS, refit_every=100, min_requests=100, window=3000)  # the same, refit in place
+    for i in range(100):
+        learner.record(*reqs[i % len(reqs)])
+        twin.record(*reqs[i % len(reqs)])
     worker = RefitWorker(learner)
     try:
-        caller = threading.get_ident()
+        assert worker.pid not in (None, os.getpid())
         t0 = time.perf_counter()
         worker.notify()
         notify_s = time.perf_counter() - t0
-        assert started.wait(30)
-        assert worker._thread.ident != caller
+        wait_for(lambda: learner._fitted_at == 100)  # the job is on its way, with the first 100 requests
         times = []
-        for i in range(200):  # the event loop keeps recording (and predicting) while the fit runs
-            t0 = time.perf_counter()
-            learner.record(*reqs[i % len(reqs)])
-            worker.notify()
-            times.append(time.perf_counter() - t0)
-        assert learner.predict_rows(reqs[0][0][:3]).shape == (3,)
-        assert notify_s < 0.005
-        assert statistics.median(times) < 0.001, statistics.median(times)
-        assert learner.source == "prior"  # not swapped until the fit is done
-        release.set()
-        deadline = time.time() + 30
-        while learner.version == 0 and time.time() < deadline:
-            time.sleep(0.01)
-        assert learner.source == "online" and worker.refits >= 1 and worker.errors == 0
+        while not learner.history:  # the event loop keeps recording and predicting while the fit runs
+            if len(times) < 50:
+                t0 = time.perf_counter()
+                learner.record(*reqs[len(times) % len(reqs)])
+                learner.predict_rows(reqs[0][0][:3])
+                times.append(time.perf_counter() - t0)
+            time.sleep(0.001)
+        assert len(times) == 50, "the fit ended before the loop had recorded 50 requests"
+        assert notify_s < 0.005 and statistics.median(times) < 0.002, (notify_s, statistics.median(times))
+        rec = learner.history[0]
+        # the fit (a second at least) ran in the worker: this process spent a small part of that on the job
+        assert rec["fit_s"] >= 1.0 and rec["parent_cpu_s"] < 0.2, rec
+        assert rec["requests_seen"] == 100 and rec["swapped"] and learner.source == "online" and learner.version == 1
+        ref = twin.refit()  # the same data and seed in this process: the same scores and the same model
+        assert {k: rec[k] for k in ref if k != "fit_s"} == {k: v for k, v in ref.items() if k != "fit_s"}
+        x, _ = truth(reqs[:20])
+        assert np.allclose(learner.predict_rows(x), twin.predict_rows(x))
+        # the next job sends only the requests recorded since; the worker's copy holds the model in service (v1)
+        for i in range(150):
+            if i >= 50:
+                learner.record(*reqs[i % len(reqs)])
+            twin.record(*reqs[i % len(reqs)])
+        assert learner.due() and twin.due()
+        worker.notify()
+        wait_for(lambda: len(learner.history) >= 2)
+        ref = twin.refit()
+        rec = learner.history[1]
+        assert {k: rec[k] for k in ref if k != "fit_s"} == {k: v for k, v in ref.items() if k != "fit_s"}, (rec, ref)
+        assert rec["requests_seen"] == 250
+        assert rec["in_service"]["mape"] is not None and learner.version == twin.version
+        assert worker.errors == 0 and worker.restarts == 0 and worker.refits == 2
     finally:
-        release.set()
         worker.stop()
-    assert not worker.alive
+    assert not worker.alive and worker._proc.poll() is not None
 
 
-def test_refit_worker_survives_a_failing_fit():
-    learner = OnlineStepLearner(TS, min_requests=2, refit_every=1)
+def test_admission_models_cross_the_pipe_intact():
+    from predictors.online import _portable, _rebuild
 
-    def boom(x, y):
-        raise RuntimeError("no")
+    rng = np.random.default_rng(9)
+    learner = OnlineAdmissionLearner(min_requests=50)
+    for _ in range(60):
+        words = float(rng.integers(1, 60))
+        learner.record([words, 0.0, 4 * words, 0.9], 8 + 3 * words, blocks=8)
+    learner.refit()
+    model = learner._served.model
+    copy = _rebuild(_portable(model))
+    rows = [[float(w), 1.0, 4.0 * w, 0.8] for w in range(1, 60, 7)]
+    assert [copy.predict_one(r) for r in rows] == [model.predict_one(r) for r in rows]
+    assert np.array_equal(copy.predict(rows), model.predict(rows))
 
-    learner._fit = boom
+
+def test_refit_worker_scores_a_shipped_admission_model_as_refit_does():
+    from predictors.admission import AdmissionPredictor
+
+    rng = np.random.default_rng(11)
+
+    def prompt():
+        words = float(rng.integers(1, 60))
+        return [words, 0.0, 4 * words, 0.9], 8 + 3 * words + float(rng.integers(0, 4))
+
+    x, y = zip(*(prompt() for _ in range(100)))
+    shipped = AdmissionPredictor.fit(np.asarray(x), np.asarray(y))
+    learner = OnlineAdmissionLearner(start=shipped, min_requests=60, refit_every=60)
+    twin = OnlineAdmissionLearner(start=shipped, min_requests=60, refit_every=60)
+    for _ in range(60):
+        row, rounds = prompt()
+        learner.record(row, rounds, blocks=8)
+        twin.record(row, rounds, blocks=8)
+    worker = RefitWorker(learner)
+    try:
+        worker.notify()
+        wait_for(lambda: learner.history or worker.errors)
+    finally:
+        worker.stop()
+    ref = twin.refit()
+    rec = learner.history[0]
+    assert {k: rec[k] for k in ref if k != "fit_s"} == {k: v for k, v in ref.items() if k != "fit_s"}, (rec, ref)
+    assert learner.source == twin.source and learner.version == twin.version
+    row = [30.0, 0.0, 120.0, 0.9]
+    assert learner.predict_one(row) == pytest.approx(twin.predict_one(row))
+
+
+def test_refit_worker_logs_a_failing_fit_and_keeps_the_model(caplog):
+    learner = FailingFit(TS, min_requests=2, refit_every=1)
     rng = np.random.default_rng(8)
     worker = RefitWorker(learner)
     try:
         for _ in range(3):
             learner.record(*request(rng))
         worker.notify()
-        deadline = time.time() + 10
-        while worker.errors == 0 and time.time() < deadline:
-            time.sleep(0.01)
-        assert worker.errors == 1 and worker.alive and learner.source == "prior"
+        wait_for(lambda: worker.errors >= 1)
+        assert worker.alive and learner.source == "prior" and not learner.history
+        assert "no fit today" in caplog.text  # the worker's traceback, logged here
     finally:
         worker.stop()
+
+
+def test_refit_worker_restarts_a_dead_process():
+    rng = np.random.default_rng(10)
+    learner = OnlineStepLearner(TS, min_requests=20, refit_every=20)
+    worker = RefitWorker(learner)
+    try:
+        first = worker.pid
+        os.kill(first, signal.SIGKILL)
+        for _ in range(20):
+            learner.record(*request(rng))
+        worker.notify()
+        wait_for(lambda: learner.history or worker.errors)
+        if worker.errors:  # the job went to the dead process: counted, and the next one starts another
+            for _ in range(20):
+                learner.record(*request(rng))
+            worker.notify()
+            wait_for(lambda: learner.history)
+        assert worker.pid != first and worker.restarts == 1 and learner.source == "online"
+    finally:
+        worker.stop()
+
+
+ORPHAN = """
+import sys, time
+import numpy as np
+sys.path.insert(0, {root!r})
+from predictors.online import OnlineStepLearner, RefitWorker
+worker = RefitWorker(OnlineStepLearner((0.9,)))
+print(worker.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_worker_process_exits_with_its_parent():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN.format(root=root)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert alive(child)
+        parent.kill()  # no chance to clean up
+        parent.wait()
+        wait_for(lambda: not alive(child), 10)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
 
 
 def test_online_step_estimator_in_the_router():
