@@ -54,6 +54,9 @@ class LiveLearning:
             w = self.worker
             out.update(refits=w.refits, refit_errors=w.errors, worker_alive=w.alive, worker_pid=w.pid,
                        worker_restarts=w.restarts)
+            # when the last refits ran (wall clock), for the event-loop lag while refitting
+            out["refit_windows"] = sorted([r["started"], r["ended"]] for learner in (self.step, self.admission)
+                                          for r in learner.history[-100:] if "started" in r)
         return out
 
     def close(self) -> None:

@@ -463,7 +463,7 @@ class RefitWorker:
     the model (``_portable``). This thread then swaps it in as ``refit`` would (``_apply``: the same
     rule, decided on the same scores on both sides), so the only work here is copying rows, the
     pickling of a job and the parse of a model's text (in LightGBM, without the GIL); ``history``
-    records each refit's ``parent_cpu_s``.
+    records each refit's ``parent_cpu_s`` and when it ran (``started``, ``ended``: wall clock).
 
     The process (``python -c``, niced, one LightGBM thread) exits when this one does: its pipe closes
     (and it watches its parent's pid while it fits); ``stop()`` ends it at once. A refit that fails in
@@ -555,7 +555,7 @@ class RefitWorker:
                         break
 
     def _refit(self, i: int, learner: _Learner) -> dict | None:
-        cpu0 = time.thread_time()
+        cpu0, started = time.thread_time(), time.time()
         if self._proc.poll() is not None or self._conn.closed:
             log.warning("the refit worker process exited (%s): starting another", self._proc.returncode)
             self._kill()
@@ -597,6 +597,7 @@ class RefitWorker:
             res["model"] = None if res["model"] is None else _rebuild(res["model"])
             rec = learner._apply(res, seen)
             rec["parent_cpu_s"] = round(cpu + time.thread_time() - cpu0, 4)
+            rec["started"], rec["ended"] = round(started, 3), round(time.time(), 3)  # wall clock: when it ran
             return rec
 
 
