@@ -1,16 +1,18 @@
 """The control channel between the ingress and one Denoiser replica.
 
 A TCP connection from the ingress to each replica carries control messages in
-(add, abort, thresholds) and one progress batch per round out. A replica
+(add, abort, thresholds) and one progress batch per round out (the messages:
+``app.protocol``). A replica
 accepts several ingress connections (during a redeploy the old ingress drains
 while the new one serves); each owns the requests it sent. Ray Serve handle calls cost
 milliseconds each (a streaming item per request per round measured 7-8 ms at
 the median on 2 cores); a frame on an open socket costs tens of
 microseconds, written by the round loop the moment a round ends.
 
-Frames are a 4-byte big-endian length and a JSON object: no code ever runs
-from what arrives (unlike pickle), and a frame above ``MAX_FRAME`` closes the
-connection. The ingress proves itself with the replica's secret, which it
+Frames are a 4-byte big-endian length and a message as ``app.protocol`` encodes
+it (a JSON object): no code ever runs from what arrives (unlike pickle), and a
+frame above ``MAX_FRAME`` closes the connection; a frame that is no message of
+the protocol is logged and skipped. The ingress proves itself with the replica's secret, which it
 learns over Ray when the replica registers; a wrong one is dropped.
 
 The replica side (``ReplicaChannel``) is plain threads, so a busy round loop
@@ -24,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
-import json
 import logging
 import socket
 import struct
@@ -32,27 +33,24 @@ import threading
 import time
 from collections.abc import Callable
 
+from app import protocol
+from app.protocol import Hello, Message, ProtocolError, Ready, Tick
+
 log = logging.getLogger(__name__)
 HEADER = struct.Struct("!I")
 MAX_FRAME = 64 << 20
 
 
 class ChannelError(Exception):
-    """A malformed or oversized frame, or a failed handshake."""
+    """An oversized frame, or a failed handshake."""
 
 
-def encode(msg: dict) -> bytes:
-    body = json.dumps(msg, separators=(",", ":")).encode()
+def frame(msg: Message) -> bytes:
+    """One frame: the length header and ``msg`` encoded."""
+    body = protocol.encode(msg)
     if len(body) > MAX_FRAME:
         raise ChannelError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
     return HEADER.pack(len(body)) + body
-
-
-def _decode(body: bytes) -> dict:
-    msg = json.loads(body)
-    if not isinstance(msg, dict):
-        raise ChannelError("a frame must hold a JSON object")
-    return msg
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -75,8 +73,9 @@ def _hang_up(sock: socket.socket) -> None:
     sock.close()
 
 
-def recv_frame(sock: socket.socket) -> dict | None:
-    """One frame from a blocking socket; None at a clean end of stream."""
+def recv_frame(sock: socket.socket) -> Message | None:
+    """One message from a blocking socket; None at a clean end of stream (``ProtocolError``: a frame that
+    holds none)."""
     head = _recv_exact(sock, HEADER.size)
     if head is None:
         return None
@@ -86,22 +85,24 @@ def recv_frame(sock: socket.socket) -> dict | None:
     body = _recv_exact(sock, n)
     if body is None:
         return None
-    return _decode(body)
+    return protocol.decode(body)
 
 
 class ReplicaChannel:
     """Replica side: listens for ingresses. Several may be connected at once (an ingress replica being
     replaced and its successor, or several ingress replicas); each connection has an id.
 
-    ``on_command(conn_id, msg)`` runs on that connection's reader thread for every frame after the
-    handshake; ``on_disconnect(conn_id)`` runs once when the connection is lost (the requests it sent
-    have no receiver any more).
+    ``on_command(conn_id, msg)`` runs on that connection's reader thread for every message after the
+    handshake; ``on_invalid(conn_id, error)`` for every frame that holds no message (``ProtocolError``;
+    the connection stays); ``on_disconnect(conn_id)`` runs once when the connection is lost (the
+    requests it sent have no receiver any more).
     """
 
-    def __init__(self, on_command: Callable[[int, dict], None], on_disconnect: Callable[[int], None],
+    def __init__(self, on_command: Callable[[int, Message], None], on_disconnect: Callable[[int], None],
                  secret: str, host: str = "127.0.0.1", port: int = 0, tick_s: float = 1.0,
-                 stats: Callable[[], dict] | None = None) -> None:
-        self.on_command, self.on_disconnect = on_command, on_disconnect
+                 stats: Callable[[], dict] | None = None,
+                 on_invalid: Callable[[int, ProtocolError], None] | None = None) -> None:
+        self.on_command, self.on_disconnect, self.on_invalid = on_command, on_disconnect, on_invalid
         self.secret, self.tick_s, self.stats = secret, tick_s, stats
         self._server = socket.create_server((host, port))
         self.address = (host, self._server.getsockname()[1])
@@ -120,22 +121,22 @@ class ReplicaChannel:
     def peers(self) -> list[int]:
         return list(self._conns)
 
-    def send(self, conn_id: int, msg: dict) -> bool:
-        """Write one frame to one ingress (any thread); False when it is gone or the write failed."""
-        return self._write(conn_id, encode(msg))
+    def send(self, conn_id: int, msg: Message) -> bool:
+        """Write one message to one ingress (any thread); False when it is gone or the write failed."""
+        return self._write(conn_id, frame(msg))
 
-    def broadcast(self, msg: dict) -> None:
-        frame = encode(msg)
+    def broadcast(self, msg: Message) -> None:
+        data = frame(msg)
         for conn_id in self.peers:
-            self._write(conn_id, frame)
+            self._write(conn_id, data)
 
-    def _write(self, conn_id: int, frame: bytes) -> bool:
+    def _write(self, conn_id: int, data: bytes) -> bool:
         with self._lock:
             conn = self._conns.get(conn_id)
             if conn is None:
                 return False
             try:
-                conn.sendall(frame)
+                conn.sendall(data)
                 return True
             except OSError:
                 pass
@@ -164,13 +165,12 @@ class ReplicaChannel:
         try:
             conn.settimeout(10)
             hello = recv_frame(conn)
-            if not hello or hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("secret", "")),
-                                                                                   self.secret):
+            if not isinstance(hello, Hello) or not hmac.compare_digest(hello.secret.encode(), self.secret.encode()):
                 log.warning("control channel: refused a peer without the replica's secret")
                 conn.close()
                 return
             conn.settimeout(None)
-        except (OSError, ValueError, ChannelError):
+        except (OSError, ValueError, ChannelError):  # ProtocolError is a ValueError
             conn.close()
             return
         with self._lock:
@@ -179,14 +179,20 @@ class ReplicaChannel:
                 return
             conn_id = next(self._ids)
             self._conns[conn_id] = conn
-        self.send(conn_id, {"op": "ready"})
+        self.send(conn_id, Ready())
         try:
             while True:
-                msg = recv_frame(conn)
+                try:
+                    msg = recv_frame(conn)
+                except ProtocolError as exc:
+                    log.warning("control channel: %s", exc)
+                    if self.on_invalid is not None:
+                        self.on_invalid(conn_id, exc)
+                    continue
                 if msg is None:
                     break
                 self.on_command(conn_id, msg)
-        except (OSError, ValueError, ChannelError) as exc:
+        except (OSError, ChannelError) as exc:
             log.warning("control channel: connection dropped (%s)", exc)
         self._drop(conn_id, conn)
 
@@ -202,7 +208,7 @@ class ReplicaChannel:
     def _tick(self) -> None:
         while not self._closed.wait(self.tick_s):
             if self._conns:
-                self.broadcast({"op": "tick", "t": time.time(), "stats": self.stats() if self.stats else {}})
+                self.broadcast(Tick(time.time(), self.stats() if self.stats else {}))
 
 
 class Link:
@@ -219,34 +225,40 @@ class Link:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = cls(reader, writer)
-        link.send({"op": "hello", "secret": secret})
+        link.send(Hello(secret))
         first = await asyncio.wait_for(link.recv(), timeout_s)
-        if first is None or first.get("op") != "ready":
+        if not isinstance(first, Ready):
             link.close()
             raise ChannelError(f"replica at {host}:{port} refused the handshake")
         return link
 
-    def send(self, msg: dict) -> bool:
+    def send(self, msg: Message) -> bool:
         if self.closed:
             return False
         try:
-            self.writer.write(encode(msg))
+            self.writer.write(frame(msg))
             return True
         except (OSError, RuntimeError):
             self.close()
             return False
 
-    async def recv(self) -> dict | None:
-        """The next frame; None when the replica is gone."""
-        try:
-            head = await self.reader.readexactly(HEADER.size)
-            (n,) = HEADER.unpack(head)
-            if n > MAX_FRAME:
-                raise ChannelError(f"frame of {n} bytes exceeds {MAX_FRAME}")
-            return _decode(await self.reader.readexactly(n))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError, ValueError, ChannelError):
-            self.close()
-            return None
+    async def recv(self) -> Message | None:
+        """The next message; None when the replica is gone (a frame that holds no message is logged and
+        skipped)."""
+        while True:
+            try:
+                head = await self.reader.readexactly(HEADER.size)
+                (n,) = HEADER.unpack(head)
+                if n > MAX_FRAME:
+                    raise ChannelError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+                body = await self.reader.readexactly(n)
+            except (asyncio.IncompleteReadError, ConnectionError, OSError, ChannelError):
+                self.close()
+                return None
+            try:
+                return protocol.decode(body)
+            except ProtocolError as exc:
+                log.error("control channel: a replica sent %s", exc)
 
     def close(self) -> None:
         if not self.closed:

@@ -8,6 +8,8 @@ import statistics
 import time
 from collections import deque
 
+from app.protocol import AcceptedItem, ProgressBatch
+
 
 class ControlTimer:
     def __init__(self, keep: int = 20_000) -> None:
@@ -15,16 +17,13 @@ class ControlTimer:
         self.add_ms: deque[float] = deque(maxlen=keep)
         self.events = 0  # total observed, so a client can take only the samples after a mark
 
-    def batch(self, batch: dict, now: float | None = None) -> float | None:
-        """One round's progress batch: its delivery time (ms, None without an emission time), and the
-        dispatch-to-round-boundary time of every request it reports accepted."""
-        for item in batch.get("items", ()):
-            if item.get("accepted") is not None:
-                self.add_ms.append(item["accepted"])
-        emitted = batch.get("t")
-        if emitted is None:
-            return None
-        ms = ((now or time.time()) - emitted) * 1e3
+    def batch(self, batch: ProgressBatch, now: float | None = None) -> float:
+        """One round's progress batch: its delivery time (ms), and the dispatch-to-round-boundary time of
+        every request it reports accepted."""
+        for item in batch.items:
+            if type(item) is AcceptedItem and item.add_ms is not None:
+                self.add_ms.append(item.add_ms)
+        ms = ((now or time.time()) - batch.t) * 1e3
         self.event_ms.append(ms)
         self.events += 1
         return ms

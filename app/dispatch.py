@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from app.channel import Link
+from app.protocol import Abort, Add, Done, Draining, ErrorItem, ProgressBatch, Sampling, StepItem, Thresholds, Tick
 from cluster import RequestState, Router
 
 if TYPE_CHECKING:
@@ -81,11 +82,11 @@ class _Live:
     queue: asyncio.Queue
     arrival: float
     out: OutputText
-    sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k, seed, stop_token_ids
+    sampling: Sampling = field(default_factory=Sampling)
     canvas: bool = False  # the client asked for each step's canvas (``canvas`` events)
     committed: list[int] = field(default_factory=list)
     first_step: float | None = None  # when its first step's progress arrived (its queue time ends)
-    rows: list = field(default_factory=list)  # its step rows after each denoising step (the online learners')
+    rows: list = field(default_factory=list)  # its StepFeatures after each denoising step (the online learners')
     row_steps: list[int] = field(default_factory=list)  # denoising steps done at each row
     denoise_steps: int = 0
     first_token: float | None = None
@@ -254,16 +255,17 @@ class Dispatcher:
             if msg is None:
                 break
             inst.last_seen = time.monotonic()
-            op = msg.get("op")
-            if op == "batch":
+            if isinstance(msg, ProgressBatch):
                 try:
                     self.handle_batch(inst.inst_id, msg)
                 except Exception:  # one bad batch must not stop the instance's stream
                     log.exception("handling a progress batch of instance %d failed", inst.inst_id)
-            elif op == "tick":
-                inst.stats = msg.get("stats", inst.stats)
-            elif op == "draining":
+            elif isinstance(msg, Tick):
+                inst.stats = msg.stats
+            elif isinstance(msg, Draining):
                 self.drain(inst.inst_id)
+            else:
+                log.warning("instance %d sent a %s, which only an ingress sends", inst.inst_id, type(msg).__name__)
         if inst.inst_id in self.instances:
             self.drop(inst.inst_id, "disconnected")
 
@@ -300,6 +302,10 @@ class Dispatcher:
         prompt_tokens = len(prompt_ids)
         if req_id in self.live:
             raise DispatchError(400, f"duplicate request id {req_id!r}")
+        try:
+            params = Sampling.from_dict(sampling)
+        except ValueError as exc:
+            raise DispatchError(400, str(exc)) from None
         if not self.instances and (self.park_s <= 0 or len(self.parked) >= self.per_instance_limit):
             raise DispatchError(503, "no model instance is ready; retry shortly")
         if self.instances and all(i.n >= self.per_instance_limit for i in self.router.instances):
@@ -310,7 +316,7 @@ class Dispatcher:
         state = RequestState(req_id, now, now + slo_s, prompt_tokens, canvas_tokens, self.block_tokens, priority,
                              self.full_sequence)
         live = _Live(req_id, list(prompt_ids), max_tokens, threshold, state, asyncio.Queue(), now,
-                     OutputText(self.decode, stop), dict(sampling or {}), canvas)
+                     OutputText(self.decode, stop), params, canvas)
         if threshold is not None:
             state.threshold = threshold
         # the admission predictor's prompt features (predictors.features.ADMISSION_FEATURES, less the threshold)
@@ -383,7 +389,7 @@ class Dispatcher:
         inst_id = live.state.instance
         self.router.finish(live.state)
         if inst_id is not None and inst_id in self.instances:
-            self.instances[inst_id].link.send({"op": "abort", "id": req_id})
+            self.instances[inst_id].link.send(Abort(req_id))
 
     def _threshold_for(self, live: _Live, inst_id: int) -> float | None:
         if live.fixed is not None:
@@ -394,13 +400,12 @@ class Dispatcher:
         t = self._threshold_for(live, inst_id)
         live.sent_threshold = t
         left_s = live.state.deadline - time.monotonic()
-        ok = self.instances[inst_id].link.send({
-            "op": "add", "id": live.req_id, "prompt_ids": live.prompt_ids, "max_tokens": live.max_tokens,
-            "threshold": t, "slo_left_s": left_s, "sent_at": time.time(), "committed": live.committed,
-            "sampling": live.sampling, "canvas": live.canvas,
+        ok = self.instances[inst_id].link.send(Add(
+            live.req_id, live.prompt_ids, max_tokens=live.max_tokens, threshold=t, slo_left_s=left_s,
+            sent_at=time.time(), committed=live.committed, sampling=live.sampling, canvas=live.canvas,
             # the router's estimate of its remaining denoising rounds: the instance scheduler's r_i (DWISE)
-            "est_rounds": self.router.remaining_steps(live.state) if live.state.est else None,
-            "planned": self._planned(live)})
+            est_rounds=self.router.remaining_steps(live.state) if live.state.est else None,
+            planned=self._planned(live)))
         if not ok:  # its channel just broke: the reader's drop resumes it, or do it now
             self.drop(inst_id, "unreachable")
 
@@ -410,8 +415,7 @@ class Dispatcher:
         if live.resumes > self.max_resumes:
             return self._fail(live, 500, f"request failed on {live.resumes} instances ({why})")
         if len(live.committed) >= live.max_tokens:  # it had finished everything but its done message
-            return self._finish(live, {"finish_reason": "length", "rounds": live.state.steps_done,
-                                       "completion_tokens": len(live.committed)})
+            return self._finish(live, Done("length", live.state.steps_done, len(live.committed)))
         inst_id = self.router.place(live.state, exclude)
         if inst_id is None:
             if self.park_s <= 0 or self.instances:  # the only other instance refused it, or waiting is off
@@ -427,13 +431,13 @@ class Dispatcher:
         live.queue.put_nowait({"type": "error", "status": status, "message": message,
                                "accepted": live.accepted})
 
-    def _finish(self, live: _Live, done: dict) -> None:
+    def _finish(self, live: _Live, done: Done) -> None:
         self.live.pop(live.req_id, None)
         inst = self.router.by_id.get(live.state.instance)
         self.router.finish(live.state)
         now = time.monotonic()
         self._emit(live, live.out.finish(), now)  # held-back text: an unfinished character, a stop's prefix
-        if self.learning is not None and done.get("finish_reason") in ("stop", "length") and live.denoise_steps:
+        if self.learning is not None and done.finish_reason in ("stop", "length") and live.denoise_steps:
             st = live.state
             self.learning.finished(live.rows, live.row_steps, live.denoise_steps,
                                    [*st.extra["admission"], st.thresholds_used.mean or live.sent_threshold or 0.9],
@@ -442,7 +446,7 @@ class Dispatcher:
             self.governor.finished(now <= live.state.deadline, now, self.stats["shed"])
         used = live.state.thresholds_used
         live.queue.put_nowait({
-            "type": "done", "finish_reason": done["finish_reason"], "text": live.out.text,
+            "type": "done", "finish_reason": done.finish_reason, "text": live.out.text,
             "prompt_tokens": live.state.prompt_tokens, "completion_tokens": len(live.committed),
             "rounds": live.state.steps_done, "ttft_s": (live.first_token or now) - live.arrival,
             "e2e_s": now - live.arrival, "queue_s": (live.first_step or now) - live.arrival,
@@ -453,36 +457,35 @@ class Dispatcher:
             "denoise_steps": max(live.denoise_steps, 1), "tp": inst.tp if inst is not None else None})
 
     # ---- progress ----------------------------------------------------------------------------------
-    def handle_batch(self, inst_id: int, batch: dict) -> None:
+    def handle_batch(self, inst_id: int, batch: ProgressBatch) -> None:
         now = time.monotonic()
         inst = self.instances.get(inst_id)
         if inst is None:
             return
-        inst.stats = batch.get("stats", inst.stats)
+        inst.stats = batch.stats
         if self.on_batch is not None:
             self.on_batch(batch, now)
         stepped, finished = [], []
-        for item in batch.get("items", ()):
-            live = self.live.get(item.get("id"))
+        for item in batch.items:
+            live = self.live.get(item.req_id)
             if live is None or live.state.instance != inst_id:
                 continue  # finished, cancelled, or moved away since: stale
-            if "error" in item:
-                self._item_error(live, inst_id, item)
-            elif "accepted" in item:
-                if not live.accepted:
-                    live.accepted = True
-                    live.queue.put_nowait({"type": "accepted", "add_ms": item.get("accepted")})
-            else:
+            if type(item) is StepItem:
                 done = self._item_step(live, item, now, inst)
-                stepped.append((live.state, bool(item.get("heavy")), done is not None))
+                stepped.append((live.state, item.heavy, done is not None))
                 if done is not None:
                     finished.append((live, done))
+            elif type(item) is ErrorItem:
+                self._item_error(live, inst_id, item)
+            elif not live.accepted:  # an AcceptedItem
+                live.accepted = True
+                live.queue.put_nowait({"type": "accepted", "add_ms": item.add_ms})
         if not stepped:
             return
         round_ms = self._effective_round_ms(inst, batch)
         if self.calibrate and round_ms:  # the profile under this deployment's real load
             router_inst = self.router.by_id[inst_id]
-            kinds = batch.get("kinds")  # the round's steps per kind, when the replica counts them
+            kinds = batch.kinds  # the round's steps per kind, when the replica counts them
             if kinds:
                 heavy = kinds.get("prefill", 0) + kinds.get("recompute", 0)
                 light = kinds.get("denoise", 0) + kinds.get("cached", 0)
@@ -497,7 +500,7 @@ class Dispatcher:
             self._foresee_misses(stepped, round_ms, now)
         for state, dst in moves:
             self._migrate(self.live[state.req_id], inst_id, dst)
-        self._plan(inst_id, now, batch.get("round"))
+        self._plan(inst_id, now, batch.round)
 
     def _foresee_misses(self, stepped: list, round_ms: float, now: float) -> None:
         """Tell the admission governor of a request that will miss its SLO as soon as that is clear (its
@@ -514,13 +517,13 @@ class Dispatcher:
                 g.finished(False, now, self.stats["shed"])
 
     @staticmethod
-    def _effective_round_ms(inst: InstanceLink, batch: dict) -> float:
+    def _effective_round_ms(inst: InstanceLink, batch: ProgressBatch) -> float:
         """What a round really takes on this instance: from the previous round's batch to this one's when
         the two are consecutive (the loop's own overhead, commands and whatever shares the CPU or GPU are
         in it: throughput is what admission needs), else the round's own time."""
-        round_ms, n, t = float(batch.get("round_ms") or 0.0), batch.get("round"), batch.get("t")
+        round_ms, n, t = batch.round_ms, batch.round, batch.t
         prev, inst.last_round = inst.last_round, (n, t)
-        if prev is not None and n is not None and t is not None and prev[0] == n - 1:
+        if prev is not None and prev[0] == n - 1:
             gap_ms = (t - prev[1]) * 1e3
             if round_ms <= gap_ms <= 3.0 * round_ms:  # longer: the loop was idle in between
                 return gap_ms
@@ -533,12 +536,12 @@ class Dispatcher:
                 live.first_token = now
             live.queue.put_nowait({"type": "delta", "text": piece})
 
-    def _item_step(self, live: _Live, item: dict, now: float, inst: InstanceLink) -> dict | None:
-        ids = item.get("ids") or []
+    def _item_step(self, live: _Live, item: StepItem, now: float, inst: InstanceLink) -> Done | None:
+        ids = item.ids
         st = live.state
         if live.first_step is None:
             live.first_step = now
-        view = item.get("canvas")
+        view = item.canvas
         if view is not None and live.canvas:
             view = {**view, "committed": [[p, t, self.decode([t])] for p, t in view["committed"]],
                     "instance": inst.inst_id, "tp": inst.tp}
@@ -546,37 +549,34 @@ class Dispatcher:
         if ids:
             live.committed.extend(ids)
             self._emit(live, live.out.push(ids), now)
-            if live.out.stopped and not item.get("done"):  # a stop string: the rest is not wanted
+            if live.out.stopped and item.done is None:  # a stop string: the rest is not wanted
                 if st.instance in self.instances:
-                    self.instances[st.instance].link.send({"op": "abort", "id": live.req_id})
-                return {"finish_reason": "stop", "rounds": st.steps_done, "completion_tokens": len(live.committed)}
-        # a block-causal model's prefill steps denoise nothing (the step's kind when the replica says it, else:
-        # the step that ran was heavy)
-        kind = item.get("kind")
-        if kind != "prefill" if kind is not None else (self.full_sequence or not st.next_heavy):
+                    self.instances[st.instance].link.send(Abort(live.req_id))
+                return Done("stop", st.steps_done, len(live.committed))
+        # a block-causal model's prefill steps denoise nothing (the step that ran was heavy)
+        f = item.features
+        if self.full_sequence or not st.next_heavy:
             live.denoise_steps += 1
-            if item.get("row") and not item.get("done"):
-                live.rows.append(item["row"])
+            if f is not None and item.done is None:
+                live.rows.append(f)
                 live.row_steps.append(live.denoise_steps)
-        row = item.get("row")
-        if row:  # the replica's step features (predictors.features.STEP_FEATURES order)
-            st.progress, st.block_progress = row[2], row[3]
-            st.blocks_left, st.step_in_block, st.conf_stats = max(int(row[4]), 1), int(row[5]), tuple(row[6:11])
+        if f is not None:  # the replica's step features
+            st.progress, st.block_progress, st.conf_stats = f.progress, f.block_progress, f.conf_stats
+            st.blocks_left, st.step_in_block = max(int(f.blocks_left), 1), int(f.step_in_block)
         else:
             st.progress = len(live.committed) / max(st.output_tokens, 1)
             st.blocks_left = max(1, -(-(st.output_tokens - len(live.committed)) // self.block_tokens))
-        return item.get("done")
+        return item.done
 
-    def _item_error(self, live: _Live, inst_id: int, item: dict) -> None:
-        status = int(item.get("status", 500))
-        if status == 429:  # that instance's queue is full: another one, else shed
+    def _item_error(self, live: _Live, inst_id: int, item: ErrorItem) -> None:
+        if item.status == 429:  # that instance's queue is full: another one, else shed
             if len(self.router.instances) > 1 and live.resumes < self.max_resumes:
                 return self._resume(live, inst_id, "its instance was full")
-            return self._fail(live, 429, f"server overloaded: {item['error']}")
-        self._fail(live, status, item["error"])
+            return self._fail(live, 429, f"server overloaded: {item.message}")
+        self._fail(live, item.status, item.message)
 
     def _migrate(self, live: _Live, src: int, dst: int) -> None:
-        self.instances[src].link.send({"op": "abort", "id": live.req_id})
+        self.instances[src].link.send(Abort(live.req_id))
         self.stats["migrated"] += 1
         if self.on_migration is not None:
             self.on_migration()
@@ -604,8 +604,7 @@ class Dispatcher:
                 changed[live.req_id] = t
                 live.sent_threshold = t
         estimates = {lv.req_id: round(self.router.remaining_steps(lv.state), 2) for lv in lives if lv.state.est}
-        self.instances[inst_id].link.send({"op": "thresholds", "map": changed, "estimates": estimates,
-                                           "after_round": after_round})
+        self.instances[inst_id].link.send(Thresholds(changed, estimates, after_round))
 
     # ---- views -----------------------------------------------------------------------------------
     def describe(self) -> dict:

@@ -11,20 +11,16 @@ resumes its requests on the other instances; a replica shutting down
 The Denoiser deployment is this plus model loading and registration; tests
 run it in-process.
 
-Commands (beyond ``abort``):
-
-- ``{"op": "add", "id", "prompt_ids" | "prompt", "max_tokens", "threshold", "slo_left_s", "sent_at",
-  "committed", "sampling", "canvas", "est_rounds", "planned"}``: ``est_rounds`` (optional) is the
-  router's estimate of the request's remaining denoising rounds (at its threshold), which replaces the
-  instance's admission estimate; ``planned: true`` promises a ``thresholds`` answer to every batch
-  carrying the request (the loop waits a little for it before its next round: engine/loop.py).
-- ``{"op": "thresholds", "map": {id: threshold}, "estimates": {id: remaining rounds},
-  "after_round": n}``: both maps optional; ``after_round`` is the ``round`` of the batch the message
-  answers (the estimates are as of that round's end).
+Commands (``app.protocol``): ``Add`` (a request's ``est_rounds``, the router's estimate of its remaining
+denoising rounds, replaces the instance's admission estimate; ``planned`` promises a ``Thresholds``
+answer to every batch carrying the request: the loop waits a little for it before its next round,
+engine/loop.py), ``Abort``, and ``Thresholds`` (``after_round`` is the ``round`` of the batch the message
+answers; its estimates are as of that round's end). A connection acts only on the requests it sent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -32,6 +28,7 @@ import time
 from collections.abc import Callable
 
 from app.channel import ReplicaChannel
+from app.protocol import ADD, Abort, Add, Draining, ErrorItem, Message, ProgressBatch, ProtocolError, Thresholds
 from engine.instance import Instance
 from engine.loop import Overloaded, RoundLoop
 from engine.sequence import SamplingParams
@@ -49,7 +46,7 @@ class ReplicaServer:
         self._lock = threading.Lock()
         self.draining = False
         self.channel = ReplicaChannel(self._command, self._disconnected, secrets.token_hex(16), host=host,
-                                      tick_s=tick_s, stats=self.loop.stats)
+                                      tick_s=tick_s, stats=self.loop.stats, on_invalid=self._invalid)
 
     def info(self) -> dict:
         """What the ingress needs to connect (sent to it over Ray when registering)."""
@@ -65,7 +62,7 @@ class ReplicaServer:
         what it can elsewhere; wait up to ``timeout_s`` for the requests still here to finish. Returns how
         many were left (the ingress resumes those elsewhere when this replica hangs up)."""
         self.draining = True
-        self.channel.broadcast({"op": "draining"})
+        self.channel.broadcast(Draining())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self._owner and self.loop.broken is None:
             time.sleep(0.05)
@@ -85,39 +82,38 @@ class ReplicaServer:
         for rid in gone:
             self.loop.abort(rid)
 
-    def _publish(self, batch: dict) -> None:  # round-loop thread
+    def _publish(self, batch: ProgressBatch) -> None:  # round-loop thread
         """Each ingress gets the round's items of its own requests (and the instance's stats)."""
-        by_conn: dict[int, list[dict]] = {}
+        by_conn: dict[int, list] = {}
         with self._lock:
-            for item in batch["items"]:
-                owner = self._owner.get(item["id"])
+            for item in batch.items:
+                owner = self._owner.get(item.req_id)
                 if owner is None:
                     continue  # its ingress went away
                 by_conn.setdefault(owner, []).append(item)
-                if "error" in item or item.get("done"):
-                    del self._owner[item["id"]]
+                if type(item) is ErrorItem or getattr(item, "done", None) is not None:
+                    del self._owner[item.req_id]
         for conn_id, items in by_conn.items():
-            self.channel.send(conn_id, {**batch, "op": "batch", "items": items})
+            self.channel.send(conn_id, dataclasses.replace(batch, items=items))
 
-    def _command(self, conn_id: int, msg: dict) -> None:  # channel reader thread
-        op = msg.get("op")
-        try:
-            if op == "add":
-                self._add(conn_id, msg)
-            elif op == "abort":
-                if self._owns(conn_id, str(msg["id"]), release=True):
-                    self.loop.abort(str(msg["id"]))
-            elif op == "thresholds":
-                after = msg.get("after_round")
-                self.loop.set_thresholds({str(k): float(v) for k, v in (msg.get("map") or {}).items()
-                                          if self._owns(conn_id, str(k))},
-                                         {str(k): float(v) for k, v in (msg.get("estimates") or {}).items()
-                                          if self._owns(conn_id, str(k))},
-                                         None if after is None else int(after))
-            else:
-                log.warning("control channel: unknown op %r", op)
-        except (KeyError, TypeError, ValueError) as exc:
-            log.warning("control channel: malformed %r message (%s)", op, exc)
+    def _command(self, conn_id: int, msg: Message) -> None:  # channel reader thread
+        if isinstance(msg, Add):
+            self._add(conn_id, msg)
+        elif isinstance(msg, Abort):
+            if self._owns(conn_id, msg.req_id, release=True):
+                self.loop.abort(msg.req_id)
+        elif isinstance(msg, Thresholds):
+            self.loop.set_thresholds({k: float(v) for k, v in msg.map.items() if self._owns(conn_id, k)},
+                                     {k: float(v) for k, v in msg.estimates.items() if self._owns(conn_id, k)},
+                                     msg.after_round)
+        else:
+            log.warning("control channel: an ingress sent a %s, which only a replica sends", type(msg).__name__)
+
+    def _invalid(self, conn_id: int, exc: ProtocolError) -> None:  # channel reader thread
+        """A frame that is no message: refuse the request of a malformed add (its sender would wait for it
+        forever), once the id is known to be this connection's."""
+        if exc.op == ADD and exc.req_id is not None:
+            self._refuse_add(conn_id, exc.req_id, f"malformed request: {exc}", 400)
 
     def _owns(self, conn_id: int, rid: str, release: bool = False) -> bool:
         with self._lock:
@@ -126,45 +122,42 @@ class ReplicaServer:
                 del self._owner[rid]
             return mine
 
-    def _add(self, conn_id: int, msg: dict) -> None:
-        rid = str(msg["id"])
+    def _claim(self, conn_id: int, rid: str) -> bool:
+        """Record ``conn_id`` as the sender of request ``rid``; False (and an error to it) when another
+        connection's request has that id (ids are the ingress's; the other one keeps its own)."""
         with self._lock:
-            if rid in self._owner:  # ids are the ingress's; another ingress's request keeps its own
-                owner = self._owner[rid]
-            else:
-                owner = self._owner[rid] = conn_id
+            owner = self._owner.setdefault(rid, conn_id)
         if owner != conn_id:  # straight to the sender: the loop's own reject would reach the owner
-            items = [{"id": rid, "error": "duplicate request id", "status": 400}]
-            self.channel.send(conn_id, {**self.loop.batch(items), "op": "batch"})
-            return
+            self.channel.send(conn_id, self.loop.batch([ErrorItem(rid, "duplicate request id", 400)]))
+        return owner == conn_id
+
+    def _refuse_add(self, conn_id: int, rid: str, message: str, status: int, attempt: int = 0) -> None:
+        if self._claim(conn_id, rid):
+            self.loop.reject(rid, message, status, attempt)  # its error item releases the id
+
+    def _add(self, conn_id: int, msg: Add) -> None:
+        rid = msg.req_id
         if self.draining:
-            return self.loop.reject(rid, "this replica is shutting down", 429)
+            return self._refuse_add(conn_id, rid, "this replica is shutting down", 429, msg.attempt)
+        if not self._claim(conn_id, rid):
+            return
         try:
-            params = sampling_params(msg)
-            prompt = [int(i) for i in msg["prompt_ids"]] if "prompt_ids" in msg else str(msg["prompt"])
-            left = msg.get("slo_left_s")
-            est = msg.get("est_rounds")
-            self.loop.submit(rid, prompt, params, None if left is None else time.monotonic() + left,
-                             sent_at=msg.get("sent_at"), committed=msg.get("committed") or None,
-                             canvas=bool(msg.get("canvas")), est_rounds=None if est is None else float(est),
-                             planned=bool(msg.get("planned")))
+            left = msg.slo_left_s
+            self.loop.submit(rid, msg.prompt_ids, sampling_params(msg),
+                             None if left is None else time.monotonic() + left, sent_at=msg.sent_at,
+                             committed=msg.committed or None, canvas=msg.canvas, est_rounds=msg.est_rounds,
+                             planned=msg.planned, attempt=msg.attempt)
         except Overloaded as exc:
-            self.loop.reject(rid, f"server overloaded: {exc}", 429)
-        except (KeyError, TypeError, ValueError) as exc:  # its error item releases the id
-            self.loop.reject(rid, f"malformed request: {exc}", 400)
+            self.loop.reject(rid, f"server overloaded: {exc}", 429, msg.attempt)
+        except (TypeError, ValueError) as exc:  # its error item releases the id
+            self.loop.reject(rid, f"malformed request: {exc}", 400, msg.attempt)
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
-
-
-def sampling_params(msg: dict) -> SamplingParams:
-    """The engine's parameters of an ``add`` message: max_tokens, threshold, and its ``sampling`` section
-    (temperature, top_p, top_k, seed, stop_token_ids; absent ones keep the engine's defaults)."""
-    sampling = msg.get("sampling") or {}
-    unknown = set(sampling) - {*SAMPLING_FIELDS, "stop_token_ids"}
-    if unknown:
-        raise ValueError(f"unknown sampling fields {sorted(unknown)}")
-    extra = {k: sampling[k] for k in SAMPLING_FIELDS if sampling.get(k) is not None}
-    if sampling.get("stop_token_ids"):
-        extra["stop_token_ids"] = tuple(int(i) for i in sampling["stop_token_ids"])
-    return SamplingParams(max_tokens=msg.get("max_tokens"), threshold=msg.get("threshold"), **extra)
+def sampling_params(msg: Add) -> SamplingParams:
+    """The engine's parameters of an ``Add``: max_tokens, threshold, and its sampling section (fields left
+    None keep the engine's defaults)."""
+    s = msg.sampling
+    extra = {k: v for k, v in (("temperature", s.temperature), ("top_p", s.top_p), ("top_k", s.top_k),
+                                ("seed", s.seed)) if v is not None}
+    return SamplingParams(max_tokens=msg.max_tokens, threshold=msg.threshold,
+                          stop_token_ids=tuple(s.stop_token_ids), **extra)

@@ -27,6 +27,7 @@ from app.auth import ApiKey, Keyring
 from app.config import AppConfig
 from app.control_timer import ControlTimer
 from app.metrics import Metrics, failure_reason
+from app.protocol import ProgressBatch, StepItem
 
 log = logging.getLogger(__name__)
 web = FastAPI(title="Remask", description="OpenAI-compatible serving of diffusion language models")
@@ -505,12 +506,10 @@ class Ingress:
                 for _ in range(len(streams) - len(dones) - errors):  # the client went away
                     self.metrics.request_failed("cancelled")
 
-    def _on_batch(self, batch: dict, now: float) -> None:
-        if batch.get("items"):
-            ms = self.control.batch(batch)
-            if ms is not None:
-                self.metrics.control_event(ms / 1e3)
-            stepped = sum("steps" in item for item in batch["items"])
+    def _on_batch(self, batch: ProgressBatch, now: float) -> None:
+        if batch.items:
+            self.metrics.control_event(self.control.batch(batch) / 1e3)
+            stepped = sum(type(item) is StepItem for item in batch.items)
             if stepped:
                 self.metrics.round_observed(stepped)
         self._cluster_gauges()

@@ -3,25 +3,14 @@
 Control messages (add, abort, thresholds) are queued and take effect at the
 next round boundary, so the loop never waits on its callers (with one bounded
 exception, below). Progress leaves
-as one *batch* per round boundary through a callback: for every request that
-stepped, its newly committed token ids, its step count, its next step's kind,
-and (with a ``describe`` function) its step-predictor state row; plus requests
-accepted, rejected or finished at that boundary, and the instance's stats.
-One message per round, not one per request, keeps the control path cheap; the
-receiver turns token ids into text.
-
-A batch::
-
-    {"t": wall-clock emission time, "round": n, "round_ms": last round's time,
-     "kinds": {kind: steps}, "kind_tokens": {kind: query tokens} (the last round's
-     composition by step kind), "stats": {...}, "items": [item, ...]}
-
-Items (all carry ``"id"``): ``{"accepted": add_ms, "prompt_tokens": n}``,
-``{"error": message, "status": 400 | 429 | 500}``, and step items
-``{"ids": [...], "steps": rounds so far, "heavy": next step is prefill or
-recompute, "row": [...] or absent, "canvas": {...} or absent (requests sent
-with ``canvas``: ``Sequence.canvas_step``), "done": None | {"finish_reason",
-"rounds", "completion_tokens"}}``.
+as one ``ProgressBatch`` per round boundary through a callback: for every
+request that stepped, a ``StepItem`` (its newly committed token ids, its step
+count, whether its next step is heavy, and with a ``describe`` function its step
+features); an ``AcceptedItem`` or ``ErrorItem`` for requests accepted or
+rejected at that boundary; and the instance's stats. One message per round, not
+one per request, keeps the control path cheap; the receiver turns token ids into
+text. The replica sends these records as they are (``app.protocol`` encodes
+them for the control channel).
 
 Thresholds and external estimates. ``set_thresholds(map, estimates, after_round)``
 carries the cluster router's thresholds and its estimates of remaining
@@ -61,15 +50,78 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine.instance import Instance, InstanceBroken
 from engine.sched_types import StepKind
 from engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
-Batch = dict
 HEAVY = (StepKind.PREFILL, StepKind.RECOMPUTE)
+
+
+# ---- progress records ------------------------------------------------------------------------------
+# ``attempt`` on every item is the ``attempt`` its request was submitted with, so that a receiver can tell
+# the progress of an older placement of the same request from the current one's.
+
+@dataclass(slots=True)
+class Done:
+    """How a request ended on this instance."""
+
+    finish_reason: str  # "stop" (an EOS, a stop id or a stop string) or "length" (its max_tokens)
+    rounds: int  # rounds it took part in
+    completion_tokens: int  # output tokens committed in all (those committed before a resume included)
+
+
+@dataclass(slots=True)
+class StepItem:
+    """A request took a step in the round just run."""
+
+    req_id: str
+    ids: list[int]  # output token ids committed since its last item
+    steps: int  # rounds it has taken part in so far
+    heavy: bool  # its next step is a prefill or a recompute
+    features: Any = None  # ``describe``'s step features after the step (predictors.features.StepFeatures)
+    canvas: dict | None = None  # the step's canvas (``Sequence.canvas_step``), for a request sent with ``canvas``
+    done: Done | None = None  # set when it finished in this round
+    attempt: int = 0
+
+
+@dataclass(slots=True)
+class AcceptedItem:
+    """A request joined the instance at this round boundary."""
+
+    req_id: str
+    add_ms: float | None  # from its sender's dispatch (``sent_at``) to the round boundary; None without sent_at
+    prompt_tokens: int  # prompt tokens (the output tokens committed before a resume not counted)
+    attempt: int = 0
+
+
+@dataclass(slots=True)
+class ErrorItem:
+    """A request was refused or failed; the instance holds it no more."""
+
+    req_id: str
+    message: str
+    status: int  # 400 (a bad request), 429 (the instance is full or draining), 500 (a round failed)
+    attempt: int = 0
+
+
+Item = StepItem | AcceptedItem | ErrorItem
+
+
+@dataclass(slots=True)
+class ProgressBatch:
+    """What one round boundary reports."""
+
+    t: float  # wall-clock emission time
+    round: int  # rounds run so far (this batch follows round ``round``)
+    round_ms: float  # the last round's time
+    kinds: dict[str, int] = field(default_factory=dict)  # the last round's steps per step kind
+    kind_tokens: dict[str, int] = field(default_factory=dict)  # and query tokens per step kind
+    stats: dict[str, Any] = field(default_factory=dict)  # ``RoundLoop.stats()``
+    items: list[Item] = field(default_factory=list)
 
 
 class Overloaded(Exception):
@@ -81,17 +133,19 @@ class _Tracked:
     sent: int = 0  # output token ids already published
     seq: Sequence | None = None  # kept when its sender asked for the canvas of each step
     canvas_step: int = 0  # the last step whose canvas was published
+    attempt: int = 0  # the attempt its sender submitted it as: every item about it carries it
     planned: bool = False  # its sender answers each batch carrying it with thresholds (``after_round``)
     refined_round: int | None = None  # the round after which the instance refined its estimate
 
 
 class RoundLoop:
-    def __init__(self, instance: Instance, on_batch: Callable[[Batch], None], max_waiting: int = 256,
-                 idle_wait_s: float = 0.05, describe: Callable[[Sequence, float | None], list[float]] | None = None,
+    def __init__(self, instance: Instance, on_batch: Callable[[ProgressBatch], None], max_waiting: int = 256,
+                 idle_wait_s: float = 0.05, describe: Callable[[Sequence, float | None], Any] | None = None,
                  on_fatal: Callable[[Exception], None] | None = None, threshold_wait_s: float = 0.002,
                  threshold_wait_frac: float = 0.1) -> None:
-        """``describe(seq, threshold)``: the state row a step item carries (the router's step
-        features), called after each of the request's steps with the threshold it used.
+        """``describe(seq, threshold)``: the step features a step item carries (the router's:
+        ``predictors.features.state_row``), called after each of the request's steps with the threshold it
+        used.
         ``on_fatal(exc)``: called from the loop's thread when an ``InstanceBroken`` ends it.
         ``threshold_wait_s``, ``threshold_wait_frac``: the bound on waiting for the thresholds of
         planned requests (module docstring; 0: never wait)."""
@@ -132,17 +186,19 @@ class RoundLoop:
     def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams,
                deadline: float | None = None, sent_at: float | None = None,
                committed: list[int] | None = None, canvas: bool = False, est_rounds: float | None = None,
-               planned: bool = False) -> None:
+               planned: bool = False, attempt: int = 0) -> None:
         """Queue a request; ``sent_at`` (wall clock) is when its sender dispatched it;
         ``committed``: output tokens another instance already committed (resume); ``canvas``: its step
         items carry the canvas of each denoising step (``Sequence.canvas_step``); ``est_rounds``: its
         remaining denoising rounds as its sender estimates them (replaces the admission estimate);
-        ``planned``: its sender answers each batch carrying it with thresholds (module docstring)."""
+        ``planned``: its sender answers each batch carrying it with thresholds (module docstring);
+        ``attempt``: its sender's count of its placements, carried back on its items."""
         with self._lock:
             if self.instance.scheduler.num_waiting + self._pending >= self.max_waiting:
                 raise Overloaded(f"{self.max_waiting} requests already waiting")
             self._pending += 1
-        self._cmds.put(("add", req_id, prompt, params, deadline, sent_at, committed, canvas, est_rounds, planned))
+        self._cmds.put(("add", req_id, prompt, params, deadline, sent_at, committed, canvas, est_rounds, planned,
+                        attempt))
         self._wake.set()
 
     def abort(self, req_id: str) -> None:
@@ -156,9 +212,9 @@ class RoundLoop:
         self._cmds.put(("thresholds", thresholds, estimates or {}, after_round, time.perf_counter()))
         self._wake.set()
 
-    def reject(self, req_id: str, message: str, status: int) -> None:
+    def reject(self, req_id: str, message: str, status: int, attempt: int = 0) -> None:
         """Publish an error item for a request refused before it reached the loop (any thread)."""
-        self._send([{"id": req_id, "error": message, "status": status}])
+        self._send([ErrorItem(req_id, message, status, attempt)])
 
     def stop(self) -> None:
         self._stop.set()
@@ -179,7 +235,7 @@ class RoundLoop:
                                                   3)}
 
     # ---- the loop ----------------------------------------------------------------------------
-    def _apply_commands(self, items: list[dict]) -> bool:
+    def _apply_commands(self, items: list[Item]) -> bool:
         applied = False
         while True:
             try:
@@ -189,20 +245,20 @@ class RoundLoop:
             applied = True
             op = cmd[0]
             if op == "add":
-                _, req_id, prompt, params, deadline, sent_at, committed, canvas, est, planned = cmd
+                _, req_id, prompt, params, deadline, sent_at, committed, canvas, est, planned, attempt = cmd
                 with self._lock:
                     self._pending -= 1
                 try:
                     self.instance.add_request(req_id, prompt, params, deadline=deadline, committed=committed,
                                               est_rounds=est)
                 except (ValueError, RuntimeError) as exc:
-                    items.append({"id": req_id, "error": str(exc), "status": 400})
+                    items.append(ErrorItem(req_id, str(exc), 400, attempt))
                     continue
                 seq = self.instance.seqs[req_id]
                 self._tracked[req_id] = _Tracked(sent=len(seq.committed), seq=seq if canvas else None,
-                                                 planned=planned)
-                items.append({"id": req_id, "accepted": None if sent_at is None else (time.time() - sent_at) * 1e3,
-                              "prompt_tokens": len(seq.prompt_ids) - len(seq.committed)})
+                                                 attempt=attempt, planned=planned)
+                items.append(AcceptedItem(req_id, None if sent_at is None else (time.time() - sent_at) * 1e3,
+                                          len(seq.prompt_ids) - len(seq.committed), attempt))
             elif op == "abort":
                 if self._tracked.pop(cmd[1], None) is not None:
                     self.instance.abort(cmd[1])
@@ -245,7 +301,7 @@ class RoundLoop:
             rounds -= sum(1 for n, ids in self._recent if n > after and req_id in ids)
         self.counts["estimates_applied"] += self.instance.set_estimate(req_id, rounds)
 
-    def _await_thresholds(self, items: list[dict]) -> None:
+    def _await_thresholds(self, items: list[Item]) -> None:
         """Before a round: wait (bounded) for the answer to the last round's batch when a planned request
         stepped in it, applying whatever arrives meanwhile."""
         want, self._expect = self._expect, None
@@ -268,7 +324,7 @@ class RoundLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            items: list[dict] = []
+            items: list[Item] = []
             applied = self._apply_commands(items)
             if not self.instance.has_work():
                 if applied:
@@ -289,9 +345,9 @@ class RoundLoop:
                 return
             except Exception as exc:  # a broken round must not hang every client
                 log.exception("round failed")
-                for req_id in list(self._tracked):
+                for req_id, tr in self._tracked.items():
                     self.instance.abort(req_id)
-                    items.append({"id": req_id, "error": f"round failed: {exc}", "status": 500})
+                    items.append(ErrorItem(req_id, f"round failed: {exc}", 500, tr.attempt))
                 self._tracked.clear()
                 self._send(items)
                 continue
@@ -325,39 +381,33 @@ class RoundLoop:
             tokens[kind] = tokens.get(kind, 0) + t
         self.last_kinds, self.last_kind_tokens = kinds, tokens
 
-    def _step_item(self, req_id: str, finished: bool) -> dict | None:
+    def _step_item(self, req_id: str, finished: bool) -> StepItem | None:
         tr = self._tracked.get(req_id)
         if tr is None:
             return None
         if finished:
             out = self.instance.outputs.pop(req_id)
             ids = out.token_ids
-            seq = None
+            item = StepItem(req_id, ids[tr.sent:], out.rounds, False, attempt=tr.attempt,
+                            done=Done("length" if out.finish_reason == "length" else "stop", out.rounds, len(ids)))
+            del self._tracked[req_id]
         else:
             seq = self.instance.seqs[req_id]
             ids = seq.output_ids()
-        item = {"id": req_id, "ids": ids[tr.sent:], "done": None}
+            item = StepItem(req_id, ids[tr.sent:], seq.rounds, seq.next_kind() in HEAVY, attempt=tr.attempt,
+                            features=None if self.describe is None else self.describe(seq, seq.threshold))
         tr.sent = max(tr.sent, len(ids))
         if tr.seq is not None and (view := tr.seq.canvas_step()) is not None and view["step"] > tr.canvas_step:
             tr.canvas_step = view["step"]
-            item["canvas"] = view
-        if finished:
-            del self._tracked[req_id]
-            item["done"] = {"finish_reason": "length" if out.finish_reason == "length" else "stop",
-                            "rounds": out.rounds, "completion_tokens": len(ids)}
-            item["steps"], item["heavy"] = out.rounds, False
-        else:
-            item["steps"], item["heavy"] = seq.rounds, seq.next_kind() in HEAVY
-            if self.describe is not None:
-                item["row"] = self.describe(seq, seq.threshold)
+            item.canvas = view
         return item
 
-    def batch(self, items: list[dict]) -> Batch:
-        """A progress batch of ``items`` at this moment (the module docstring's format)."""
-        return {"t": time.time(), "round": self.rounds, "round_ms": self.last_round_s * 1e3, "kinds": self.last_kinds,
-                "kind_tokens": self.last_kind_tokens, "stats": self.stats(), "items": items}
+    def batch(self, items: list[Item]) -> ProgressBatch:
+        """A progress batch of ``items`` at this moment."""
+        return ProgressBatch(time.time(), self.rounds, self.last_round_s * 1e3, self.last_kinds,
+                             self.last_kind_tokens, self.stats(), items)
 
-    def _send(self, items: list[dict]) -> None:
+    def _send(self, items: list[Item]) -> None:
         if not self._emitted or self._emitted[-1][0] != self.rounds:
             self._emitted.append((self.rounds, time.perf_counter()))
         try:

@@ -3,27 +3,62 @@
 - Admission (DWISE): three prompt features (words, newlines, tokens after the
   chat template) plus the request's threshold, which Remask varies per request
   (the paper serves one fixed threshold, so it needs no such feature).
-- Step (DiLaServe): eleven scalars describing a request at a step boundary.
-  The threshold is the first one, so one state row can be asked about every
-  candidate threshold by overwriting that column.
+- Step (DiLaServe): eleven scalars describing a request at a step boundary
+  (``StepFeatures``). The threshold is the first one, so one state row can be
+  asked about every candidate threshold by overwriting that column. A replica
+  builds them after each step (``state_row``), they travel to the ingress as
+  they are (``app.protocol``), and the router's step estimators turn them back
+  into model rows (``cluster.estimator.feature_row``).
 
-numpy, and torch for the confidence statistics of a step's tensor.
+numpy; torch only inside the functions on a step's tensors (``confidence_stats``,
+``expected_blocks``), so the router, which never imports torch, shares
+``StepFeatures``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 ADMISSION_FEATURES = ("words", "newlines", "tokens", "threshold")
-STEP_FEATURES = (
-    "threshold", "output_len", "progress", "block_progress", "blocks_left", "step_in_block",
-    "conf_min", "conf_q25", "conf_median", "conf_mean", "conf_q75",
-)
 DEFAULT_THRESHOLD = 0.9
+
+
+class StepFeatures(NamedTuple):
+    """A request's state right after one of its denoising steps: the step predictor's inputs, in the
+    column order of its rows (the shipped models were trained on that order: never reorder)."""
+
+    threshold: float  # the threshold of the step just taken (a row asked about another one overwrites it)
+    output_len: float  # the output canvas, tokens
+    progress: float  # fraction of the output committed
+    block_progress: float  # fraction of the current block committed
+    blocks_left: float  # output blocks not yet finished, the current one included
+    step_in_block: float  # steps taken in the current block
+    conf_min: float  # the step's confidences of the positions still masked: min, q25, median, mean, q75
+    conf_q25: float
+    conf_median: float
+    conf_mean: float
+    conf_q75: float
+
+    def as_row(self, threshold: float | None = None) -> list[float]:
+        """The model row (``STEP_FEATURES`` order); ``threshold`` replaces the first column."""
+        row = list(self)
+        if threshold is not None:
+            row[0] = float(threshold)
+        return row
+
+    @property
+    def conf_stats(self) -> tuple[float, float, float, float, float]:
+        return self[6:11]
+
+
+STEP_FEATURES = StepFeatures._fields
 
 
 def admission_row(prompt: str, n_tokens: int, threshold: float | None) -> list[float]:
@@ -35,6 +70,8 @@ def confidence_stats(conf: torch.Tensor | None) -> torch.Tensor:
     """min, q25, median, mean, q75 of one step's confidences of masked positions (zeros when none).
 
     Computed on the tensor's own device, so the engine's refine hook adds no host synchronisation."""
+    import torch
+
     if conf is None or conf.numel() == 0:
         return torch.zeros(5)
     c = torch.sort(conf.detach().float().flatten()).values
@@ -52,6 +89,8 @@ def expected_blocks(p_eos: list[torch.Tensor | None], block_size: int, n_blocks:
     the answer runs on to the budget with the probability that the last position seen is not EOS.
     ``None`` (nothing seen) counts as one block. Batched on the tensors' device, no host
     synchronisation."""
+    import torch
+
     seen = [torch.ones(1) if p is None or p.numel() == 0 else p.detach().float().flatten() for p in p_eos]
     dev = seen[0].device
     probs = torch.nn.utils.rnn.pad_sequence([p.to(dev) for p in seen], batch_first=True)  # [n, L]
@@ -64,15 +103,17 @@ def expected_blocks(p_eos: list[torch.Tensor | None], block_size: int, n_blocks:
 
 
 def step_row(threshold: float, output_len: int, unmasked: int, block_unmasked: int, block_len: int,
-             blocks_left: int, step_in_block: int, conf_stats: list[float]) -> list[float]:
+             blocks_left: int, step_in_block: int, conf_stats: Sequence[float]) -> StepFeatures:
     """One request's state after a step (``conf_stats`` from ``confidence_stats`` of that step)."""
-    return [float(threshold), float(output_len), unmasked / max(output_len, 1), block_unmasked / max(block_len, 1),
-            float(blocks_left), float(step_in_block), *conf_stats]
+    if len(conf_stats) != 5:
+        raise ValueError(f"conf_stats holds min, q25, median, mean, q75: got {len(conf_stats)} values")
+    return StepFeatures(float(threshold), float(output_len), unmasked / max(output_len, 1),
+                        block_unmasked / max(block_len, 1), float(blocks_left), float(step_in_block), *conf_stats)
 
 
-def state_row(seq, threshold: float | None) -> list[float]:
-    """The step row of an engine ``Sequence`` right after its step at ``threshold``: collection
-    records it for training, and a replica's round loop sends it to the router."""
+def state_row(seq, threshold: float | None) -> StepFeatures:
+    """The step features of an engine ``Sequence`` right after its step at ``threshold``: collection
+    records them for training, and a replica's round loop sends them to the router."""
     out = seq.tokens[seq.out_start : seq.out_end]
     unmasked = int((out != seq.cfg.mask_token_id).sum())
     if seq.block_idx < len(seq.blocks):

@@ -10,9 +10,10 @@ import socket
 import pytest
 
 import tasksuite as tasks
-from app.channel import ChannelError, Link, encode
+from app.channel import ChannelError, Link, frame
 from app.config import AppConfig
 from app.dispatch import Dispatcher, DispatchError
+from app.protocol import ProgressBatch, Tick
 from app.replica import ReplicaServer
 from cluster.factory import build_router
 from engine.instance import Instance
@@ -325,7 +326,7 @@ def test_channel_refuses_a_wrong_secret_and_oversized_frames(replicas):
         sock.sendall(b"\xff\xff\xff\xff")
         sock.settimeout(5)
         assert sock.recv(16) == b""  # the replica hung up, without reading the rest
-    assert len(encode({"op": "tick"})) < 64
+    assert len(frame(Tick(0.0))) < 64
 
 
 def test_router_migrates_requests_to_a_new_instance():
@@ -498,8 +499,11 @@ def test_effective_round_time_includes_the_gaps_between_consecutive_rounds():
     from app.dispatch import InstanceLink
 
     inst = InstanceLink(0, "r", 1, None, 0.0)
-    eff = Dispatcher._effective_round_ms
-    assert eff(inst, {"round": 5, "t": 100.0, "round_ms": 10.0}) == 10.0  # no previous round: its own time
-    assert eff(inst, {"round": 6, "t": 100.025, "round_ms": 10.0}) == pytest.approx(25.0)  # CPU shared
-    assert eff(inst, {"round": 7, "t": 101.0, "round_ms": 10.0}) == 10.0  # idle in between
-    assert eff(inst, {"round": 9, "t": 101.015, "round_ms": 10.0}) == 10.0  # not consecutive
+
+    def eff(n: int, t: float, round_ms: float) -> float:
+        return Dispatcher._effective_round_ms(inst, ProgressBatch(t, n, round_ms))
+
+    assert eff(5, 100.0, 10.0) == 10.0  # no previous round: its own time
+    assert eff(6, 100.025, 10.0) == pytest.approx(25.0)  # CPU shared
+    assert eff(7, 101.0, 10.0) == 10.0  # idle in between
+    assert eff(9, 101.015, 10.0) == 10.0  # not consecutive

@@ -8,7 +8,7 @@ import torch
 
 from engine.engine import Engine
 from engine.instance import Instance
-from engine.loop import Overloaded, RoundLoop
+from engine.loop import AcceptedItem, ErrorItem, Overloaded, ProgressBatch, RoundLoop, StepItem
 from engine.sequence import SamplingParams
 from tests.conftest import make_model
 
@@ -17,21 +17,29 @@ class Collector:
     """Gathers a loop's batches into per-request items."""
 
     def __init__(self) -> None:
-        self.items: dict[str, list[dict]] = {}
-        self.batches: list[dict] = []
+        self.items: dict[str, list] = {}
+        self.batches: list[ProgressBatch] = []
         self.done = threading.Event()
         self.expect = 0
 
-    def __call__(self, batch: dict) -> None:
+    def __call__(self, batch: ProgressBatch) -> None:
         self.batches.append(batch)
-        for item in batch["items"]:
-            self.items.setdefault(item["id"], []).append(item)
-        ended = sum(any(i.get("done") or "error" in i for i in its) for its in self.items.values())
+        for item in batch.items:
+            self.items.setdefault(item.req_id, []).append(item)
+        ended = sum(any(ended_by(i) for i in its) for its in self.items.values())
         if ended >= self.expect:
             self.done.set()
 
     def ids(self, req_id: str) -> list[int]:
-        return [t for i in self.items[req_id] for t in i.get("ids", [])]
+        return [t for i in self.items[req_id] if isinstance(i, StepItem) for t in i.ids]
+
+
+def ended_by(item) -> bool:
+    return isinstance(item, ErrorItem) or isinstance(item, StepItem) and item.done is not None
+
+
+def stepped(batch: ProgressBatch) -> bool:
+    return any(isinstance(i, StepItem) for i in batch.items)
 
 
 def test_round_loop_streams_every_request_to_completion(tok):
@@ -42,17 +50,18 @@ def test_round_loop_streams_every_request_to_completion(tok):
     try:
         sink.expect = 4
         for i, p in enumerate(["abc", "12+5=", "story: cat 2"]):
-            loop.submit(f"q{i}", p, SamplingParams(max_tokens=24, threshold=0.5))
+            loop.submit(f"q{i}", p, SamplingParams(max_tokens=24, threshold=0.5), attempt=i)
         loop.submit("long", "x" * 600, SamplingParams(max_tokens=8))  # longer than the context
         assert sink.done.wait(30)
         for i, r in enumerate(ref):
             items = sink.items[f"q{i}"]
-            assert items[0]["accepted"] is None and items[0]["prompt_tokens"] > 0
-            done = items[-1]["done"]
-            assert done["completion_tokens"] == len(r.token_ids) and done["rounds"] == r.rounds
+            assert isinstance(items[0], AcceptedItem) and items[0].add_ms is None and items[0].prompt_tokens > 0
+            done = items[-1].done
+            assert done.completion_tokens == len(r.token_ids) and done.rounds == r.rounds
             assert sink.ids(f"q{i}") == r.token_ids  # every committed token exactly once
-            assert [i["steps"] for i in items[1:]] == sorted(i["steps"] for i in items[1:])
-        assert sink.items["long"][-1]["status"] == 400 and "context" in sink.items["long"][-1]["error"]
+            assert [i.steps for i in items[1:]] == sorted(i.steps for i in items[1:])
+            assert {item.attempt for item in items} == {i}  # every item carries the attempt it was sent as
+        assert sink.items["long"][-1].status == 400 and "context" in sink.items["long"][-1].message
         assert len(sink.batches) <= loop.rounds + 4  # one batch per round, not one message per request
         stats = loop.stats()
         assert stats["rounds"] > 0 and stats["resident"] == 0 and stats["kv_reserved_tokens"] == 0
@@ -72,7 +81,7 @@ def test_abort_and_overload(tok):
         while inst.has_work() and time.time() < deadline:
             time.sleep(0.05)
         assert not inst.has_work() and inst.scheduler.kv_reserved == 0
-        assert sink.ids("a") and not any(i.get("done") for i in sink.items["a"])  # streamed, never done
+        assert sink.ids("a") and not any(ended_by(i) for i in sink.items["a"])  # streamed, never done
         loop._stop.set()  # freeze the loop so the queue fills
         loop._thread.join(timeout=5)
         loop.submit("b", "abc", SamplingParams())
@@ -112,11 +121,11 @@ def test_a_failed_tensor_parallel_round_breaks_the_instance_only_when_a_rank_is_
             loop.submit("a", "abc", SamplingParams(max_tokens=8))
             if alive:  # an ordinary failure: the request fails cleanly and the instance serves the next one
                 assert sink.done.wait(30)
-                assert sink.items["a"][-1]["status"] == 500 and loop.broken is None
+                assert sink.items["a"][-1].status == 500 and loop.broken is None
                 sink.done.clear()
                 sink.expect = 2
                 loop.submit("b", "abc", SamplingParams(max_tokens=8))
-                assert sink.done.wait(30) and sink.items["b"][-1]["done"] is not None
+                assert sink.done.wait(30) and sink.items["b"][-1].done is not None
                 followers.fail = 3  # then three failed rounds in a row break it
                 for k in range(3):
                     loop.submit(f"c{k}", "abc", SamplingParams(max_tokens=8))
@@ -161,11 +170,11 @@ def test_external_estimates_replace_r_i_count_elapsed_rounds_and_yield_to_a_newe
 
     def on_batch(batch):
         req = inst.scheduler.requests.get("a")
-        if req is None or not any("ids" in i for i in batch["items"]):
+        if req is None or not stepped(batch):
             return done.set() if req is None and seen else None
-        seen.append((batch["round"], req.est_rounds, req.refined, batch["kinds"], batch["kind_tokens"]))
+        seen.append((batch.round, req.est_rounds, req.refined, batch.kinds, batch.kind_tokens))
         # the answer to this batch, as if it had taken a round to arrive: as of the previous round
-        loop.set_thresholds({}, {"a": 1000.0}, after_round=batch["round"] - 1)
+        loop.set_thresholds({}, {"a": 1000.0}, after_round=batch.round - 1)
 
     loop = RoundLoop(inst, on_batch)
     try:
@@ -196,11 +205,11 @@ def test_thresholds_answering_a_batch_land_late_unless_the_loop_waits_for_them(t
     loop = None
 
     def on_batch(batch):
-        if any(i.get("done") for i in batch["items"]):
+        if any(ended_by(i) for i in batch.items):
             return done.set()
-        if any("ids" in i for i in batch["items"]):
-            t = 0.9 if batch["round"] % 2 else 0.95
-            threading.Timer(0.005, loop.set_thresholds, ({"a": t},), {"after_round": batch["round"]}).start()
+        if stepped(batch):
+            t = 0.9 if batch.round % 2 else 0.95
+            threading.Timer(0.005, loop.set_thresholds, ({"a": t},), {"after_round": batch.round}).start()
 
     loop = RoundLoop(inst, on_batch, threshold_wait_s=0.5, threshold_wait_frac=1e6)
     try:

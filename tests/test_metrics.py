@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -394,7 +395,11 @@ def test_ingress_finished_and_on_batch():
     ing.dispatcher = SimpleNamespace(
         stats={"shed": 3}, instances={0: SimpleNamespace(stats={"running": 2, "waiting": 1, "kv_reserved_tokens": 250}),
                                       1: SimpleNamespace(stats={"running": 1, "waiting": 0, "kv_reserved_tokens": 0})})
-    ing._on_batch({"items": [{"id": "a", "steps": 1}, {"id": "b", "steps": 2}, {"id": "c", "accepted": 1.0}]}, 0.0)
+    from app.protocol import AcceptedItem, ProgressBatch, StepItem
+
+    ing._on_batch(ProgressBatch(time.time(), 7, 5.0, items=[StepItem("a", [], 1, False), StepItem("b", [], 2, False),
+                                                            AcceptedItem("c", 1.0, 3)]), 0.0)
+    assert ing.control.events == 1 and list(ing.control.add_ms) == [1.0]
     assert count(m, "remask:filled_slots_per_round") == 1 and total(m, "remask:filled_slots_per_round") == 2
     assert value(m, "remask:num_requests_running") == 3 and value(m, "remask:num_requests_waiting") == 1
     assert value(m, "remask:kv_cache_usage_perc") == pytest.approx(250 / 2000)

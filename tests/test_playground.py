@@ -107,9 +107,9 @@ def test_recent_outcomes_memory_is_bounded():
 
 class FakeLink:
     def __init__(self) -> None:
-        self.sent: list[dict] = []
+        self.sent: list = []
 
-    def send(self, msg: dict) -> bool:
+    def send(self, msg) -> bool:
         self.sent.append(msg)
         return True
 

@@ -14,6 +14,7 @@ without waiting, and three wait bounds; 64 requests through one tiny-bd replica 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -21,6 +22,7 @@ import pytest
 
 import tasksuite as tasks
 from app.dispatch import Dispatcher
+from app.protocol import Abort, Add, ProgressBatch, StepItem, Thresholds
 from app.replica import ReplicaServer
 from engine.instance import Instance
 from engine.loading import load_engine
@@ -41,12 +43,12 @@ class ProtocolDispatcher:
         self.answered = True
         handle = d.handle_batch
 
-        def handle_batch(inst_id: int, batch: dict) -> None:
-            self.after, self.answered = batch.get("round"), False
+        def handle_batch(inst_id: int, batch: ProgressBatch) -> None:
+            self.after, self.answered = batch.round, False
             handle(inst_id, batch)
-            stepped = any("ids" in i and not i.get("done") for i in batch.get("items", ()))
+            stepped = any(isinstance(i, StepItem) and i.done is None for i in batch.items)
             if self.answer_all and stepped and not self.answered and inst_id in d.instances:
-                d.instances[inst_id].link.send({"op": "thresholds", "map": {}})
+                d.instances[inst_id].link.send(Thresholds())
 
         d.handle_batch = handle_batch
 
@@ -55,17 +57,18 @@ class ProtocolDispatcher:
         link = self.d.instances[inst_id].link
         send = link.send
 
-        def wrapped(msg: dict) -> bool:
-            if msg.get("op") == "thresholds":
-                msg = {**msg, "after_round": self.after}
+        def wrapped(msg) -> bool:
+            if isinstance(msg, Thresholds):
+                msg = dataclasses.replace(msg, after_round=self.after)
                 if self.answer_all:
                     router = self.d.router
-                    msg["estimates"] = {r: router.remaining_steps(router.requests[r])
-                                        for r in router.by_id[inst_id].requests if r in router.requests}
+                    msg.estimates = {r: router.remaining_steps(router.requests[r])
+                                     for r in router.by_id[inst_id].requests if r in router.requests}
                 self.answered = True
-            elif msg.get("op") == "add" and self.planned:
-                live = self.d.live[msg["id"]]
-                msg = {**msg, "planned": live.fixed is None, "est_rounds": self.d.router.remaining_steps(live.state)}
+            elif isinstance(msg, Add) and self.planned:
+                live = self.d.live[msg.req_id]
+                msg = dataclasses.replace(msg, planned=live.fixed is None,
+                                          est_rounds=self.d.router.remaining_steps(live.state))
             return send(msg)
 
         link.send = wrapped
@@ -195,24 +198,23 @@ def test_the_replica_takes_est_rounds_planned_estimates_and_after_round_from_its
     replica = make_replica(threshold_wait_s=5.0, threshold_wait_frac=1e6)
     sched = replica.loop.instance.scheduler
 
-    async def batch_of(link: Link) -> dict:
+    async def batch_of(link: Link) -> ProgressBatch:
         while True:
             msg = await asyncio.wait_for(link.recv(), 10)
-            if msg["op"] == "batch" and any("ids" in i for i in msg["items"]):
+            if isinstance(msg, ProgressBatch) and any(isinstance(i, StepItem) for i in msg.items):
                 return msg
 
     async def main():
         link = await Link.open(**replica.info())
-        link.send({"op": "add", "id": "a", "prompt_ids": ids("rev: abcdefgh"), "max_tokens": 128, "threshold": 1.0,
-                   "est_rounds": 123.0, "planned": True})
+        link.send(Add("a", ids("rev: abcdefgh"), max_tokens=128, threshold=1.0, est_rounds=123.0, planned=True))
         first = await batch_of(link)
         est0 = sched.requests["a"].est_rounds  # the loop waits for the answer: nothing moves meanwhile
-        link.send({"op": "thresholds", "estimates": {"a": 50.0}, "after_round": first["round"]})
+        link.send(Thresholds(estimates={"a": 50.0}, after_round=first.round))
         second = await batch_of(link)
         est1 = sched.requests["a"].est_rounds
-        link.send({"op": "thresholds", "map": {"a": 0.8}, "after_round": second["round"]})
+        link.send(Thresholds({"a": 0.8}, after_round=second.round))
         third = await batch_of(link)
-        link.send({"op": "abort", "id": "a"})
+        link.send(Abort("a"))
         link.close()
         return first, est0, second, est1, third
 
@@ -220,10 +222,10 @@ def test_the_replica_takes_est_rounds_planned_estimates_and_after_round_from_its
         first, est0, second, est1, third = asyncio.run(main())
     finally:
         replica.close()
-    assert est0 == 123.0 and first["kinds"] == {"prefill": 1}
-    assert est1 == 50.0 - second["kinds"].get("denoise", 0)  # as of round 1, less the round run since
-    assert second["round"] == first["round"] + 1 and third["round"] == second["round"] + 1
-    s = third["stats"]
+    assert est0 == 123.0 and first.kinds == {"prefill": 1}
+    assert est1 == 50.0 - second.kinds.get("denoise", 0)  # as of round 1, less the round run since
+    assert second.round == first.round + 1 and third.round == second.round + 1
+    s = third.stats
     assert s["estimates_applied"] == 1 and s["answers_on_time"] == 2 and s["answers_late"] == 0
     assert s["thresholds_on_time"] == 1 and s["thresholds_late"] == 0 and s["threshold_wait_timeouts"] == 0
 
