@@ -3,8 +3,8 @@
 ``PlannerController`` connects a ``planner.Planner`` to a ``ClusterSimulator``: every arrival is
 observed by the planner's workload monitor; every ``tick_s`` the controller asks
 ``maybe_replan`` (which acts at most once a period, and only for a >= 10% gain) and queues the
-Stage 2 transition's ordered actions. Actions are carried out in order, as a controller that
-follows the plan would:
+Stage 2 transition's ordered actions. Actions are carried out in order under the rules of
+``cluster.transition.TransitionFollower``, the ones the live autoscaling policy follows too:
 
 - a start reserves its GPUs on its node as soon as they are free, and the instance serves
   ``start_delay_s`` later (model load);
@@ -18,9 +18,10 @@ re-plan's outcome.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
+from cluster.transition import TransitionFollower
 from planner import Action, Planner
 from sim.cluster import ClusterRequestSpec, ClusterSimulator
 
@@ -42,18 +43,13 @@ class PlannerController:
         self.sim, self.planner = sim, planner
         self.start_delay_s, self.tick_s = start_delay_s, tick_s
         self.degrees = sorted(planner.profiles)
-        self.free = list(planner.cluster.gpus_per_node)
         self.ids: dict[str, int] = {}  # planner instance id -> simulator instance id
         if sim.serving():
             raise ValueError("the simulator must start without instances: the planner's placement is the start")
+        self.follower = TransitionFollower(planner.cluster.gpus_per_node, planner.current)
         for inst in planner.current:  # the starting placement serves from t = 0
-            self.free[inst.node] -= inst.tp
-            if self.free[inst.node] < 0:
-                raise ValueError(f"the starting placement overfills node {inst.node}")
             self.ids[inst.id] = sim.add_instance(inst.tp)
         sim.res.instances_started = 0
-        self.queue: deque[Action] = deque()
-        self.starting = 0  # starts issued and not yet serving
         self.log = ReconfigLog()
         self._seen = None  # the planner's last decision already logged
         self._record(0.0)
@@ -80,38 +76,29 @@ class PlannerController:
                 "solve_ms": round((d.proposal.solve_seconds + d.current.solve_seconds) * 1e3, 1)})
         if plan is not None:
             self.log.plans += 1
-            self.queue.extend(plan.actions)
+            self.follower.follow(plan.actions)
             self._advance(now)
         if self.sim.active():
             self.sim.call_at(now + self.tick_s, self._tick)
 
     def _advance(self, now: float) -> None:
-        while self.queue:
-            a = self.queue[0]
+        for a in self.follower.issue():
             if a.kind == "start":
-                if self.free[a.node] < a.tp:
-                    return  # waits for a stop on its node to finish draining
-                self.free[a.node] -= a.tp
-                self.starting += 1
-                self.queue.popleft()
                 self.sim.call_at(now + self.start_delay_s, lambda t, a=a: self._ready(a, t))
             else:
-                if self.starting:
-                    return  # capacity first: earlier starts serve before this instance goes
-                self.queue.popleft()
                 self.log.stops += 1
                 self.sim.drain_instance(self.ids.pop(a.instance), lambda t, a=a: self._stopped(a, t))
                 self._record(now)
 
     def _ready(self, a: Action, now: float) -> None:
         self.ids[a.instance] = self.sim.add_instance(a.tp)
-        self.starting -= 1
+        self.follower.ready(a)
         self.log.starts += 1
         self._record(now)
         self._advance(now)
 
     def _stopped(self, a: Action, now: float) -> None:
-        self.free[a.node] += a.tp
+        self.follower.stopped(a)
         self.sim.call_at(now, self._advance)  # as an event: this may run inside _advance's drain call
 
     def _record(self, now: float) -> None:

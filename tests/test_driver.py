@@ -116,3 +116,24 @@ def test_finished_feeds_the_governor_only_for_counted_admissions():
     d.finished(a, 1.0)
     d.finished(b, 1.0)
     assert d.governor._n == 1 and "a" not in d.router.requests and "b" not in d.router.requests
+
+
+def test_transition_follower_starts_when_gpus_free_and_stops_after_earlier_starts_serve():
+    from cluster.transition import TransitionFollower
+    from planner.transition import Action, Instance
+
+    running = [Instance("a", 0, 4), Instance("b", 1, 1)]
+    f = TransitionFollower((4, 4), running)
+    start1 = Action("start", 1, 2, "c")  # node 1 has 3 GPUs free: goes now
+    stop_a = Action("stop", 0, 4, "a")  # waits for the start above to serve
+    start0 = Action("start", 0, 1, "d")  # node 0 is full until a stops
+    f.follow([start1, stop_a, start0])
+    assert f.issue() == [start1] and f.targets([1, 2, 4]) == {1: 1, 2: 1, 4: 1}
+    assert f.issue() == []  # the stop waits for c
+    f.ready(start1)
+    assert f.issue() == [stop_a] and f.targets([1, 2, 4]) == {1: 1, 2: 1, 4: 0}
+    assert f.issue() == [] and f.busy  # d waits for a's GPUs
+    f.stopped(stop_a)
+    assert f.issue() == [start0] and f.targets([1, 2, 4]) == {1: 2, 2: 1, 4: 0}
+    f.ready(start0)
+    assert not f.busy and f.free == [3, 1]
