@@ -1,7 +1,9 @@
-"""The ingress's view of the cluster: the router core driving live instances.
+"""The ingress's view of the cluster: the cluster driver carried out over live instances.
 
 ``Dispatcher`` (asyncio, no Ray) owns one control channel per instance and
-the cluster router (``cluster.Router``). For each request it
+executes what the cluster driver (``cluster.driver.ClusterDriver``, around the
+router ``cluster.Router``; the cluster simulator drives the same one) decides.
+For each request it
 
 - places it on arrival (the router policy; Alg. 3 for ``remask``) and sends
   it with the threshold of its first step;
@@ -42,11 +44,11 @@ from typing import TYPE_CHECKING
 from app.channel import Link
 from app.protocol import Abort, Add, Done, Draining, ErrorItem, ProgressBatch, Sampling, StepItem, Thresholds, Tick
 from cluster import RequestState, Router
+from cluster.driver import ClusterDriver, Move
 
 if TYPE_CHECKING:
     from cluster.learning import LiveLearning
     from engine.latency_profile import LatencyProfile
-from cluster.admission import AdmissionGovernor
 from engine.tokenizer import OutputText
 
 log = logging.getLogger(__name__)
@@ -94,7 +96,6 @@ class _Live:
     sent_threshold: float | None = None
     resumes: int = 0
     parked_at: float = 0.0
-    epoch: int = -1  # the admission governor's epoch it was admitted in (-1: not counted)
 
 
 class RequestStream:
@@ -130,7 +131,8 @@ class Dispatcher:
                  on_migration: Callable[[], None] | None = None,
                  on_arrival: Callable[[int, int], None] | None = None,
                  on_instances: Callable[[dict[int, int]], None] | None = None,
-                 learning: LiveLearning | None = None) -> None:
+                 learning: LiveLearning | None = None, clock: Callable[[], float] = time.monotonic,
+                 log_decisions: bool = False) -> None:
         """``per_instance_limit``: requests an instance may hold (slots, residents and its waiting
         queue); past it on every instance, new requests get 429. ``park_s``: while no instance is up,
         requests (new or resuming) wait this long for one to join, then get 503. ``shed_over_capacity``:
@@ -139,14 +141,15 @@ class Dispatcher:
         sees every progress batch (control-path timing, metrics); ``on_arrival(prompt_tokens, max_tokens)``
         every accepted request (the planner's workload); ``on_instances({tp: count})`` the joined
         instances whenever one joins or leaves. ``learning``: the online predictors (``cluster.learning``), given
-        every finished request's step rows and rounds."""
-        self.router, self.decode = router, decode
+        every finished request's step rows and rounds. ``clock``: monotonic seconds (a test's own);
+        ``log_decisions``: the cluster driver keeps its decisions (``driver.decisions``)."""
+        self.router, self.decode, self.clock = router, decode, clock
+        # what happens to requests and instances: the cluster simulator drives the same driver
+        self.driver = ClusterDriver(router, shed=shed_over_capacity, calibrate=True,
+                                    per_instance_limit=per_instance_limit, log=log_decisions)
         self.block_tokens, self.full_sequence = block_tokens, full_sequence
         self.per_instance_limit, self.default_slo_s = per_instance_limit, default_slo_s
         self.max_resumes, self.dead_after_s, self.park_s = max_resumes, dead_after_s, park_s
-        self.shed_over_capacity = shed_over_capacity
-        self.calibrate = True  # scale the latency profile by measured round times (TpLatencyModel.calibrate)
-        self.parked: list[_Live] = []  # requests waiting for an instance to join
         self.on_batch, self.on_migration = on_batch, on_migration
         self.on_arrival, self.on_instances = on_arrival, on_instances
         self.learning = learning
@@ -155,8 +158,33 @@ class Dispatcher:
         self.live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self.stats = {"resumed": 0, "migrated": 0, "failed_over": 0, "instances_lost": 0, "shed": 0, "drained": 0}
-        self.governor = AdmissionGovernor()
         self._watchdog: asyncio.Task | None = None
+
+    @property
+    def governor(self):
+        return self.driver.governor
+
+    @property
+    def shed_over_capacity(self) -> bool:
+        return self.driver.shed
+
+    @shed_over_capacity.setter
+    def shed_over_capacity(self, on: bool) -> None:
+        self.driver.shed = on
+
+    @property
+    def calibrate(self) -> bool:
+        """Scale the latency profile by measured round times (``TpLatencyModel.calibrate``)."""
+        return self.driver.calibrate
+
+    @calibrate.setter
+    def calibrate(self, on: bool) -> None:
+        self.driver.calibrate = on
+
+    @property
+    def parked(self) -> list[_Live]:
+        """Requests waiting for an instance to join."""
+        return [self.live[s.req_id] for s in self.driver.held if s.req_id in self.live]
 
     # ---- instances ---------------------------------------------------------------------------
     def measured_profile(self, tp: int, data: dict) -> LatencyProfile | None:
@@ -181,24 +209,31 @@ class Dispatcher:
         """Open a replica's channel and add it to the router (idempotent per live replica)."""
         if replica in self.by_replica:
             inst = self.instances[self.by_replica[replica]]
-            inst.last_seen = time.monotonic()
+            inst.last_seen = self.clock()
             return inst.inst_id
         link = await Link.open(host, port, secret)
         if replica in self.by_replica:  # registered twice while connecting
             link.close()
             return self.by_replica[replica]
+        inst_id = self.attach(replica, tp, link, meta)
+        log.info("instance %d (TP-%d, replica %s) joined at %s:%d", inst_id, tp, replica, host, port)
+        return inst_id
+
+    def attach(self, replica: str, tp: int, link, meta: dict | None = None, read: bool = True) -> int:
+        """An instance joins over an open ``link``: the router takes it, the requests of draining instances
+        and those waiting for one move to it; ``read``: start reading its progress (a test feeds
+        ``handle_batch`` itself)."""
         inst_id = next(self._ids)
-        self.router.add_instance(inst_id, tp)
-        inst = InstanceLink(inst_id, replica, tp, link, time.monotonic(), meta=dict(meta or {}))
+        inst = InstanceLink(inst_id, replica, tp, link, self.clock(), meta=dict(meta or {}))
         self.instances[inst_id] = inst
         self.by_replica[replica] = inst_id
-        inst.task = asyncio.get_running_loop().create_task(self._read(inst))
-        if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-        log.info("instance %d (TP-%d, replica %s) joined at %s:%d", inst_id, tp, replica, host, port)
+        moves = self.driver.join(inst_id, tp, self.clock())
+        if read:
+            inst.task = asyncio.get_running_loop().create_task(self._read(inst))
+            self._ensure_watchdog()
+        self._forget_gone()
         self._instances_changed()
-        self._move_off_draining()
-        self._unpark()
+        self._execute(moves)
         return inst_id
 
     def drain(self, inst_id: int) -> None:
@@ -209,22 +244,21 @@ class Dispatcher:
         if inst is not None and not inst.draining:
             inst.draining = True
             log.info("instance %d (replica %s) is draining", inst_id, inst.replica)
-            self._move_off_draining()
+            now = self.clock()
+            self.driver.drain(inst_id, now)
+            moves = self.driver.evacuate(inst_id, now, keep_if_alone=True)
+            self._forget_gone()
+            self._execute(moves)
 
-    def _move_off_draining(self) -> None:
-        if all(i.draining for i in self.instances.values()):
-            return  # nowhere to go yet
-        for inst in [i for i in self.instances.values() if i.draining]:
+    def _forget_gone(self) -> None:
+        """Close the links of the instances the driver let go (drained ones once their requests moved)."""
+        gone = [i for i in self.instances.values() if i.inst_id not in self.router.by_id]
+        for inst in gone:
             del self.instances[inst.inst_id]
             self.by_replica.pop(inst.replica, None)
             inst.link.close()  # the replica drops what this ingress sent it
-            orphans = self.router.remove_instance(inst.inst_id)
+        if gone:
             self._instances_changed()
-            for state in orphans:
-                live = self.live.get(state.req_id)
-                if live is not None:
-                    self.stats["drained"] += 1
-                    self._send_add(live, self.router.place(state))
 
     def drop(self, inst_id: int, reason: str = "lost") -> None:
         """An instance is gone: resume its requests elsewhere."""
@@ -236,7 +270,7 @@ class Dispatcher:
         self.stats["instances_lost"] += 1
         self._instances_changed()
         log.warning("instance %d (replica %s) %s; resuming its requests", inst_id, inst.replica, reason)
-        for state in self.router.remove_instance(inst_id):
+        for state in self.driver.lost(inst_id, self.clock()):
             live = self.live.get(state.req_id)
             if live is not None:
                 self.stats["failed_over"] += 1
@@ -254,7 +288,7 @@ class Dispatcher:
             msg = await inst.link.recv()
             if msg is None:
                 break
-            inst.last_seen = time.monotonic()
+            inst.last_seen = self.clock()
             if isinstance(msg, ProgressBatch):
                 try:
                     self.handle_batch(inst.inst_id, msg)
@@ -269,25 +303,23 @@ class Dispatcher:
         if inst.inst_id in self.instances:
             self.drop(inst.inst_id, "disconnected")
 
+    def _ensure_watchdog(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.dead_after_s / 2))
-            now = time.monotonic()
+            now = self.clock()
             for inst in list(self.instances.values()):
                 if now - inst.last_seen > self.dead_after_s:
                     self.drop(inst.inst_id, f"silent for {now - inst.last_seen:.1f} s")
             self._expire_parked(now)
 
     def _expire_parked(self, now: float) -> None:
-        keep = []
         for live in self.parked:
-            if self.live.get(live.req_id) is not live:
-                continue
             if now - live.parked_at > self.park_s:
                 self._fail(live, 503, f"no model instance joined within {self.park_s:.0f} s")
-            else:
-                keep.append(live)
-        self.parked = keep
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, req_id: str, prompt_ids: list[int], max_tokens: int, *, prompt_text: str = "",
@@ -306,15 +338,16 @@ class Dispatcher:
             params = Sampling.from_dict(sampling)
         except ValueError as exc:
             raise DispatchError(400, str(exc)) from None
-        if not self.instances and (self.park_s <= 0 or len(self.parked) >= self.per_instance_limit):
+        if not self.instances and (self.park_s <= 0 or len(self.driver.held) >= self.per_instance_limit):
             raise DispatchError(503, "no model instance is ready; retry shortly")
         if self.instances and all(i.n >= self.per_instance_limit for i in self.router.instances):
             raise DispatchError(429, f"every instance holds {self.per_instance_limit} requests")
-        now = time.monotonic()
+        now = self.clock()
         slo_s = slo_ms / 1000.0 if slo_ms is not None else self.default_slo_s
         canvas_tokens = -(-max_tokens // self.block_tokens) * self.block_tokens
+        # the governor counts a request whose SLO the client set; a client-fixed threshold is never the router's
         state = RequestState(req_id, now, now + slo_s, prompt_tokens, canvas_tokens, self.block_tokens, priority,
-                             self.full_sequence)
+                             self.full_sequence, fixed_threshold=threshold, counted=slo_ms is not None)
         live = _Live(req_id, list(prompt_ids), max_tokens, threshold, state, asyncio.Queue(), now,
                      OutputText(self.decode, stop), params, canvas)
         if threshold is not None:
@@ -325,89 +358,61 @@ class Dispatcher:
         if self.on_arrival is not None:
             self.on_arrival(prompt_tokens, max_tokens)
         self.live[req_id] = live
-        if all(i.draining for i in self.instances.values()):
-            # none yet (starting, between a reconfiguration's stops and starts, a redeploy): wait
-            self._park(live)
-            return RequestStream(self, live)
-        self.router.add_request(state, now)
-        # shedding needs estimates: not on a prior's guess (the learners would never see what it refuses)
-        if (self.shed_over_capacity and getattr(self.router.estimator, "ready", True)
-                and not self.router.admissible(state, now, self.governor.util)):
-            self.router.reject(state)
+        move = self.driver.arrive(state, now)
+        if move is not None:
+            self._execute([move])
+        elif state.shed:
             self.live.pop(req_id, None)
             self.stats["shed"] += 1
             raise DispatchError(429, "over capacity: with the requests ahead of it, this one cannot finish "
                                      "within its SLO even at the lowest threshold; retry later")
-        if slo_ms is not None:
-            live.epoch = self.governor.epoch
-        self._place(live)
+        else:  # no instance serves yet (starting, between a reconfiguration's stops and starts, a redeploy)
+            self._park(live)
         return RequestStream(self, live)
 
-    def _admit(self, live: _Live, now: float) -> None:
-        self.router.add_request(live.state, now)
-        self._place(live)
-
-    def _place(self, live: _Live) -> None:
-        """Send a request the router has just placed (to the least full instance if the policy chose a full one)."""
-        inst_id = live.state.instance
-        if self.router.by_id[inst_id].n > self.per_instance_limit:
-            inst_id = self._least_full(live.state)
-        self._send_add(live, inst_id)
-
     def _park(self, live: _Live) -> None:
-        """Hold a request until an instance joins (``park_s`` at most, then 503)."""
-        live.parked_at = time.monotonic()
-        self.parked.append(live)
-        if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        """A request the driver holds until an instance joins (``park_s`` at most, then 503)."""
+        live.parked_at = self.clock()
+        self._ensure_watchdog()
 
-    def _unpark(self) -> None:
-        parked, self.parked = self.parked, []
-        now = time.monotonic()
-        for live in parked:
-            if self.live.get(live.req_id) is not live:
-                continue  # cancelled meanwhile
-            if live.state.req_id in self.router.requests:  # an active request whose instance died: resume it
-                inst_id = self.router.place(live.state)
-                self._send_add(live, inst_id)
-            else:
-                self._admit(live, now)
-
-    def _least_full(self, state: RequestState) -> int:
-        src = self.router.by_id[state.instance]
-        src.remove(state)
-        dst = min(self.router.instances, key=lambda i: (i.n, i.inst_id))
-        dst.add(state)
-        return dst.inst_id
+    def _execute(self, moves: list[Move]) -> None:
+        """Carry out the driver's moves: abort on the instance a request leaves, send it to its new one from
+        its committed tokens (no KV travels)."""
+        for m in moves:
+            live = self.live.get(m.state.req_id)
+            if live is None:
+                continue
+            if m.why == "migrate":
+                if m.src in self.instances:
+                    self.instances[m.src].link.send(Abort(live.req_id))
+                self.stats["migrated"] += 1
+                if self.on_migration is not None:
+                    self.on_migration()
+            elif m.why == "evacuate":
+                self.stats["drained"] += 1
+            self._send_add(live, m)
 
     def cancel(self, req_id: str) -> None:
         live = self.live.pop(req_id, None)
         if live is None:
             return
-        if live in self.parked:
-            self.parked.remove(live)
         inst_id = live.state.instance
-        self.router.finish(live.state)
+        self.driver.cancelled(live.state)
         if inst_id is not None and inst_id in self.instances:
             self.instances[inst_id].link.send(Abort(req_id))
 
-    def _threshold_for(self, live: _Live, inst_id: int) -> float | None:
-        if live.fixed is not None:
-            return live.fixed
-        return self.router.plan_thresholds(inst_id, [live.state], time.monotonic())[0]
-
-    def _send_add(self, live: _Live, inst_id: int) -> None:
-        t = self._threshold_for(live, inst_id)
+    def _send_add(self, live: _Live, move: Move) -> None:
+        now = self.clock()
+        t = self.driver.threshold_for(live.state, now)
         live.sent_threshold = t
-        left_s = live.state.deadline - time.monotonic()
-        ok = self.instances[inst_id].link.send(Add(
-            live.req_id, live.prompt_ids, max_tokens=live.max_tokens, threshold=t, slo_left_s=left_s,
-            sent_at=time.time(), committed=live.committed, sampling=live.sampling, canvas=live.canvas,
+        ok = self.instances[move.dst].link.send(Add(
+            live.req_id, live.prompt_ids, max_tokens=live.max_tokens, threshold=t,
+            slo_left_s=live.state.deadline - now, sent_at=time.time(), committed=live.committed,
+            sampling=live.sampling, canvas=live.canvas,
             # the router's estimate of its remaining denoising rounds: the instance scheduler's r_i (DWISE)
-            est_rounds=self.router.remaining_steps(live.state) if live.state.est else None,
-            planned=self._planned(live)))
+            est_rounds=self.driver.estimate(live.state), planned=self._planned(live), attempt=move.attempt))
         if not ok:  # its channel just broke: the reader's drop resumes it, or do it now
-            self.drop(inst_id, "unreachable")
+            self.drop(move.dst, "unreachable")
 
     def _resume(self, live: _Live, exclude: int | None, why: str) -> None:
         """Send an active request (unplaced in the router) to another instance from its committed tokens."""
@@ -416,34 +421,32 @@ class Dispatcher:
             return self._fail(live, 500, f"request failed on {live.resumes} instances ({why})")
         if len(live.committed) >= live.max_tokens:  # it had finished everything but its done message
             return self._finish(live, Done("length", live.state.steps_done, len(live.committed)))
-        inst_id = self.router.place(live.state, exclude)
-        if inst_id is None:
+        move = self.driver.resume(live.state, self.clock(), exclude)
+        if move is None:
             if self.park_s <= 0 or self.instances:  # the only other instance refused it, or waiting is off
                 return self._fail(live, 503, f"{why} and no other instance is available")
             self.stats["resumed"] += 1
-            return self._park(live)  # the next instance to join takes it
+            return self._park(live)  # the driver holds it: the next instance to join takes it
         self.stats["resumed"] += 1
-        self._send_add(live, inst_id)
+        self._send_add(live, move)
 
     def _fail(self, live: _Live, status: int, message: str) -> None:
         self.live.pop(live.req_id, None)
-        self.router.finish(live.state)
+        self.driver.cancelled(live.state)
         live.queue.put_nowait({"type": "error", "status": status, "message": message,
                                "accepted": live.accepted})
 
     def _finish(self, live: _Live, done: Done) -> None:
         self.live.pop(live.req_id, None)
         inst = self.router.by_id.get(live.state.instance)
-        self.router.finish(live.state)
-        now = time.monotonic()
+        now = self.clock()
+        self.driver.finished(live.state, now)
         self._emit(live, live.out.finish(), now)  # held-back text: an unfinished character, a stop's prefix
         if self.learning is not None and done.finish_reason in ("stop", "length") and live.denoise_steps:
             st = live.state
             self.learning.finished(live.rows, live.row_steps, live.denoise_steps,
                                    [*st.extra["admission"], st.thresholds_used.mean or live.sent_threshold or 0.9],
                                    st.output_tokens / st.block_tokens, st.threshold)
-        if live.epoch == self.governor.epoch:
-            self.governor.finished(now <= live.state.deadline, now, self.stats["shed"])
         used = live.state.thresholds_used
         live.queue.put_nowait({
             "type": "done", "finish_reason": done.finish_reason, "text": live.out.text,
@@ -458,7 +461,7 @@ class Dispatcher:
 
     # ---- progress ----------------------------------------------------------------------------------
     def handle_batch(self, inst_id: int, batch: ProgressBatch) -> None:
-        now = time.monotonic()
+        now = self.clock()
         inst = self.instances.get(inst_id)
         if inst is None:
             return
@@ -468,8 +471,8 @@ class Dispatcher:
         stepped, finished = [], []
         for item in batch.items:
             live = self.live.get(item.req_id)
-            if live is None or live.state.instance != inst_id:
-                continue  # finished, cancelled, or moved away since: stale
+            if live is None or live.state.instance != inst_id or item.attempt != live.state.attempt:
+                continue  # finished, cancelled, or moved away since (it may be back, as a later attempt): stale
             if type(item) is StepItem:
                 done = self._item_step(live, item, now, inst)
                 stepped.append((live.state, item.heavy, done is not None))
@@ -482,39 +485,13 @@ class Dispatcher:
                 live.queue.put_nowait({"type": "accepted", "add_ms": item.add_ms})
         if not stepped:
             return
-        round_ms = self._effective_round_ms(inst, batch)
-        if self.calibrate and round_ms:  # the profile under this deployment's real load
-            router_inst = self.router.by_id[inst_id]
-            kinds = batch.kinds  # the round's steps per kind, when the replica counts them
-            if kinds:
-                heavy = kinds.get("prefill", 0) + kinds.get("recompute", 0)
-                light = kinds.get("denoise", 0) + kinds.get("cached", 0)
-            else:
-                heavy = round(len(stepped) * router_inst.n_heavy / max(router_inst.n, 1))
-                light = len(stepped) - heavy
-            self.router.latency.calibrate(router_inst.tp, heavy, light, round_ms)
-        moves = self.router.on_step(inst_id, stepped, now)
+        # the router's step event (the profile calibrated under this deployment's real load), the policy's
+        # migrations, and the admission governor told at once of a request foreseen to miss its SLO
+        moves = self.driver.on_round(inst_id, stepped, now, self._effective_round_ms(inst, batch), batch.kinds)
         for live, done in finished:
             self._finish(live, done)
-        if round_ms and self.shed_over_capacity:
-            self._foresee_misses(stepped, round_ms, now)
-        for state, dst in moves:
-            self._migrate(self.live[state.req_id], inst_id, dst)
+        self._execute(moves)
         self._plan(inst_id, now, batch.round)
-
-    def _foresee_misses(self, stepped: list, round_ms: float, now: float) -> None:
-        """Tell the admission governor of a request that will miss its SLO as soon as that is clear (its
-        predicted remaining steps at this instance's measured round time run past its deadline), not
-        an SLO later when it finishes: the governor then cuts admission within a window of the overload."""
-        g = self.governor
-        for state, _, done in stepped:
-            live = self.live.get(state.req_id)
-            if done or live is None or live.epoch != g.epoch:
-                continue
-            left = self.router.remaining_steps(state) + (0 if state.full_sequence else state.heavy_left)
-            if now + left * round_ms / 1000.0 > state.deadline:
-                live.epoch = -1  # counted now, not again when it finishes
-                g.finished(False, now, self.stats["shed"])
 
     @staticmethod
     def _effective_round_ms(inst: InstanceLink, batch: ProgressBatch) -> float:
@@ -575,13 +552,6 @@ class Dispatcher:
             return self._fail(live, 429, f"server overloaded: {item.message}")
         self._fail(live, item.status, item.message)
 
-    def _migrate(self, live: _Live, src: int, dst: int) -> None:
-        self.instances[src].link.send(Abort(live.req_id))
-        self.stats["migrated"] += 1
-        if self.on_migration is not None:
-            self.on_migration()
-        self._send_add(live, dst)
-
     def _planned(self, live: _Live) -> bool:
         """Whether the router chooses the request's thresholds: then every batch carrying it is answered
         (``_plan``), and its instance waits a little for the answer before its next round."""
@@ -592,18 +562,19 @@ class Dispatcher:
         next steps where the router chooses them (those that changed), and the router's estimates of their
         remaining denoising rounds (the instance scheduler's r_i). Sent for every batch while the instance
         holds a request whose thresholds the router chooses (its loop waits for the answer)."""
-        if not self.router.policy.dynamic:
+        if not self.router.policy.dynamic or inst_id not in self.instances:
             return
-        inst = self.router.by_id[inst_id]
-        lives = [self.live[r] for r in inst.requests if r in self.live and self.live[r].fixed is None]
-        if not lives:
+        planned = self.driver.plan(inst_id, now)
+        if not planned:
             return
         changed = {}
-        for live, t in zip(lives, self.router.plan_thresholds(inst_id, [lv.state for lv in lives], now)):
-            if t != live.sent_threshold:
-                changed[live.req_id] = t
+        for req_id, t in planned.items():
+            live = self.live.get(req_id)
+            if live is not None and t != live.sent_threshold:
+                changed[req_id] = t
                 live.sent_threshold = t
-        estimates = {lv.req_id: round(self.router.remaining_steps(lv.state), 2) for lv in lives if lv.state.est}
+        estimates = {r: round(self.router.remaining_steps(self.router.requests[r]), 2) for r in planned
+                     if self.router.requests[r].est}
         self.instances[inst_id].link.send(Thresholds(changed, estimates, after_round))
 
     # ---- views -----------------------------------------------------------------------------------

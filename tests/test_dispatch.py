@@ -479,7 +479,7 @@ def test_a_draining_replica_hands_its_requests_over_and_takes_no_new_ones():
 
 
 def test_admission_governor_cuts_on_misses_and_grows_back_while_shedding():
-    from app.dispatch import AdmissionGovernor
+    from cluster.admission import AdmissionGovernor
 
     g = AdmissionGovernor(window_s=0.5, min_requests=4, start=1.0)
     for k in range(4):  # admitted under util 1.0: half of them miss
