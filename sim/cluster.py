@@ -244,6 +244,8 @@ class ClusterSimulator:
             raise ValueError(f"no latency profile for TP-{tp}")
         inst = self._new_inst(tp)
         self.res.instances_started += 1
+        if self.world is not None:
+            self.world.append(("join", self.clock.now(), inst.inst_id, tp))
         self._execute(self.driver.join(inst.inst_id, tp, self.clock.now()))
         return inst.inst_id
 
