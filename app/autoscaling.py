@@ -5,11 +5,15 @@ Two halves:
 - ``PlannerService`` runs beside the ingress, which sees every arrival. It
   feeds the planner's workload monitor, and a background thread calls
   ``Planner.maybe_replan`` (Stage 1 every period, the 10% hysteresis, Stage 2's
-  minimum-disruption transition). A transition is followed one action at a
-  time: the service publishes the replica counts after the next action, and
-  moves on once the instances that joined the ingress's router match them
-  (or after ``step_timeout_s``). So capacity only drops where Stage 2 said it
-  must, e.g. stop two TP-1 replicas before the TP-2 one that needs their GPUs.
+  minimum-disruption transition). A transition is followed under the rules
+  the cluster simulator follows too (``cluster.transition.TransitionFollower``):
+  a start goes as soon as its node's GPUs are free, a stop only once every
+  earlier start serves. The service publishes the replica counts of the
+  actions issued so far; an issued start is done once the instances of its
+  degree that joined the ingress's router reach the count, a stop once they
+  fall to it (or after ``step_timeout_s`` without progress). So capacity only
+  drops where Stage 2 said it must, e.g. stop two TP-1 replicas before the
+  TP-2 one that needs their GPUs, and new replicas serve before old ones go.
   The Ingress reports these targets as custom autoscaling metrics
   (``record_autoscaling_stats``: ``target_tp<d>``).
 - ``planner_policy`` is the application-level ``autoscaling_policy`` (set it in
@@ -40,6 +44,7 @@ from collections import deque
 from collections.abc import Callable
 
 from app.config import INGRESS, AppConfig, PlannerArgs, denoiser_tp
+from cluster.transition import TransitionFollower
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +74,8 @@ class PlannerService:
         self.check_s, self.step_timeout_s = check_s, step_timeout_s
         self.targets = {d: initial.get(d, 0) for d in self.degrees}
         self.live = {d: 0 for d in self.degrees}
-        self.steps: list[dict[int, int]] = []  # the transition's later count steps
-        self.step_started = clock()
+        self.follower: TransitionFollower | None = None  # the transition under way
+        self.step_started = clock()  # when the transition last made progress
         self.transitions = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -134,28 +139,50 @@ class PlannerService:
         now = self.clock() if now is None else now
         with self._lock:
             self._drain()
-            if self.steps:  # a transition is under way: its next step once this one took effect
-                done = self.live == self.targets
-                if done or now - self.step_started > self.step_timeout_s:
-                    if not done:
-                        log.warning("planner: replicas %s did not reach %s within %.0f s; moving on",
-                                    self.live, self.targets, self.step_timeout_s)
-                    self._step(self.steps.pop(0), now)
+            if self.follower is not None and self.follower.busy:  # a transition is under way
+                self._follow(now)
                 return
             before = list(self.planner.current)
             plan = self.planner.maybe_replan(now)
             if plan is None:
                 return
-            steps = plan.count_steps(before)
-            log.info("planner: transition %s -> %s in %d steps", self.targets, plan.counts(), len(steps))
+            log.info("planner: transition %s -> %s in %d actions", self.targets, plan.counts(), len(plan.actions))
             self.transitions += 1
-            if steps:
-                self._step(steps[0], now)
-                self.steps = steps[1:]
+            self.follower = TransitionFollower(self.planner.cluster.gpus_per_node, before)
+            self.follower.follow(plan.actions)
+            self.step_started = now
+            self._follow(now)
 
-    def _step(self, counts: dict[int, int], now: float) -> None:
-        self.targets = {d: counts.get(d, 0) for d in self.degrees}
-        self.step_started = now
+    @property
+    def pending(self) -> list[dict]:
+        """The transition's actions not yet done: issued (``issued``: True) or queued."""
+        f = self.follower
+        if f is None:
+            return []
+        return ([{**a.to_dict(), "issued": True} for a in [*f.starting, *f.stopping]]
+                + [{**a.to_dict(), "issued": False} for a in f.queue])
+
+    def _follow(self, now: float) -> None:
+        """Mark the issued actions whose effect the joined instances show as done (all of them after
+        ``step_timeout_s`` without progress), issue what may go next, and publish the counts."""
+        f = self.follower
+        timed_out = now - self.step_started > self.step_timeout_s
+        progressed = False
+        for a in list(f.starting):
+            if self.live.get(a.tp, 0) >= self.targets.get(a.tp, 0) or timed_out:
+                f.ready(a)
+                progressed = True
+        for a in list(f.stopping):
+            if self.live.get(a.tp, 0) <= self.targets.get(a.tp, 0) or timed_out:
+                f.stopped(a)
+                progressed = True
+        if timed_out and progressed:
+            log.warning("planner: replicas %s did not reach %s within %.0f s; moving on",
+                        self.live, self.targets, self.step_timeout_s)
+        issued = f.issue()
+        if progressed or issued:
+            self.step_started = now
+        self.targets = f.targets(self.degrees)
 
     # ---- outputs -----------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -171,7 +198,7 @@ class PlannerService:
             self._drain()
             now = self.clock()
             dec = self.planner.last_decision
-            return {"targets": self.targets, "live": self.live, "pending_steps": self.steps,
+            return {"targets": self.targets, "live": self.live, "pending": self.pending,
                     "transitions": self.transitions,
                     "offered_rps": round(self.planner.monitor.total_rate(now), 3),
                     "last_decision": None if dec is None else {

@@ -146,7 +146,7 @@ def test_cluster_view_of_a_real_dispatcher():
     outcomes = RecentOutcomes()
     for t, met in [(1.0, True), (2.0, True), (3.0, False), (50.0, True)]:
         outcomes.add(t, met)
-    planner = SimpleNamespace(describe=lambda: {"targets": {1: 2, 2: 0}, "live": {1: 2, 2: 0}, "pending_steps": [],
+    planner = SimpleNamespace(describe=lambda: {"targets": {1: 2, 2: 0}, "live": {1: 2, 2: 0}, "pending": [],
                                                 "transitions": 1, "offered_rps": 0.5,
                                                 "last_decision": {"act": False, "reason": "within 10%",
                                                                   "proposal": {1: 2}, "current": {1: 2}}})
@@ -193,7 +193,7 @@ def fake_dispatcher():
 
 
 FAKE_PLANNER = SimpleNamespace(describe=lambda: {
-    "targets": {1: 2, 2: 1}, "live": {1: 2, 2: 1}, "pending_steps": [], "transitions": 1, "offered_rps": 3.2,
+    "targets": {1: 2, 2: 1}, "live": {1: 2, 2: 1}, "pending": [], "transitions": 1, "offered_rps": 3.2,
     "last_decision": {"act": False, "reason": "the proposal gains under 10% (hysteresis)",
                       "proposal": {1: 2, 2: 1}, "current": {1: 2, 2: 1}}})
 
