@@ -507,3 +507,52 @@ def test_effective_round_time_includes_the_gaps_between_consecutive_rounds():
     assert eff(6, 100.025, 10.0) == pytest.approx(25.0)  # CPU shared
     assert eff(7, 101.0, 10.0) == 10.0  # idle in between
     assert eff(9, 101.015, 10.0) == 10.0  # not consecutive
+
+
+class _FakeLink:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, msg) -> bool:
+        self.sent.append(msg)
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_request_back_on_its_first_instance_ignores_that_instance_s_stale_progress():
+    """A -> B -> A: the request leaves A (its queue was full), B refuses it too, and it is back on A as a
+    third attempt while A's round of the first attempt is still being reported: that round's tokens are
+    stale and must not reach the client."""
+    from app.protocol import Add
+    from engine.loop import Done, ErrorItem, StepItem
+
+    async def main():
+        d = make_dispatcher()
+        links = [_FakeLink(), _FakeLink()]
+        a, b = (d.attach(f"r{i}", 1, links[i], read=False) for i in range(2))
+        stream = d.submit("q", [5, 6, 7], 8)
+        first = d.live["q"].state.instance
+        other = b if first == a else a
+        add1 = links[first].sent[-1]
+        assert isinstance(add1, Add) and add1.attempt == 1
+        d.handle_batch(first, ProgressBatch(0.0, 1, 1.0, items=[ErrorItem("q", "full", 429, 1)]))
+        add2 = links[other].sent[-1]
+        assert isinstance(add2, Add) and add2.attempt == 2 and d.live["q"].state.instance == other
+        d.handle_batch(other, ProgressBatch(0.0, 1, 1.0, items=[ErrorItem("q", "full", 429, 2)]))
+        add3 = links[first].sent[-1]
+        assert isinstance(add3, Add) and add3.attempt == 3 and d.live["q"].state.instance == first
+        # A reports the first attempt's step (tokens 90, 91), then the third attempt's
+        d.handle_batch(first, ProgressBatch(0.0, 2, 1.0, items=[StepItem("q", [90, 91], 1, False, attempt=1)]))
+        assert d.live["q"].committed == []
+        d.handle_batch(first, ProgressBatch(0.0, 3, 1.0, items=[
+            StepItem("q", [11, 12], 1, False, done=Done("length", 1, 2), attempt=3)]))
+        events = []
+        async for e in stream:
+            events.append(e)
+        done = events[-1]
+        assert done["type"] == "done" and done["completion_tokens"] == 2 and done["resumes"] == 2
+        assert d.decode([11, 12]) == done["text"]
+
+    asyncio.run(main())
