@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # CPU build of torch (a local wheel on these machines); an unpinned torch pulls a CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: test test-faults serve demo lint install clean
+.PHONY: test test-fast test-faults serve demo lint deps install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,10 +21,22 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# the playground's browser test drives Debian's headless Chromium (installed here when missing)
-test: $(STAMP) lint
+# The dependencies match the code (deptry; [tool.deptry] in pyproject.toml): first the package's and scripts'
+# imports against the declared packages, none of the dev extra's among them; then the tests' imports as well.
+deps: $(STAMP)
+	$(VENV)/bin/deptry .
+	$(VENV)/bin/deptry . -e '$(VENV)' -e '\.git' --ignore DEP002,DEP004
+
+# Every test (CI runs this). The playground's browser test drives Debian's headless Chromium (installed here
+# when missing).
+test: $(STAMP) lint deps
 	bash scripts/ensure_chromium.sh || echo "chromium unavailable: the playground's browser test will be skipped"
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q
+
+# The unit tier for the edit loop (under 2 minutes on 2 cores): all but the Ray service tests (marker `ray`) and
+# the tests over ~3 s (marker `slow`); tests/conftest.py sets both.
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -m "not ray and not slow"
 
 # Fault injection (a few minutes): 200 streamed requests, two Denoiser replicas killed under load;
 # fails unless every request completed or failed cleanly.

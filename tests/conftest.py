@@ -37,8 +37,67 @@ def tok() -> CharTokenizer:
     return CharTokenizer.default()
 
 
+# The test tiers (`make test` runs all; `make test-fast` deselects `ray` and `slow`).
+# Modules that start a Ray cluster and the Serve application (1-4 minutes each): marked `ray`.
+RAY_MODULES = frozenset({"test_serve.py", "test_serve_guard.py", "test_autoscale_serve.py"})
+# Tests measured over ~3 s on the 2-core machine (`pytest -q --durations=150 -m "not ray"`), marked `slow`, by
+# "module::function" (every parametrized case of it); tests may also carry @pytest.mark.slow themselves.
+SLOW_TESTS = frozenset({
+    "test_bench_engine.py::test_bench_engine_on_a_tiny_preset",
+    "test_bench_engine.py::test_fastdllm_loop_is_the_engine_with_a_prefix_cache_and_needs_fewer_forwards",
+    "test_cli.py::test_eval_prints_the_json_of_the_issue",
+    "test_cluster_reconfig.py::test_dilaserve_trace_short_run_reconfigures_with_the_load_and_loses_nothing",
+    "test_cluster_reconfig.py::test_planner_controller_follows_the_plan_and_keeps_every_request",
+    "test_cluster_sim.py::test_online_estimator_learns_from_the_run_and_reports_its_curve",
+    "test_cluster_sim.py::test_simulate_cli_online_estimator_and_learning_curve_plot",
+    "test_device_image.py::test_device_run_commands_need_only_the_device_image",
+    "test_dispatch.py::test_online_learners_train_on_the_requests_served",
+    "test_loadgen.py::test_synth_from_prompts_file_and_replay",
+    "test_online.py::test_refit_worker_fits_in_another_process_and_swaps_as_refit_does",
+    "test_online.py::test_refit_worker_restarts_a_dead_process",
+    "test_online.py::test_refit_worker_scores_a_shipped_admission_model_as_refit_does",
+    "test_online.py::test_the_worker_process_exits_with_its_parent",
+    "test_online.py::test_window_is_bounded_and_memory_stays_flat",
+    "test_planner.py::test_cli_plan_json_stdout_is_only_json",
+    "test_playground.py::test_page_in_a_real_browser_with_a_scripted_stream",
+    "test_predictors.py::test_collect_train_eval_cli",
+    "test_predictors.py::test_refiner_learns_hidden_signal_and_round_trips",
+    "test_profiling.py::test_check_profile_compares_predicted_with_measured_rounds",
+    "test_profiling.py::test_tp2_profile_runs_one_process_per_rank",
+    "test_replica_start.py::test_every_tp_rank_starts_its_shard_as_rank_0_and_decodes_as_one_engine",
+    "test_report.py::test_tiny_report_instance_sections",
+    "test_router.py::test_router_memory_stays_flat_under_every_policy",
+    "test_sampling.py::test_resume_on_a_new_engine_gives_the_uninterrupted_tokens",
+    "test_sim.py::test_model_in_the_loop_runs_the_real_engine",
+    "test_tensor_parallel.py::test_tp2_gives_the_same_tokens_as_tp1",
+    "test_training.py::test_short_training_lowers_the_loss_and_saves_a_loadable_checkpoint",
+})
+
+
+def pytest_configure(config):
+    """A SLOW_TESTS entry must name a test function that exists: a renamed test would silently join the fast tier."""
+    import ast
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    for entry in sorted(SLOW_TESTS):
+        module, _, name = entry.partition("::")
+        path = here / module
+        tree = ast.parse(path.read_text()) if path.is_file() else None
+        if tree is None or not any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
+                                   for n in tree.body):
+            raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names {entry!r}, which is no test function")
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where CUDA is available (never on CI)."""
+    """Marks the tiers' tests (RAY_MODULES, SLOW_TESTS); GPU tests run only where CUDA is available
+    (never on CI)."""
+    for item in items:
+        module = item.path.name
+        if module in RAY_MODULES:
+            item.add_marker(pytest.mark.ray)
+        if f"{module}::{getattr(item, 'originalname', item.name)}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
