@@ -169,3 +169,12 @@ def test_deployment_names():
     assert [denoiser_tp(n) for n in (denoiser_name(4), INGRESS, DENOISER_PREFIX, "Denoiser_TPx")] == [4, None, None,
                                                                                                        None]
     assert tp_worker_name("SERVE_REPLICA::remask#Denoiser_TP2#abc", 1) == "SERVE_REPLICA::remask#Denoiser_TP2#abc:rank1"
+
+
+def test_the_fault_harness_configs_validate():
+    from tools.faults import app_args
+
+    cfg = AppConfig.model_validate(app_args({2: 3}, 16, router={"dead_after_s": 5.0},
+                                            http={"served_model_name": "v2"}))
+    assert cfg.resources.tp_degrees == [2] and cfg.resources.replicas == {2: 3} and cfg.engine.slots == 16
+    assert cfg.router.dead_after_s == 5.0 and cfg.name == "v2" and cfg.http.max_tokens_limit == 256
