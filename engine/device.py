@@ -28,3 +28,9 @@ def device_name(device: str | torch.device) -> str:
     """The GPU's name on CUDA ('NVIDIA H200'), else the device string."""
     device = torch.device(device)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+
+
+def set_threads(n: int) -> None:
+    """Cap torch's CPU threads in this process (for callers that keep torch out of their own imports, as the
+    simulator's command line does)."""
+    torch.set_num_threads(n)

@@ -1,0 +1,99 @@
+"""``remask simulate``: virtual-time simulation of one instance, or of a cluster (the dilaserve-* scenarios),
+under several policies."""
+
+from __future__ import annotations
+
+import json
+
+
+def _simulate_cluster(args) -> int:
+    from engine.device import set_threads
+    from sim.cluster_run import run_cluster_scenario
+
+    set_threads(1)  # the tiny model's decodes: a second thread only spins on a shared machine
+    trace = args.scenario == "dilaserve-trace"
+    if args.plot and not trace and args.estimator != "online":
+        raise ValueError("--plot draws the reconfiguration timeline of dilaserve-trace, or the learning curve of "
+                         f"--estimator online; not of {args.scenario} with --estimator {args.estimator}")
+    if trace and (args.estimator != "table" or args.shed != "auto"):
+        raise ValueError("dilaserve-trace runs with the table estimator and its own admission; drop --estimator/--shed")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
+    online = {}
+    if not trace:
+        early = tuple(int(x) for x in args.refit_early.split(",") if x.strip()) if args.refit_early else ()
+        online = {"estimator": args.estimator, "shed": {"auto": None, "on": True, "off": False}[args.shed],
+                  "refit_every": args.refit_every, "refit_early": early,
+                  "min_requests": min(early) if early else args.refit_every * 2}
+    report = run_cluster_scenario(args.scenario, policies, args.requests or 2000, args.seed, args.rate,
+                                  progress=not args.quiet, **online)
+    if args.plot and trace:
+        from sim.cluster_trace import plot_trace
+
+        plot_trace(report, args.plot)
+    elif args.plot:
+        from sim.report.plots import learning_curve
+
+        learning_curve(report, args.plot)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"scenario {report['scenario']}: {report['requests']} requests at {report['arrival_rate_rps']} req/s, "
+          f"seed {report['seed']}, candidate thresholds {report['candidate_thresholds']}")
+    for name, r in report["policies"].items():
+        print(f"  {name:24s} SLO attainment {r['slo_attainment']:.3f}  accuracy {r['accuracy']:.4f}  "
+              f"mean {r['mean_latency_s']:7.2f}s  p99 {r['p99_latency_s']:7.2f}s  "
+              f"mean threshold {r['mean_threshold']:.3f}  migrations {r['migrations']}  shed {r['shed']}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from sim.cluster_scenarios import CLUSTER_SCENARIOS
+    from sim.scenarios import run_scenario, speedups
+
+    if args.scenario in CLUSTER_SCENARIOS:
+        return _simulate_cluster(args)
+    policies = [p.strip() for p in (args.policies or "fcfs-prefill-first,dwise,oracle").split(",") if p.strip()]
+    from engine.sched_policies import make_policy
+
+    for p in policies:
+        make_policy(p)  # fail fast on unknown names
+    default_n = 512 if args.scenario.startswith("tiny-") else 4096  # model in the loop decodes every request
+    report = run_scenario(args.scenario, policies, args.requests or default_n, args.seed, progress=not args.quiet)
+    report["speedup_vs_" + policies[0]] = speedups(report, policies[0])
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"scenario {report['scenario']}: {report['requests']} requests, seed {report['seed']}")
+        for name, r in report["policies"].items():
+            print(f"  {name:20s} mean {r['mean_latency_s']:9.2f}s  p50 {r['p50_latency_s']:9.2f}s  "
+                  f"p99 {r['p99_latency_s']:9.2f}s  ttft {r['mean_ttft_s']:8.2f}s  rounds {r['rounds']:7d}  "
+                  f"prefill-only {r['prefill_only_round_frac']:.3f}  slots/round {r['filled_slots_per_round']:6.1f}"
+                  + (f"  accuracy {r['accuracy']:.3f}" if "accuracy" in r else ""))
+    return 0
+
+def add_parsers(sub) -> None:
+    """Add ``simulate`` to the ``remask`` sub-parsers."""
+    s = sub.add_parser("simulate", help="virtual-time simulation of one instance (or a cluster: dilaserve-*) "
+                       "under several policies")
+    s.add_argument("--scenario", default="dwise-burst-poisson")
+    s.add_argument("--policies", help="comma-separated (default: fcfs-prefill-first,dwise,oracle; a cluster "
+                   "scenario's own list for dilaserve-*)")
+    s.add_argument("--requests", type=int, help="default 4096 (model in the loop: 512; cluster scenarios: 2000)")
+    s.add_argument("--rate", type=float, help="cluster scenarios: arrival rate, requests per second")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--plot", help="dilaserve-trace: write the offered rate, instance mix and SLO attainment "
+                                  "over time to this PNG; --estimator online: the step predictor's learning curve")
+    s.add_argument("--estimator", choices=["table", "online"], default="table",
+                   help="cluster scenarios: the router's step estimates, from the oracle totals with a synthetic "
+                        "error (table) or learnt online from the run's own finished requests, started cold (online)")
+    s.add_argument("--refit-every", type=int, default=100, help="--estimator online: refit after this many more "
+                   "finished requests (the first at the first --refit-early count, or once twice as many finished)")
+    s.add_argument("--refit-early", default="25,50", help="--estimator online: extra refits at these finished-request "
+                   "counts, comma-separated; '' for none")
+    s.add_argument("--shed", choices=["auto", "on", "off"], default="auto",
+                   help="cluster scenarios: refuse arrivals that cannot meet their SLO, as the live ingress does "
+                        "(auto: off for now, see sim.cluster_run.SHED_DEFAULT); refused requests count as "
+                        "SLO misses")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_simulate)

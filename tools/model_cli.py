@@ -1,0 +1,85 @@
+"""``remask train-default`` and ``remask eval``: train the embedded default models on the task suite, and
+measure accuracy and rounds on its held-out split."""
+
+from __future__ import annotations
+
+import json
+
+from engine.argtypes import category_mix as _mix
+from engine.argtypes import thresholds as _thresholds
+
+
+def cmd_train_default(args) -> int:
+    from engine.loading import DEFAULT_MODELS, DEFAULTS_DIR
+    from tools.training import average_checkpoints, train, train_default
+
+    if args.average:
+        if not args.out:
+            raise ValueError("--average needs --out")
+        print(f"saved the average of {len(args.average)} checkpoints to {average_checkpoints(args.average, args.out)}")
+        return 0
+    names = DEFAULT_MODELS if args.model == "all" else (args.model,)
+    for name in names:
+        out = args.out or str(DEFAULTS_DIR / name)
+        if len(names) > 1 and args.out:
+            out = f"{args.out}/{name}"
+        if args.steps is None and args.init is None:  # the two-phase recipe of the shipped weights
+            train_default(name, out, minutes=args.minutes, device=args.device, threads=args.threads, seed=args.seed,
+                          batch_size=args.batch_size)
+        else:
+            train(name, out, steps=args.steps or 20000, minutes=args.minutes, batch_size=args.batch_size, lr=args.lr,
+                  seed=args.seed, device=args.device, threads=args.threads, init=args.init, mix=args.mix,
+                  lookup_canvas=args.lookup_canvas)
+        print(f"saved {name} to {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from engine.loading import load_engine
+    from tools.evaluate import evaluate
+
+    engine = load_engine(args.model, device=args.device, cache=args.cache, max_slots=args.slots)
+    results = evaluate(engine, args.thresholds, n=args.n, seed=args.seed, progress=not args.quiet)
+    if args.json:
+        print(json.dumps({"model": args.model, "results": results}))
+    else:
+        for r in results:
+            cats = "  ".join(f"{c}={v['accuracy']:.2f}/{v['mean_rounds']:.1f}" for c, v in r["by_category"].items())
+            print(f"threshold {r['threshold']:.2f}: accuracy {r['accuracy']:.3f}  mean rounds {r['mean_rounds']:.2f}"
+                  f"  (p10 {r['rounds_p10']:.0f}, max {r['rounds_max']})  [{cats}]")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """Add ``train-default`` and ``eval`` to the ``remask`` sub-parsers."""
+    t = sub.add_parser("train-default", help="train the embedded default models on the task suite")
+    t.add_argument("--model", default="all", choices=["all", "tiny-bd", "tiny-mdm"])
+    t.add_argument("--out", help="output directory (default: the shipped location)")
+    t.add_argument("--steps", type=int, help="one phase of this many steps (default: the two-phase recipe)")
+    t.add_argument("--minutes", type=float, help="wall-clock cap per phase; the schedule follows whichever ends first")
+    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--threads", type=int)
+    t.add_argument("--init", help="start from this checkpoint directory instead of random weights")
+    t.add_argument("--mix", type=_mix,
+                   help="category weights, e.g. lookup=0.4,prose=0.2,arith=0.2; 'recall' is the training-only "
+                        "associative-recall task (repeated needles with masked digits)")
+    t.add_argument("--lookup-canvas", type=int,
+                   help="cap tiny-mdm's canvas at this many tokens for lookup and recall examples (faster steps)")
+    t.add_argument("--average", nargs="+", metavar="DIR",
+                   help="write the weight average of these checkpoints to --out instead of training")
+    t.set_defaults(func=cmd_train_default)
+
+    e = sub.add_parser("eval", help="accuracy and rounds on the held-out task suite")
+    e.add_argument("--model", default="tiny-bd")
+    e.add_argument("--thresholds", type=_thresholds, default=[0.5, 0.7, 0.9])
+    e.add_argument("--n", type=int, default=300)
+    e.add_argument("--seed", type=int, default=2026)
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
+    e.add_argument("--slots", type=int, default=64)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.set_defaults(func=cmd_eval)

@@ -1,0 +1,76 @@
+"""``remask profile``: measure a latency profile (round time by step kind and batch), or check one against a
+real run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from engine.argtypes import int_list
+
+
+def cmd_profile(args) -> int:
+    from engine.device import parse_dtype
+    from engine.latency_profile import load_profile
+    from engine.loading import load_engine
+    from engine.profiling import check_profile, profile_engine
+
+    dtype = parse_dtype(args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    if args.check is None and args.out is None:
+        raise ValueError("give --out FILE to write a profile, or --check PROFILE to test one against a real run")
+    check = load_profile(args.check) if args.check else None
+    if args.tp > 1:
+        if check is not None:
+            raise ValueError("--check runs one process; check a TP profile's curves with --tp 1")
+        from engine.profiling import profile_tp
+
+        prof = profile_tp(args.model, args.tp, args.out, device=args.device, dtype=dtype, name=args.name,
+                          batch_sizes=tuple(args.batch_sizes), rounds=args.rounds, progress=True,
+                          prompt_lens=tuple(args.prompt_lens or [None]), max_tokens=args.max_tokens)
+        print(f"wrote {args.out}: TP-{args.tp}, " + ", ".join(f"{k} {len(v)} points" for k, v in prof.curves.items()))
+        return 0
+    slots = args.slots if check else max(args.batch_sizes)
+    engine = load_engine(args.model, device=args.device, dtype=dtype, max_slots=slots)
+    if check is not None:
+        res = check_profile(engine, check, requests=args.requests, slots=slots, seed=args.seed, progress=not args.json)
+        print(json.dumps(res) if args.json else
+              f"{res['rounds']} rounds of a real run ({res['requests']} requests, {res['model']} on {res['device']}): "
+              f"measured {res['measured_s']} s, profile {res['profile']} predicts {res['predicted_s']} s "
+              f"(error {res['total_error']:.1%}); per round: median error {res['median_round_error']:.1%}, "
+              f"p90 {res['p90_round_error']:.1%}" + ("" if "steady" not in res else
+              f"; without the {res['warming_rounds']} rounds that met a shape first or captured its CUDA "
+              f"graph: error "
+              f"{res['steady']['total_error']:.1%}, per round median {res['steady']['median_round_error']:.1%}"))
+        return 0
+    prof = profile_engine(engine, args.name or args.model.split(":")[0], args.batch_sizes, args.rounds, progress=True,
+                          prompt_lens=tuple(args.prompt_lens or [None]), max_tokens=args.max_tokens)
+    prof.save(args.out)
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {len(v)} points" for k, v in prof.curves.items())
+          + f"; reference context {prof.ref_context:g} tokens, attention {prof.attn_ms_per_pair:.3g} ms per pair")
+    for line in prof.meta.get("skipped", []):
+        print(f"skipped {line}", file=sys.stderr)
+    return 0
+
+def add_parsers(sub) -> None:
+    """Add ``profile`` to the ``remask`` sub-parsers."""
+    f = sub.add_parser("profile", help="measure a latency profile (round time by step kind and batch)")
+    f.add_argument("--model", default="tiny-bd", help="an embedded model, a local directory or a shape preset "
+                                                      "(llada-8b-shape, dream-7b-shape, sdar-8b-shape[:overrides])")
+    f.add_argument("--out", help="write the profile here (JSON)")
+    f.add_argument("--check", metavar="PROFILE", help="instead: time a real run of mixed requests round by round "
+                                                      "and compare with this profile's predictions")
+    f.add_argument("--name")
+    f.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16, 32, 64])
+    f.add_argument("--prompt-lens", type=int_list, help="prompt tokens, e.g. 64,512: the first sets the curves' "
+                                                        "context, the others fit the attention term")
+    f.add_argument("--max-tokens", type=int, help="answer tokens of each profiled request (default: the model's)")
+    f.add_argument("--rounds", type=int, default=6)
+    f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: one process per rank (GPU r on CUDA, "
+                                                    "gloo on a CPU); name the output NAME-tpN.json for the planner")
+    f.add_argument("--device", default="cpu")
+    f.add_argument("--dtype", help="float32 (default on CPU), bfloat16 (default on CUDA) or float16")
+    f.add_argument("--requests", type=int, default=48, help="--check: requests in the recorded run")
+    f.add_argument("--slots", type=int, default=16, help="--check: batch slots")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_profile)
