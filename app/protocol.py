@@ -17,21 +17,25 @@ Replica -> ingress:
 - ``Tick``: the instance's stats, every ``tick_s`` (the ingress declares a replica dead when they stop);
 - ``Draining``: the replica is shutting down; send it nothing new.
 
-On the wire a message is one JSON object: ``{"op": <op name>, <field>: <value>, ...}``, the fields named
-as in the dataclasses below, a field at its default value left out; a step item's features are a list in
-``STEP_FEATURES`` order, a progress item names its kind in ``"item"``. ``encode``/``decode`` (and
-``to_wire``/``from_wire`` for the JSON object) are the only serialisation, used by both ends. A frame
+On the wire a message is one JSON object, ``{"op": <op name>, <field>: <value>, ...}``, its fields named
+as in the dataclasses below, a field at its default value left out. A progress batch's items, the bulk
+of the traffic (one per request per round), are JSON arrays instead: the item's kind (``"step"``,
+``"accepted"``, ``"error"``), then its fields in the dataclass's order, the trailing ones at their
+defaults left out; a step item's features are an array in ``STEP_FEATURES`` order. ``encode``/``decode``
+(``to_wire``/``from_wire`` for the JSON object) are the only serialisation, used by both ends. A frame
 with an unknown op, an unknown item kind, a missing field or a field of the wrong type is a
-``ProtocolError`` naming it; fields a message does not define are ignored (a newer peer may send more).
+``ProtocolError`` that names the field (``batch.items[3].features: ...``); fields beyond those a message
+defines are ignored (a newer peer may send more).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.loop import AcceptedItem, Done, ErrorItem, Item, ProgressBatch, StepItem
 from predictors.features import STEP_FEATURES, StepFeatures
@@ -48,12 +52,18 @@ DRAINING = "draining"
 
 
 class ProtocolError(ValueError):
-    """A message that is not one of this protocol's. ``op`` and ``req_id`` are what could be read of it
-    (so that a replica can refuse a malformed add by its id)."""
+    """A message that is not one of this protocol's: ``reason``, at the field ``path`` names, of a message
+    of op ``op``; ``req_id`` what could be read of its request id (so that a replica can refuse a malformed
+    add by its id)."""
 
-    def __init__(self, message: str, op: str | None = None, req_id: str | None = None) -> None:
-        super().__init__(message)
-        self.op, self.req_id = op, req_id
+    def __init__(self, reason: str, op: str | None = None, req_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.op, self.req_id = reason, op, req_id
+        self.path: list[str] = []  # field names and [list positions], outermost first
+
+    def __str__(self) -> str:
+        where = (self.op or "") + "".join(p if p.startswith("[") else f".{p}" for p in self.path)
+        return f"{where.lstrip('.')}: {self.reason}" if where else self.reason
 
 
 # ---- the messages (the progress records are engine.loop's) ----------------------------------------------
@@ -142,146 +152,207 @@ class Draining:
 Message = Hello | Ready | Add | Abort | Thresholds | ProgressBatch | Tick | Draining
 
 # ---- the codec ---------------------------------------------------------------------------------------------
-# A field's codec: (decode(value, where) -> value, encode(value) -> JSON value or None for "as it is").
 
-_Codec = tuple[Callable[[Any, str], Any], Callable[[Any], Any] | None]
 _MISSING = object()
 
 
-def _fail(where: str, want: str, v: Any) -> ProtocolError:
-    return ProtocolError(f"{where}: expected {want}, got {type(v).__name__} {v!r:.60}")
+class _Kind(NamedTuple):
+    """How a field's value travels: the JSON types it may arrive as (``type(v) in types``), what to call
+    them in an error, then a conversion or a deeper check of a value of those types (None: as it is; it
+    raises ProtocolError), and how to write it (None: as it is). Neither sees None."""
+
+    types: tuple[type, ...]
+    want: str
+    decode: Callable[[Any], Any] | None = None
+    encode: Callable[[Any], Any] | None = None
 
 
-def _scalar(want: str, *types: type) -> _Codec:
-    def dec(v, where):
-        if type(v) in types:
-            return v
-        raise _fail(where, want, v)
-    return dec, None
+class _Field(NamedTuple):
+    name: str
+    default: Any  # _MISSING: a required field
+    types: tuple[type, ...]
+    want: str
+    decode: Callable[[Any], Any] | None
+    encode: Callable[[Any], Any] | None
 
 
-_STR = _scalar("a string", str)
-_INT = _scalar("an integer", int)
-_FLOAT = _scalar("a number", float, int)
-_BOOL = _scalar("a boolean", bool)
-_OBJECT = _scalar("an object", dict)
+def _refuse(want: str, v: Any) -> ProtocolError:
+    return ProtocolError(f"expected {want}, got {type(v).__name__} {v!r:.60}")
 
 
-def _optional(codec: _Codec) -> _Codec:
-    inner, enc = codec
-
-    def dec(v, where):
-        return None if v is None else inner(v, where)
-    return dec, (None if enc is None else lambda v: None if v is None else enc(v))
+def _at(exc: ProtocolError, segment: str) -> ProtocolError:
+    exc.path.insert(0, segment)
+    return exc
 
 
-def _ids(v, where):
-    if type(v) is list and all(type(i) is int for i in v):
+def _optional(kind: _Kind) -> _Kind:
+    return kind._replace(types=(*kind.types, type(None)), want=f"{kind.want} or null")
+
+
+_INTS = {int}
+_NUMS = {int, float}
+
+
+def _ids(v: list) -> list:
+    if set(map(type, v)) <= _INTS:
         return v
-    raise _fail(where, "a list of token ids", v)
+    raise _refuse("a list of token ids", v)
 
 
-def _number_map(v, where):
-    if type(v) is dict and all(type(x) in (float, int) for x in v.values()):
+def _numbers(v: dict) -> dict:
+    if set(map(type, v.values())) <= _NUMS:
         return v
-    raise _fail(where, "an object of numbers", v)
+    raise _refuse("an object of numbers", v)
 
 
-def _features(v, where):
-    if type(v) is list and len(v) == len(STEP_FEATURES) and all(type(x) in (float, int) for x in v):
-        return StepFeatures(*v)
-    raise _fail(where, f"a list of the {len(STEP_FEATURES)} step features", v)
+def _features(v: list) -> StepFeatures:
+    if len(v) == len(STEP_FEATURES) and set(map(type, v)) <= _NUMS:
+        return tuple.__new__(StepFeatures, v)  # StepFeatures(*v), less the call
+    raise _refuse(f"an array of the {len(STEP_FEATURES)} step features (numbers)", v)
 
 
-_IDS: _Codec = (_ids, None)
-_NUMBERS: _Codec = (_number_map, None)
-_FEATURES: _Codec = (_features, None)  # a NamedTuple is a JSON array as it is
+_STR = _Kind((str,), "a string")
+_INT = _Kind((int,), "an integer")
+_FLOAT = _Kind((float, int), "a number")
+_BOOL = _Kind((bool,), "a boolean")
+_OBJECT = _Kind((dict,), "an object")
+_IDS = _Kind((list,), "a list of token ids", _ids)
+_NUMBERS = _Kind((dict,), "an object of numbers", _numbers)
+_FEATURES = _Kind((list,), "an array of step features", _features, list)
 
 
 class _Record:
-    """How one dataclass travels: its fields' codecs (every field must have one)."""
+    """How one dataclass travels, as a JSON object (``to_wire``/``from_wire``) or a JSON array in field
+    order (``to_array``/``from_array``); every field has its ``_Kind``."""
 
-    def __init__(self, cls: type, **codecs: _Codec) -> None:
-        self.cls, self.name = cls, cls.__name__
-        names = [f.name for f in dataclasses.fields(cls)]
-        if set(codecs) != set(names):
-            raise TypeError(f"{self.name}: codecs for {sorted(codecs)}, fields {names}")
-        self.fields = []  # (name, default or _MISSING, decode, encode)
-        for f in dataclasses.fields(cls):
-            default = (f.default if f.default is not dataclasses.MISSING else
-                       f.default_factory() if f.default_factory is not dataclasses.MISSING else _MISSING)
-            self.fields.append((f.name, default, *codecs[f.name]))
+    def __init__(self, cls: type, **kinds: _Kind) -> None:
+        self.cls = cls
+        fields = dataclasses.fields(cls)
+        if set(kinds) != {f.name for f in fields}:
+            raise TypeError(f"{cls.__name__}: kinds for {sorted(kinds)}, fields {[f.name for f in fields]}")
+        self.fields = tuple(
+            _Field(f.name, f.default if f.default is not dataclasses.MISSING else
+                   f.default_factory() if f.default_factory is not dataclasses.MISSING else _MISSING,
+                   *kinds[f.name]) for f in fields)
+        self.required = sum(f.default is _MISSING for f in self.fields)  # dataclasses put them first
+        # the array form's hot path: the fields with a conversion, all values at once, and the type signatures
+        # (``tuple(map(type, values))``) already checked and found good: a few per record
+        self._valid: set[tuple[type, ...]] = set()
+        self._decoders = tuple((i, f.decode) for i, f in enumerate(self.fields) if f.decode is not None)
+        self._encoders = tuple((i, f.encode) for i, f in enumerate(self.fields) if f.encode is not None)
+        self._defaults = tuple(f.default for f in self.fields)
+        self._values = operator.attrgetter(*(f.name for f in self.fields)) if len(self.fields) > 1 else None
+
+    def as_kind(self) -> _Kind:
+        """This record as a field of another (a JSON object)."""
+        return _Kind((dict,), "an object", self.from_wire, lambda v: self.to_wire(v, {}))
 
     def to_wire(self, obj: Any, out: dict) -> dict:
-        for name, default, _, enc in self.fields:
-            v = getattr(obj, name)
-            if default is _MISSING or v != default:
-                out[name] = v if enc is None else enc(v)
+        for f in self.fields:
+            v = getattr(obj, f.name)
+            if f.default is _MISSING or v != f.default:
+                out[f.name] = v if f.encode is None or v is None else f.encode(v)
         return out
 
-    def from_wire(self, d: Any, where: str) -> Any:
-        if type(d) is not dict:
-            raise _fail(where, "an object", d)
+    def to_array(self, obj: Any, head: str) -> list:
+        """``[head, values...]``, the trailing values at their defaults left out (arrays: two fields or more)."""
+        out = [head, *self._values(obj)]
+        for i, enc in self._encoders:
+            if out[i + 1] is not None:
+                out[i + 1] = enc(out[i + 1])
+        n = len(out)
+        while n > 1 + self.required and out[n - 1] == self._defaults[n - 2]:
+            n -= 1
+        del out[n:]
+        return out
+
+    def from_wire(self, d: dict) -> Any:
         kw = {}
-        for name, default, dec, _ in self.fields:
-            v = d.get(name, _MISSING)
+        for f in self.fields:
+            v = d.get(f.name, _MISSING)
             if v is _MISSING:
-                if default is _MISSING:
-                    raise ProtocolError(f"{where}: missing field {name!r}")
+                if f.default is _MISSING:
+                    raise ProtocolError(f"missing field {f.name!r}")
                 continue
-            kw[name] = dec(v, f"{where}.{name}")
+            if type(v) not in f.types:
+                raise _at(_refuse(f.want, v), f.name)
+            if f.decode is not None and v is not None:
+                try:
+                    v = f.decode(v)
+                except ProtocolError as exc:
+                    raise _at(exc, f.name) from None
+            kw[f.name] = v
         return self.cls(**kw)
 
-    def codec(self) -> _Codec:
-        """This record as a field of another."""
-        return (lambda v, where: self.from_wire(v, where)), (lambda v: self.to_wire(v, {}))
+    def from_array(self, a: list) -> Any:
+        """From ``a``'s values after its first (the kind); values beyond the fields are ignored."""
+        if len(a) <= self.required:
+            raise ProtocolError(f"missing field {self.fields[len(a) - 1].name!r}")
+        args = a[1:len(self.fields) + 1]
+        sig = tuple(map(type, args))
+        if sig not in self._valid:
+            for f, v in zip(self.fields, args):
+                if type(v) not in f.types:
+                    raise _at(_refuse(f.want, v), f.name)
+            self._valid.add(sig)
+        n = len(args)
+        for i, dec in self._decoders:
+            if i < n and args[i] is not None:
+                try:
+                    args[i] = dec(args[i])
+                except ProtocolError as exc:
+                    raise _at(exc, self.fields[i].name) from None
+        return self.cls(*args)
 
 
 _DONE = _Record(Done, finish_reason=_STR, rounds=_INT, completion_tokens=_INT)
 _SAMPLING = _Record(Sampling, temperature=_optional(_FLOAT), top_p=_optional(_FLOAT), top_k=_optional(_INT),
                     seed=_optional(_INT), stop_token_ids=_IDS)
 
-# progress items: the kind's name on the wire (``"item"``) and its record
+# progress items: their kind (an array's first value) and record
 _ITEMS = {
     "step": _Record(StepItem, req_id=_STR, ids=_IDS, steps=_INT, heavy=_BOOL, features=_optional(_FEATURES),
-                    canvas=_optional(_OBJECT), done=_optional(_DONE.codec()), attempt=_INT),
+                    canvas=_optional(_OBJECT), done=_optional(_DONE.as_kind()), attempt=_INT),
     "accepted": _Record(AcceptedItem, req_id=_STR, add_ms=_optional(_FLOAT), prompt_tokens=_INT, attempt=_INT),
     "error": _Record(ErrorItem, req_id=_STR, message=_STR, status=_INT, attempt=_INT),
 }
 _ITEM_KIND = {rec.cls: kind for kind, rec in _ITEMS.items()}
 
 
-def _items_to_wire(items: list[Item]) -> list[dict]:
+def _items_to_wire(items: list[Item]) -> list[list]:
     out = []
     for item in items:
         kind = _ITEM_KIND[type(item)]
-        out.append(_ITEMS[kind].to_wire(item, {"item": kind}))
+        out.append(_ITEMS[kind].to_array(item, kind))
     return out
 
 
-def _items_from_wire(v: Any, where: str) -> list[Item]:
-    if type(v) is not list:
-        raise _fail(where, "a list of items", v)
+def _items_from_wire(v: list) -> list[Item]:
     out = []
-    for i, d in enumerate(v):
-        rec = _ITEMS.get(d.get("item")) if type(d) is dict else None
-        if rec is None:
-            raise ProtocolError(f"{where}[{i}]: not a progress item (its \"item\" is none of {sorted(_ITEMS)})")
-        out.append(rec.from_wire(d, f"{where}[{i}]"))
+    for a in v:
+        rec = _ITEMS.get(a[0]) if type(a) is list and a and type(a[0]) is str else None
+        try:
+            if rec is None:
+                raise ProtocolError(f"not a progress item (an array whose first value is one of {sorted(_ITEMS)})")
+            out.append(rec.from_array(a))
+        except ProtocolError as exc:
+            raise _at(exc, f"[{len(out)}]") from None
     return out
 
+
+_ITEM_LIST = _Kind((list,), "an array of progress items", _items_from_wire, _items_to_wire)
 
 _MESSAGES = {
     HELLO: _Record(Hello, secret=_STR),
     READY: _Record(Ready),
     ADD: _Record(Add, req_id=_STR, prompt_ids=_IDS, max_tokens=_optional(_INT), threshold=_optional(_FLOAT),
                  slo_left_s=_optional(_FLOAT), sent_at=_optional(_FLOAT), committed=_IDS,
-                 sampling=_SAMPLING.codec(), canvas=_BOOL, est_rounds=_optional(_FLOAT), planned=_BOOL,
+                 sampling=_SAMPLING.as_kind(), canvas=_BOOL, est_rounds=_optional(_FLOAT), planned=_BOOL,
                  attempt=_INT),
     ABORT: _Record(Abort, req_id=_STR),
     THRESHOLDS: _Record(Thresholds, map=_NUMBERS, estimates=_NUMBERS, after_round=_optional(_INT)),
     BATCH: _Record(ProgressBatch, t=_FLOAT, round=_INT, round_ms=_FLOAT, kinds=_NUMBERS, kind_tokens=_NUMBERS,
-                   stats=_OBJECT, items=(_items_from_wire, _items_to_wire)),
+                   stats=_OBJECT, items=_ITEM_LIST),
     TICK: _Record(Tick, t=_FLOAT, stats=_OBJECT),
     DRAINING: _Record(Draining),
 }
@@ -312,7 +383,7 @@ def from_wire(d: Any) -> Message:
     if rec is None:
         raise ProtocolError(f"unknown op {op!r} (the ops: {', '.join(OPS)})", None, req_id)
     try:
-        return rec.from_wire(d, op)
+        return rec.from_wire(d)
     except ProtocolError as exc:
         exc.op, exc.req_id = op, req_id
         raise

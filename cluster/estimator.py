@@ -27,9 +27,9 @@ Implementations:
   on served traffic (``predictors.online.OnlineStepLearner``: a prior until
   its first model, then LightGBM refit every so many finished requests).
 - ``FeatureStepEstimator``: wraps any function ``predict(rows) -> values``
-  over rows of the 11 scalar step features (``STEP_FEATURES`` below, the same
-  order as ``predictors.features.STEP_FEATURES``, threshold first); one state
-  row is asked about every threshold by overwriting the threshold column.
+  over rows of the 11 scalar step features (``predictors.features.StepFeatures``
+  as rows, threshold first: ``feature_row``); one state row is asked about every
+  threshold by overwriting the threshold column.
   The GBM plugs in as
   ``FeatureStepEstimator(StepPredictor.load(path).predict_rows, thresholds)``
   with ``RouterConfig(estimate_every=predictor.interval)``: between updates
@@ -44,11 +44,11 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from cluster.state import RequestState
+from predictors.features import STEP_FEATURES, StepFeatures
 
-STEP_FEATURES = (
-    "threshold", "output_len", "progress", "block_progress", "blocks_left", "step_in_block",
-    "conf_min", "conf_q25", "conf_median", "conf_mean", "conf_q75",
-)
+__all__ = ["STEP_FEATURES", "StepEstimator", "TableStepEstimator", "FeatureStepEstimator", "OnlineStepEstimator",
+           "AdmissionStepEstimator", "feature_row"]
+_NO_CONF = (0.0,) * 5  # a request that has not stepped yet: no confidences
 
 
 class StepEstimator(Protocol):
@@ -93,10 +93,11 @@ class TableStepEstimator:
 
 
 def feature_row(state: RequestState, threshold: float) -> list[float]:
-    """The 11 step features of ``state`` (STEP_FEATURES order) at ``threshold``."""
-    conf = list(state.conf_stats) if state.conf_stats else [0.0] * 5
-    return [float(threshold), float(state.output_tokens), state.progress, state.block_progress,
-            float(state.blocks_left), float(state.step_in_block), *conf]
+    """The step model's row of ``state`` at ``threshold``: its ``StepFeatures`` as of its last step (the
+    replica's, which the ingress keeps on the state), asked about ``threshold``."""
+    return StepFeatures(float(threshold), float(state.output_tokens), state.progress, state.block_progress,
+                        float(state.blocks_left), float(state.step_in_block),
+                        *(state.conf_stats or _NO_CONF)).as_row()
 
 
 class FeatureStepEstimator:
