@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from app import protocol
-from app.protocol import Hello, Message, ProtocolError, Ready, Tick
+from app.protocol import VERSION, Hello, Message, ProtocolError, Ready, Tick
 
 log = logging.getLogger(__name__)
 HEADER = struct.Struct("!I")
@@ -169,8 +169,14 @@ class ReplicaChannel:
                 log.warning("control channel: refused a peer without the replica's secret")
                 conn.close()
                 return
+            if hello.version != VERSION:
+                log.warning("control channel: refused an ingress of protocol version %d (this is %d)", hello.version,
+                            VERSION)
+                conn.close()
+                return
             conn.settimeout(None)
-        except (OSError, ValueError, ChannelError):  # ProtocolError is a ValueError
+        except (OSError, ValueError, ChannelError) as exc:  # ProtocolError is a ValueError
+            log.warning("control channel: refused a peer (%s)", exc)
             conn.close()
             return
         with self._lock:
@@ -179,7 +185,7 @@ class ReplicaChannel:
                 return
             conn_id = next(self._ids)
             self._conns[conn_id] = conn
-        self.send(conn_id, Ready())
+        self.send(conn_id, Ready(VERSION))
         try:
             while True:
                 try:
@@ -225,11 +231,17 @@ class Link:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = cls(reader, writer)
-        link.send(Hello(secret))
-        first = await asyncio.wait_for(link.recv(), timeout_s)
-        if not isinstance(first, Ready):
+        link.send(Hello(secret, VERSION))
+        try:
+            body = await asyncio.wait_for(link._frame(), timeout_s)
+            first = None if body is None else protocol.decode(body)
+        except ProtocolError as exc:  # a replica from before versions: its ready lacks one
+            first = exc
+        if not isinstance(first, Ready) or first.version != VERSION:
             link.close()
-            raise ChannelError(f"replica at {host}:{port} refused the handshake")
+            why = (f"it speaks protocol version {first.version}, this ingress {VERSION}" if isinstance(first, Ready)
+                   else f"{first}" if first is not None else "it hung up")
+            raise ChannelError(f"replica at {host}:{port} refused the handshake: {why}")
         return link
 
     def send(self, msg: Message) -> bool:
@@ -245,20 +257,24 @@ class Link:
     async def recv(self) -> Message | None:
         """The next message; None when the replica is gone (a frame that holds no message is logged and
         skipped)."""
-        while True:
-            try:
-                head = await self.reader.readexactly(HEADER.size)
-                (n,) = HEADER.unpack(head)
-                if n > MAX_FRAME:
-                    raise ChannelError(f"frame of {n} bytes exceeds {MAX_FRAME}")
-                body = await self.reader.readexactly(n)
-            except (asyncio.IncompleteReadError, ConnectionError, OSError, ChannelError):
-                self.close()
-                return None
+        while (body := await self._frame()) is not None:
             try:
                 return protocol.decode(body)
             except ProtocolError as exc:
                 log.error("control channel: a replica sent %s", exc)
+        return None
+
+    async def _frame(self) -> bytes | None:
+        """The next frame's body; None (and the link closed) when the replica is gone."""
+        try:
+            head = await self.reader.readexactly(HEADER.size)
+            (n,) = HEADER.unpack(head)
+            if n > MAX_FRAME:
+                raise ChannelError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+            return await self.reader.readexactly(n)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, ChannelError):
+            self.close()
+            return None
 
     def close(self) -> None:
         if not self.closed:

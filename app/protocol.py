@@ -2,7 +2,7 @@
 
 Ingress -> replica:
 
-- ``Hello``: the first frame of a connection, with the replica's secret;
+- ``Hello``: the first frame of a connection, with the replica's secret and the protocol's ``VERSION``;
 - ``Add``: run a request (its prompt as token ids: it is tokenized once, at the ingress);
 - ``Abort``: drop a request;
 - ``Thresholds``: the router's thresholds and remaining-round estimates for the instance's requests,
@@ -10,7 +10,8 @@ Ingress -> replica:
 
 Replica -> ingress:
 
-- ``Ready``: the handshake succeeded;
+- ``Ready``: the handshake succeeded (the replica's ``VERSION``: each end refuses another version, so
+  that during a redeploy across a protocol change an ingress keeps to the replicas that speak its own);
 - ``ProgressBatch``: one per round boundary, with a ``StepItem``, ``AcceptedItem`` or ``ErrorItem`` per
   request the boundary concerns (the round loop's records, ``engine.loop``; step items carry
   ``predictors.features.StepFeatures``);
@@ -39,6 +40,8 @@ from typing import Any, NamedTuple
 
 from engine.loop import AcceptedItem, Done, ErrorItem, Item, ProgressBatch, StepItem
 from predictors.features import STEP_FEATURES, StepFeatures
+
+VERSION = 2  # of this protocol (1: the untyped dicts before it); bump it with any change a peer would misread
 
 # the op names: nothing else in the tree spells them
 HELLO = "hello"
@@ -71,11 +74,12 @@ class ProtocolError(ValueError):
 @dataclass(slots=True)
 class Hello:
     secret: str
+    version: int  # the sender's VERSION (required: a peer from before versions sends none)
 
 
 @dataclass(slots=True)
 class Ready:
-    pass
+    version: int
 
 
 @dataclass(slots=True)
@@ -343,8 +347,8 @@ def _items_from_wire(v: list) -> list[Item]:
 _ITEM_LIST = _Kind((list,), "an array of progress items", _items_from_wire, _items_to_wire)
 
 _MESSAGES = {
-    HELLO: _Record(Hello, secret=_STR),
-    READY: _Record(Ready),
+    HELLO: _Record(Hello, secret=_STR, version=_INT),
+    READY: _Record(Ready, version=_INT),
     ADD: _Record(Add, req_id=_STR, prompt_ids=_IDS, max_tokens=_optional(_INT), threshold=_optional(_FLOAT),
                  slo_left_s=_optional(_FLOAT), sent_at=_optional(_FLOAT), committed=_IDS,
                  sampling=_SAMPLING.as_kind(), canvas=_BOOL, est_rounds=_optional(_FLOAT), planned=_BOOL,

@@ -43,8 +43,8 @@ FEATURES = StepFeatures(0.85, 256.0, 0.25, 0.5, 7.0, 3.0, 0.11, 0.32, 0.54, 0.5,
 
 # every message, each field away from its default at least once
 EXAMPLES = [
-    Hello("s3cret"),
-    Ready(),
+    Hello("s3cret", 2),
+    Ready(2),
     Add("r1", [5, 6, 7]),
     Add("r2", [1, 2], max_tokens=64, threshold=0.8, slo_left_s=2.5, sent_at=1700000000.25, committed=[9, 10],
         sampling=Sampling(temperature=0.7, top_p=0.9, top_k=40, seed=123, stop_token_ids=[2]), canvas=True,
@@ -358,3 +358,52 @@ def test_the_ingress_decodes_each_token_a_bounded_number_of_times():
     assert streamed == text.decode()
     assert during <= 8 * len(text), during  # a window of a few ids per push; whole-text decoding would be ~n²/2
     assert decoded[0] - during == len(text)  # the final flush: one decode of the whole answer
+
+
+# ---- the handshake's version -------------------------------------------------------------------------------
+
+def test_each_end_refuses_a_peer_of_another_protocol_version():
+    """During a redeploy across a protocol change an ingress keeps to the replicas of its own version: a
+    replica hangs up on a hello of another version (or none: the dict protocol's), and an ingress refuses a
+    replica whose ready has another version (or none)."""
+    import socket
+
+    from app.channel import HEADER, ChannelError, Link, ReplicaChannel
+    from app.protocol import VERSION
+
+    replica = ReplicaChannel(lambda c, m: None, lambda c: None, "s", tick_s=60)
+    try:
+        for hello in ({"op": "hello", "secret": "s"}, {"op": "hello", "secret": "s", "version": VERSION + 1}):
+            with socket.create_connection(replica.address) as sock:
+                body = json.dumps(hello).encode()
+                sock.sendall(HEADER.pack(len(body)) + body)
+                sock.settimeout(5)
+                assert sock.recv(16) == b""  # hung up, no ready
+        assert not replica.peers
+
+        async def ours():
+            link = await Link.open(*replica.address, "s", timeout_s=5)
+            link.close()
+
+        asyncio.run(ours())  # the same version connects
+    finally:
+        replica.close()
+
+    async def old_replica(ready: dict):
+        async def serve(reader, writer):
+            await reader.readexactly(HEADER.unpack(await reader.readexactly(HEADER.size))[0])
+            body = json.dumps(ready).encode()
+            writer.write(HEADER.pack(len(body)) + body)
+            await writer.drain()
+            await asyncio.sleep(1)
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        async with server:
+            with pytest.raises(ChannelError, match="refused the handshake") as err:
+                await Link.open("127.0.0.1", server.sockets[0].getsockname()[1], "s", timeout_s=5)
+        return str(err.value)
+
+    assert "ready: missing field 'version'" in asyncio.run(old_replica({"op": "ready"}))
+    assert f"version {VERSION + 1}, this ingress {VERSION}" in asyncio.run(
+        old_replica({"op": "ready", "version": VERSION + 1}))
