@@ -17,11 +17,19 @@ def _simulate_cluster(args) -> int:
                          f"--estimator online; not of {args.scenario} with --estimator {args.estimator}")
     if trace and (args.estimator != "table" or args.shed != "auto"):
         raise ValueError("dilaserve-trace runs with the table estimator and its own admission; drop --estimator/--shed")
+    if not trace and (args.break_before_make or args.workers != 1):
+        raise ValueError("--break-before-make and --workers are dilaserve-trace's")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     online = {}
+    if args.slo_factor is not None:
+        if args.slo_factor <= 0:
+            raise ValueError("--slo-factor must be positive")
+        online["slo_factor"] = args.slo_factor
+    if trace:
+        online.update(make_before_break=not args.break_before_make, workers=args.workers)
     if not trace:
         early = tuple(int(x) for x in args.refit_early.split(",") if x.strip()) if args.refit_early else ()
-        online = {"estimator": args.estimator, "shed": {"auto": None, "on": True, "off": False}[args.shed],
+        online |= {"estimator": args.estimator, "shed": {"auto": None, "on": True, "off": False}[args.shed],
                   "refit_every": args.refit_every, "refit_early": early,
                   "min_requests": min(early) if early else args.refit_every * 2}
     report = run_cluster_scenario(args.scenario, policies, args.requests or 2000, args.seed, args.rate,
@@ -94,6 +102,12 @@ def add_parsers(sub) -> None:
                    help="cluster scenarios: refuse arrivals that cannot meet their SLO, as the live ingress does "
                         "(auto: off for now, see sim.cluster_run.SHED_DEFAULT); refused requests count as "
                         "SLO misses")
+    s.add_argument("--slo-factor", type=float, help="cluster scenarios: SLO = this x the isolated TP-1 latency "
+                   "(default: the scenario's)")
+    s.add_argument("--break-before-make", action="store_true", help="dilaserve-trace: a new instance starts only "
+                   "once the GPUs it needs are free (default: it loads beside the old ones, which serve meanwhile)")
+    s.add_argument("--workers", type=int, default=1, help="dilaserve-trace: processes (2: the static mixes beside "
+                   "the reconfigured run)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_simulate)

@@ -141,6 +141,7 @@ class SimInstance:
         self.state = "serving"  # serving -> draining (no new requests; evacuates at a round boundary) -> stopped
         self.on_stopped: Callable[[float], None] | None = None
         self.busy = False
+        self.slowdown = 1.0  # round time factor (another instance loading or serving on its GPUs)
         self.rounds = 0
         self.slots_filled = 0
         self.busy_s = 0.0
@@ -383,7 +384,7 @@ class ClusterSimulator:
                 comp.append(("recompute", seq, 0))
             else:
                 comp.append(("cached", self.cfg.block_tokens, seq))
-        dt = inst.profile.round_ms(comp) / 1000.0
+        dt = inst.profile.round_ms(comp) / 1000.0 * inst.slowdown
         inst.busy = True
         inst.rounds += 1
         inst.slots_filled += len(plan.slots)

@@ -29,17 +29,18 @@ def sheds(policy: str, shed: bool | None) -> bool:
 def run_cluster_scenario(name: str, policies: list[str] | None, n: int, seed: int = 0, rate: float | None = None,
                          progress: bool = False, estimator: str = "table", shed: bool | None = None,
                          refit_every: int = 100, refit_early: tuple[int, ...] = (25, 50), min_requests: int = 25,
-                         **overrides) -> dict:
+                         make_before_break: bool = True, workers: int = 1, **overrides) -> dict:
     """Simulate scenario ``name`` under each policy. ``estimator``: ``table`` (oracle totals with a
     synthetic error) or ``online`` (learnt from the run's own traffic, started cold: refits after
     ``refit_every`` more finished requests once ``min_requests`` finished, and at ``refit_early``);
-    ``shed``: admission at arrival (None: remask only)."""
+    ``shed``: admission at arrival (None: remask only). dilaserve-trace: ``make_before_break`` transitions,
+    ``workers`` processes."""
     sc = replace(get_cluster_scenario(name), **overrides)
     if name == "dilaserve-trace":
         if policies is not None and len(policies) != 1:
             raise ValueError("dilaserve-trace compares instance mixes under one router policy; give one")
-        trace = TraceScenario(requests=sc, policy=(policies or sc.policies)[0])
-        return run_trace(trace, n, seed, rate, progress=progress)
+        trace = TraceScenario(requests=sc, policy=(policies or sc.policies)[0], make_before_break=make_before_break)
+        return run_trace(trace, n, seed, rate, progress=progress, workers=workers)
     rate = sc.rate if rate is None else rate
     if rate <= 0:
         raise ValueError("rate must be positive")

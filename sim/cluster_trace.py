@@ -74,6 +74,8 @@ class TraceScenario:
     min_gain: float = 0.10  # hysteresis
     single_batch: bool = False  # Stage 1 with one recompute and one cached batch per TP degree (the paper's z, z')
     start_delay_s: float = 30.0  # a new instance serves this long after its start (model load; real seconds)
+    make_before_break: bool = True  # new instances load beside the old ones, which serve until they are ready
+    overlap_slowdown: float = 1.1  # round time factor on a node's GPUs while a new instance shares them
     report_windows: int = 48  # reporting windows over the trace (2.5 minutes each)
     statics: tuple[tuple[int, int, int], ...] = ((16, 0, 0), (12, 0, 1), (8, 0, 2), (4, 0, 3), (0, 0, 4),
                                                  (0, 8, 0), (8, 4, 0))
@@ -131,7 +133,8 @@ def _simulate(sc: TraceScenario, specs, profiles, rcfg: RouterConfig, seq_tokens
     sim = ClusterSimulator(cfg, profiles, sc.policy, seed)
     ctl = None
     if planner is not None:
-        ctl = PlannerController(sim, planner(sim.clock.now), start_delay_s, tick_s)
+        ctl = PlannerController(sim, planner(sim.clock.now), start_delay_s, tick_s, sc.make_before_break,
+                                sc.overlap_slowdown)
         ctl.begin(specs[0].arrival)
     res = sim.run(specs)
     return _Run(res, time.perf_counter() - t0, ctl)
@@ -260,7 +263,14 @@ def _report(sc, n, seed, rate, cap, compression, duration, steps, rcfg, table, s
                     "single_batch": sc.single_batch,
                     "min_gain": sc.min_gain,
                     "start_delay_s_trace": sc.start_delay_s, "plans": ctl.log.plans, "starts": ctl.log.starts,
-                    "stops": ctl.log.stops, "decisions": ctl.log.decisions},
+                    "stops": ctl.log.stops, "make_before_break": sc.make_before_break,
+                    "overlap_slowdown": sc.overlap_slowdown, "decisions": ctl.log.decisions},
+        # each reconfiguration: when it began and ended (trace minutes), its actions, and the GPU-seconds (trace
+        # seconds) of GPUs that served nothing meanwhile
+        "transitions": [{"minute": round((tr["t"] - t0) * scale, 3),
+                         "done_minute": None if tr["done_t"] is None else round((tr["done_t"] - t0) * scale, 3),
+                         "starts": tr["starts"], "stops": tr["stops"],
+                         "dark_gpu_s": round(tr["dark_gpu_s"] * compression, 1)} for tr in ctl.log.transitions],
         "reconfig_beats_best_static": None if best is None else
         configs["reconfig"]["slo_attainment"] > configs[best]["slo_attainment"],
         "best_static": best,

@@ -12,6 +12,12 @@ Stage 2 transition's ordered actions. Actions are carried out in order under the
   instance: no new requests, and at its next round boundary its requests migrate to the best
   remaining instances (``ClusterSimulator.drain_instance``); its GPUs are free once it stopped.
 
+With ``make_before_break`` every start goes first, loading on GPUs whose old instances keep serving
+(their memory holds both), and the stops follow once the new instances serve. While a node's GPUs
+are shared, the instances serving on it run ``overlap_slowdown`` times slower (the load's copies and
+the second instance compete for the GPU). ``transitions`` records each transition's start, end and
+dark GPU-seconds (GPUs that serve nothing: freed and not yet serving again).
+
 ``timeline`` records the serving instances per TP degree after every change, ``decisions`` each
 re-plan's outcome.
 """
@@ -33,11 +39,12 @@ class ReconfigLog:
     plans: int = 0
     starts: int = 0
     stops: int = 0
+    transitions: list[dict] = field(default_factory=list)  # per plan: t, done_t, actions, dark GPU-seconds
 
 
 class PlannerController:
     def __init__(self, sim: ClusterSimulator, planner: Planner, start_delay_s: float = 30.0,
-                 tick_s: float = 1.0) -> None:
+                 tick_s: float = 1.0, make_before_break: bool = False, overlap_slowdown: float = 1.1) -> None:
         if start_delay_s < 0 or tick_s <= 0:
             raise ValueError("start_delay_s must be >= 0 and tick_s > 0")
         self.sim, self.planner = sim, planner
@@ -46,9 +53,14 @@ class PlannerController:
         self.ids: dict[str, int] = {}  # planner instance id -> simulator instance id
         if sim.serving():
             raise ValueError("the simulator must start without instances: the planner's placement is the start")
-        self.follower = TransitionFollower(planner.cluster.gpus_per_node, planner.current)
+        self.follower = TransitionFollower(planner.cluster.gpus_per_node, planner.current, make_before_break)
+        self.overlap_slowdown = overlap_slowdown
+        self.gpus = sum(planner.cluster.gpus_per_node)
+        self.node_of: dict[int, int] = {}  # simulator instance id -> node
+        self._dark_t = 0.0  # dark GPU-seconds are integrated from here
         for inst in planner.current:  # the starting placement serves from t = 0
             self.ids[inst.id] = sim.add_instance(inst.tp)
+            self.node_of[self.ids[inst.id]] = inst.node
         sim.res.instances_started = 0
         self.log = ReconfigLog()
         self._seen = None  # the planner's last decision already logged
@@ -76,6 +88,11 @@ class PlannerController:
                 "solve_ms": round((d.proposal.solve_seconds + d.current.solve_seconds) * 1e3, 1)})
         if plan is not None:
             self.log.plans += 1
+            self._account(now)
+            self.log.transitions.append({"t": round(now, 3), "done_t": None, "starts": 0, "stops": 0,
+                                         "dark_gpu_s": 0.0})
+            for a in plan.actions:
+                self.log.transitions[-1]["starts" if a.kind == "start" else "stops"] += 1
             self.follower.follow(plan.actions)
             self._advance(now)
         if self.sim.active():
@@ -89,17 +106,40 @@ class PlannerController:
                 self.log.stops += 1
                 self.sim.drain_instance(self.ids.pop(a.instance), lambda t, a=a: self._stopped(a, t))
                 self._record(now)
+        self._contend()
+        self._account(now)
 
     def _ready(self, a: Action, now: float) -> None:
+        self._account(now)
         self.ids[a.instance] = self.sim.add_instance(a.tp)
+        self.node_of[self.ids[a.instance]] = a.node
         self.follower.ready(a)
         self.log.starts += 1
         self._record(now)
         self._advance(now)
 
     def _stopped(self, a: Action, now: float) -> None:
+        self._account(now)
         self.follower.stopped(a)
+        self._contend()
         self.sim.call_at(now, self._advance)  # as an event: this may run inside _advance's drain call
+
+    def _contend(self) -> None:
+        """Instances on a node whose GPUs a new instance shares (loading or serving) run slower."""
+        for inst in self.sim.insts:
+            node = self.node_of.get(inst.inst_id)
+            shared = node is not None and self.follower.shared(node) and inst.state != "stopped"
+            inst.slowdown = self.overlap_slowdown if shared else 1.0
+
+    def _account(self, now: float) -> None:
+        """Add the dark GPU-seconds since the last event to the transition under way."""
+        if self.log.transitions and self.log.transitions[-1]["done_t"] is None:
+            serving = sum(i.tp for i in self.sim.serving())
+            cur = self.log.transitions[-1]
+            cur["dark_gpu_s"] = round(cur["dark_gpu_s"] + max(self.gpus - serving, 0) * (now - self._dark_t), 6)
+            if not self.follower.busy:
+                cur["done_t"] = round(now, 3)
+        self._dark_t = now
 
     def _record(self, now: float) -> None:
         c = Counter(i.tp for i in self.sim.serving())

@@ -137,3 +137,29 @@ def test_transition_follower_starts_when_gpus_free_and_stops_after_earlier_start
     assert f.issue() == [start0] and f.targets([1, 2, 4]) == {1: 2, 2: 1, 4: 0}
     f.ready(start0)
     assert not f.busy and f.free == [3, 1]
+
+
+def test_make_before_break_loads_the_new_instance_beside_the_old_one():
+    from cluster.transition import TransitionFollower
+    from planner.transition import Action, Instance
+
+    running = [Instance("a", 0, 1), Instance("b", 0, 1)]
+    stop_a, stop_b = Action("stop", 0, 1, "a"), Action("stop", 0, 1, "b")
+    start = Action("start", 0, 2, "c")  # needs both GPUs of node 0
+    bbm = TransitionFollower((2,), running)
+    bbm.follow([stop_a, stop_b, start])
+    assert bbm.issue() == [stop_a, stop_b]  # break before make: the GPUs go dark while c loads
+    mbb = TransitionFollower((2,), running, make_before_break=True)
+    mbb.follow([stop_a, stop_b, start])
+    assert mbb.issue() == [start] and mbb.shared(0)  # c loads beside a and b, which keep serving
+    assert mbb.targets([1, 2]) == {1: 2, 2: 1}
+    assert mbb.issue() == []  # the stops wait for c
+    mbb.ready(start)
+    assert mbb.issue() == [stop_a, stop_b] and mbb.targets([1, 2]) == {1: 0, 2: 1}
+    mbb.stopped(stop_a)
+    mbb.stopped(stop_b)
+    assert not mbb.busy and not mbb.shared(0) and mbb.free == [0]
+    # a start that would not fit even after its node's stops still waits
+    tight = TransitionFollower((2,), running, make_before_break=True)
+    tight.follow([Action("start", 0, 4, "d")])
+    assert tight.issue() == []
