@@ -67,7 +67,7 @@ def test_sections_and_their_defaults():
     assert cfg.engine.model == "tiny-bd" and cfg.name == "tiny-bd" and cfg.engine.slots == 32
     assert cfg.router.policy == "remask" and cfg.engine.policy == "dwise"
     assert cfg.router.thresholds == [0.9, 0.8, 0.7] and cfg.resources.tp_degrees == [1]
-    assert (cfg.http.max_ongoing, cfg.http.max_queued) == (4096, -1)
+    assert cfg.http.max_ongoing == 4096
     assert str(cfg.engine.torch_dtype()) == "torch.float32"
     named = AppConfig(http={"served_model_name": "x"}, engine={"model": "tiny-mdm"})
     assert named.name == "x"
