@@ -42,10 +42,13 @@ class LatencyProfile:
             pts = self.curves["denoise"]
         if tokens <= 0:
             return 0.0
+        if len(pts) == 1:  # one measured shape (a short measurement on a busy machine): proportional to tokens
+            x0, y0 = pts[0]
+            return y0 * tokens / x0
         xs = [p[0] for p in pts]
         i = bisect.bisect_left(xs, tokens)
         if i == 0:  # below the first point: scale towards zero tokens linearly
-            (x0, y0), (x1, y1) = pts[0], pts[1] if len(pts) > 1 else (pts[0][0] * 2, pts[0][1] * 2)
+            (x0, y0), (x1, y1) = pts[0], pts[1]
         elif i == len(pts):
             (x0, y0), (x1, y1) = pts[-2], pts[-1]
         else:

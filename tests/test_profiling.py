@@ -186,3 +186,15 @@ def test_an_instance_measures_its_own_profile_within_a_budget_and_is_left_as_it_
     assert s.kv_reserved == 0 and pool.free == pool.slots and pool.beyond == 0
     skipped = profile_instance(inst, "t", budget_s=0.0)  # no time: the first batch only
     assert skipped.meta["batch_sizes"] == [1, 8, 2, 4] and len(skipped.meta["skipped"]) == 3
+
+
+def test_a_profile_measured_at_one_shape_scales_with_tokens_both_ways():
+    """A replica measuring its profile on a busy machine may get one batch size per kind: the curve is then
+    proportional to the tokens, below and above the point (it raised IndexError above it)."""
+    from engine.latency_profile import LatencyProfile
+
+    prof = LatencyProfile.from_dict({"name": "one-point", "curves": {"denoise": [[8.0, 888.8]]}, "meta": {}})
+    assert prof.curve_ms("denoise", 8) == pytest.approx(888.8)
+    assert prof.curve_ms("denoise", 64) == pytest.approx(888.8 * 8)
+    assert prof.curve_ms("denoise", 4) == pytest.approx(888.8 / 2)
+    assert prof.curve_ms("prefill", 16) == pytest.approx(888.8 * 2)  # a missing kind reads the denoise curve
