@@ -550,6 +550,10 @@ class Dispatcher:
             if len(self.router.instances) > 1 and live.resumes < self.max_resumes:
                 return self._resume(live, inst_id, "its instance was full")
             return self._fail(live, 429, f"server overloaded: {item.message}")
+        if item.status == 503:  # the instance's rounds failed and it gave the request up (engine/loop.py): not the
+            # request's fault; another instance, or this one again when it is the only one (``max_resumes`` bounds it)
+            alone = all(i.inst_id == inst_id for i in self.router.instances)
+            return self._resume(live, None if alone else inst_id, f"its instance gave it up ({item.message})")
         self._fail(live, item.status, item.message)
 
     def _planned(self, live: _Live) -> bool:

@@ -18,16 +18,24 @@ whole slots its cache will take), so a request whose cache does not fit waits
 in the queue and no cache is ever allocated past the pool. An explicit
 ``kv_capacity_tokens`` overrides this with a token budget (reservations
 estimated from blocks, as without a pool).
+
+A failed round (the engine raised during ``step``) raises ``RoundFailed``, which names the round's
+requests and, of those, the ones whose state the round changed before it failed (``touched``). The
+others are as they were before the round (the engine writes nothing to a sequence before its forward
+succeeded) and can run again as they are; a touched one must start over from its committed tokens
+(``reset``). ``step(only=...)`` runs a round of just the named resident requests (a failed round's
+requests, bisected: engine/loop.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Collection
 
 from engine.clock import Clock, WallClock
 from engine.engine import Engine, EngineRound, Output
 from engine.sched_policies import make_policy
-from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepCosts, StepOutcome
+from engine.sched_types import RoundPlan, RoundResult, SchedRequest, SlotAssignment, StepCosts, StepOutcome
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
 
@@ -35,6 +43,17 @@ from engine.sequence import SamplingParams, Sequence
 class InstanceBroken(RuntimeError):
     """A round failed in a way the instance cannot recover from (a tensor-parallel rank died or
     its collective broke: the ranks' states may differ). Its requests must continue elsewhere."""
+
+
+class RoundFailed(RuntimeError):
+    """The engine raised during a round (raised ``from`` its exception). ``batch``: the round's requests;
+    ``touched``: those among them whose state the round had changed before it failed (every one on a
+    tensor-parallel instance, whose follower ranks may have run the round); the others can run again as
+    they are."""
+
+    def __init__(self, message: str, batch: list[str], touched: list[str]) -> None:
+        super().__init__(message)
+        self.batch, self.touched = batch, touched
 
 
 def blocks_estimate(seq: Sequence) -> float:
@@ -131,38 +150,71 @@ class Instance:
         result, self.last_round = execute_plan(self.engine, self.seqs, plan, self.refiner)
         return result
 
-    def step(self) -> tuple[RoundPlan, RoundResult, list[SchedRequest]]:
+    def step(self, only: Collection[str] | None = None) -> tuple[RoundPlan, RoundResult, list[SchedRequest]]:
+        """One round: the scheduler's plan, run. ``only``: run just these requests, those of them that are
+        resident once the scheduler has admitted what it would (the loop's bisection of a failed round;
+        the plan may be empty, and then nothing runs). Raises ``RoundFailed`` when the engine raised
+        (``InstanceBroken`` when a tensor-parallel instance cannot go on)."""
         plan = self.scheduler.schedule()
-        if self.mirror is None:
-            result = self.execute(plan)
-        else:
-            try:
-                wait, self._commands = self.mirror(self._commands, plan), []
-                result = self.execute(plan)
-                wait()
-                self._failed_rounds = 0
-                # rank 0's engine chose the requests whose next round runs the lookahead: the followers'
-                # forwards must have the same shapes
-                self._commands += [("lookahead", s.req_id, seq.lookahead_blocks) for s in plan.slots
-                                   if (seq := self.seqs.get(s.req_id)) is not None and seq.rounds == 1
-                                   and seq.refine_at == 2]
-            except Exception as exc:
-                # a lost rank or a broken collective: the ranks can no longer run rounds together. A round
-                # that failed with every rank alive (a bad input, say) fails like any other, unless the
-                # rounds keep failing.
-                self._failed_rounds += 1
-                alive = self.followers_alive is not None and self.followers_alive()
-                if not alive or self._failed_rounds >= 3:
-                    why = "a rank is gone" if not alive else f"{self._failed_rounds} rounds failed in a row"
-                    raise InstanceBroken(f"tensor-parallel round failed ({why}): {type(exc).__name__}: {exc}") \
-                        from exc
-                raise
+        if only is not None:
+            resident = self.scheduler.resident
+            plan.slots = [SlotAssignment(r, resident[r].next_kind) for r in dict.fromkeys(only) if r in resident]
+            if not plan.slots:
+                return plan, RoundResult([]), []
+        marks = [(s.req_id, len(self.seqs[s.req_id].history)) for s in plan.slots]  # a step appends to it first
+        try:
+            result = self.execute(plan) if self.mirror is None else self._execute_mirrored(plan)
+        except InstanceBroken:
+            raise
+        except Exception as exc:
+            batch = [r for r, _ in marks]
+            touched = batch if self.mirror is not None else [
+                r for r, n in marks if (seq := self.seqs.get(r)) is None or len(seq.history) != n]
+            raise RoundFailed(f"round failed: {type(exc).__name__}: {exc}", batch, touched) from exc
         done = self.scheduler.update(plan, result)
         for req in done:
             seq = self.seqs.pop(req.req_id)
             self.outputs[req.req_id] = self.engine.output(seq)
             self.engine.sequences.pop(seq.seq_id, None)
         return plan, result, done
+
+    def _execute_mirrored(self, plan: RoundPlan) -> RoundResult:
+        try:
+            wait, self._commands = self.mirror(self._commands, plan), []
+            result = self.execute(plan)
+            wait()
+            self._failed_rounds = 0
+            # rank 0's engine chose the requests whose next round runs the lookahead: the followers'
+            # forwards must have the same shapes
+            self._commands += [("lookahead", s.req_id, seq.lookahead_blocks) for s in plan.slots
+                               if (seq := self.seqs.get(s.req_id)) is not None and seq.rounds == 1
+                               and seq.refine_at == 2]
+            return result
+        except Exception as exc:
+            # a lost rank or a broken collective: the ranks can no longer run rounds together. A round
+            # that failed with every rank alive (a bad input, say) fails like any other, unless the
+            # rounds keep failing.
+            self._failed_rounds += 1
+            alive = self.followers_alive is not None and self.followers_alive()
+            if not alive or self._failed_rounds >= 3:
+                why = "a rank is gone" if not alive else f"{self._failed_rounds} rounds failed in a row"
+                raise InstanceBroken(f"tensor-parallel round failed ({why}): {type(exc).__name__}: {exc}") \
+                    from exc
+            raise
+
+    def reset(self, req_id: str, keep: int) -> None:
+        """Start ``req_id`` over from its first ``keep`` output tokens (those its receiver already has), as a
+        resume would: its KV slots and reservation are released, and it waits to be admitted again with the
+        same prompt, sampling (seed included), threshold, deadline and estimate. For a request a failed
+        round left half-updated (``RoundFailed.touched``); committed tokens never change, so the first
+        ``keep`` are as they were."""
+        seq = self.seqs[req_id]
+        req = self.scheduler.requests[req_id]
+        committed = seq.output_ids()[:keep]
+        params = dataclasses.replace(seq.params, threshold=seq.threshold) if seq.params is not None else None
+        prompt, deadline, est = list(seq.prompt_ids), req.deadline, req.est_rounds
+        self.abort(req_id)
+        self.add_request(req_id, prompt, params, deadline=deadline, committed=committed, est_rounds=est)
 
     def run(self) -> dict[str, Output]:
         while self.has_work():

@@ -36,9 +36,28 @@ request's refinement came after round n: the most recent estimate holds
 (engine/scheduler.py). The ``add``'s ``est_rounds`` replaces the instance's
 admission estimate.
 
-A round that raises fails the requests it held (500) and the loop goes on;
-one that raises ``InstanceBroken`` (a tensor-parallel rank is gone) ends the
-loop instead: its requests get no error, ``on_fatal`` is called, and whoever
+Failed rounds. A round whose engine step raises (a CUDA out-of-memory error,
+a request that breaks the forward) fails no request by itself: the loop finds
+the request at fault by bisection. The requests of the failed round that it
+left as they were (``RoundFailed.touched``: engine/instance.py) run again in
+*probe* rounds of their own, half of them at a time (``Instance.step(only=)``);
+a probe that fails is split again, one that succeeds clears its requests. A
+request that failed ``max_round_failures`` rounds in a row, the last one alone,
+is *convicted*; once every probe of the failure has run, a convicted request
+gets an ``ErrorItem`` with status 500 if a round succeeded on the instance
+since the failures began (the instance works: the request is at fault), and
+otherwise status 503 (the instance gives up on it: its sender resumes it
+elsewhere from its committed tokens), unless this instance had already given
+up on it once (then 500). A request the failed round had half-updated starts
+over here from the tokens already published (``Instance.reset``: its KV slots
+and reservation are released and taken again when it is readmitted). Probe
+rounds run only the probe's requests; the others wait. ``broken_after`` give-ups
+(503) with no successful round in between mean the instance itself is broken:
+the loop ends as below. Any other exception (the scheduler's) hands every
+request back (503).
+
+A round that raises ``InstanceBroken`` (a tensor-parallel rank is gone) ends
+the loop: its requests get no error, ``on_fatal`` is called, and whoever
 sent them resumes them elsewhere from their committed tokens.
 """
 
@@ -48,12 +67,13 @@ import logging
 import queue
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.instance import Instance, InstanceBroken
+from engine.instance import Instance, InstanceBroken, RoundFailed
 from engine.sched_types import StepKind
 from engine.sequence import SamplingParams, Sequence
 
@@ -104,7 +124,9 @@ class ErrorItem:
 
     req_id: str
     message: str
-    status: int  # 400 (a bad request), 429 (the instance is full or draining), 500 (a round failed)
+    # 400 (a bad request), 429 (the instance is full or draining), 500 (its rounds failed: it is at fault),
+    # 503 (the instance's rounds failed and it gave up on the request: resume it elsewhere)
+    status: int
     attempt: int = 0
 
 
@@ -142,13 +164,18 @@ class RoundLoop:
     def __init__(self, instance: Instance, on_batch: Callable[[ProgressBatch], None], max_waiting: int = 256,
                  idle_wait_s: float = 0.05, describe: Callable[[Sequence, float | None], Any] | None = None,
                  on_fatal: Callable[[Exception], None] | None = None, threshold_wait_s: float = 0.002,
-                 threshold_wait_frac: float = 0.1) -> None:
+                 threshold_wait_frac: float = 0.1, max_round_failures: int = 2, broken_after: int = 3) -> None:
         """``describe(seq, threshold)``: the step features a step item carries (the router's:
         ``predictors.features.state_row``), called after each of the request's steps with the threshold it
         used.
         ``on_fatal(exc)``: called from the loop's thread when an ``InstanceBroken`` ends it.
         ``threshold_wait_s``, ``threshold_wait_frac``: the bound on waiting for the thresholds of
-        planned requests (module docstring; 0: never wait)."""
+        planned requests (module docstring; 0: never wait).
+        ``max_round_failures``: failed rounds in a row, the last one alone, that convict a request;
+        ``broken_after``: requests given up on (503) with no successful round in between that end the loop
+        as a broken instance (module docstring)."""
+        if max_round_failures < 1 or broken_after < 1:
+            raise ValueError("max_round_failures and broken_after must be at least 1")
         self.instance = instance
         self._emit = on_batch
         self.max_waiting = max_waiting
@@ -156,6 +183,7 @@ class RoundLoop:
         self.describe = describe
         self.on_fatal = on_fatal
         self.broken: str | None = None  # why the loop ended, if a round broke the instance
+        self._broken_exc: InstanceBroken | None = None
         self._round_t0: float | None = None  # when the running round started
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -174,8 +202,17 @@ class RoundLoop:
         self._answered = -1  # the latest round a thresholds message answered
         self.counts = dict.fromkeys(("thresholds_on_time", "thresholds_late", "thresholds_late_rounds",
                                      "threshold_waits", "threshold_wait_timeouts", "estimates_applied",
-                                     "estimates_dropped", "threshold_answers", "answers_on_time", "answers_late"),
-                                    0)
+                                     "estimates_dropped", "threshold_answers", "answers_on_time", "answers_late",
+                                     "rounds_failed", "probe_rounds", "requests_failed", "requests_given_up",
+                                     "requests_reset"), 0)
+        # failed rounds (module docstring)
+        self.max_round_failures, self.broken_after = max_round_failures, broken_after
+        self._strikes: dict[str, int] = {}  # request -> failed rounds in a row it was in
+        self._probes: deque[list[str]] = deque()  # requests to run by themselves, next first
+        self._convicted: dict[str, str] = {}  # request -> its last failure, awaiting the verdict
+        self._healthy = True  # a round succeeded since the current failures began
+        self._given_up: dict[str, None] = {}  # requests handed back (503) lately, oldest first (bounded)
+        self._give_ups = 0  # requests handed back since the last successful round
         self.threshold_wait_ms = 0.0
         self.threshold_answer_ms = 0.0  # summed over the answers (after_round) to this loop's batches
         self._emitted: deque[tuple[int, float]] = deque(maxlen=64)  # (round, when its batch left)
@@ -260,6 +297,8 @@ class RoundLoop:
                 items.append(AcceptedItem(req_id, None if sent_at is None else (time.time() - sent_at) * 1e3,
                                           len(seq.prompt_ids) - len(seq.committed), attempt))
             elif op == "abort":
+                self._strikes.pop(cmd[1], None)
+                self._convicted.pop(cmd[1], None)
                 if self._tracked.pop(cmd[1], None) is not None:
                     self.instance.abort(cmd[1])
             elif op == "thresholds":
@@ -333,26 +372,47 @@ class RoundLoop:
                 self._wake.clear()
                 continue
             self._await_thresholds(items)
+            only = self._next_probe(items)
+            if self.broken is not None:  # the verdict found the instance broken: its items first, then on_fatal
+                self._send(items)
+                return self._fatal()
+            failed: RoundFailed | str | None = None
             try:
                 self._round_t0 = t0 = time.perf_counter()
-                plan, result, done = self.instance.step()
+                plan, result, done = self.instance.step(only)
                 self.last_round_s = time.perf_counter() - t0
             except InstanceBroken as exc:  # no round can run here any more: hand the requests back
-                log.error("instance broken, round loop stopped: %s", exc)
-                self.broken = str(exc)
-                if self.on_fatal is not None:
-                    self.on_fatal(exc)
-                return
-            except Exception as exc:  # a broken round must not hang every client
-                log.exception("round failed")
-                for req_id, tr in self._tracked.items():
-                    self.instance.abort(req_id)
-                    items.append(ErrorItem(req_id, f"round failed: {exc}", 500, tr.attempt))
-                self._tracked.clear()
+                self._end(exc)
                 self._send(items)
-                continue
+                return self._fatal()
+            except RoundFailed as exc:
+                # the traceback as text: a log record that kept it would keep the round's KV caches alive
+                log.error("%s (requests %s)\n%s", exc, exc.batch, "".join(traceback.format_exception(exc.__cause__)))
+                failed = RoundFailed(str(exc), exc.batch, exc.touched)  # without the traceback, which holds caches
+            except Exception as exc:  # outside the engine (the scheduler): nothing here can be trusted
+                log.exception("round failed outside the engine")
+                failed = f"round failed: {type(exc).__name__}: {exc}"
             finally:
                 self._round_t0 = None
+            if failed is not None:
+                self.counts["rounds_failed"] += 1
+                if isinstance(failed, RoundFailed):
+                    self._round_failed(failed, only is not None, items)
+                else:
+                    self._give_up_all(failed, items)
+                self._send(items)
+                if self.broken is not None:
+                    return self._fatal()
+                continue
+            if only is not None:
+                self.counts["probe_rounds"] += 1
+                self._probes.popleft()  # it passed
+                if not plan.slots:  # none of its requests could run: they go back to ordinary rounds
+                    self._send(items)
+                    continue
+            self._healthy, self._give_ups = True, 0
+            for slot in plan.slots:
+                self._strikes.pop(slot.req_id, None)
             self.rounds += 1
             self.filled_slots += len(plan.slots)
             finished = {r.req_id for r in done}
@@ -362,6 +422,101 @@ class RoundLoop:
                 if item is not None:
                     items.append(item)
             self._send(items)
+
+    # ---- failed rounds (module docstring) ---------------------------------------------------------
+    def _next_probe(self, items: list[Item]) -> list[str] | None:
+        """The requests the next round runs by themselves (None: an ordinary round); once every probe has
+        run, the verdict on the convicted requests."""
+        while self._probes:
+            group = [r for r in self._probes[0] if r in self._tracked and r not in self._convicted]
+            if group:
+                return group
+            self._probes.popleft()
+        if self._convicted:
+            self._verdict(items)
+        return None
+
+    def _round_failed(self, failed: RoundFailed, probing: bool, items: list[Item]) -> None:
+        if probing:
+            self._probes.popleft()  # replaced by its halves below
+        else:  # an ordinary round: new failures begin (no probe and no verdict is pending)
+            self._healthy = False
+        touched = set(failed.touched)
+        for req_id in failed.batch:
+            self._strikes[req_id] = self._strikes.get(req_id, 0) + 1
+            tr = self._tracked.get(req_id)
+            if req_id in touched and tr is not None:
+                try:  # half-updated: over again from what its receiver has
+                    self.instance.reset(req_id, tr.sent)
+                    self.counts["requests_reset"] += 1
+                except (ValueError, RuntimeError, KeyError) as exc:
+                    self._drop(req_id, ErrorItem(req_id, f"{failed}; restarting it failed: {exc}", 503, tr.attempt),
+                               items)
+        suspects = [r for r in failed.batch if r in self._tracked]
+        if len(failed.batch) == 1 and suspects and (n := self._strikes[suspects[0]]) >= self.max_round_failures:
+            self._convicted[suspects[0]] = f"{failed} (the request failed {n} rounds in a row, the last by itself)"
+            return
+        # one that keeps failing without being isolated (a restarted request may miss its probes, not being
+        # admitted in time): convicted once it failed more rounds than a bisection takes
+        cap = self.max_round_failures + self.instance.scheduler.cfg.slots.bit_length()
+        for r in [r for r in suspects if self._strikes[r] >= cap]:
+            self._convicted[r] = f"{failed} (the request failed {self._strikes[r]} rounds in a row)"
+            suspects.remove(r)
+        if len(suspects) > 1:
+            half = len(suspects) // 2
+            self._probes.extendleft([suspects[half:], suspects[:half]])  # the first half runs first
+        elif suspects:
+            self._probes.appendleft(suspects)  # again, by itself
+
+    def _verdict(self, items: list[Item]) -> None:
+        """Every probe has run: a convicted request fails (500) when the instance has run a round since the
+        failures began, else the instance gives up on it (503) unless it did once before."""
+        for req_id, why in self._convicted.items():
+            tr = self._tracked.get(req_id)
+            if tr is None:
+                continue
+            if self._healthy or req_id in self._given_up:
+                self.counts["requests_failed"] += 1
+                self._drop(req_id, ErrorItem(req_id, why, 500, tr.attempt), items)
+            else:
+                self._hand_back(req_id, f"{why}; no round succeeded on this instance since", tr.attempt, items)
+        self._convicted.clear()
+        if self._give_ups >= self.broken_after:
+            self._end(InstanceBroken(f"{self._give_ups} requests given up on with no round succeeding in between"))
+
+    def _hand_back(self, req_id: str, why: str, attempt: int, items: list[Item]) -> None:
+        self.counts["requests_given_up"] += 1
+        self._give_ups += 1
+        self._given_up[req_id] = None
+        if len(self._given_up) > 1024:
+            del self._given_up[next(iter(self._given_up))]
+        self._drop(req_id, ErrorItem(req_id, f"{why}: resume it elsewhere", 503, attempt), items)
+
+    def _give_up_all(self, why: str, items: list[Item]) -> None:
+        """A failure outside the engine: every request is handed back (its sender resumes it elsewhere)."""
+        for req_id, tr in list(self._tracked.items()):
+            self._hand_back(req_id, why, tr.attempt, items)
+        self._probes.clear()
+        self._convicted.clear()
+        if self._give_ups >= self.broken_after:
+            self._end(InstanceBroken(f"{self._give_ups} requests given up on with no round succeeding in between"))
+
+    def _drop(self, req_id: str, item: ErrorItem, items: list[Item]) -> None:
+        self._tracked.pop(req_id, None)
+        self._strikes.pop(req_id, None)
+        self.instance.abort(req_id)
+        items.append(item)
+
+    def _end(self, exc: InstanceBroken) -> None:
+        """The instance can run no more rounds: the loop ends once its last items are sent (``_fatal``);
+        the requests it still holds get no error."""
+        if self.broken is None:
+            log.error("instance broken, round loop stopped: %s", exc)
+            self.broken, self._broken_exc = str(exc), exc
+
+    def _fatal(self) -> None:
+        if self.on_fatal is not None and self._broken_exc is not None:
+            self.on_fatal(self._broken_exc)
 
     def _note_round(self, plan, result, finished: set[str]) -> None:
         """What the next round's bookkeeping needs of this one: the requests that took a denoising step,
