@@ -14,6 +14,14 @@ Two halves:
   fall to it (or after ``step_timeout_s`` without progress). So capacity only
   drops where Stage 2 said it must, e.g. stop two TP-1 replicas before the
   TP-2 one that needs their GPUs, and new replicas serve before old ones go.
+  With ``make_before_break`` (``planner.make_before_break``; on by default
+  when replicas hold half a GPU or less per rank, so a new one fits beside an
+  old one) every start goes first, the TP-2 replica loading on the GPUs the
+  two TP-1 ones keep serving on, and the stops follow once it serves: Serve
+  stops the old replicas, which drain into the new one (the dispatcher moves
+  their requests at once), and no request waits for an instance. The last
+  transitions are kept (``history``: the targets and joined instances at each
+  step) for ``/debug/planner``.
   The Ingress reports these targets as custom autoscaling metrics
   (``record_autoscaling_stats``: ``target_tp<d>``).
 - ``planner_policy`` is the application-level ``autoscaling_policy`` (set it in
@@ -69,14 +77,19 @@ class PlannerService:
     """The planner beside the ingress: arrivals in, replica-count targets out (thread-safe)."""
 
     def __init__(self, planner, degrees: list[int], initial: dict[int, int], check_s: float = 1.0,
-                 step_timeout_s: float = 180.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 step_timeout_s: float = 180.0, clock: Callable[[], float] = time.monotonic,
+                 make_before_break: bool = False) -> None:
+        """``make_before_break``: a transition's starts go first, its stops once they serve (replicas must fit
+        beside the ones they replace: ``cluster.transition.TransitionFollower``)."""
         self.planner, self.degrees, self.clock = planner, sorted(degrees), clock
         self.check_s, self.step_timeout_s = check_s, step_timeout_s
+        self.make_before_break = make_before_break
         self.targets = {d: initial.get(d, 0) for d in self.degrees}
         self.live = {d: 0 for d in self.degrees}
         self.follower: TransitionFollower | None = None  # the transition under way
         self.step_started = clock()  # when the transition last made progress
         self.transitions = 0
+        self.history: deque[dict] = deque(maxlen=self.HISTORY)  # the last transitions, their steps as followed
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,6 +98,7 @@ class PlannerService:
         self._finished: deque[tuple] = deque(maxlen=self.QUEUE_LIMIT)
 
     QUEUE_LIMIT = 200_000  # events queued between two looks of the thread (beyond: the oldest are dropped)
+    HISTORY = 8  # transitions kept for describe()
 
     # ---- inputs (ingress thread) -------------------------------------------------------------
     def observe(self, input_tokens: int, output_tokens: int) -> None:
@@ -148,8 +162,10 @@ class PlannerService:
                 return
             log.info("planner: transition %s -> %s in %d actions", self.targets, plan.counts(), len(plan.actions))
             self.transitions += 1
-            self.follower = TransitionFollower(self.planner.cluster.gpus_per_node, before)
+            self.follower = TransitionFollower(self.planner.cluster.gpus_per_node, before, self.make_before_break)
             self.follower.follow(plan.actions)
+            self.history.append({"started_at": now, "from": dict(self.targets), "to": plan.counts(),
+                                 "make_before_break": self.make_before_break, "steps": [], "done_at": None})
             self.step_started = now
             self._follow(now)
 
@@ -183,6 +199,12 @@ class PlannerService:
         if progressed or issued:
             self.step_started = now
         self.targets = f.targets(self.degrees)
+        if (progressed or issued) and self.history:
+            record = self.history[-1]
+            record["steps"].append({"at": now, "targets": dict(self.targets), "live": dict(self.live),
+                                    "issued": [a.to_dict() for a in issued]})
+            if not f.busy:
+                record["done_at"] = now
 
     # ---- outputs -----------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -199,7 +221,8 @@ class PlannerService:
             now = self.clock()
             dec = self.planner.last_decision
             return {"targets": self.targets, "live": self.live, "pending": self.pending,
-                    "transitions": self.transitions,
+                    "transitions": self.transitions, "make_before_break": self.make_before_break,
+                    "history": [_rounded(h) for h in self.history],
                     "offered_rps": round(self.planner.monitor.total_rate(now), 3),
                     "last_decision": None if dec is None else {
                         "act": dec.act, "reason": dec.reason, "proposal": dec.proposal.counts,
@@ -232,7 +255,17 @@ def build_service(cfg: AppConfig, model_cfg=None, clock: Callable[[], float] = t
                          inputs=InputsConfig(args.min_requests, args.min_bucket, args.finished_window))
     planner = Planner(cluster, profiles, pcfg, monitor=WorkloadMonitor(window_s=args.window_s),
                       current=pack(initial, cluster.gpus_per_node), clock=clock, profile_sources=sources)
-    return PlannerService(planner, degrees, initial, args.check_s, args.step_timeout_s, clock=clock)
+    return PlannerService(planner, degrees, initial, args.check_s, args.step_timeout_s, clock=clock,
+                          make_before_break=bool(args.make_before_break))
+
+
+def _rounded(record: dict) -> dict:
+    """A history record with its times in ms precision (a copy: the thread goes on appending steps)."""
+    def r(t):
+        return None if t is None else round(t, 3)
+
+    return {**record, "started_at": r(record["started_at"]), "done_at": r(record["done_at"]),
+            "steps": [{**s, "at": r(s["at"])} for s in record["steps"]]}
 
 
 def initial_counts(cfg: AppConfig) -> dict[int, int]:

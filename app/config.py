@@ -205,7 +205,11 @@ class ResourceArgs(_Section):
     replicas: dict[int, int] = Field({}, description="replicas per TP degree (default 1 each; with the planner: "
                                                      "the initial counts)")
     cpus_per_replica: float = Field(0.5, gt=0, description="logical CPUs per Denoiser replica")
-    gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per TP rank (0 on CPU)")
+    gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per TP rank (0 on CPU); below 1 a rank holds that "
+                                                        "fraction of a GPU in Ray's accounting, so replicas can share "
+                                                        "one: at 0.5 or less a new replica loads beside the one it "
+                                                        "replaces (planner.make_before_break), and the KV pool's "
+                                                        "default budget shrinks to that fraction (kv_pool_args)")
     drain_s: float = Field(20.0, ge=0, description="a stopping Denoiser (redeploy, scale-down) finishes its "
                                                    "requests for up to this long unless the ingress moves them "
                                                    "to another instance first; a stopping Ingress lets its "
@@ -236,10 +240,33 @@ class PlannerArgs(_Section):
     min_bucket: int = Field(10, ge=1, description="finished requests at a threshold before its steps per token is "
                                                  "measured (the others follow the measured ones)")
     finished_window: int = Field(2000, ge=1, description="finished requests the measured inputs are taken over")
+    make_before_break: bool | None = Field(
+        None, description="a transition starts its new replicas first and lowers the old counts once they serve "
+                          "(the old replicas then drain into the new ones: no request waits for an instance); "
+                          "needs replicas that fit beside the ones they replace (resources.gpus_per_rank <= 0.5, "
+                          "or 0 on CPUs). Default: on when gpus_per_rank <= 0.5 (above 0), else off (the stops "
+                          "that free a start's GPUs go first)")
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @field_validator("gpus_per_rank")
+    @classmethod
+    def _gpus(cls, v: float) -> float:
+        if v >= 1 and v != int(v):  # Ray refuses a fractional demand of a GPU or more
+            raise ValueError(f"gpus_per_rank {v:g}: a fraction of one GPU (below 1) or a whole number of GPUs")
+        return v
+
+    @property
+    def gpu_share(self) -> float:
+        """The fraction of a GPU each rank holds: ``gpus_per_rank`` below 1, else 1 (its GPUs, or none, to itself)."""
+        return self.gpus_per_rank if 0 < self.gpus_per_rank < 1 else 1.0
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Two replicas' ranks fit on one GPU (``gpus_per_rank`` <= 0.5): a new one can load beside an old one."""
+        return 0 < self.gpus_per_rank <= 0.5
 
 
 SECTIONS: dict[str, type[_Section]] = {"http": HttpArgs, "router": RouterArgs, "engine": EngineArgs,
@@ -291,6 +318,25 @@ class AppConfig(BaseModel):
                     f"`{k}` moved to `{MOVED[k]}` (write it under `{MOVED[k].split('.')[0]}:`)" for k in moved))
         return data
 
+    @model_validator(mode="after")
+    def _shared_gpus(self):
+        """Resolve ``planner.make_before_break`` from the resources, and refuse GPU shares that cannot work."""
+        res = self.resources
+        if self.planner is not None:
+            if self.planner.make_before_break is None:
+                self.planner.make_before_break = res.shares_gpus
+            elif self.planner.make_before_break and res.gpus_per_rank > 0.5:
+                raise ValueError(f"planner.make_before_break needs replicas that fit beside the ones they replace: "
+                                 f"resources.gpus_per_rank {res.gpus_per_rank:g} lets one replica's rank, not two, "
+                                 f"on a GPU (set it to 0.5, or make_before_break false)")
+        if res.shares_gpus and max(res.tp_degrees) > 1 and self.engine.device.startswith("cuda"):
+            # Ray gives a fractional GPU demand the GPU it fits best (the fullest), so the ranks of one TP group
+            # can land on one device, which NCCL refuses
+            raise ValueError(f"resources.gpus_per_rank {res.gpus_per_rank:g} with TP degrees {res.tp_degrees} on "
+                             f"cuda: Ray may place two ranks of a TP group on one GPU; share GPUs only with "
+                             f"tp_degrees [1] (or use whole GPUs)")
+        return self
+
     @property
     def name(self) -> str:
         """The model's name on the API."""
@@ -312,12 +358,17 @@ class AppConfig(BaseModel):
 CPU_KV_MEMORY_MB = 1024  # the KV pool's budget on a CPU when the config gives none
 
 
-def kv_pool_args(engine: EngineArgs) -> dict:
+def kv_pool_args(engine: EngineArgs, gpu_share: float = 1.0) -> dict:
     """The engine's KV pool sizing from the config's ``engine`` section: a budget in bytes (``kv_memory_mb``;
     1024 MiB on a CPU) or, on CUDA, ``kv_memory_fraction`` of the memory free after the weights are loaded;
-    never more slots than the resident requests could take."""
+    never more slots than the resident requests could take. ``gpu_share`` (``ResourceArgs.gpu_share``, below 1
+    when replicas share GPUs): the default budgets shrink to it (``kv_memory_fraction`` x share of the free
+    memory, so a replica loading beside another finds room; 1024 MiB x share on a CPU); an explicit
+    ``kv_memory_mb`` is the operator's and is kept."""
+    if not 0 < gpu_share <= 1:
+        raise ValueError(f"gpu_share must be in (0, 1], got {gpu_share}")
     mb = engine.kv_memory_mb if engine.kv_memory_mb is not None else (
-        None if engine.device.startswith("cuda") else CPU_KV_MEMORY_MB)
+        None if engine.device.startswith("cuda") else CPU_KV_MEMORY_MB * gpu_share)
     return {"kv_memory_bytes": None if mb is None else int(mb * 2**20),
-            "kv_memory_fraction": engine.kv_memory_fraction,
+            "kv_memory_fraction": engine.kv_memory_fraction * gpu_share,
             "kv_residents_max": SchedulerConfig.resident_factor * engine.slots}  # k x B residents at most

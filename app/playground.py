@@ -186,6 +186,8 @@ def cluster_view(dispatcher, planner=None, now: float | None = None, outcomes: R
         "by_tp": dict(sorted(by_tp.items(), key=lambda kv: kv[1]["tp"])),
         "live": len(dispatcher.live),
         "parked": len(getattr(dispatcher, "parked", ())),
+        # requests that ever waited for an instance (arrivals and moves while none could take them)
+        "parked_total": getattr(getattr(dispatcher, "driver", None), "stats", {}).get("held"),
         "thresholds": {"in_use": dict(sorted(in_use.items(), reverse=True)), "fixed_by_client": fixed,
                        "candidates": list(getattr(getattr(router, "cfg", None), "thresholds", ()))},
         "slo": slo,

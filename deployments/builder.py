@@ -20,14 +20,17 @@ def build_app(args: dict | AppConfig | None):
         from app.autoscaling import initial_counts
 
         initial = initial_counts(cfg)
+    # a rank's GPUs (a fraction of one when replicas share GPUs: a new replica loads beside the one it replaces)
     gpus = {"GPU": res.gpus_per_rank} if res.gpus_per_rank else {}
     for d in res.tp_degrees:
         bundles = [{"CPU": res.cpus_per_replica, **gpus}] + [{"CPU": 0.01, **gpus}] * (d - 1)
         if initial is None:
             scaling = {"num_replicas": res.replicas.get(d, 1)}
         else:  # the planner sets the count (app.autoscaling); the deployment's own policy holds it
+            # make-before-break: while new replicas load beside old ones, a GPU holds up to two
+            most = max(cfg.planner.gpus // d, 1) * (2 if cfg.planner.make_before_break else 1)
             scaling = {"autoscaling_config": {
-                "min_replicas": 0, "max_replicas": max(cfg.planner.gpus // d, 1), "initial_replicas": initial[d],
+                "min_replicas": 0, "max_replicas": most, "initial_replicas": initial[d],
                 "metrics_interval_s": 1.0, "look_back_period_s": 2.0, "upscale_delay_s": 0.0,
                 "downscale_delay_s": 0.0, "policy": {"policy_function": "app.autoscaling:hold_policy"}}}
         dep = Denoiser.options(name=denoiser_name(d), placement_group_bundles=bundles,

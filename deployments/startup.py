@@ -21,7 +21,7 @@ def engine_kwargs(cfg: AppConfig) -> dict:
     return dict(cache=e.cache, max_slots=e.slots, default_gen_length=cfg.http.default_max_tokens,
                 max_gen_length=cfg.http.max_tokens_limit, kv_slot_tokens=e.kv_slot_tokens,
                 cuda_graphs=None if e.cuda_graphs else False,  # None: where they apply (not on a TP shard)
-                **kv_pool_args(e))
+                **kv_pool_args(e, cfg.resources.gpu_share))  # a replica sharing its GPUs takes its share
 
 
 def start_engine(cfg: AppConfig, rank: int = 0, world: int = 1, init_method: str | None = None):

@@ -1,11 +1,15 @@
 """The planner resizing TP groups of a live app on logical GPUs (Ray, no real GPU): at low load one
 TP-2 replica replaces two TP-1 replicas, at high load two TP-1 replicas come back, and every request
-sent during the transitions completes."""
+sent during the transitions completes. Each rank holds half a GPU, so the transitions are
+make-before-break: the new replicas load beside the old ones, which drain into them once they serve,
+and no request ever waits for an instance (none parked, no 503)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
+import threading
 import time
 
 import pytest
@@ -27,10 +31,11 @@ def app():
     from ray.serve.schema import ServeDeploySchema
 
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    # its own cluster, never one another process on this machine started
+    ray.init(address="local", num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {"engine": {"model": "tiny-bd", "slots": 8}, "http": {"max_tokens_limit": 256},
-            "resources": {"tp_degrees": [1, 2], "gpus_per_rank": 1},
+            "resources": {"tp_degrees": [1, 2], "gpus_per_rank": 0.5},  # make-before-break by default
             "planner": {"nodes": 1, "gpus_per_node": 2, "period_s": 4, "window_s": 4, "profile": "cpu-tiny-bd",
                         "min_gain": 0.05, "check_s": 0.5, "step_timeout_s": 120}}
     # the app-level policy is part of the app's config, as `serve run` of a config file sets it
@@ -71,23 +76,76 @@ def complete(i: int) -> tuple[int, str | None]:
 
 
 def offer(pool, rate: float, until, limit_s: float) -> list:
-    """Send ``rate`` requests per second until ``until()`` holds (or ``limit_s``); their futures."""
-    futures, t0 = [], time.monotonic()
+    """Send ``rate`` requests per second until ``until()`` holds (or ``limit_s``); (time sent, future) pairs."""
+    sent, t0 = [], time.monotonic()
     while not until() and time.monotonic() - t0 < limit_s:
-        futures.append(pool.submit(complete, len(futures)))
+        sent.append((time.monotonic(), pool.submit(complete, len(sent))))
         time.sleep(1.0 / rate)
-    return futures
+    return sent
 
 
-def test_planner_moves_replicas_between_tp_groups_and_loses_nothing(app):
+class Watch:
+    """/debug/cluster every ``period_s`` in a thread: (time, view) pairs."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        self.views: list[tuple[float, dict]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            try:
+                self.views.append((time.monotonic(), httpx.get(f"{URL}/debug/cluster", timeout=10).json()))
+            except (httpx.HTTPError, ValueError):
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def window(self) -> tuple[float, float]:
+        """When the watcher first saw the first transition under way, and first saw it done."""
+        seen = [(t, v["planner"]["history"][0]) for t, v in self.views if v["planner"]["history"]]
+        return seen[0][0], next((t for t, h in seen if h["done_at"] is not None), float("inf"))
+
+
+def unavailable() -> float:
+    """Requests that got 503 (``remask:request_failure_total`` of reason unavailable)."""
+    text = httpx.get(f"{URL}/metrics", timeout=10).text
+    return float(re.search(r'^remask:request_failure_total\{[^}]*reason="unavailable"[^}]*\} (\S+)$', text,
+                           re.M).group(1))
+
+
+def test_planner_moves_replicas_between_tp_groups_and_no_request_waits(app):
+    watch = Watch()
     with concurrent.futures.ThreadPoolExecutor(256) as pool:
         low = offer(pool, 0.3, lambda: planner().get("live") == {"1": 0, "2": 1}, 240)
         state = planner()
         assert state["live"] == {"1": 0, "2": 1}, state
         assert state["transitions"] >= 1 and state["last_decision"]["proposal"] == {"1": 0, "2": 1}
+        assert state["make_before_break"]
         high = offer(pool, 3.0, lambda: planner().get("live") == {"1": 2, "2": 0}, 240)
         state = planner()
         assert state["live"] == {"1": 2, "2": 0}, json.dumps(state)
-        results = [f.result(timeout=300) for f in low + high]
+        results = [f.result(timeout=300) for _, f in low + high]
+    watch.stop()
+    final = httpx.get(f"{URL}/debug/cluster", timeout=10).json()
     assert len(results) > 10
     assert all(code == 200 and finish in ("stop", "length") for code, finish in results), results
+    # TP-1 -> TP-2: the TP-2 replica joined while both TP-1 ones served, and only then did their counts drop
+    first = state["history"][0]
+    assert (first["from"], first["to"]) == ({"1": 2, "2": 0}, {"1": 0, "2": 1}), first
+    assert [(a["kind"], a["tp"]) for a in first["steps"][0]["issued"]] == [("start", 2)], first
+    assert first["steps"][0]["targets"] == {"1": 2, "2": 1}, first
+    assert {"1": 2, "2": 1} in [s["live"] for s in first["steps"]], first
+    begin, end = watch.window()
+    during = [f for t, f in low if begin <= t <= end]
+    assert len(during) >= 2, (begin, end, [t for t, _ in low])  # every one of them completed (above)
+    # no request waited for an instance, in either change: none parked, none ever held, no 503
+    assert len(watch.views) > 20 and max(v["parked"] for _, v in watch.views) == 0
+    assert final["parked_total"] == 0 and unavailable() == 0, final
+    second = state["history"][1]
+    print(f"TP-1 -> TP-2 in {first['done_at'] - first['started_at']:.1f} s, TP-2 -> TP-1 in "
+          f"{second['done_at'] - second['started_at']:.1f} s; {len(during)} requests sent during the first, "
+          f"{len(results)} in all; drained {final['dispatch']['drained']}, parked {final['parked_total']}")

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.autoscaling import build_service, initial_counts, pack, planner_policy
-from app.config import INGRESS, AppConfig, denoiser_name
+from app.config import INGRESS, AppConfig, EngineArgs, ResourceArgs, denoiser_name, kv_pool_args
 
 
 class Clock:
@@ -121,3 +121,91 @@ def test_policy_applies_the_ingress_targets():
     decisions, state = planner_policy(contexts)
     assert decisions == {"ing": 1, "tp1": 0, "tp2": 1, "tp4": 3}
     assert set(state) == set(contexts)
+
+
+# ---- make-before-break: replicas that share GPUs ------------------------------------------------------------
+def shared(**planner) -> AppConfig:
+    """Two logical GPUs, half a GPU per rank: a new replica fits beside the one it replaces."""
+    return AppConfig(engine={"model": "tiny-bd"}, resources={"tp_degrees": [1, 2], "gpus_per_rank": 0.5}, planner={
+        "nodes": 1, "gpus_per_node": 2, "period_s": 10, "window_s": 10, "profile": "cpu-tiny-bd", "min_gain": 0.05,
+        **planner})
+
+
+def test_make_before_break_starts_the_new_replicas_before_it_lowers_the_old_counts():
+    clock = Clock()
+    svc = build_service(shared(), clock=clock)
+    assert svc.make_before_break and svc.describe()["make_before_break"]
+    svc.set_live({1: 2})
+    offer(svc, clock, 1.0, 11)
+    svc.tick()
+    assert svc.transitions == 1
+    # the TP-2 replica loads beside the two TP-1 ones, which serve until it does
+    assert svc.targets == {1: 2, 2: 1}
+    assert [(p["kind"], p["issued"]) for p in svc.pending] == [("start", True), ("stop", False), ("stop", False)]
+    clock.t += 1
+    svc.tick()
+    assert svc.targets == {1: 2, 2: 1}  # not joined yet: the old counts hold
+    seen = follow(svc, clock)
+    assert seen == [{1: 2, 2: 1}, {1: 0, 2: 1}]
+    assert all(c[1] + 2 * c[2] <= 2 * 2 for c in seen)  # at most two replicas' ranks on a GPU
+    first = svc.describe()["history"][-1]
+    assert first["from"] == {1: 2, 2: 0} and first["to"] == {1: 0, 2: 1} and first["make_before_break"]
+    # the start is done once the new replica joined while the old ones served; then the stops go
+    assert [s["live"] for s in first["steps"]] == [{1: 2, 2: 0}, {1: 2, 2: 1}, {1: 0, 2: 1}]
+    assert [(a["kind"], a["tp"]) for a in first["steps"][0]["issued"]] == [("start", 2)]
+    assert sorted(a["instance"] for a in first["steps"][1]["issued"]) == ["tp1-0", "tp1-1"]
+    assert all(a["kind"] == "stop" for a in first["steps"][1]["issued"]) and first["done_at"] is not None
+    # back at high load: both TP-1 replicas start beside the TP-2 one before it stops
+    offer(svc, clock, 30.0, 11)
+    svc.tick()
+    assert svc.transitions == 2 and svc.targets == {1: 2, 2: 1}
+    assert follow(svc, clock) == [{1: 2, 2: 1}, {1: 2, 2: 0}]
+
+
+def test_make_before_break_follows_the_resources_and_refuses_what_cannot_fit():
+    assert shared().planner.make_before_break is True  # half a GPU per rank: on by default
+    assert config().planner.make_before_break is False  # no GPUs in Ray's accounting: off unless asked
+    assert config(make_before_break=True).planner.make_before_break is True
+    assert shared(make_before_break=False).planner.make_before_break is False
+    whole = {"tp_degrees": [1, 2], "gpus_per_rank": 1}
+    assert AppConfig(resources=whole, planner={"gpus_per_node": 2}).planner.make_before_break is False
+    with pytest.raises(ValueError, match="fit beside the ones they replace"):
+        AppConfig(resources=whole, planner={"gpus_per_node": 2, "make_before_break": True})
+    # Ray gives a fractional GPU demand the fullest GPU it fits: two ranks of a TP group could share a device
+    with pytest.raises(ValueError, match="two ranks of a TP group on one GPU"):
+        AppConfig(engine={"device": "cuda"}, resources={"tp_degrees": [1, 2], "gpus_per_rank": 0.5})
+    assert AppConfig(engine={"device": "cuda"}, resources={"gpus_per_rank": 0.5}).resources.shares_gpus
+    with pytest.raises(ValueError, match="a fraction of one GPU"):
+        AppConfig(resources={"gpus_per_rank": 1.5})
+    assert [ResourceArgs(gpus_per_rank=g).gpu_share for g in (0, 0.25, 0.5, 1, 2)] == [1, 0.25, 0.5, 1, 1]
+    assert [ResourceArgs(gpus_per_rank=g).shares_gpus for g in (0, 0.25, 0.5, 0.75, 1)] == [False, True, True,
+                                                                                           False, False]
+
+
+def test_a_replica_sharing_its_gpu_takes_its_share_of_the_kv_budget():
+    from deployments.startup import engine_kwargs
+
+    cpu = kv_pool_args(EngineArgs(), 0.5)
+    assert cpu["kv_memory_bytes"] == 512 * 2**20  # half the CPU default
+    cuda = kv_pool_args(EngineArgs(device="cuda", kv_memory_fraction=0.8), 0.5)
+    assert cuda["kv_memory_bytes"] is None and cuda["kv_memory_fraction"] == pytest.approx(0.4)
+    assert kv_pool_args(EngineArgs(kv_memory_mb=64), 0.5)["kv_memory_bytes"] == 64 * 2**20  # the operator's own
+    with pytest.raises(ValueError, match="gpu_share"):
+        kv_pool_args(EngineArgs(), 0)
+    assert engine_kwargs(shared())["kv_memory_bytes"] == 512 * 2**20
+    assert engine_kwargs(config())["kv_memory_bytes"] == 1024 * 2**20
+
+
+def test_the_builder_gives_each_rank_its_share_of_a_gpu():
+    pytest.importorskip("ray.serve")
+    from deployments.builder import build_app
+
+    handles, _ = build_app(shared())._bound_deployment.init_args
+    for d, handle in handles.items():
+        dep = handle._bound_deployment
+        assert dep._replica_config.ray_actor_options["num_gpus"] == 0.5
+        assert [b["GPU"] for b in dep._replica_config.placement_group_bundles] == [0.5] * d
+        # two replicas' ranks may hold a GPU while one replaces the other
+        assert dep._deployment_config.autoscaling_config.max_replicas == 2 * (2 // d)
+    handles, _ = build_app(config())._bound_deployment.init_args
+    assert handles[1]._bound_deployment._deployment_config.autoscaling_config.max_replicas == 2
