@@ -222,6 +222,23 @@ class ResourceArgs(_Section):
             raise ValueError("tp_degrees must be powers of two, e.g. [1, 2, 4]")
         return sorted(set(v))
 
+    @field_validator("gpus_per_rank")
+    @classmethod
+    def _gpus(cls, v: float) -> float:
+        if v >= 1 and v != int(v):  # Ray refuses a fractional demand of a GPU or more
+            raise ValueError(f"gpus_per_rank {v:g}: a fraction of one GPU (below 1) or a whole number of GPUs")
+        return v
+
+    @property
+    def gpu_share(self) -> float:
+        """The fraction of a GPU each rank holds: ``gpus_per_rank`` below 1, else 1 (its GPUs, or none, to itself)."""
+        return self.gpus_per_rank if 0 < self.gpus_per_rank < 1 else 1.0
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Two replicas' ranks fit on one GPU (``gpus_per_rank`` <= 0.5): a new one can load beside an old one."""
+        return 0 < self.gpus_per_rank <= 0.5
+
 
 class PlannerArgs(_Section):
     """``planner``: the cluster the planner sizes and how often it re-plans (``app.autoscaling``)."""
@@ -250,23 +267,6 @@ class PlannerArgs(_Section):
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
-
-    @field_validator("gpus_per_rank")
-    @classmethod
-    def _gpus(cls, v: float) -> float:
-        if v >= 1 and v != int(v):  # Ray refuses a fractional demand of a GPU or more
-            raise ValueError(f"gpus_per_rank {v:g}: a fraction of one GPU (below 1) or a whole number of GPUs")
-        return v
-
-    @property
-    def gpu_share(self) -> float:
-        """The fraction of a GPU each rank holds: ``gpus_per_rank`` below 1, else 1 (its GPUs, or none, to itself)."""
-        return self.gpus_per_rank if 0 < self.gpus_per_rank < 1 else 1.0
-
-    @property
-    def shares_gpus(self) -> bool:
-        """Two replicas' ranks fit on one GPU (``gpus_per_rank`` <= 0.5): a new one can load beside an old one."""
-        return 0 < self.gpus_per_rank <= 0.5
 
 
 SECTIONS: dict[str, type[_Section]] = {"http": HttpArgs, "router": RouterArgs, "engine": EngineArgs,
