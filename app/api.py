@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, create_model
 
-ErrorType = Literal["invalid_request_error", "rate_limit_error", "server_error", "not_found_error"]
+ErrorType = Literal["invalid_request_error", "rate_limit_error", "server_error", "not_found_error", "permission_error"]
 CHAT_ROLES = ("system", "user", "assistant")  # the roles of a parsed chat
 INPUT_ROLES = ("system", "developer", "user", "assistant")  # the roles a request may send ("developer": system)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
@@ -77,6 +77,16 @@ def server_error(message: str = "The server had an error while processing your r
                  status: int = 500) -> APIError:
     """A 5xx ``server_error``."""
     return APIError(status, message, type="server_error")
+
+
+def permission_error(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 403 ``permission_error``: the caller may not do what it asked (e.g. a ``priority`` above its key's)."""
+    return APIError(403, message, type="permission_error", param=param, code=code)
+
+
+def request_timeout(seconds: float) -> APIError:
+    """A 408 for a request body that did not arrive within ``seconds``."""
+    return APIError(408, f"The request body did not arrive within {seconds:g} seconds.", code="request_timeout")
 
 
 def not_found_error(message: str) -> APIError:

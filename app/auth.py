@@ -5,9 +5,17 @@ leaves the API open. The ingress builds a :class:`Keyring` from them once, then 
 
 - :meth:`Keyring.authenticate` maps the ``Authorization`` header to an :class:`ApiKey` (or raises a
   401 :class:`~app.api.APIError`),
-- :meth:`ApiKey.max_tokens_limit` and :meth:`ApiKey.check_prompt` apply the key's limits,
+- :meth:`Keyring.admit` takes one request from the caller's request-rate bucket (or raises a 429 with
+  ``Retry-After``),
 - :meth:`Keyring.acquire` takes one of the key's concurrent-request slots (or raises a 429 with
-  ``Retry-After``); the returned :class:`Lease` is released when the request ends, however it ends.
+  ``Retry-After``); the returned :class:`Lease` is released when the request ends, however it ends,
+- :meth:`ApiKey.max_tokens_limit`, :meth:`ApiKey.check_priority` and :meth:`ApiKey.check_prompt` apply
+  the key's limits (``priority`` above the key's ``max_priority``: 403),
+- :meth:`Keyring.charge` takes the request's prompt tokens + ``max_tokens`` from the caller's
+  tokens-per-minute bucket (429 with ``Retry-After`` when they are not there yet).
+
+Rate limits are token buckets (:class:`RateLimiter`) per key; with no keys configured, per client address
+(``http.requests_per_second`` and ``http.tokens_per_minute``, off by default). Both are off unless set.
 
 A key is never kept, compared, logged or echoed as text: the keyring holds SHA-256 digests, compares
 them with :func:`hmac.compare_digest`, and names a key by its configured ``name``. A rejected key is
@@ -20,14 +28,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
-from collections.abc import Mapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from app.api import APIError, invalid, rate_limit_error
+from app.api import APIError, invalid, permission_error, rate_limit_error
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +56,13 @@ class ApiKeySpec(BaseModel):
     max_concurrent: int | None = Field(None, ge=1, description="requests of this key in flight at once")
     max_prompt_tokens: int | None = Field(None, ge=1, description="prompt tokens per request")
     max_tokens: int | None = Field(None, ge=1, description="max_tokens per request (also caps the default)")
+    max_priority: int = Field(0, ge=0, description="highest `priority` its requests may ask for (above it: 403)")
+    requests_per_second: float | None = Field(None, gt=0, description="request rate (a token bucket); unset: "
+                                                                       "http.requests_per_second")
+    request_burst: int | None = Field(None, ge=1, description="requests at once after an idle spell (the bucket's "
+                                                              "size); default max(1, requests_per_second)")
+    tokens_per_minute: int | None = Field(None, ge=1, description="prompt tokens + max_tokens per minute, counted "
+                                                                  "at admission; unset: http.tokens_per_minute")
 
     @model_validator(mode="after")
     def _one_source(self) -> ApiKeySpec:
@@ -79,6 +97,49 @@ def _digest(token: str) -> bytes:
 
 
 @dataclass(frozen=True)
+class RateLimits:
+    """A caller's rate limits: requests per second (a bucket of ``request_burst`` requests, default
+    ``max(1, requests_per_second)``) and prompt + max_tokens tokens per minute (a bucket of one minute's
+    tokens). ``None``: no limit."""
+
+    requests_per_second: float | None = None
+    request_burst: int | None = None
+    tokens_per_minute: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.requests_per_second is not None and not self.requests_per_second > 0:
+            raise ValueError(f"requests_per_second must be > 0, got {self.requests_per_second}")
+        if self.request_burst is not None and self.request_burst < 1:
+            raise ValueError(f"request_burst must be >= 1, got {self.request_burst}")
+        if self.tokens_per_minute is not None and self.tokens_per_minute < 1:
+            raise ValueError(f"tokens_per_minute must be >= 1, got {self.tokens_per_minute}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.requests_per_second is not None or self.tokens_per_minute is not None
+
+    @property
+    def burst(self) -> int:
+        """The request bucket's size."""
+        if self.request_burst is not None:
+            return self.request_burst
+        return max(1, math.ceil(self.requests_per_second or 1))
+
+    def over(self, own: RateLimits) -> RateLimits:
+        """``own`` (a key's), each unset limit taken from these defaults; a key's own rate comes with its own
+        burst (or the default burst of that rate)."""
+        def pick(mine, default):
+            return mine if mine is not None else default
+
+        burst = pick(own.request_burst, None if own.requests_per_second is not None else self.request_burst)
+        return RateLimits(pick(own.requests_per_second, self.requests_per_second), burst,
+                          pick(own.tokens_per_minute, self.tokens_per_minute))
+
+
+NO_LIMITS = RateLimits()
+
+
+@dataclass(frozen=True)
 class ApiKey:
     """An authenticated caller: the key's name and limits (the digest stays inside the keyring)."""
 
@@ -86,6 +147,16 @@ class ApiKey:
     max_concurrent: int | None = None
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
+    max_priority: int = 0
+    limits: RateLimits = NO_LIMITS
+
+    def check_priority(self, priority: int) -> None:
+        """Raise a 403 when ``priority`` is above what the key allows (lower priorities are anyone's)."""
+        if priority > self.max_priority:
+            who = "This API key" if self.name != OPEN_NAME else "A request without an API key"
+            asked = str(priority) if priority < 10**12 else "more"
+            raise permission_error(f"{who} may not ask for 'priority' above {self.max_priority}; the request "
+                                   f"asked for {asked}.", param="priority", code="priority_not_allowed")
 
     def max_tokens_limit(self, app_limit: int) -> int:
         """The largest max_tokens this caller may ask for."""
@@ -98,7 +169,99 @@ class ApiKey:
                           f"{prompt_tokens}.", param="prompt", code="prompt_too_long")
 
 
-OPEN = ApiKey("-")  # the caller when no keys are configured: no limits of its own
+OPEN_NAME = "-"
+OPEN = ApiKey(OPEN_NAME)  # the caller when no keys are configured (and none of the http section's limits set)
+
+
+class TokenBucket:
+    """``capacity`` tokens, refilled at ``rate`` per second; starts full."""
+
+    __slots__ = ("rate", "capacity", "level", "stamp")
+
+    def __init__(self, rate: float, capacity: float, now: float) -> None:
+        self.rate, self.capacity, self.level, self.stamp = rate, capacity, capacity, now
+
+    def wait(self, n: float, now: float) -> float:
+        """Seconds until ``n`` tokens are there (0: they are now)."""
+        self.level = min(self.capacity, self.level + max(now - self.stamp, 0.0) * self.rate)
+        self.stamp = max(now, self.stamp)
+        return 0.0 if self.level >= n else (n - self.level) / self.rate
+
+    def full(self, now: float) -> bool:
+        return self.level + max(now - self.stamp, 0.0) * self.rate >= self.capacity
+
+
+class RateLimiter:
+    """Token buckets per caller (a key's name, or a client address): a request bucket and a tokens bucket.
+    Callers are kept in least-recently-used order, at most ``max_callers`` (an evicted caller starts with
+    full buckets, as an idle one would be)."""
+
+    PRUNE_S = 60.0  # at most this often, callers whose buckets are full again are forgotten
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_callers: int = 65536) -> None:
+        self.clock, self.max_callers = clock, max_callers
+        self._callers: OrderedDict[str, list[TokenBucket | None]] = OrderedDict()
+        self._pruned = clock()
+
+    def __len__(self) -> int:
+        return len(self._callers)
+
+    def _buckets(self, who: str, limits: RateLimits, now: float) -> list[TokenBucket | None]:
+        entry = self._callers.get(who)
+        if entry is None:
+            if now - self._pruned >= self.PRUNE_S:
+                self.prune()
+            entry = [None, None]
+            self._callers[who] = entry
+            if len(self._callers) > self.max_callers:
+                self._callers.popitem(last=False)
+        else:
+            self._callers.move_to_end(who)
+        if limits.requests_per_second is not None and entry[0] is None:
+            entry[0] = TokenBucket(limits.requests_per_second, limits.burst, now)
+        if limits.tokens_per_minute is not None and entry[1] is None:
+            entry[1] = TokenBucket(limits.tokens_per_minute / 60.0, limits.tokens_per_minute, now)
+        return entry
+
+    def admit(self, who: str, limits: RateLimits, subject: str) -> None:
+        """Take one request from ``who``'s request bucket; 429 + ``Retry-After`` when it is empty."""
+        if limits.requests_per_second is None:
+            return
+        now = self.clock()
+        bucket = self._buckets(who, limits, now)[0]
+        wait = bucket.wait(1, now)
+        if wait > 0:
+            raise rate_limit_error(f"Rate limit reached for requests: {subject} may send "
+                                   f"{limits.requests_per_second:g} requests per second (bursts of {limits.burst}). "
+                                   f"Try again in {wait:.2f} s.", retry_after_s=wait)
+        bucket.level -= 1
+
+    def charge(self, who: str, limits: RateLimits, tokens: int, subject: str) -> None:
+        """Take ``tokens`` (prompt + max_tokens) from ``who``'s tokens bucket; 429 + ``Retry-After`` when they
+        are not there yet, 400 when the bucket can never hold them."""
+        tpm = limits.tokens_per_minute
+        if tpm is None:
+            return
+        if tokens > tpm:
+            raise invalid(f"This request needs {tokens} tokens (prompt + max_tokens) but {subject} may use {tpm} "
+                          "tokens per minute: lower max_tokens or shorten the prompt.", param="max_tokens",
+                          code="tokens_per_minute_exceeded")
+        now = self.clock()
+        bucket = self._buckets(who, limits, now)[1]
+        wait = bucket.wait(tokens, now)
+        if wait > 0:
+            raise rate_limit_error(f"Rate limit reached for tokens per minute: {subject} may use {tpm} (prompt + "
+                                   f"max_tokens); this request needs {tokens}, {int(bucket.level)} are left. Try "
+                                   f"again in {wait:.2f} s.", retry_after_s=wait)
+        bucket.level -= tokens
+
+    def prune(self) -> int:
+        """Forget callers whose buckets are full (as a new caller's would be); how many."""
+        now = self._pruned = self.clock()
+        idle = [who for who, entry in self._callers.items() if all(b is None or b.full(now) for b in entry)]
+        for who in idle:
+            del self._callers[who]
+        return len(idle)
 
 
 class Lease:
@@ -120,11 +283,20 @@ class Keyring:
 
     keys: list[tuple[bytes, ApiKey]] = field(default_factory=list)
     active: dict[str, int] = field(default_factory=dict)
+    open: ApiKey = OPEN  # every caller when no keys are configured
+    limiter: RateLimiter = field(default_factory=RateLimiter)
     _salt: bytes = field(default_factory=lambda: os.urandom(16), repr=False)
 
     @classmethod
-    def from_specs(cls, specs: list[ApiKeySpec], environ: Mapping[str, str] | None = None) -> Keyring:
-        ring = cls()
+    def from_specs(cls, specs: list[ApiKeySpec], environ: Mapping[str, str] | None = None, *,
+                   defaults: RateLimits = NO_LIMITS, max_priority_without_key: int = 0,
+                   clock: Callable[[], float] = time.monotonic) -> Keyring:
+        """The keyring of ``specs``; ``defaults``: the rate limits of a key that sets none of its own, and of
+        each client address when no keys are configured; ``max_priority_without_key``: the highest priority
+        a request may ask for when no keys are configured."""
+        ring = cls(limiter=RateLimiter(clock))
+        if defaults.enabled or max_priority_without_key:
+            ring.open = ApiKey(OPEN_NAME, max_priority=max_priority_without_key, limits=defaults)
         names: set[str] = set()
         for spec in specs:
             if spec.name in names:
@@ -133,8 +305,9 @@ class Keyring:
             digest = _digest(spec.secret(environ))
             if any(hmac.compare_digest(digest, d) for d, _ in ring.keys):
                 raise ValueError(f"API key {spec.name!r} has the same key as another entry")
+            own = RateLimits(spec.requests_per_second, spec.request_burst, spec.tokens_per_minute)
             ring.keys.append((digest, ApiKey(spec.name, spec.max_concurrent, spec.max_prompt_tokens,
-                                             spec.max_tokens)))
+                                             spec.max_tokens, spec.max_priority, defaults.over(own))))
             ring.active[spec.name] = 0
         return ring
 
@@ -148,9 +321,9 @@ class Keyring:
 
     def authenticate(self, authorization: str | None) -> ApiKey:
         """The caller of a request whose ``Authorization`` header is ``authorization``; 401 unless it is
-        ``Bearer <a configured key>``. With no keys configured every caller is :data:`OPEN`."""
+        ``Bearer <a configured key>``. With no keys configured every caller is :attr:`open`."""
         if not self.enabled:
-            return OPEN
+            return self.open
         scheme, _, token = (authorization or "").strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
@@ -165,9 +338,29 @@ class Keyring:
             raise _unauthorized("Incorrect API key provided.")
         return match
 
+    def _caller(self, key: ApiKey, client: str | None) -> tuple[str, str]:
+        """Whose buckets a request of ``key`` from address ``client`` draws on, and how errors name it."""
+        if key.name == OPEN_NAME and not self.enabled:
+            return f"address {client or '?'}", f"the client address {client or '(unknown)'}"
+        return f"key {key.name}", "this API key"
+
+    def admit(self, key: ApiKey, client: str | None = None) -> None:
+        """One request of ``key`` (from ``client``, an address, when no keys are configured) against its
+        requests-per-second limit: 429 with ``Retry-After`` past it."""
+        if key.limits.requests_per_second is not None:
+            who, subject = self._caller(key, client)
+            self.limiter.admit(who, key.limits, subject)
+
+    def charge(self, key: ApiKey, tokens: int, client: str | None = None) -> None:
+        """A request's ``tokens`` (prompt + max_tokens) against ``key``'s tokens-per-minute limit: 429 with
+        ``Retry-After`` past it, 400 when the limit can never allow them."""
+        if key.limits.tokens_per_minute is not None:
+            who, subject = self._caller(key, client)
+            self.limiter.charge(who, key.limits, tokens, subject)
+
     def acquire(self, key: ApiKey) -> Lease:
         """Take one of ``key``'s concurrent-request slots; 429 with ``Retry-After`` when all are taken."""
-        if key is OPEN or key.name not in self.active:
+        if key.name not in self.active or not self.enabled:
             return Lease(None, key.name)
         if key.max_concurrent is not None and self.active[key.name] >= key.max_concurrent:
             raise rate_limit_error(f"Too many concurrent requests for this API key: at most {key.max_concurrent} "

@@ -2,8 +2,8 @@
 
 ``AppConfig`` has five sections, each its own model:
 
-- ``http``: what the Ingress's HTTP API accepts (API keys, body and token limits, the served model name,
-  how many streams it holds and Serve's proxy queues);
+- ``http``: what the Ingress's HTTP API accepts (API keys, priorities and rate limits, body size and
+  deadline, token limits, the served model name, how many streams it holds and Serve's proxy queues);
 - ``router``: the cluster router at the ingress (policy, candidate thresholds, step predictors, SLO
   default, latency profile, shedding, dead and parked instances);
 - ``engine``: the model and the engine every Denoiser replica runs (device, dtype, instance policy,
@@ -79,9 +79,29 @@ class HttpArgs(_Section):
     default_max_tokens: int | None = Field(None, description="max_tokens when a request gives none")
     max_ongoing: int = Field(4096, ge=1, description="requests (streams) the Ingress holds at once; past it "
                                                      "Serve's proxy queues them")
-    max_queued: int = Field(-1, ge=-1, description="requests Serve's proxy queues for the Ingress past "
-                                                   "max_ongoing; past it the proxy answers 429 + Retry-After "
-                                                   "itself, without reaching the Ingress (-1: no limit)")
+    max_queued: int = Field(1024, ge=-1, description="requests Serve's proxy queues for the Ingress past "
+                                                     "max_ongoing; past it the proxy answers 429 + Retry-After "
+                                                     "itself, without reaching the Ingress (-1: no limit)")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this long (from "
+                                                          "the handler's start); later: 408")
+    max_priority_without_key: int = Field(0, ge=0, description="with no api_keys, the highest `priority` a request "
+                                                               "may ask for (above it: 403); keys set their own "
+                                                               "`max_priority`")
+    requests_per_second: float | None = Field(None, gt=0, description="request rate (token bucket) of each API key "
+                                                                      "that sets none of its own, and with no "
+                                                                      "api_keys of each client address; unset: "
+                                                                      "no limit (429 + Retry-After past it)")
+    request_burst: int | None = Field(None, ge=1, description="that bucket's size: requests at once after an idle "
+                                                              "spell (default max(1, requests_per_second))")
+    tokens_per_minute: int | None = Field(None, ge=1, description="prompt + max_tokens tokens per minute, counted "
+                                                                  "at admission, as requests_per_second applies; "
+                                                                  "unset: no limit")
+
+    @model_validator(mode="after")
+    def _burst_needs_a_rate(self) -> HttpArgs:
+        if self.request_burst is not None and self.requests_per_second is None:
+            raise ValueError("request_burst is the size of the requests_per_second bucket: set requests_per_second")
+        return self
 
 
 class RouterArgs(_Section):

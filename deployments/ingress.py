@@ -12,8 +12,11 @@ one batch per round and each request's committed text streams to its client.
 
 import asyncio
 import logging
+import math
 import secrets
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from app import api, playground
-from app.auth import ApiKey, Keyring
+from app.auth import ApiKey, Keyring, RateLimits
 from app.config import AppConfig
 from app.control_timer import ControlTimer
 from app.metrics import Metrics, failure_reason
@@ -54,6 +57,83 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
                                                  param=param, code="invalid_value"))
 
 
+REQUEST_ID_HEADER = "x-request-id"  # Serve's proxy sets it on every request and returns it as X-Request-ID
+
+
+def request_id(scope) -> tuple[str, bool]:
+    """The request's id: the one Serve's proxy gave it (its ``x-request-id`` header), else a new one (the
+    app outside Serve: tests); ``True`` when it is new (the response must carry it then)."""
+    for key, value in scope.get("headers", ()):
+        if key == REQUEST_ID_HEADER.encode():
+            text = value.decode("latin-1")
+            if 0 < len(text) <= 128 and text.isprintable():
+                return text, False
+    return uuid.uuid4().hex, True
+
+
+class _ServerErrors:
+    """Any unexpected exception of a handler becomes an OpenAI-style JSON 500 naming the request id, logged
+    with its traceback under that id (never Serve's or Starlette's plain-text 500). A response already under
+    way cannot change its status: the exception is logged and the body is cut, as a crash would cut it (the
+    streams turn their own failures into an error event first: ``Ingress._sse``)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            rid, new = request_id(scope)
+            log.exception("unexpected error in %s %s (request id %s)", scope.get("method"), scope.get("path"), rid)
+            if started:
+                raise
+            err = api.server_error(f"The server had an error while processing your request (request id {rid}).")
+            headers = {REQUEST_ID_HEADER: rid} if new else None
+            await JSONResponse(err.to_dict(), status_code=500, headers=headers)(scope, receive, send)
+
+
+web.add_middleware(_ServerErrors)  # before @serve.ingress: Serve freezes a copy of the app there
+
+
+def chars_per_token(tokenizer) -> int | None:
+    """The most characters of text one token can stand for (the longest vocabulary entry; a byte-level
+    vocabulary spells one byte per character, at least one byte per character of text), so that a text
+    of ``c`` characters is at least ``ceil(c / chars_per_token)`` tokens. ``None`` when the tokenizer shows
+    no vocabulary."""
+    vocab = getattr(tokenizer, "vocab", None)
+    if not isinstance(vocab, dict) and hasattr(getattr(tokenizer, "tok", None), "get_vocab"):
+        vocab = tokenizer.tok.get_vocab()
+    return max((len(t) for t in vocab), default=None) if isinstance(vocab, dict) else None
+
+
+def _client(request: Request) -> str | None:
+    """The client's address (the per-address rate limits of an app without keys)."""
+    return request.client.host if request.client is not None else None
+
+
+class _Described:
+    """A planner's ``describe()`` answer, read beforehand off the event loop (``playground.cluster_view``)."""
+
+    def __init__(self, plan: dict) -> None:
+        self._plan = plan
+
+    def describe(self) -> dict:
+        return self._plan
+
+
+# Everything the Ingress's methods use is defined above the class: Serve copies the class by value when it is
+# decorated, with the module's names as they are at that point.
 class _Stream(StreamingResponse):
     """A streamed response that calls ``on_close`` once sent, whether the stream ended, failed, was never
     started or its client went away (a generator's ``finally`` does not run if it never started)."""
@@ -81,11 +161,15 @@ class Ingress:
         from engine.tokenizer import load_tokenizer
 
         self.cfg = cfg
-        self.keys = Keyring.from_specs(cfg.http.api_keys)  # reads key_env / key_file here, in the replica
+        http = cfg.http
+        self.keys = Keyring.from_specs(  # reads key_env / key_file here, in the replica
+            http.api_keys, defaults=RateLimits(http.requests_per_second, http.request_burst, http.tokens_per_minute),
+            max_priority_without_key=http.max_priority_without_key)
         self.denoisers = {int(k): v for k, v in denoisers.items()}  # keeps the deployments in the app
         path = resolve_model(cfg.engine.model)
         self.model_cfg = load_config(path)
         self.tokenizer = load_tokenizer(path)
+        self.chars_per_token = chars_per_token(self.tokenizer)  # the cheap length check before tokenizing
         self.metrics = Metrics(model_name=cfg.name)
         self.control = ControlTimer()
         self.outcomes = playground.RecentOutcomes()  # SLO met/missed over the last minutes (the playground)
@@ -105,8 +189,12 @@ class Ingress:
             from app.autoscaling import build_service
 
             self.planner = build_service(cfg, self.model_cfg)
+            # arrivals are queued without a lock; the calls that take the planner's lock (which a solve holds)
+            # run in one thread of their own, in order, never on the event loop
+            self._planner_calls = ThreadPoolExecutor(1, thread_name_prefix="remask-planner-calls")
             self.dispatcher.on_arrival = self.planner.observe
-            self.dispatcher.on_instances = self.planner.set_live
+            self.dispatcher.on_instances = lambda counts: self._planner_calls.submit(self.planner.set_live,
+                                                                                     dict(counts))
             self.planner.start()
         self.started = time.time()
         self._document()
@@ -134,16 +222,29 @@ class Ingress:
             raise
 
     async def _body(self, request: Request) -> bytes:
-        """The request body, at most ``http.max_body_bytes`` (413 past it, before reading the rest)."""
-        limit = self.cfg.http.max_body_bytes
+        """The request body, at most ``http.max_body_bytes`` (413 past it, before reading the rest), within
+        ``http.body_timeout_s`` (408 past it: a slow upload does not hold a slot for long)."""
+        limit, deadline = self.cfg.http.max_body_bytes, self.cfg.http.body_timeout_s
         api.check_content_length(request.headers.get("content-length"), limit)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise api.body_too_large(limit)
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(deadline):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise api.body_too_large(limit)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise api.request_timeout(deadline) from None
         return b"".join(chunks)
+
+    def _admit(self, request: Request, key: ApiKey) -> None:
+        """The caller's request rate (429 + Retry-After past it)."""
+        try:
+            self.keys.admit(key, _client(request))
+        except api.APIError:
+            self.metrics.rejected("rate_limited")
+            raise
 
     async def register(self, info: dict) -> int:
         """A Denoiser replica announces its control channel (called over Ray, not HTTP), and the latency
@@ -153,7 +254,7 @@ class Ingress:
             try:
                 prof = self.dispatcher.measured_profile(int(info["tp"]), info["profile"])
                 if prof is not None and self.planner is not None and self.cfg.planner.profile is None:
-                    self.planner.set_profile(int(info["tp"]), prof)
+                    self._planner_calls.submit(self.planner.set_profile, int(info["tp"]), prof)  # takes its lock
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("replica %s sent an unreadable latency profile: %s", info.get("replica"), exc)
         return await self.dispatcher.connect(info["replica"], int(info["tp"]), info["host"], int(info["port"]),
@@ -168,9 +269,10 @@ class Ingress:
                 "instances": len(self.dispatcher.instances), "ready_tp_degrees": ready}
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    def record_autoscaling_stats(self) -> dict:
-        """The planner's replica-count targets, read by the app-level autoscaling policy."""
-        return self.planner.metrics() if self.planner is not None else {}
+    async def record_autoscaling_stats(self) -> dict:
+        """The planner's replica-count targets, read by the app-level autoscaling policy (in a thread: they
+        wait for a solve under way)."""
+        return await asyncio.to_thread(self.planner.metrics) if self.planner is not None else {}
 
     @web.get("/debug/planner")
     async def planner_state(self, request: Request) -> dict:
@@ -201,7 +303,7 @@ class Ingress:
     @web.post("/tokenize", openapi_extra=api.openapi_body("tokenize"))
     async def tokenize(self, request: Request) -> dict:
         """The token ids of a prompt or a chat, as a generation request would send them to the model."""
-        self._authorize(request)
+        self._admit(request, self._authorize(request))
         req = api.parse_tokenize(await self._body(request), known_models=[self.cfg.name])
         b = self.model_cfg.block_size
         if req.messages is not None:
@@ -216,7 +318,7 @@ class Ingress:
 
     @web.post("/detokenize", openapi_extra=api.openapi_body("detokenize"))
     async def detokenize(self, request: Request) -> dict:
-        self._authorize(request)
+        self._admit(request, self._authorize(request))
         _, ids = api.parse_detokenize(await self._body(request), known_models=[self.cfg.name],
                                       vocab_size=self.model_cfg.vocab_size)
         return api.detokenize_response(await asyncio.to_thread(self.tokenizer.decode, ids))
@@ -239,7 +341,11 @@ class Ingress:
         """The playground's cluster panel: instances per TP degree, slots filled, thresholds in use, SLO
         attainment over the last minute, the planner's last decision."""
         self._authorize(request)
-        return playground.cluster_view(self.dispatcher, self.planner, time.monotonic(), self.outcomes,
+        planner = None
+        if self.planner is not None:  # its state waits for a solve under way: read it in a thread
+            plan = await asyncio.to_thread(self.planner.describe)
+            planner = _Described(plan)
+        return playground.cluster_view(self.dispatcher, planner, time.monotonic(), self.outcomes,
                                        slots=self.cfg.engine.slots)
 
     @web.get("/metrics")
@@ -297,6 +403,7 @@ class Ingress:
         if self._lag_task is None:
             self._lag_task = asyncio.get_running_loop().create_task(self._probe_lag())
         key = self._authorize(request)
+        self._admit(request, key)
         try:
             lease = self.keys.acquire(key)
         except api.APIError:
@@ -315,11 +422,20 @@ class Ingress:
         return response
 
     def _parse(self, kind: str, body: bytes, key: ApiKey) -> api.GenRequest:
-        return api.parse_request(kind, body, known_models=[self.cfg.name],
-                                 max_tokens_limit=key.max_tokens_limit(self.cfg.http.max_tokens_limit),
-                                 default_max_tokens=self.cfg.http.default_max_tokens
-                                 or int(self.model_cfg.extra.get("gen_length", 128)),
-                                 vocab_size=self.model_cfg.vocab_size)
+        """The request, checked against everything the body and the key decide before tokenizing: the
+        fields, ``priority`` (403 above the key's), and the prompts' lengths (:meth:`_check_lengths`)."""
+        req = api.parse_request(kind, body, known_models=[self.cfg.name],
+                                max_tokens_limit=key.max_tokens_limit(self.cfg.http.max_tokens_limit),
+                                default_max_tokens=self.cfg.http.default_max_tokens
+                                or int(self.model_cfg.extra.get("gen_length", 128)),
+                                vocab_size=self.model_cfg.vocab_size)
+        key.check_priority(req.priority)
+        self._check_lengths(req, key)
+        return req
+
+    def _charge(self, req: api.GenRequest, prompts: list[list[int]], key: ApiKey, request: Request) -> None:
+        """The request's prompt tokens + max_tokens (each choice's) against the caller's tokens per minute."""
+        self.keys.charge(key, sum(map(len, prompts)) + req.max_tokens * len(prompts), _client(request))
 
     def _prompt_ids(self, req: api.GenRequest) -> list[list[int]]:
         """Each choice's prompt as token ids: a chat through the checkpoint's template, a completion as raw
@@ -329,13 +445,42 @@ class Ingress:
             return [self.tokenizer.chat_ids(req.messages, b, add_generation_prompt=req.add_generation_prompt)]
         return [self.tokenizer.completion_ids(p, b) for p in req.prompts]
 
+    def _context_room(self, req: api.GenRequest) -> int:
+        """Prompt tokens the model's context leaves beside the request's canvas (whole blocks)."""
+        b = self.model_cfg.block_size
+        return self.model_cfg.max_position_embeddings - -(-req.max_tokens // b) * b
+
+    def _check_lengths(self, req: api.GenRequest, key: ApiKey) -> None:
+        """Refuse, before tokenizing, a prompt certainly too long: token ids by their count, text by the fewest
+        tokens its characters can make (``chars_per_token``), against the context and the key's limit. A
+        1 MiB prompt is refused here in microseconds; one that may fit is tokenized off the event loop."""
+        cpt = self.chars_per_token
+        if req.kind == "chat":
+            texts = [sum(len(m["content"]) + len(m.get("name", "")) for m in req.messages)]
+        else:
+            texts = [len(p) for p in req.prompts]  # token ids or characters
+        room = self._context_room(req)
+        for prompt, size in zip(req.prompts or [None], texts):
+            exact = isinstance(prompt, list)
+            if not exact and cpt is None:
+                continue
+            least = size if exact else math.ceil(size / cpt)
+            what = f"{least} tokens" if exact else f"at least {least} tokens ({size} characters)"
+            if least > room:
+                raise api.APIError(400, f"prompt ({what}) + max_tokens ({req.max_tokens}) exceeds the model's "
+                                        f"context of {self.model_cfg.max_position_embeddings} tokens",
+                                   param="prompt", code="context_length_exceeded")
+            if key.max_prompt_tokens is not None and least > key.max_prompt_tokens:
+                raise api.invalid(f"This API key allows prompts of at most {key.max_prompt_tokens} tokens; your "
+                                  f"prompt has {what}.", param="prompt", code="prompt_too_long")
+
     def _check_prompt(self, ids: list[int], req: api.GenRequest, key: ApiKey) -> None:
         n = len(ids)
         if not n:
             raise api.invalid("The prompt is empty.", param="prompt", code="empty_prompt")
         key.check_prompt(n)
-        limit, b = self.model_cfg.max_position_embeddings, self.model_cfg.block_size
-        if n + -(-req.max_tokens // b) * b > limit:  # the engine's canvas is whole blocks
+        limit = self.model_cfg.max_position_embeddings
+        if n > self._context_room(req):  # the engine's canvas is whole blocks
             raise api.APIError(400, f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                                     f"model's context of {limit} tokens", param="prompt",
                                code="context_length_exceeded")
@@ -367,6 +512,7 @@ class Ingress:
             prompts = await asyncio.to_thread(self._prompt_ids, req)
             for ids in prompts:
                 self._check_prompt(ids, req, key)
+            self._charge(req, prompts, key, request)
             sampling = self._sampling(req)
             for i, ids in enumerate(prompts):
                 rid = req.request_id if len(prompts) == 1 else f"{req.request_id}-{i}"
@@ -376,22 +522,24 @@ class Ingress:
                     canvas=req.include_canvas))
         except api.APIError as err:
             self._cancel(streams)
-            self.metrics.rejected(failure_reason(err.status))
+            self.metrics.rejected("rate_limited" if err.status == 429 else failure_reason(err.status))
             return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
         except DispatchError as exc:
             self._cancel(streams)
             return self._refused(exc.status, str(exc))
-        except BaseException:
+        except BaseException as exc:
             self._cancel(streams)
+            if isinstance(exc, Exception):  # a JSON 500 (_ServerErrors)
+                self.metrics.rejected("error")
             raise
         for _ in streams:
             self.metrics.request_started()
         try:
             firsts = [await s.__anext__() for s in streams]
-        except BaseException:
+        except BaseException as exc:
             self._cancel(streams)
             for _ in streams:
-                self.metrics.request_failed("cancelled")
+                self.metrics.request_failed("error" if isinstance(exc, Exception) else "cancelled")
             raise
         failed = next((e for e in firsts if e["type"] == "error"), None)
         if failed is not None:
@@ -418,9 +566,9 @@ class Ingress:
                     if event["type"] == "delta" and stream is streams[0]:  # later choices' deltas queue meanwhile
                         gap()
                 dones.append(done)
-        except BaseException:
-            for _ in streams:  # the handler was cancelled: its client got none of them
-                self.metrics.request_failed("cancelled")
+        except BaseException as exc:
+            for _ in streams:  # the handler was cancelled (or failed): its client got none of them
+                self.metrics.request_failed("error" if isinstance(exc, Exception) else "cancelled")
             raise
         finally:
             self._cancel(streams)  # a no-op once they ended; frees them if this handler was cancelled
@@ -463,6 +611,10 @@ class Ingress:
             try:
                 async for event in stream:
                     await events.put((index, event))
+            except Exception:
+                log.exception("unexpected error in choice %d of %s", index, req.request_id)
+                await events.put((index, {"type": "error", "status": 500,
+                                          "message": f"The server had an error while streaming {req.request_id}."}))
             finally:
                 await events.put((index, None))
 
@@ -496,6 +648,13 @@ class Ingress:
                 yield api.sse(api.usage_chunk(req, sum(d["prompt_tokens"] for d in dones),
                                               sum(d["completion_tokens"] for d in dones)))
             yield api.sse("[DONE]")
+        except Exception:  # the stream has started: its client gets an error event, then the end
+            log.exception("unexpected error in the stream of %s", req.request_id)
+            for _ in range(len(streams) - len(dones) - errors):
+                self.metrics.request_failed("error")
+            errors = len(streams) - len(dones)
+            yield api.sse({"error": {"message": f"The server had an error while streaming {req.request_id}.",
+                                     "type": "server_error", "param": None, "code": 500}})
         finally:
             for t in tasks:
                 t.cancel()
@@ -533,3 +692,4 @@ class Ingress:
                 prompt_tokens=done["prompt_tokens"], output_tokens=done["max_tokens"], steps=done["denoise_steps"],
                 threshold=done.get("threshold"), slo_s=None if req.slo_ms is None else done["slo_s"],
                 e2e_s=done["e2e_s"], tp=done["tp"])
+
