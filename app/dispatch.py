@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 from engine.tokenizer import OutputText
 
 log = logging.getLogger(__name__)
+WATCHDOG_RESTART_S = 1.0  # a watchdog task that ended starts again after this
 
 
 class DispatchError(Exception):
@@ -157,7 +158,8 @@ class Dispatcher:
         self.by_replica: dict[str, int] = {}
         self.live: dict[str, _Live] = {}
         self._ids = itertools.count()
-        self.stats = {"resumed": 0, "migrated": 0, "failed_over": 0, "instances_lost": 0, "shed": 0, "drained": 0}
+        self.stats = {"resumed": 0, "migrated": 0, "failed_over": 0, "instances_lost": 0, "shed": 0, "drained": 0,
+                      "watchdog_errors": 0, "watchdog_restarts": 0}
         self._watchdog: asyncio.Task | None = None
 
     @property
@@ -304,17 +306,42 @@ class Dispatcher:
             self.drop(inst.inst_id, "disconnected")
 
     def _ensure_watchdog(self) -> None:
-        if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        """Start the watchdog task (silent instances, parked requests) unless it runs; one that ended
+        (it should not: each pass is guarded) starts again, after ``WATCHDOG_RESTART_S``."""
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="remask-watchdog")
+            self._watchdog.add_done_callback(self._watchdog_ended)
+
+    def _watchdog_ended(self, task: asyncio.Task) -> None:
+        """However it ended (cancelled, an exception outside its guard), it starts again: an event loop that is
+        closing drops the timer."""
+        exc = None if task.cancelled() else task.exception()
+        why = "cancelled" if task.cancelled() else "returned" if exc is None else repr(exc)
+        log.log(logging.INFO if task.cancelled() else logging.ERROR, "the dispatcher's watchdog ended (%s); "
+                "restarting it in %g s", why, WATCHDOG_RESTART_S, exc_info=exc)
+        self.stats["watchdog_restarts"] += 1
+        asyncio.get_running_loop().call_later(WATCHDOG_RESTART_S, self._ensure_watchdog)
 
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.dead_after_s / 2))
-            now = self.clock()
-            for inst in list(self.instances.values()):
-                if now - inst.last_seen > self.dead_after_s:
+            try:
+                self._watch_once(self.clock())
+            except Exception:  # one bad pass must not end dead-instance detection for good
+                log.exception("a pass of the dispatcher's watchdog failed")
+                self.stats["watchdog_errors"] += 1
+
+    def _watch_once(self, now: float) -> None:
+        """Drop the instances silent for over ``dead_after_s`` (each on its own: one that cannot be dropped
+        does not shield the others), fail the requests parked too long."""
+        for inst in list(self.instances.values()):
+            if now - inst.last_seen > self.dead_after_s:
+                try:
                     self.drop(inst.inst_id, f"silent for {now - inst.last_seen:.1f} s")
-            self._expire_parked(now)
+                except Exception:
+                    log.exception("the watchdog could not drop instance %d", inst.inst_id)
+                    self.stats["watchdog_errors"] += 1
+        self._expire_parked(now)
 
     def _expire_parked(self, now: float) -> None:
         for live in self.parked:

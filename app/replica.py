@@ -5,8 +5,12 @@ thread) to a ``ReplicaChannel``: commands from the ingress become round-loop
 commands, each round's progress batch becomes one frame, and a lost ingress
 aborts every request it had sent. Several ingresses may be connected (a
 redeploy's old and new ingress): each receives only its own requests'
-progress. A broken instance (``InstanceBroken``) hangs up, so the ingress
-resumes its requests on the other instances; a replica shutting down
+progress. Publishing a batch only queues its frames (app/channel.py): an
+ingress that stops reading is dropped, as a lost one, and never stalls the
+round loop for the others. A request the loop gives up on after failed rounds
+(an ``ErrorItem`` 503, engine/loop.py) is resumed elsewhere by its ingress. A
+broken instance (``InstanceBroken``) hangs up, so the ingress resumes its
+requests on the other instances; a replica shutting down
 (``drain``) first tells its ingresses, which move its requests elsewhere.
 The Denoiser deployment is this plus model loading and registration; tests
 run it in-process.
@@ -38,15 +42,20 @@ log = logging.getLogger(__name__)
 
 class ReplicaServer:
     def __init__(self, instance: Instance, *, max_waiting: int = 256, describe: Callable | None = None,
-                 host: str = "127.0.0.1", tick_s: float = 1.0, **loop_kwargs) -> None:
-        """``loop_kwargs``: the round loop's (e.g. ``threshold_wait_s``, ``threshold_wait_frac``)."""
+                 host: str = "127.0.0.1", tick_s: float = 1.0, send_timeout_s: float = 10.0,
+                 queue_frames: int = 1024, **loop_kwargs) -> None:
+        """``loop_kwargs``: the round loop's (e.g. ``threshold_wait_s``, ``threshold_wait_frac``,
+        ``max_round_failures``, ``broken_after``). ``send_timeout_s``, ``queue_frames``: the channel's bounds on
+        an ingress that stops reading (app/channel.py): past them its connection is dropped and the round
+        loop goes on for the others."""
         self.loop = RoundLoop(instance, self._publish, max_waiting=max_waiting, describe=describe,
                               on_fatal=self._broken, **loop_kwargs)
         self._owner: dict[str, int] = {}  # request id -> the connection (ingress) that sent it
         self._lock = threading.Lock()
         self.draining = False
         self.channel = ReplicaChannel(self._command, self._disconnected, secrets.token_hex(16), host=host,
-                                      tick_s=tick_s, stats=self.loop.stats, on_invalid=self._invalid)
+                                      tick_s=tick_s, stats=self.loop.stats, on_invalid=self._invalid,
+                                      send_timeout_s=send_timeout_s, queue_frames=queue_frames)
 
     def info(self) -> dict:
         """What the ingress needs to connect (sent to it over Ray when registering)."""
