@@ -119,7 +119,9 @@ def verdict(summary: dict, kills: int, failovers: int, max_failed: int) -> list[
 
 
 def summary_line(s: dict) -> str:
-    return (f"{s['lost']} lost, {s['mismatched']} mismatched; {s['kills']} kills, {s['failovers']} failovers, "
+    kills = f"{s['kills']} kills" + (f" ({s['kills_are']})" if s.get("kills_are") else "")
+    failovers = f"{s['failovers']} failovers" + (f" ({s['failovers_are']})" if s.get("failovers_are") else "")
+    return (f"{s['lost']} lost, {s['mismatched']} mismatched; {kills}, {failovers}, "
             f"{s['failed']} failed cleanly (bound {s['max_failed']}); {s['completed']} of {s['requests']} "
             f"completed with the reference text" + (f", {s['cancelled']} cancelled" if s.get("cancelled") else ""))
 
@@ -551,6 +553,7 @@ def run_node(requests: int = 120, rate: float = 10.0, replicas: int = 2, port: i
     if not node["replacements"] or not all(r["alive"] and r["node"] != node["removed"] for r in node["replacements"]):
         extra.append(f"no replacement replica runs on a live node: {node['replacements']}")
     summary.update(scenario="node", replicas=replicas, rate=rate, kills=node.get("replicas_lost", 0),
+                   kills_are="Denoisers lost with the node",
                    failovers=failovers, reference_s=round(ref_wall, 1), wall_s=round(wall, 1), node=node,
                    dispatch=dispatch,
                    error_messages=_errors(results))
@@ -655,7 +658,8 @@ def run_ingress_restart(streams: int = 8, port: int = 8790, timeout: float = 300
     summary = {**after, "mismatched": len(wrong), "mismatched_at": wrong,
                "mismatches": (before["mismatches"] + after["mismatches"])[:10]}
     extra = [] if probe["answered_after_s"] is not None else ["the app did not answer again within 120 s"]
-    summary.update(scenario="ingress", streams=streams, kills=1, interrupted=len(interrupted),
+    summary.update(scenario="ingress", streams=streams, kills=1, kills_are="the Ingress",
+                   failovers_are="interrupted streams retried to completion", interrupted=len(interrupted),
                    interrupted_bound=streams, first_try=_stream_outcomes(first),
                    failovers=sum(1 for i in interrupted if final[i]["outcome"] == "completed"
                                  and final[i]["text"] == reference[i]), error_messages=_errors(final), **probe)
@@ -712,7 +716,8 @@ def run_redeploy(streams: int = 8, port: int = 8790, timeout: float = 300.0) -> 
     summary = check(results, reference)
     done = [r for r in results if r["outcome"] == "completed"]
     extra = [] if new_s is not None else ["the new config did not answer within 180 s"]
-    summary.update(scenario="redeploy", streams=streams, kills=replaced, failovers=sum(moved.values()), moved=moved,
+    summary.update(scenario="redeploy", streams=streams, kills=replaced, kills_are="old Denoisers replaced",
+                   failovers=sum(moved.values()), failovers_are="requests the old ingress moved", moved=moved,
                    stream_outcomes=_stream_outcomes(results), last_stream_ended_after_s=streams_s,
                    new_config_served_after_s=new_s, error_messages=_errors(results),
                    mean_stream_s=round(statistics.mean(r["e2e_s"] for r in done), 2) if done else None)
@@ -1127,7 +1132,7 @@ def _print_checked(res: dict, as_json: bool, out) -> int:
             print(f"  kill {k['replica']} ({k['requests_held']} requests): dropped by the ingress after "
                   f"{k.get('detected_s')} s, {k.get('failed_over')} failed over; silence of its requests "
                   f"{k.get('resume_gap_s')} s; replacement joined after {k.get('replaced_s')} s", file=out)
-        for key in ("node", "moved", "first_try", "answered_after_s", "new_config_served_after_s",
+        for key in ("node", "moved", "interrupted", "first_try", "answered_after_s", "new_config_served_after_s",
                     "capacity_rps", "rate_rps", "rss_slope_mb_per_min", "dispatch"):
             if key in res:
                 print(f"  {key}: {json.dumps(res[key])}", file=out)
