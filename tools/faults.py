@@ -525,7 +525,7 @@ def run_node(requests: int = 120, rate: float = 10.0, replicas: int = 2, port: i
                     known = {v["replica"] for v in view["instances"].values()}
                     before = view["dispatch"]["failed_over"]
                     removed = time.monotonic()
-                    cluster.remove_node(node_b, allow_graceful=False)
+                    await asyncio.to_thread(cluster.remove_node, node_b, allow_graceful=False)  # streams go on
                     watch = asyncio.create_task(_watch_node(client, url, removed, known, node))
             results = await asyncio.gather(*jobs)
             await transport.aclose()
