@@ -1,8 +1,9 @@
 """The live app under abuse: API keys and their limits, hand-written bad input, and a schema fuzz run.
 
-One Ray Serve app for the module (Ray start-up costs seconds) with two API keys: ``main`` (from an
-environment variable of the replica, no limits of its own) and ``tight`` (from a file; 1 request at a
-time, 48 prompt tokens, max_tokens 4). The app's max_tokens limit is 8 to keep generation short. Every
+One Ray Serve app for the module (Ray start-up costs seconds) with three API keys: ``main`` (from an
+environment variable of the replica, no limits of its own), ``tight`` (from a file; 1 request at a
+time, 48 prompt tokens, max_tokens 4) and ``metered`` (one request per 2 s, priority up to 3); bodies
+must arrive within 6 s. The app's max_tokens limit is 8 to keep generation short. Every
 answer must be < 500, arrive within the client timeout, and carry an OpenAI-style error body when it is
 a 4xx; normal requests keep working throughout.
 
@@ -33,6 +34,8 @@ BASE = f"http://127.0.0.1:{PORT}"
 KEY = "sk-remask-guard-main-3f9c1a"
 TIGHT = "sk-remask-guard-tight-77b20e"
 WRONG = "sk-remask-guard-wrong-d41d8c"
+METERED = "sk-remask-guard-metered-5e0a44"
+BODY_TIMEOUT_S = 6
 BODY_LIMIT = 256 * 1024
 TIMEOUT = 60  # a hang fails the test
 
@@ -50,10 +53,12 @@ def app_url(tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app({
         "engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
-        "http": {"max_tokens_limit": 8, "max_body_bytes": BODY_LIMIT,
+        "http": {"max_tokens_limit": 8, "max_body_bytes": BODY_LIMIT, "body_timeout_s": BODY_TIMEOUT_S,
                  "api_keys": [{"name": "main", "key_env": "REMASK_GUARD_KEY"},
                               {"name": "tight", "key_file": str(key_file), "max_concurrent": 1,
-                               "max_prompt_tokens": 48, "max_tokens": 4}]}}),
+                               "max_prompt_tokens": 48, "max_tokens": 4},
+                              {"name": "metered", "key": METERED, "requests_per_second": 0.5,
+                               "max_priority": 3}]}}),
         name="remask-guard", route_prefix="/", blocking=False)
     wait_until(lambda: httpx.get(f"{BASE}/health", timeout=2).status_code == 200)
     yield BASE
@@ -98,7 +103,8 @@ def completion_ok(r: httpx.Response) -> str:
 def test_keys_guard_api_and_debug_but_not_health_metrics_or_schema(app_url):
     for path in ("/health", "/metrics", "/openapi.json"):
         assert httpx.get(app_url + path, timeout=TIMEOUT).status_code == 200, path
-    for path in ("/v1/models", "/debug/instances", "/debug/control", "/debug/planner", "/debug/cluster"):
+    for path in ("/v1/models", "/debug/instances", "/debug/control", "/debug/planner", "/debug/cluster",
+                 "/debug/predictors"):
         r = httpx.get(app_url + path, timeout=TIMEOUT)
         assert assert_openai_error(r, 401)["code"] == "invalid_api_key"
         assert r.headers["www-authenticate"] == "Bearer"
@@ -228,6 +234,37 @@ def test_slot_is_released_after_errors_and_disconnects(app_url):
         assert completion_ok(eventually_ok(TIGHT)) == "cba"
 
 
+def test_priority_and_rate_limits_through_the_proxy(app_url):
+    err = assert_openai_error(post("/v1/completions", {"prompt": "rev: ab", "priority": 1}), 403)
+    assert err["param"] == "priority" and err["code"] == "priority_not_allowed"
+    completion_ok(post("/v1/completions", {"prompt": "rev: ab", "priority": 3}, key=METERED))
+    r = post("/v1/completions", {"prompt": "rev: ab", "priority": 3}, key=METERED)
+    err = assert_openai_error(r, 429)
+    assert err["code"] == "rate_limit_exceeded" and r.headers["retry-after"] == "2" and r.headers["x-request-id"]
+    time.sleep(2)
+    assert completion_ok(post("/v1/completions", {"prompt": "rev: abc"}, key=METERED)) == "cba"
+
+
+def test_a_slow_upload_gets_408_through_the_proxy(app_url):
+    import socket
+
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", PORT), timeout=TIMEOUT) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TIGHT}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ".encode())
+        data = b""
+        while b"}}" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    waited = time.monotonic() - t0
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"408" and BODY_TIMEOUT_S - 1 <= waited < TIMEOUT, (head, waited)
+    assert b'"request_timeout"' in body
+    assert completion_ok(eventually_ok(TIGHT)) == "cba"  # its slot (max_concurrent 1) was released
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------------------------------
@@ -333,8 +370,10 @@ def test_bad_input_never_5xx_never_hangs_never_disturbs_others(app_url):
     assert statuses["20000_messages_over_limit"].status_code == 413
     assert statuses["lone_surrogate_model/completion"].status_code == 404
     for name in ("utf16_bom/completion", "escaped_nul/completion", "huge_slo/completion",
-                 "tiny_threshold/completion", "huge_int_priority/completion", "duplicate_keys/completion"):
+                 "tiny_threshold/completion", "duplicate_keys/completion"):
         completion_ok(statuses[name])
+    err = assert_openai_error(statuses["huge_int_priority/completion"], 403)  # the key's max_priority is 0
+    assert err["code"] == "priority_not_allowed" and "asked for more" in err["message"]
     assert canary and all(c == (200, "edcba") for c in canary), canary[:5]
 
 
