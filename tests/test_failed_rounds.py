@@ -283,6 +283,7 @@ def served():
     return {rid: text for rid, (text, _) in results.items()}
 
 
+@pytest.mark.slow  # a replica pair served twice (~10 s on 2 cores)
 def test_through_the_dispatcher_only_the_culprit_fails_and_the_others_keep_their_text(served):
     d, results, placed, stats = _serve("q3")
     text, last = results["q3"]
@@ -297,6 +298,7 @@ def test_through_the_dispatcher_only_the_culprit_fails_and_the_others_keep_their
     assert not d.live
 
 
+@pytest.mark.slow  # a replica pair served twice (~10 s on 2 cores)
 def test_through_the_dispatcher_requests_an_instance_gives_up_on_resume_on_another(served):
     """Every round of the first instance fails: it blames no request but hands each back (503), and the
     dispatcher resumes them on the other instance, where they end with the text of a run without faults."""
