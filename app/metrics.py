@@ -64,7 +64,8 @@ THRESHOLD_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.
 
 FINISHED_REASONS = ("stop", "length")
 #: ``reason`` label values of ``remask:request_failure_total`` (their series exist from the start, at 0)
-FAILURE_REASONS = ("invalid", "unauthorized", "key_concurrency", "overload", "unavailable", "error", "cancelled")
+FAILURE_REASONS = ("invalid", "unauthorized", "key_concurrency", "rate_limited", "overload", "unavailable", "error",
+                   "cancelled")
 
 
 def failure_reason(status: int | None) -> str:
