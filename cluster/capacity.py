@@ -38,6 +38,16 @@ def mixed_ms(model: TpLatencyModel, tp: int, batch: int, heavy_share: float) -> 
     return model.round_ms(tp, h, batch - h)
 
 
+def step_rounds_ms(model: TpLatencyModel, tp: int, batch: int, heavy_share: float) -> tuple[float, float]:
+    """Latency of the round a request's recompute step is in, and of the round its cached step is in: rounds
+    of ``batch`` steps, the other ``batch - 1`` requests' steps recompute steps in ``heavy_share``. (A round's
+    latency is what every request in it waits, whatever its own step: a request's recompute step is one
+    heavy step among mostly cached ones, not a round of recompute steps.)"""
+    others = max(batch, 1) - 1
+    heavy = min(others, max(0, round(heavy_share * others)))
+    return model.round_ms(tp, heavy + 1, others - heavy), model.round_ms(tp, heavy, others - heavy + 1)
+
+
 def slo_batch(model: TpLatencyModel, tp: int, slack: float, heavy_share: float) -> int:
     lone = heavy_share * model.round_ms(tp, 1, 0) + (1.0 - heavy_share) * model.round_ms(tp, 0, 1)
     for b in range(model.slots, 0, -1):

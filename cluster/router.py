@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.capacity import cluster_capacity
+from cluster.capacity import cluster_capacity, step_rounds_ms
 from cluster.estimator import StepEstimator
 from cluster.latency import TpLatencyModel
 from cluster.policies import RouterPolicy, make_router_policy
@@ -180,43 +180,58 @@ class Router:
     def admissible(self, req: RequestState, now: float, util: float = 1.0) -> bool:
         """Load control's test for an arrival (already added) against the SLOs, at the lowest threshold.
 
-        A request finishes after the work that goes before it has been served at the cluster's
-        throughput, plus its own steps one round each (rounds as full as the instances are now, up to
-        the SLO batch). Instances serve the shortest remaining work first (DWISE), so the work before
-        an arrival is that of the active requests no longer than it (priority at least its own), and
-        the arrival goes before every longer one. It is admitted when (1) it finishes by its deadline,
-        and (2) no longer request that would still finish by its deadline would miss it once this one
-        goes first (a request already past hope does not block arrivals). Without (2) a stream of
-        short arrivals, each admissible alone, starves the long requests. ``util`` scales the
-        throughput the test trusts (the live ingress lowers it while admitted requests miss their SLOs:
-        whatever the profile does not know, such as a saturated HTTP path)."""
+        A request's steps run one a round, so it needs at least its serial time: its remaining steps, each
+        at the latency of a round as full as the instances are now (up to the SLO batch), recompute steps
+        among the others in their share of the active requests' remaining steps (``step_rounds_ms``: a
+        recompute step of its own is one among mostly cached ones, not a round of them). Meanwhile the
+        cluster serves the work that goes before it at its throughput, the request's own rounds among it:
+        instances serve the shortest remaining work first (DWISE), so that is the work of the active
+        requests no longer than it (priority at least its own), and the arrival goes before every longer
+        one. A request finishes in time when its serial time, and the work before it plus its own at the
+        cluster's throughput, both fit before its deadline. The arrival is admitted when (1) it finishes in
+        time, and (2) no longer request that would finish in time misses once this one goes first (a
+        request already past hope does not block arrivals). Without (2) a stream of short arrivals, each
+        admissible alone, starves the long requests. ``util`` scales the throughput the test trusts (the
+        live ingress lowers it while admitted requests miss their SLOs: whatever the profile does not
+        know, such as a saturated HTTP path)."""
         cap, last = self.cap, len(self.cfg.thresholds) - 1
         util *= self.cfg.capacity_util
         hc, lc = cap.heavy_cost, cap.light_cost
-        # its rounds hold about as many requests as an instance has now (the SLO batch at most)
+        # remaining recompute and cached steps at the lowest threshold of every active request; the others'
+        # that go before or after the arrival
+        heavy = light = 0.0
+        rest = []
+        for r in self.requests.values():
+            if r.est:
+                h, k = r.heavy_left, r.light_left(last)
+                heavy += h
+                light += k
+                if r is not req and r.priority >= req.priority:
+                    rest.append((h, k, r.deadline))
+        # its rounds hold about as many requests as an instance has now (the SLO batch at most), recompute steps
+        # in the share they have in the active requests' remaining steps (a burst of arrivals, all at their
+        # first, recompute step, does not make every future round one of recompute steps)
         per_instance = len(self.requests) / max(len(self.instances), 1)
         batch = min(max(round(per_instance), 1), cap.batch)
-        lat, tp = self.latency, self._ref_tp
-        heavy_ms, light_ms = lat.round_ms(tp, batch, 0), lat.round_ms(tp, 0, batch)
-
-        def load_and_serial(r: RequestState) -> tuple[float, float]:
-            h, light = r.heavy_left, r.light_left(last)
-            return h * hc + light * lc, h * heavy_ms + light * light_ms  # work; its steps, one round each
-
-        own, own_serial = load_and_serial(req) if req.est else (0.0, 0.0)
-        others = sorted((*load_and_serial(r), r.deadline) for r in self.requests.values()
-                        if r is not req and r.priority >= req.priority and r.est)
+        heavy_ms, light_ms = step_rounds_ms(self.latency, self._ref_tp, batch,
+                                            heavy / (heavy + light) if heavy + light > 0.0 else 0.0)
+        # work; its steps, one round each
+        own, own_serial = ((req.heavy_left * hc + req.light_left(last) * lc,
+                            req.heavy_left * heavy_ms + req.light_left(last) * light_ms) if req.est else (0.0, 0.0))
+        others = sorted((h * hc + k * lc, h * heavy_ms + k * light_ms, d) for h, k, d in rest)
         before_own = 0.0  # work that goes before the arrival
         before = 0.0  # work that goes before the request being looked at
         for load, serial, deadline in others:
             if load <= own:
                 before_own += load
             else:  # a longer request: would the arrival, going before it, make it miss?
-                budget = cap.within((deadline - now) * 1000.0 - serial, util)
-                if before <= budget < before + own:
+                window = (deadline - now) * 1000.0
+                budget = cap.within(window, util)
+                if serial <= window and before + load <= budget < before + load + own:
                     return False
             before += load
-        return before_own <= cap.within((req.deadline - now) * 1000.0 - own_serial, util)
+        window = (req.deadline - now) * 1000.0
+        return own_serial <= window and before_own + own <= cap.within(window, util)
 
     def reject(self, req: RequestState) -> None:
         """Undo ``add_request`` for a request shed on arrival: it leaves, and its load at the lowest
