@@ -66,7 +66,8 @@ class Instance:
                  estimator: Callable[[Sequence], float] = blocks_estimate,
                  refiner: Callable[[Sequence], float] | None = None, costs: StepCosts | None = None,
                  mirror: Callable[[list[tuple], RoundPlan], Callable[[], None]] | None = None,
-                 followers_alive: Callable[[], bool] | None = None, **sched_kwargs) -> None:
+                 followers_alive: Callable[[], bool] | None = None, tp_broken_after: int | None = None,
+                 **sched_kwargs) -> None:
         """``costs`` weights remaining work by step kind (e.g. ``profile.step_costs(...)``
         for full-sequence models, whose recompute steps cost more than cached ones).
 
@@ -75,6 +76,9 @@ class Instance:
         follower ranks run the same round; it returns a function that waits for them.
         ``followers_alive()`` says whether every follower rank still answers (asked after a failed
         round; without it a failed tensor-parallel round breaks the instance: ``InstanceBroken``).
+        ``tp_broken_after``: failed tensor-parallel rounds in a row, every rank answering, that break it
+        (default: as many as the round loop's bisection of a full batch may take, engine/loop.py, plus 2:
+        the bit length of ``slots``, plus 3).
         """
         self.engine = engine
         self.mirror, self.followers_alive = mirror, followers_alive
@@ -89,6 +93,7 @@ class Instance:
                               block_size=engine.cfg.block_size, **sched_kwargs)
         self.clock = clock or WallClock()
         self.scheduler = Scheduler(make_policy(policy, costs=costs), cfg, self.clock)
+        self.tp_broken_after = tp_broken_after or cfg.slots.bit_length() + 3
         self.estimator, self.refiner = estimator, refiner
         self.seqs: dict[str, Sequence] = {}
         self.outputs: dict[str, Output] = {}
@@ -192,11 +197,11 @@ class Instance:
             return result
         except Exception as exc:
             # a lost rank or a broken collective: the ranks can no longer run rounds together. A round
-            # that failed with every rank alive (a bad input, say) fails like any other, unless the
-            # rounds keep failing.
+            # that failed with every rank alive (a bad input, say) fails like any other (the loop finds the
+            # request at fault), unless the rounds keep failing.
             self._failed_rounds += 1
             alive = self.followers_alive is not None and self.followers_alive()
-            if not alive or self._failed_rounds >= 3:
+            if not alive or self._failed_rounds >= self.tp_broken_after:
                 why = "a rank is gone" if not alive else f"{self._failed_rounds} rounds failed in a row"
                 raise InstanceBroken(f"tensor-parallel round failed ({why}): {type(exc).__name__}: {exc}") \
                     from exc

@@ -50,8 +50,12 @@ otherwise status 503 (the instance gives up on it: its sender resumes it
 elsewhere from its committed tokens), unless this instance had already given
 up on it once (then 500). A request the failed round had half-updated starts
 over here from the tokens already published (``Instance.reset``: its KV slots
-and reservation are released and taken again when it is readmitted). Probe
-rounds run only the probe's requests; the others wait. ``broken_after`` give-ups
+and reservation are released and taken again when it is readmitted); a step it
+takes then clears nothing until it has published past that point, and a probe
+holding it runs again (``PROBE_ROUNDS_MAX`` rounds at most) until it has, or
+fails: a fault that strikes at a later step of a request is found as well, and
+cannot make it start over for ever. Probe rounds run only the probe's
+requests; the others wait. ``broken_after`` give-ups
 (503) with no successful round in between mean the instance itself is broken:
 the loop ends as below. Any other exception (the scheduler's) hands every
 request back (503).
@@ -79,6 +83,7 @@ from engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
 HEAVY = (StepKind.PREFILL, StepKind.RECOMPUTE)
+PROBE_ROUNDS_MAX = 64  # rounds a probe runs at most while its restarted requests get back to where they failed
 
 
 # ---- progress records ------------------------------------------------------------------------------
@@ -158,6 +163,7 @@ class _Tracked:
     attempt: int = 0  # the attempt its sender submitted it as: every item about it carries it
     planned: bool = False  # its sender answers each batch carrying it with thresholds (``after_round``)
     refined_round: int | None = None  # the round after which the instance refined its estimate
+    reset_at: int | None = None  # tokens it had published when a failed round made it start over (``reset``)
 
 
 class RoundLoop:
@@ -209,6 +215,7 @@ class RoundLoop:
         self.max_round_failures, self.broken_after = max_round_failures, broken_after
         self._strikes: dict[str, int] = {}  # request -> failed rounds in a row it was in
         self._probes: deque[list[str]] = deque()  # requests to run by themselves, next first
+        self._probe_runs = 0  # rounds the first probe has run
         self._convicted: dict[str, str] = {}  # request -> its last failure, awaiting the verdict
         self._healthy = True  # a round succeeded since the current failures began
         self._given_up: dict[str, None] = {}  # requests handed back (503) lately, oldest first (bounded)
@@ -404,15 +411,11 @@ class RoundLoop:
                 if self.broken is not None:
                     return self._fatal()
                 continue
-            if only is not None:
-                self.counts["probe_rounds"] += 1
-                self._probes.popleft()  # it passed
-                if not plan.slots:  # none of its requests could run: they go back to ordinary rounds
-                    self._send(items)
-                    continue
+            if only is not None and not plan.slots:  # none of its requests could run: back to ordinary rounds
+                self._probe_passed()
+                self._send(items)
+                continue
             self._healthy, self._give_ups = True, 0
-            for slot in plan.slots:
-                self._strikes.pop(slot.req_id, None)
             self.rounds += 1
             self.filled_slots += len(plan.slots)
             finished = {r.req_id for r in done}
@@ -421,6 +424,13 @@ class RoundLoop:
                 item = self._step_item(slot.req_id, slot.req_id in finished)
                 if item is not None:
                     items.append(item)
+                self._cleared(slot.req_id)
+            if only is not None:
+                self.counts["probe_rounds"] += 1
+                self._probe_runs += 1
+                if self._probe_runs >= PROBE_ROUNDS_MAX or all(
+                        (tr := self._tracked.get(r)) is None or tr.reset_at is None for r in only):
+                    self._probe_passed()
             self._send(items)
 
     # ---- failed rounds (module docstring) ---------------------------------------------------------
@@ -436,9 +446,13 @@ class RoundLoop:
             self._verdict(items)
         return None
 
+    def _probe_passed(self) -> None:
+        self._probes.popleft()
+        self._probe_runs = 0
+
     def _round_failed(self, failed: RoundFailed, probing: bool, items: list[Item]) -> None:
         if probing:
-            self._probes.popleft()  # replaced by its halves below
+            self._probe_passed()  # it failed: replaced by its halves below
         else:  # an ordinary round: new failures begin (no probe and no verdict is pending)
             self._healthy = False
         touched = set(failed.touched)
@@ -449,6 +463,7 @@ class RoundLoop:
                 try:  # half-updated: over again from what its receiver has
                     self.instance.reset(req_id, tr.sent)
                     self.counts["requests_reset"] += 1
+                    tr.reset_at = tr.sent
                 except (ValueError, RuntimeError, KeyError) as exc:
                     self._drop(req_id, ErrorItem(req_id, f"{failed}; restarting it failed: {exc}", 503, tr.attempt),
                                items)
@@ -467,6 +482,18 @@ class RoundLoop:
             self._probes.extendleft([suspects[half:], suspects[:half]])  # the first half runs first
         elif suspects:
             self._probes.appendleft(suspects)  # again, by itself
+
+    def _cleared(self, req_id: str) -> None:
+        """``req_id`` took a step in a round that succeeded: its failures in a row are over, unless it had
+        started over and has not yet got past where it was (its step then proves nothing: it may fail again
+        where it failed, and a fault that comes back before it publishes a token would go on for ever)."""
+        if req_id not in self._strikes:
+            return
+        tr = self._tracked.get(req_id)
+        if tr is None or tr.reset_at is None or tr.sent > tr.reset_at:
+            del self._strikes[req_id]
+            if tr is not None:
+                tr.reset_at = None
 
     def _verdict(self, items: list[Item]) -> None:
         """Every probe has run: a convicted request fails (500) when the instance has run a round since the

@@ -179,6 +179,65 @@ def test_a_round_that_fails_half_applied_restarts_its_requests_from_what_they_pu
     _assert_idle(inst)
 
 
+def test_a_tensor_parallel_instance_isolates_the_culprit_without_breaking(tok):
+    """A request that breaks the tensor-parallel round (every rank answering) from the third round on: every
+    failed round's requests start over on every rank (a follower may have run the round), the bisection still
+    isolates the culprit (500), the others complete, and the failures in a row stay under what breaks the
+    instance."""
+    culprit, rounds = "r5", []
+
+    def mirror(commands, plan):
+        rounds.append(plan)
+        if any(s.req_id == culprit for s in plan.slots) and len(rounds) > 2:
+            raise RuntimeError("collective failed (injected)")
+        return lambda: None
+
+    inst = Instance(Engine(make_model(), tok, max_slots=8), slots=8, mirror=mirror, followers_alive=lambda: True)
+    sink = Sink()
+    loop = RoundLoop(inst, sink)
+    try:
+        _run(loop, sink, PROMPTS)
+        assert sink.ended(culprit).status == 500 and loop.broken is None
+        for rid in PROMPTS:
+            if rid != culprit:
+                done = sink.ended(rid).done
+                assert done is not None and done.completion_tokens == len(sink.ids(rid)), rid
+        s = loop.stats()
+        assert s["requests_failed"] == 1 and s["requests_reset"] >= len(PROMPTS)
+    finally:
+        loop.stop()
+    _assert_idle(inst)
+
+
+def test_a_fault_that_comes_back_after_a_restart_is_still_isolated(tok):
+    """The culprit's round fails once it has taken a step (as a fault past a prefill would), half-applied: it
+    starts over and passes its first step again each time. Passing steps it had already taken clears nothing,
+    so it is still isolated, and no loop of restarts goes on for ever."""
+    inst = _instance(make_model(), tok)
+    culprit = "r3"
+    real = inst.execute
+
+    def execute(plan):
+        result = real(plan)
+        if any(s.req_id == culprit for s in plan.slots) and len(inst.seqs[culprit].history) >= 2:
+            raise RuntimeError("fails past its first step (injected)")
+        return result
+
+    inst.execute = execute
+    sink = Sink()
+    loop = RoundLoop(inst, sink)
+    try:
+        for rid, p in PROMPTS.items():
+            loop.submit(rid, p, SamplingParams(max_tokens=40, threshold=1.0))  # one token a step at most
+        sink.wait(PROMPTS)
+        assert sink.ended(culprit).status == 500
+        assert all(sink.ended(r).done is not None for r in PROMPTS if r != culprit)
+        assert loop.stats()["rounds_failed"] <= 12
+    finally:
+        loop.stop()
+    _assert_idle(inst)
+
+
 def test_an_instance_whose_every_round_fails_gives_its_requests_back_then_breaks(tok):
     """Every round fails, whatever it holds: no request is blamed (503: resume it elsewhere); after
     ``broken_after`` such give-ups with no successful round the loop ends as a broken instance."""

@@ -94,9 +94,10 @@ def test_abort_and_overload(tok):
 
 def test_a_failed_tensor_parallel_round_breaks_the_instance_only_when_a_rank_is_gone(tok):
     """Every follower answers: a failed round fails no request (its requests start over from the tokens they
-    had published, on every rank, and complete as they would have) and the loop goes on, until three
-    rounds fail in a row. A follower gone: the loop ends at once, its requests get no error (the ingress
-    resumes them elsewhere) and ``on_fatal`` hears why."""
+    had published, on every rank, and complete as they would have) and the loop goes on, until rounds fail
+    ``tp_broken_after`` times in a row (what bisecting a full batch may take; a request that fails alone
+    meanwhile is given back, 503). A follower gone: the loop ends at once, its requests get no error (the
+    ingress resumes them elsewhere) and ``on_fatal`` hears why."""
     from engine.instance import InstanceBroken
 
     class Followers:
@@ -130,14 +131,16 @@ def test_a_failed_tensor_parallel_round_breaks_the_instance_only_when_a_rank_is_
                 sink.expect = 2
                 loop.submit("b", "abc", SamplingParams(max_tokens=8))
                 assert sink.done.wait(30) and sink.items["b"][-1].done is not None
-                followers.fail = 3  # then three failed rounds in a row break it
+                followers.fail = 1000  # then every round fails
+                assert inst.tp_broken_after == 6  # 4 slots: 3 bits, and 3
                 for k in range(3):
                     loop.submit(f"c{k}", "abc", SamplingParams(max_tokens=8))
                     time.sleep(0.2)
                 deadline = time.monotonic() + 30
                 while loop.broken is None and time.monotonic() < deadline:
                     time.sleep(0.05)
-                assert "3 rounds failed in a row" in loop.broken
+                assert "6 rounds failed in a row" in loop.broken
+                assert [sink.items[f"c{k}"][-1].status for k in range(2)] == [503, 503]  # each failed alone twice
             else:
                 deadline = time.monotonic() + 30
                 while loop.broken is None and time.monotonic() < deadline:
