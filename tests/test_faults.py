@@ -22,7 +22,7 @@ REF = ["cba", "the fox ran.", "42"]
 def test_identical_texts_complete():
     s = faults.check([result("cba"), result("the fox ran."), result("42")], REF)
     assert (s["completed"], s["mismatched"], s["lost"], s["failed"]) == (3, 0, 0, 0)
-    assert s["mismatches"] == [] and s["mismatched_at"] == []
+    assert s["mismatches"] == [] and s["mismatched_at"] == [] and s["reference_chars"] == 17
 
 
 def test_a_different_final_text_is_mismatched_with_where_it_differs():
@@ -53,9 +53,10 @@ def test_check_refuses_unknown_outcomes_and_uneven_lists():
         faults.check([result("cba"), result("x")], REF)
 
 
-def summary(lost=0, mismatched=0, kills=2, failovers=5, failed=0) -> dict:
+def summary(lost=0, mismatched=0, kills=2, failovers=5, failed=0, reference_chars=120) -> dict:
     return {"requests": 10, "completed": 10 - lost - mismatched - failed, "lost": lost, "mismatched": mismatched,
-            "failed": failed, "cancelled": 0, "kills": kills, "failovers": failovers, "mismatches": []}
+            "failed": failed, "cancelled": 0, "kills": kills, "failovers": failovers, "mismatches": [],
+            "reference_chars": reference_chars}
 
 
 def test_verdict_passes_only_a_clean_run():
@@ -71,6 +72,7 @@ def test_verdict_passes_only_a_clean_run():
     (dict(failovers=0), "0 failovers"),
     (dict(failovers=1), "1 failovers, not at least 2"),
     (dict(failed=3), "3 clean failures, over the bound of 2"),
+    (dict(reference_chars=0), "nothing was compared"),
 ])
 def test_verdict_fails_on_each_fault(bad, needle):
     problems = faults.verdict(summary(**bad), kills=2, failovers=2, max_failed=2)

@@ -96,13 +96,14 @@ def check(results: list[dict], reference: list[str]) -> dict:
                                                             "seed") if k in r.get("body", {})},
                                "first_difference": at, "expected": want, "got": got})
     out["mismatches"], out["mismatched_at"] = mismatches, wrong
+    out["reference_chars"] = sum(len(w) for w in reference)
     return out
 
 
 def verdict(summary: dict, kills: int, failovers: int, max_failed: int) -> list[str]:
     """Why a scenario failed (empty: it passed): any lost or mismatched request, fewer than ``kills``
     faults injected (``kills`` >= 1: zero never passes), fewer than ``failovers`` failovers, more than
-    ``max_failed`` clean failures."""
+    ``max_failed`` clean failures, or nothing to compare (every reference text empty)."""
     problems = []
     if summary["lost"]:
         problems.append(f"{summary['lost']} requests lost")
@@ -115,6 +116,8 @@ def verdict(summary: dict, kills: int, failovers: int, max_failed: int) -> list[
                         f"elsewhere, so the kill tested nothing")
     if summary["failed"] > max_failed:
         problems.append(f"{summary['failed']} clean failures, over the bound of {max_failed}")
+    if summary["reference_chars"] == 0:
+        problems.append("every reference text is empty: nothing was compared")
     return problems
 
 
@@ -123,7 +126,8 @@ def summary_line(s: dict) -> str:
     failovers = f"{s['failovers']} failovers" + (f" ({s['failovers_are']})" if s.get("failovers_are") else "")
     return (f"{s['lost']} lost, {s['mismatched']} mismatched; {kills}, {failovers}, "
             f"{s['failed']} failed cleanly (bound {s['max_failed']}); {s['completed']} of {s['requests']} "
-            f"completed with the reference text" + (f", {s['cancelled']} cancelled" if s.get("cancelled") else ""))
+            f"completed with the reference text" + (f", {s['cancelled']} cancelled" if s.get("cancelled") else "")
+            + f" ({s['reference_chars']} reference characters)")
 
 
 def _gate(summary: dict, kills: int, failovers: int, max_failed: int, extra: list[str] = ()) -> dict:
