@@ -38,7 +38,7 @@ test: $(STAMP) lint deps
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -m "not ray and not slow"
 
-# Fault injection, content-checked (3-5 minutes on 2 cores): 200 deterministic streamed requests (fixed
+# Fault injection, content-checked (1-4 minutes on 2 cores): 200 deterministic streamed requests (fixed
 # thresholds; greedy or seeded sampling) first run without a fault (the reference), then again at 25 req/s while
 # two of the three Denoiser replicas are killed (ray.kill). Prints `N lost, M mismatched` with the kills and
 # failovers; fails on any lost request, any text that differs from its reference byte for byte, fewer than 2
