@@ -36,8 +36,6 @@ import statistics
 import sys
 import time
 
-from app.config import INGRESS, denoiser_name
-
 PROMPTS_CATEGORIES = ("reverse", "choice", "arith", "prose")
 LONG_PROMPTS = tuple(f"story: {a} {k}" for a in ("fox", "owl", "elk", "cat") for k in (6, 8))
 
@@ -405,6 +403,8 @@ def node_serve_config(args: dict, port: int, cpus_per_replica: float = 0.5) -> d
     """The node scenario's Serve config: the app of ``args``, with every Denoiser requiring one unit of
     ``DENOISER_RESOURCE`` (its ray_actor_options and placement bundle; only Denoiser nodes have it) and the
     Ingress a share of ``HEAD_RESOURCE`` (so losing a Denoiser node never takes the Ingress)."""
+    from app.config import INGRESS, denoiser_name  # lazily: `remask` on a device image has no pydantic
+
     deployments = [{"name": INGRESS, "ray_actor_options": {"num_cpus": 1, "resources": {HEAD_RESOURCE: 0.01}}}]
     for d in args["resources"]["tp_degrees"]:
         if d != 1:
@@ -627,6 +627,7 @@ def run_ingress_restart(streams: int = 8, port: int = 8790, timeout: float = 300
     import httpx
     import ray
 
+    from app.config import INGRESS
     from loadgen.http import RawTransport
 
     args = app_args({1: 2}, 16)
