@@ -465,13 +465,14 @@ class RefitWorker:
     pickling of a job and the parse of a model's text (in LightGBM, without the GIL); ``history``
     records each refit's ``parent_cpu_s`` and when it ran (``started``, ``ended``: wall clock).
 
-    The process (``python -c``, niced, one LightGBM thread) exits when this one does: its pipe closes
-    (and it watches its parent's pid while it fits); ``stop()`` ends it at once. A refit that fails in
-    the process is logged with its traceback and counted in ``errors``; the learner keeps the model it
-    had. A process that dies is started afresh at the next job (``restarts``).
+    The process (``python -c``, under the idle scheduling policy, one LightGBM thread) exits when this
+    one does: its pipe closes (and it watches its parent's pid while it fits); ``stop()`` ends it at
+    once. A refit that fails in the process is logged with its traceback and counted in ``errors``; the
+    learner keeps the model it had. A process that dies, or leaves a job unanswered for ``timeout_s``,
+    is ended and started afresh at the next job (``restarts``).
     """
 
-    def __init__(self, *learners: _Learner, name: str = "remask-refit") -> None:
+    def __init__(self, *learners: _Learner, name: str = "remask-refit", timeout_s: float = 600.0) -> None:
         # the model classes, imported now rather than at the first swap (their imports hold the GIL for seconds)
         import lightgbm  # noqa: F401
 
@@ -479,6 +480,7 @@ class RefitWorker:
         import predictors.step  # noqa: F401
 
         self.learners = learners
+        self.timeout_s = timeout_s  # a job unanswered for this long: the process is ended (and started afresh)
         self._wake = threading.Event()
         self._stopped = False
         self.refits = 0
@@ -583,7 +585,10 @@ class RefitWorker:
                 if new:
                     self._sent[i] = new[0][0]
                 cpu = time.thread_time() - cpu0
-                status, res = self._conn.recv()  # waits without the GIL
+                if not self._conn.poll(self.timeout_s):  # waits without the GIL
+                    self._kill()
+                    raise RefitError(f"no answer from the refit worker process within {self.timeout_s:g} s")
+                status, res = self._conn.recv()
             except (OSError, EOFError) as exc:
                 if self._stopped:
                     raise
@@ -605,10 +610,13 @@ def _worker_main(fd: int, parent: int) -> None:
     """The refit worker process: answers each job with ``_compute`` on its copy of the learner's window."""
     from multiprocessing.connection import Connection
 
-    try:
-        os.nice(10)  # serving comes first
-    except OSError:
-        pass
+    try:  # serving comes first: the idle policy yields the CPU to any other task that wakes, at once
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux: the lowest share a nice value gives
+        try:
+            os.nice(19)
+        except OSError:
+            pass
 
     def watch() -> None:  # the pipe's EOF ends the loop below, but not a fit under way
         while os.getppid() == parent:

@@ -209,6 +209,12 @@ class FailingFit(OnlineStepLearner):
         raise RuntimeError("no fit today")
 
 
+class HangingFit(OnlineStepLearner):
+    def _fit(self, x, y, n_refits):
+        time.sleep(120)
+        return super()._fit(x, y, n_refits)
+
+
 def wait_for(cond, limit_s: float = 60.0) -> None:
     deadline = time.monotonic() + limit_s
     while not cond():
@@ -347,6 +353,26 @@ def test_refit_worker_restarts_a_dead_process():
             worker.notify()
             wait_for(lambda: learner.history)
         assert worker.pid != first and worker.restarts == 1 and learner.source == "online"
+    finally:
+        worker.stop()
+
+
+def test_refit_worker_ends_a_process_that_does_not_answer():
+    rng = np.random.default_rng(12)
+    learner = HangingFit(TS, min_requests=2, refit_every=2)
+    worker = RefitWorker(learner, timeout_s=3.0)
+    try:
+        first = worker.pid
+        for _ in range(2):
+            learner.record(*request(rng))
+        worker.notify()
+        wait_for(lambda: worker.errors >= 1, 30)
+        assert not alive(first) and learner.source == "prior"  # ended; the learner serves what it had
+        for _ in range(2):
+            learner.record(*request(rng))
+        worker.notify()
+        wait_for(lambda: worker.restarts == 1, 30)  # the next job starts another process
+        assert worker.pid != first
     finally:
         worker.stop()
 
