@@ -58,19 +58,31 @@ def lag_quantile(text: str, q: float) -> float | None:
     return quantile(buckets(text, LAG), q)
 
 
-def lag_while(samples: list[tuple[float, dict]], windows: list[list[float]]) -> dict:
-    """The lag histogram over the polling intervals that overlap a refit window: ``samples`` are
-    (wall time, cumulative lag buckets) read during the run; the difference of consecutive ones is
-    what the loop observed in between."""
+def lag_while(samples: list[tuple[float, dict]], windows: list[list[float]], inside: bool = True) -> dict:
+    """The lag histogram over the polling intervals that overlap a refit window (``inside``; else over the
+    others): ``samples`` are (wall time, cumulative lag buckets) read during the run; the difference of
+    consecutive ones is what the loop observed in between."""
     cum: dict[float, float] = {}
     seconds = 0.0
     for (t0, a), (t1, b) in zip(samples, samples[1:]):
-        if any(s < t1 and e > t0 for s, e in windows):
+        if any(s < t1 and e > t0 for s, e in windows) == inside:
             seconds += t1 - t0
             for le, n in b.items():
                 cum[le] = cum.get(le, 0.0) + n - a.get(le, 0.0)
     return {"p99_s": quantile(cum, 0.99), "p50_s": quantile(cum, 0.5), "seconds": round(seconds, 1),
             "observations": int(cum.get(float("inf"), 0))}
+
+
+def lag_timeline(samples: list[tuple[float, dict]], windows: list[list[float]], over: float = 0.005) -> list:
+    """Per polling interval: seconds since the first poll, lag observations, those above ``over`` (by bucket
+    bound), and whether a refit ran in it."""
+    out = []
+    bound = min((le for le in samples[0][1] if le >= over), default=over) if samples else over
+    for (t0, a), (t1, b) in zip(samples, samples[1:]):
+        n = b.get(float("inf"), 0.0) - a.get(float("inf"), 0.0)
+        slow = n - (b.get(bound, 0.0) - a.get(bound, 0.0))
+        out.append([round(t1 - samples[0][0], 1), int(n), int(slow), any(s < t1 and e > t0 for s, e in windows)])
+    return out
 
 
 def threshold_shares(text: str) -> dict[str, float]:
@@ -188,7 +200,8 @@ def main() -> int:
                "loop_lag_p99_s": lag_quantile(metrics, 0.99), "loop_lag_p50_s": lag_quantile(metrics, 0.5),
                "loop_lag_while_refitting": {**lag_while(samples, windows), "refits": len(windows),
                                             "refit_seconds": round(sum(e - s for s, e in windows), 1)},
-               "predictors": predictors, "summary": summary}
+               "loop_lag_otherwise": lag_while(samples, windows, inside=False),
+               "lag_timeline": lag_timeline(samples, windows), "predictors": predictors, "summary": summary}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -196,7 +209,7 @@ def main() -> int:
     if shipped is not None:
         out["checks"] = checks(out, shipped)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: v for k, v in out.items() if k not in ("summary",)}, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("summary", "lag_timeline")}, indent=1))
     return 0
 
 
