@@ -624,6 +624,14 @@ def _worker_main(fd: int, parent: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, daemon=True).start()
+    # what the fits and scores import (LightGBM, torch for Spearman), now: the parent starts this process with
+    # its service, so these seconds of loading pass before it serves rather than during its first refit
+    import lightgbm  # noqa: F401
+
+    import predictors.admission  # noqa: F401
+    import predictors.features  # noqa: F401
+    import predictors.step  # noqa: F401
+
     conn = Connection(fd)
     copies: dict[int, _Learner] = {}
     while True:
