@@ -80,7 +80,6 @@ class _Live:
     req_id: str
     prompt_ids: list[int]
     max_tokens: int
-    fixed: float | None  # the client's own threshold: the router never changes it
     state: RequestState
     queue: asyncio.Queue
     arrival: float
@@ -375,7 +374,7 @@ class Dispatcher:
         # the governor counts a request whose SLO the client set; a client-fixed threshold is never the router's
         state = RequestState(req_id, now, now + slo_s, prompt_tokens, canvas_tokens, self.block_tokens, priority,
                              self.full_sequence, fixed_threshold=threshold, counted=slo_ms is not None)
-        live = _Live(req_id, list(prompt_ids), max_tokens, threshold, state, asyncio.Queue(), now,
+        live = _Live(req_id, list(prompt_ids), max_tokens, state, asyncio.Queue(), now,
                      OutputText(self.decode, stop), params, canvas)
         if threshold is not None:
             state.threshold = threshold
@@ -586,7 +585,7 @@ class Dispatcher:
     def _planned(self, live: _Live) -> bool:
         """Whether the router chooses the request's thresholds: then every batch carrying it is answered
         (``_plan``), and its instance waits a little for the answer before its next round."""
-        return self.router.policy.dynamic and live.fixed is None
+        return self.router.policy.dynamic and live.state.fixed_threshold is None
 
     def _plan(self, inst_id: int, now: float, after_round: int | None = None) -> None:
         """Answer an instance's progress batch (of round ``after_round``): the thresholds of its requests'

@@ -169,7 +169,7 @@ def cluster_view(dispatcher, planner=None, now: float | None = None, outcomes: R
     for live in list(dispatcher.live.values()):
         used = live.state.thresholds_used
         t = used[-1] if used else live.sent_threshold
-        if getattr(live, "fixed", None) is not None:
+        if live.state.fixed_threshold is not None:
             fixed += 1
         key = "none" if t is None else f"{t:.2f}"
         in_use[key] = in_use.get(key, 0) + 1

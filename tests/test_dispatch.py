@@ -20,6 +20,7 @@ from engine.instance import Instance
 from engine.loading import load_engine
 from predictors.bundle import load_predictors
 from predictors.features import state_row
+from tests.fakes import RecordingLink
 
 
 def make_replica(slots: int = 8, max_waiting: int = 64, mirror=None) -> ReplicaServer:
@@ -509,18 +510,6 @@ def test_effective_round_time_includes_the_gaps_between_consecutive_rounds():
     assert eff(9, 101.015, 10.0) == 10.0  # not consecutive
 
 
-class _FakeLink:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def send(self, msg) -> bool:
-        self.sent.append(msg)
-        return True
-
-    def close(self) -> None:
-        pass
-
-
 def test_a_request_back_on_its_first_instance_ignores_that_instance_s_stale_progress():
     """A -> B -> A: the request leaves A (its queue was full), B refuses it too, and it is back on A as a
     third attempt while A's round of the first attempt is still being reported: that round's tokens are
@@ -530,7 +519,7 @@ def test_a_request_back_on_its_first_instance_ignores_that_instance_s_stale_prog
 
     async def main():
         d = make_dispatcher()
-        links = [_FakeLink(), _FakeLink()]
+        links = [RecordingLink(), RecordingLink()]
         a, b = (d.attach(f"r{i}", 1, links[i], read=False) for i in range(2))
         stream = d.submit("q", [5, 6, 7], 8)
         first = d.live["q"].state.instance

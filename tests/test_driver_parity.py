@@ -16,21 +16,10 @@ from engine.latency_profile import load_tp_profiles
 from engine.loop import Done, ProgressBatch, StepItem
 from predictors.features import StepFeatures
 from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterSimulator
+from tests.fakes import RecordingLink
 
 TS = (0.9, 0.8, 0.7)
 BLOCK = 32
-
-
-class FakeLink:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def send(self, msg) -> bool:
-        self.sent.append(msg)
-        return True
-
-    def close(self) -> None:
-        pass
 
 
 def specs(n: int, rate: float, seed: int) -> list[ClusterRequestSpec]:
@@ -68,7 +57,7 @@ def replay(sim: ClusterSimulator, profiles, cfg: ClusterConfig, policy: str, req
     d.calibrate = False  # the simulator's profiles are exact
     links = {}
     for inst_id, tp in enumerate(cfg.tp_degrees):
-        links[inst_id] = FakeLink()
+        links[inst_id] = RecordingLink()
         assert d.attach(f"r{inst_id}", tp, links[inst_id], read=False) == inst_id
     rounds = {}
     for event in sim.world:
@@ -77,7 +66,7 @@ def replay(sim: ClusterSimulator, profiles, cfg: ClusterConfig, policy: str, req
             spec = event[2]
             d.submit(spec.req_id, [1] * spec.prompt_tokens, spec.output_tokens, slo_ms=spec.slo_s * 1000.0)
         elif kind == "join":
-            links[event[2]] = FakeLink()
+            links[event[2]] = RecordingLink()
             assert d.attach(f"r{event[2]}", event[3], links[event[2]], read=False) == event[2]
         else:
             _, t, inst_id, dt, stepped = event

@@ -21,6 +21,7 @@ import pytest
 from app import api
 from app.playground import HEADERS, STATIC_DIR, RecentOutcomes, cluster_view, page, static_file, static_files
 from tests.browser import chromium_available, missing_reason, run_playground
+from tests.fakes import RecordingLink
 
 # ---- static files -----------------------------------------------------------------------------------
 
@@ -105,18 +106,6 @@ def test_recent_outcomes_memory_is_bounded():
 # ---- the cluster view -----------------------------------------------------------------------------------
 
 
-class FakeLink:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def send(self, msg) -> bool:
-        self.sent.append(msg)
-        return True
-
-    def close(self) -> None:
-        pass
-
-
 def real_dispatcher():
     """The ingress's Dispatcher (tiny-bd's router) with two instances on fake channels and three requests."""
     from app.config import AppConfig
@@ -131,7 +120,7 @@ def real_dispatcher():
                    per_instance_limit=cfg.engine.slots * 8 + cfg.engine.max_waiting)
     for inst_id, tp in enumerate(sorted(d.router.latency.profiles)[:1] * 2):
         d.router.add_instance(inst_id, tp)
-        d.instances[inst_id] = InstanceLink(inst_id, f"r{inst_id}", tp, FakeLink(), time.monotonic(), stats={
+        d.instances[inst_id] = InstanceLink(inst_id, f"r{inst_id}", tp, RecordingLink(), time.monotonic(), stats={
             "running": 2 + inst_id, "waiting": inst_id, "resident": 3, "rounds": 40, "filled_slots": 100,
             "kv_reserved_tokens": 1024})
     d.submit("a", [1, 2, 3, 4], 16, slo_ms=60_000)

@@ -67,7 +67,7 @@ class ProtocolDispatcher:
                 self.answered = True
             elif isinstance(msg, Add) and self.planned:
                 live = self.d.live[msg.req_id]
-                msg = dataclasses.replace(msg, planned=live.fixed is None,
+                msg = dataclasses.replace(msg, planned=live.state.fixed_threshold is None,
                                           est_rounds=self.d.router.remaining_steps(live.state))
             return send(msg)
 
