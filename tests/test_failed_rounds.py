@@ -376,14 +376,15 @@ def test_a_request_given_up_goes_to_another_instance_or_again_to_its_only_one():
     import asyncio
 
     from app.protocol import Add, ProgressBatch
-    from tests.test_dispatch import _FakeLink, make_dispatcher
+    from tests.fakes import RecordingLink
+    from tests.test_dispatch import make_dispatcher
 
     def gave_up(d, inst, attempt, status=503):
         d.handle_batch(inst, ProgressBatch(0.0, 1, 1.0, items=[ErrorItem("q", "rounds failed", status, attempt)]))
 
     async def main():
         d = make_dispatcher()
-        links = [_FakeLink(), _FakeLink()]
+        links = [RecordingLink(), RecordingLink()]
         ids = [d.attach(f"r{i}", 1, links[i], read=False) for i in range(2)]
         d.submit("q", [5, 6, 7], 8)
         first = d.live["q"].state.instance
@@ -396,7 +397,7 @@ def test_a_request_given_up_goes_to_another_instance_or_again_to_its_only_one():
         assert "q" not in d.live and [len(link.sent) for link in links] == sent
 
         alone = make_dispatcher()
-        link = _FakeLink()
+        link = RecordingLink()
         only = alone.attach("r", 1, link, read=False)
         stream = alone.submit("q", [5, 6, 7], 8)
         for attempt in range(1, alone.max_resumes + 1):

@@ -184,7 +184,8 @@ def test_the_watchdog_survives_a_failing_pass_and_restarts_when_its_task_ends(mo
     """One pass raises: logged, and the next passes still drop a silent instance. The task itself ends
     (cancelled): it starts again and goes on detecting."""
     import app.dispatch as dispatch
-    from tests.test_dispatch import _FakeLink, make_dispatcher
+    from tests.fakes import RecordingLink
+    from tests.test_dispatch import make_dispatcher
 
     monkeypatch.setattr(dispatch, "WATCHDOG_RESTART_S", 0.05)
 
@@ -192,7 +193,7 @@ def test_the_watchdog_survives_a_failing_pass_and_restarts_when_its_task_ends(mo
         now = [0.0]
         d = make_dispatcher()
         d.clock, d.dead_after_s = (lambda: now[0]), 0.2  # passes every 0.1 s (real time), silence by the fake clock
-        ids = [d.attach(f"w{i}", 1, _FakeLink(), read=False) for i in range(3)]
+        ids = [d.attach(f"w{i}", 1, RecordingLink(), read=False) for i in range(3)]
         real, calls = d._expire_parked, []
 
         def once_broken(t):
