@@ -170,8 +170,8 @@ def fake_dispatcher():
                                     draining=i == 1) for i, tp in enumerate([1, 1, 2])}
     lives = {}
     for k, t in enumerate([0.9, 0.9, 0.8, 0.7, 0.7, 0.7, 0.5]):
-        lives[f"r{k}"] = SimpleNamespace(sent_threshold=t, fixed=0.5 if t == 0.5 else None,
-                                         state=SimpleNamespace(thresholds_used=[0.9, t]))
+        lives[f"r{k}"] = SimpleNamespace(sent_threshold=t, state=SimpleNamespace(
+            thresholds_used=[0.9, t], fixed_threshold=0.5 if t == 0.5 else None))
     router = SimpleNamespace(by_id={i: SimpleNamespace(n=s["running"] + s["waiting"]) for i, s in enumerate(stats)},
                              stats={"migrations": 4, "load_control_runs": 120}, policy=SimpleNamespace(name="remask"),
                              cfg=SimpleNamespace(thresholds=(0.9, 0.8, 0.7, 0.6, 0.5)))
