@@ -28,6 +28,7 @@ Exposed names (counters are named with their ``_total`` suffix, as Prometheus ex
 ``remask:filled_slots_per_round``           histogram requests stepped per round of an instance
 ``remask:control_event_seconds``            histogram delivery of a progress batch, round loop to ingress
 ``remask:event_loop_lag_seconds``           histogram how late the ingress's event loop woke from a 10 ms sleep
+``remask:gc_pause_seconds``                 histogram the ingress's cyclic collections, ``generation``: 0, 1, 2
 ``remask:migrations_total``                 counter   requests moved between instances by the router
 ``remask:resumes_total``                    counter   resumes (from committed tokens) of successful requests
 ``remask:slo_met_total``                    counter   successful requests with an SLO that met it
@@ -138,6 +139,10 @@ class Metrics:
                                        "Delivery time of a progress batch, round loop to ingress", CONTROL_BUCKETS)
         self.lag = self._histogram("event_loop_lag_seconds",
                                    "How late the ingress's event loop woke from a 10 ms sleep", LAG_BUCKETS)
+        self.gc_pause = Histogram(PREFIX + "gc_pause_seconds", "The ingress's cyclic garbage collections",
+                                  ["model_name", "generation"], buckets=LAG_BUCKETS, registry=self.registry)
+        for generation in range(3):
+            self.gc_pause.labels(self.model_name, str(generation))
 
     def _make_counters(self) -> None:
         r, m = self.registry, self.model_name
@@ -252,6 +257,9 @@ class Metrics:
 
     def loop_lag(self, seconds: float) -> None:
         self.lag.observe(seconds)
+
+    def collected(self, generation: int, seconds: float) -> None:
+        self.gc_pause.labels(self.model_name, str(generation)).observe(seconds)
 
     def migration(self) -> None:
         self.migrations.inc()

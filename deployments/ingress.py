@@ -25,7 +25,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from app import api, playground
+from app import api, heap, playground
 from app.auth import ApiKey, Keyring, RateLimits
 from app.config import AppConfig
 from app.control_timer import ControlTimer
@@ -198,6 +198,8 @@ class Ingress:
             self.planner.start()
         self.started = time.time()
         self._document()
+        self.gc_pauses = heap.PauseTimer(self.metrics.collected)
+        heap.settle("ingress")
 
     def _document(self) -> None:
         """The OpenAPI document (``/openapi.json``) with this application's model, max_tokens limit and auth."""
@@ -364,12 +366,14 @@ class Ingress:
         return await asyncio.to_thread(self.learning.describe)
 
     async def _probe_lag(self, period_s: float = 0.01) -> None:
-        """How late the event loop wakes up: a refit, a tokenization or a solve that held it shows here."""
+        """How late the event loop wakes up: a refit, a tokenization, a solve or a collection that held it shows
+        here (and the collections timed since the last wake-up go to their histogram)."""
         loop = asyncio.get_running_loop()
         while True:
             t = loop.time()
             await asyncio.sleep(period_s)
             self.metrics.loop_lag(max(loop.time() - t - period_s, 0.0))
+            self.gc_pauses.drain()
 
     @web.get("/debug/control")
     async def control_stats(self, request: Request, since: int = 0) -> dict:

@@ -27,6 +27,7 @@ HISTOGRAMS = {"remask:time_to_first_token_seconds", "remask:inter_token_latency_
               "remask:request_queue_time_seconds", "remask:rounds_per_request", "remask:tokens_per_step",
               "remask:threshold", "remask:filled_slots_per_round", "remask:control_event_seconds",
               "remask:event_loop_lag_seconds"}
+LABELLED_HISTOGRAMS = {"remask:gc_pause_seconds"}  # by another label than model_name too (generation)
 COUNTERS = {"remask:prompt_tokens_total", "remask:generation_tokens_total", "remask:request_success_total",
             "remask:request_failure_total", "remask:migrations_total", "remask:resumes_total",
             "remask:slo_met_total", "remask:slo_missed_total", "remask:requests_shed_total"}
@@ -81,7 +82,7 @@ def one_of_each(m: Metrics) -> None:
 def test_names_types_and_model_label():
     m = Metrics(model_name=MODEL)
     text = m.render()[0].decode()
-    assert exposed_metric_names(text) == HISTOGRAMS | COUNTERS | GAUGES  # every series exists from the start
+    assert exposed_metric_names(text) == HISTOGRAMS | LABELLED_HISTOGRAMS | COUNTERS | GAUGES  # every series exists from the start
     types = {}
     for family in text_string_to_metric_families(text):
         if family.name.endswith("_created"):
@@ -90,7 +91,7 @@ def test_names_types_and_model_label():
         for s in family.samples:
             assert s.name.startswith("remask:"), s.name
             assert s.labels["model_name"] == MODEL, s
-    assert {n for n, t in types.items() if t == "histogram"} == HISTOGRAMS
+    assert {n for n, t in types.items() if t == "histogram"} == HISTOGRAMS | LABELLED_HISTOGRAMS
     assert {n + "_total" for n, t in types.items() if t == "counter"} == COUNTERS
     assert {n for n, t in types.items() if t == "gauge"} == GAUGES
     # the labelled counters' series are there at 0: rates and ratios work before the first failure
@@ -240,7 +241,7 @@ def test_dashboard_queries_only_exposed_metrics():
     exposed = exposed_metric_names(m.render()[0].decode())
     assert queried, "the dashboard queries nothing"
     assert not queried - exposed, sorted(queried - exposed)
-    assert queried == HISTOGRAMS | COUNTERS | GAUGES  # and it shows every one of them
+    assert queried == HISTOGRAMS | LABELLED_HISTOGRAMS | COUNTERS | GAUGES  # and it shows every one of them
 
 
 def test_dashboard_shape():
