@@ -512,7 +512,7 @@ class Dispatcher:
         if not stepped:
             return
         # the router's step event (the profile calibrated under this deployment's real load), the policy's
-        # migrations, and the admission governor told at once of a request foreseen to miss its SLO
+        # migrations, and the admission governor told at once of a request past its deadline
         moves = self.driver.on_round(inst_id, stepped, now, self._effective_round_ms(inst, batch), batch.kinds)
         for live, done in finished:
             self._finish(live, done)

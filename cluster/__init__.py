@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.admission import AdmissionGovernor, foreseen_miss
+from cluster.admission import AdmissionGovernor
 from cluster.estimator import FeatureStepEstimator, OnlineStepEstimator, StepEstimator, TableStepEstimator
 from cluster.latency import StepShape, TpLatencyModel
 from cluster.policies import ROUTER_POLICIES, RouterPolicy, make_router_policy
@@ -10,5 +10,5 @@ from cluster.router import Router, RouterConfig
 from cluster.state import InstanceState, RequestState
 
 __all__ = ["Router", "RouterConfig", "StepEstimator", "TableStepEstimator", "FeatureStepEstimator",
-           "OnlineStepEstimator", "AdmissionGovernor", "foreseen_miss", "TpLatencyModel", "StepShape",
+           "OnlineStepEstimator", "AdmissionGovernor", "TpLatencyModel", "StepShape",
            "ROUTER_POLICIES", "RouterPolicy", "make_router_policy", "InstanceState", "RequestState"]

@@ -4,17 +4,17 @@ simulator run the same code.
 An arrival is admitted when ``Router.admissible(state, now, util)`` holds: with the work ahead of it
 it can finish within its SLO even at the lowest threshold, and it makes no longer request miss.
 ``AdmissionGovernor`` sets ``util``, the share of the modelled capacity arrivals are admitted
-against, from the SLO attainment of the requests admitted under it; ``foreseen_miss`` tells the
-governor early of a request that will miss.
+against, from the SLO attainment of the requests admitted under it. The cluster driver tells it of a
+miss as soon as a request is past its deadline, not when it finishes.
+
+The driver used to tell it of misses it foresaw: a request whose predicted remaining steps, at the
+length of the round just run, ended past its deadline. Under load every one of them met its SLO (the
+router lowers thresholds as deadlines near, and a round with prefills is no measure of the rounds after
+it): on dilaserve-bench at rate 85 those false misses cut admission until shedding served 0.55 of the
+arrivals in time, against 0.86 admitting everything.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from cluster.router import Router
-    from cluster.state import RequestState
 
 
 class AdmissionGovernor:
@@ -61,11 +61,3 @@ class AdmissionGovernor:
             self.util = min(1.0, self.util * self.grow)
         self._met = self._n = 0
         self._start = None
-
-
-def foreseen_miss(router: Router, state: RequestState, round_ms: float, now: float) -> bool:
-    """``state`` will miss its SLO: its predicted remaining steps (and, for an exact-cache model, its
-    pending prefill steps) at ``round_ms`` a round run past its deadline. The ingress counts such a
-    request as a miss at once (``AdmissionGovernor.finished(False, ...)``), not an SLO later."""
-    left = router.remaining_steps(state) + (0 if state.full_sequence else state.heavy_left)
-    return now + left * round_ms / 1000.0 > state.deadline

@@ -16,7 +16,8 @@ writes it again:
   shuts down gracefully); a lost instance's requests are returned for the executor to resume;
 - **progress** (``on_round``): an instance's round of steps becomes the router's step event (with the
   latency profile calibrated by the round's measured time, live), the migrations the policy decides,
-  and the admission governor's early feedback (a request foreseen to miss its SLO);
+  and the admission governor's early feedback (a request past its deadline is a miss now, not at its
+  finish);
 - **thresholds** (``plan``): after each round, and when a request is placed, the thresholds of the
   instance's requests' next steps (requests with a client-fixed threshold keep it) and the router's
   estimate of their remaining rounds (the instance scheduler's r_i);
@@ -35,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.admission import AdmissionGovernor, foreseen_miss
+from cluster.admission import AdmissionGovernor
 from cluster.router import Router
 from cluster.state import RequestState
 
@@ -207,7 +208,7 @@ class ClusterDriver:
                  round_ms: float | None = None, kinds: dict | None = None) -> list[Move]:
         """An instance's round: ``stepped`` is (request, its next step is heavy, finished) per request that
         stepped (progress fields already written); ``round_ms``: what the round took (live: measured;
-        calibrates the profile when ``calibrate``; the governor's foreseen misses use it); ``kinds``: the
+        calibrates the profile when ``calibrate``); ``kinds``: the
         round's steps per kind when the instance counts them. Returns the migrations the policy decided
         (already accounted in the router). Finished requests leave the router here; the caller reports
         each with ``finished`` once it has what it needs."""
@@ -222,10 +223,10 @@ class ClusterDriver:
                 light = len(stepped) - heavy
             router.latency.calibrate(inst.tp, heavy, light, round_ms)
         moves = router.on_step(inst_id, stepped, now)
-        if self.shed and round_ms:
+        if self.shed:
             g = self.governor
             for state, _, done in stepped:
-                if not done and state.epoch == g.epoch and foreseen_miss(router, state, round_ms, now):
+                if not done and state.epoch == g.epoch and now > state.deadline:
                     state.epoch = -1  # counted now, not again when it finishes
                     g.finished(False, now, self.stats["shed"])
         out = []

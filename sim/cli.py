@@ -100,8 +100,8 @@ def add_parsers(sub) -> None:
                    "counts, comma-separated; '' for none")
     s.add_argument("--shed", choices=["auto", "on", "off"], default="auto",
                    help="cluster scenarios: refuse arrivals that cannot meet their SLO, as the live ingress does "
-                        "(auto: off for now, see sim.cluster_run.SHED_DEFAULT); refused requests count as "
-                        "SLO misses")
+                        "(auto: remask sheds, the papers' baselines admit everything: sim.cluster_run.SHED_DEFAULT); "
+                        "refused requests count as SLO misses")
     s.add_argument("--slo-factor", type=float, help="cluster scenarios: SLO = this x the isolated TP-1 latency "
                    "(default: the scenario's)")
     s.add_argument("--break-before-make", action="store_true", help="dilaserve-trace: a new instance starts only "

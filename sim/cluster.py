@@ -44,7 +44,7 @@ curve: one point per refit.
 Admission (``ClusterConfig.shed``): as the live ingress does, an arrival is refused when
 ``Router.admissible(state, now, governor.util)`` says it cannot meet its SLO even at the lowest
 thresholds, with the ``AdmissionGovernor`` adjusting ``util`` from the attainment of the admitted
-requests (and ``foreseen_miss`` telling it early of a request that will miss). Refused requests are
+requests (told of a miss as soon as a request is past its deadline, not when it finishes). Refused requests are
 counted in ``shed`` and as SLO misses.
 """
 

@@ -164,7 +164,7 @@ def test_simulate_cli_online_estimator_and_learning_curve_plot(small_table, monk
     out = json.loads(capsys.readouterr().out)
     assert out["estimator"] == "online"
     remask, infaas = out["policies"]["remask"], out["policies"]["infaas"]
-    assert not remask["shedding"] and not infaas["shedding"]  # auto: nobody sheds (SHED_DEFAULT)
+    assert remask["shedding"] and not infaas["shedding"]  # auto: remask sheds as live, the baselines admit all
     assert remask["requests"] == infaas["requests"] == 150 and infaas["shed"] == 0
     curve = remask["estimator"]["learning_curve"]
     assert [p["requests_seen"] for p in curve][:2] == [25, 75]
@@ -172,7 +172,7 @@ def test_simulate_cli_online_estimator_and_learning_curve_plot(small_table, monk
     assert "admission" in remask["estimator"]  # the admission predictor learns from the prompts too
     assert png.exists() and png.stat().st_size > 1000
     assert main(["simulate", "--scenario", "dilaserve-bench", "--policies", "remask", "--rate", "20",
-                 "--requests", "30", "--shed", "on", "--json", "--quiet"]) == 0
+                 "--requests", "30", "--shed", "off", "--json", "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["estimator"] == "table" and out["policies"]["remask"]["shedding"]
+    assert out["estimator"] == "table" and not out["policies"]["remask"]["shedding"]
     assert out["policies"]["remask"]["estimator"]["kind"] == "table"

@@ -101,6 +101,21 @@ def test_shedding_refuses_an_arrival_that_cannot_make_its_slo():
     assert d.arrive(ok, 0.0) is not None and ok.epoch == d.governor.epoch
 
 
+def test_the_governor_hears_of_a_miss_once_a_request_is_past_its_deadline():
+    """A request still running past its deadline is a miss now (the governor's feedback comes an SLO
+    sooner for long requests); one that could still make it is not, however long the round just run."""
+    d = driver(shed=True)
+    late, tight = req("late", slo=1.5), req("tight", slo=3.0)
+    for s in (late, tight):
+        assert d.arrive(s, 0.0) is not None
+    d.on_round(late.instance, [(late, False, False)], 2.0, round_ms=100.0)
+    d.on_round(tight.instance, [(tight, False, False)], 2.0, round_ms=5000.0)
+    assert late.epoch == -1 and d.governor._n == 1  # counted as a miss now, not again when it finishes
+    assert tight.epoch == d.governor.epoch  # it may still finish in time
+    d.on_round(late.instance, [(late, False, False)], 2.5, round_ms=100.0)
+    assert d.governor._n == 1  # once
+
+
 def test_per_instance_limit_sends_to_the_least_full():
     d = driver(tps=(1, 1, 1), policy="fixed-threshold", per_instance_limit=1)
     dsts = [d.arrive(req(f"r{i}"), 0.0).dst for i in range(3)]
