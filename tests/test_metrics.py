@@ -82,7 +82,8 @@ def one_of_each(m: Metrics) -> None:
 def test_names_types_and_model_label():
     m = Metrics(model_name=MODEL)
     text = m.render()[0].decode()
-    assert exposed_metric_names(text) == HISTOGRAMS | LABELLED_HISTOGRAMS | COUNTERS | GAUGES  # every series exists from the start
+    # every series exists from the start
+    assert exposed_metric_names(text) == HISTOGRAMS | LABELLED_HISTOGRAMS | COUNTERS | GAUGES
     types = {}
     for family in text_string_to_metric_families(text):
         if family.name.endswith("_created"):
