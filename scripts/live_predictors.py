@@ -69,8 +69,8 @@ def lag_while(samples: list[tuple[float, dict]], windows: list[list[float]], ins
             seconds += t1 - t0
             for le, n in b.items():
                 cum[le] = cum.get(le, 0.0) + n - a.get(le, 0.0)
-    return {"p99_s": quantile(cum, 0.99), "p50_s": quantile(cum, 0.5), "seconds": round(seconds, 1),
-            "observations": int(cum.get(float("inf"), 0))}
+    return {"p99_s": quantile(cum, 0.99), "p50_s": quantile(cum, 0.5), "share_over_5ms": share_over(cum),
+            "seconds": round(seconds, 1), "observations": int(cum.get(float("inf"), 0))}
 
 
 def lag_timeline(samples: list[tuple[float, dict]], windows: list[list[float]], over: float = 0.005) -> list:
@@ -83,6 +83,32 @@ def lag_timeline(samples: list[tuple[float, dict]], windows: list[list[float]], 
         slow = n - (b.get(bound, 0.0) - a.get(bound, 0.0))
         out.append([round(t1 - samples[0][0], 1), int(n), int(slow), any(s < t1 and e > t0 for s, e in windows)])
     return out
+
+
+def gc_pauses(text: str) -> dict[str, dict]:
+    """The ingress's garbage-collection pauses per generation (remask:gc_pause_seconds): how many, their
+    mean, and how many took over 5 ms."""
+    out: dict[str, dict] = {}
+    for line in text.splitlines():
+        if not line.startswith("remask:gc_pause_seconds"):
+            continue
+        gen = line.split('generation="', 1)[1][0]
+        g = out.setdefault(gen, {"count": 0, "sum_s": 0.0, "le_5ms": 0})
+        value = float(line.split()[-1])
+        if line.startswith("remask:gc_pause_seconds_count{"):
+            g["count"] = int(value)
+        elif line.startswith("remask:gc_pause_seconds_sum{"):
+            g["sum_s"] = value
+        elif line.startswith("remask:gc_pause_seconds_bucket{") and 'le="0.005"' in line:
+            g["le_5ms"] = int(value)
+    return {gen: {"count": g["count"], "mean_ms": round(1e3 * g["sum_s"] / g["count"], 3) if g["count"] else None,
+                  "over_5ms": g["count"] - g["le_5ms"]} for gen, g in sorted(out.items())}
+
+
+def share_over(cum: dict[float, float], bound: float = 0.005) -> float | None:
+    """Share of the observations above ``bound`` (a bucket bound) in cumulative bucket counts."""
+    total = cum.get(float("inf"), 0.0)
+    return round(1 - cum.get(bound, 0.0) / total, 5) if total else None
 
 
 def threshold_shares(text: str) -> dict[str, float]:
@@ -198,6 +224,7 @@ def main() -> int:
                "errors": summary.get("errors_by_kind"), "mean_threshold": metric_mean(metrics, "remask:threshold"),
                "requests_by_mean_threshold": threshold_shares(metrics),
                "loop_lag_p99_s": lag_quantile(metrics, 0.99), "loop_lag_p50_s": lag_quantile(metrics, 0.5),
+               "loop_lag_share_over_5ms": share_over(buckets(metrics, LAG)), "gc_pauses": gc_pauses(metrics),
                "loop_lag_while_refitting": {**lag_while(samples, windows), "refits": len(windows),
                                             "refit_seconds": round(sum(e - s for s, e in windows), 1)},
                "loop_lag_otherwise": lag_while(samples, windows, inside=False),
