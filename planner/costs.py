@@ -50,21 +50,28 @@ class StepModel:
     steps_per_token: dict[float, float] = field(default_factory=lambda: dict(DEFAULT_STEPS_PER_TOKEN))
     block_tokens: int = 32
     kv_cache: str = "approx"  # "approx": one recompute step per block, else cached; "none": all recompute
+    # a class's step distribution: (share of its requests, their steps per token / the class mean), e.g. the
+    # short requests that unmask a block per step; the default, one group at the mean, is the mean request
+    spread: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
 
     def __post_init__(self) -> None:
         if self.kv_cache not in ("approx", "none"):
             raise ValueError(f"kv_cache must be 'approx' or 'none', got {self.kv_cache!r}")
         if not self.steps_per_token or any(v <= 0 or not 0 <= t <= 1 for t, v in self.steps_per_token.items()):
             raise ValueError("steps_per_token needs thresholds in [0, 1] with positive steps per token")
+        if (not self.spread or any(s <= 0 or f <= 0 for s, f in self.spread)
+                or abs(sum(s for s, _ in self.spread) - 1.0) > 1e-6):
+            raise ValueError(f"spread needs positive (share, factor) groups whose shares sum to 1, got {self.spread}")
 
     @property
     def thresholds(self) -> list[float]:
         return sorted(self.steps_per_token)
 
-    def steps(self, output_tokens: float, threshold: float) -> tuple[int, int]:
-        """(recompute steps, cached steps) of one request of this output size at this threshold."""
+    def steps(self, output_tokens: float, threshold: float, factor: float = 1.0) -> tuple[int, int]:
+        """(recompute steps, cached steps) of one request of this output size at this threshold
+        (``factor``: a ``spread`` group's steps per token relative to the mean)."""
         blocks = max(math.ceil(output_tokens / self.block_tokens), 1)
-        total = max(math.ceil(output_tokens * self.steps_per_token[threshold]), blocks)
+        total = max(math.ceil(output_tokens * self.steps_per_token[threshold] * factor), blocks)
         if self.kv_cache == "none":
             return total, 0
         return blocks, total - blocks

@@ -56,11 +56,13 @@ class MilpResult:
     info: SolveInfo
 
 
-def solve_milp(m: Milp, solver: str = "auto", time_limit: float | None = None) -> MilpResult:
+def solve_milp(m: Milp, solver: str = "auto", time_limit: float | None = None,
+               rel_gap: float | None = None) -> MilpResult:
+    """``rel_gap``: HiGHS's relative MIP gap (default ``HIGHS_OPTIONS``'); the other solvers keep theirs."""
     name = resolve(solver)
     start = time.perf_counter()
     if name == cp.HIGHS:
-        z, status = _solve_highs(m, time_limit)
+        z, status = _solve_highs(m, time_limit, rel_gap)
         return MilpResult(z, status, SolveInfo(cp.HIGHS, status, time.perf_counter() - start))
     try:
         z, status = _solve_cvxpy(m, name, time_limit)
@@ -69,11 +71,11 @@ def solve_milp(m: Milp, solver: str = "auto", time_limit: float | None = None) -
         fallback = f"Gurobi failed ({str(exc).strip().splitlines()[0][:200]}); solved with HiGHS"
         log.warning(fallback)
         name = cp.HIGHS
-        z, status = _solve_highs(m, time_limit)
+        z, status = _solve_highs(m, time_limit, rel_gap)
     return MilpResult(z, status, SolveInfo(name, status, time.perf_counter() - start, fallback))
 
 
-def _solve_highs(m: Milp, time_limit: float | None) -> tuple[np.ndarray | None, str]:
+def _solve_highs(m: Milp, time_limit: float | None, rel_gap: float | None = None) -> tuple[np.ndarray | None, str]:
     import highspy
 
     _quiet_highs()
@@ -83,6 +85,8 @@ def _solve_highs(m: Milp, time_limit: float | None) -> tuple[np.ndarray | None, 
         h.setOptionValue(k, v)
     if time_limit is not None:
         h.setOptionValue("time_limit", float(time_limit))
+    if rel_gap is not None:
+        h.setOptionValue("mip_rel_gap", float(rel_gap))
     A = m.A.tocsc()
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = A.shape[1], A.shape[0]

@@ -150,6 +150,14 @@ class Planner:
             return Decision(True, "the running configuration is unstable or misses SLOs", proposal, current)
         gp = (proposal.primary - current.primary) / max(abs(current.primary), 1e-9)
         gs = (proposal.secondary - current.secondary) / max(abs(current.secondary), cfg.secondary_floor)
+        if proposal.slo_met is not None and current.slo_met is not None:
+            # the mixed-rounds model: the share of requests within SLO first, then the thresholds, then the slack
+            gm = (proposal.slo_met - current.slo_met) / max(current.slo_met, cfg.secondary_floor)
+            act = gm >= cfg.min_gain or (gm >= 0 and gp >= cfg.min_gain) or (gm >= 0 and gp >= 0 and gs >= cfg.min_gain)
+            reason = (f"gain within SLO {gm:+.1%}, primary {gp:+.1%}, secondary {gs:+.1%} "
+                      f"({'>=' if act else '<'} {cfg.min_gain:.0%}; "
+                      f"{current.slo_met:.3f} -> {proposal.slo_met:.3f})")
+            return Decision(act, reason, proposal, current, gp, gs)
         act = gp >= cfg.min_gain or gs >= cfg.min_gain
         reason = f"gain primary {gp:+.1%}, secondary {gs:+.1%} ({'>=' if act else '<'} {cfg.min_gain:.0%})"
         return Decision(act, reason, proposal, current, gp, gs)

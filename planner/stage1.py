@@ -56,6 +56,20 @@ class Stage1Config:
     secondary_weight: float = 1e-3  # primary + w x secondary: primary kept within w of its optimum
     time_limit_s: float | None = 1.5  # search cap; the best configuration found by then is used
     single_batch: bool = False  # True: one batch size per TP degree and step kind (binary z, z'; slower)
+    # "separate": rounds of one step kind at a batch size, a class's mean request (the model above);
+    # "mixed": rounds of every request an instance holds, both kinds, and a class's step groups
+    # (``StepModel.spread``) each within its own SLO (``planner.stage1_mixed``)
+    rounds: str = "separate"
+    levels: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)  # "mixed": occupancy levels
+    # "mixed": "milp" chooses the counts by the MILP (and the single-degree configurations as a floor);
+    # "single-degree" compares only the configurations with every GPU in one TP degree
+    mixed_search: str = "milp"
+
+    def __post_init__(self) -> None:
+        if self.rounds not in ("separate", "mixed"):
+            raise ValueError(f"rounds must be 'separate' or 'mixed', got {self.rounds!r}")
+        if self.mixed_search not in ("milp", "single-degree"):
+            raise ValueError(f"mixed_search must be 'milp' or 'single-degree', got {self.mixed_search!r}")
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,8 @@ class CapacityPlan:
         return sum(d * n for d, n in self.counts.items())
 
     secondary_weight: float = 1e-3
+    slo_met: float | None = None  # "mixed": share of requests in step groups within their SLOs (None: not modelled)
+    groups: list[dict] = field(default_factory=list)  # "mixed": per step group, its latency, SLO and whether met
 
     @property
     def objective(self) -> float | None:
@@ -208,8 +224,12 @@ def plan_capacity(classes: list[WorkloadClass], gpus: int, profiles: dict[int, L
     The reported solve time covers building the cost tables and the model as well as the solve."""
     if not classes:
         raise ValueError("Stage 1 needs at least one workload class")
-    start = time.perf_counter()
     model, config = model or StepModel(), config or Stage1Config()
+    if config.rounds == "mixed":
+        from planner.stage1_mixed import plan_capacity_mixed
+
+        return plan_capacity_mixed(classes, gpus, profiles, model, config, slots, fixed_counts)
+    start = time.perf_counter()
     tab = cost_tables(classes, profiles, model, config.batches)
     C = len(classes)
     rate = np.array([c.rate for c in classes], dtype=float)
@@ -282,3 +302,15 @@ def _infeasible(classes, tab: CostTables, w, gpus: int, cap, slo, fixed_counts, 
     return CapacityPlan(counts=counts, thresholds={c.name: tab.thresholds[0] for c in classes},
                         primary=float(w.sum() * tab.thresholds[0]), secondary=None, feasible=False, gpus=gpus,
                         slo_ms=dict(zip([c.name for c in classes], slo.round(3).tolist())), solves=tuple(solves))
+
+
+def _infeasible_mixed(classes, thresholds, degrees, w, gpus: int, cap, slo, fixed_counts, solves) -> CapacityPlan:
+    """The mixed-rounds model's fallback (only an unstable load is infeasible there): as ``_infeasible``."""
+    if fixed_counts is not None:
+        counts = {d: fixed_counts.get(d, 0) for d in degrees}
+    else:
+        counts = {d: (int(min(gpus // d, cap[i])) if i == 0 else 0) for i, d in enumerate(degrees)}
+    return CapacityPlan(counts=counts, thresholds={c.name: thresholds[0] for c in classes},
+                        primary=float(w.sum() * thresholds[0]), secondary=None, feasible=False, gpus=gpus,
+                        slo_ms=dict(zip([c.name for c in classes], np.round(slo, 3).tolist())), solves=tuple(solves),
+                        slo_met=0.0)

@@ -1,0 +1,314 @@
+"""Stage 1 with mixed rounds (``Stage1Config(rounds="mixed")``): what an instance's requests see when
+every round holds all of them, recompute and cached steps together.
+
+The separate-rounds model of ``planner.stage1`` costs a step at a batch of b steps of its own kind and
+lets a class spread its recompute and its cached steps over different batch sizes. On an instance
+every active request takes one step per round, and a round's forwards of the two kinds add up. So:
+
+- **Occupancy per TP degree.** Each TP group runs at one occupancy level ``l`` (requests per round,
+  binary ``z[d, l]``, one level per degree): every request routed there sees its rounds at that level.
+  The group's throughput is ``l / M(l)`` steps per ms, M the expected round time; stability asks the
+  group's steps per second to stay within ``utilisation x R[d]`` of it. The smallest level that
+  carries the load is the one the group's queue settles at (Little's law), and the objective picks it.
+- **Mixed round times.** With a share rho_t of the workload's steps recompute steps at threshold t (all
+  classes at t; rate-weighted over classes and their step groups), the other ``l - 1`` requests of a
+  round are J ~ Binomial(l - 1, rho_t) recompute steps (at the workload's mean sequence length) and the
+  rest cached steps; a step's latency is the expected round time with it in it, by its kind. A
+  request's latency is its recompute steps times the first plus its cached steps times the second.
+- **A class's step distribution.** ``StepModel.spread`` splits a class into step groups (share of its
+  requests, steps relative to the mean), each with its own SLO (the SLO scale times its own isolated
+  latency, or the class's explicit SLO scaled to its steps). The router does not know a request's steps
+  when it places it, so a class's groups share its placement ``y[c, t, d, l]`` (the share of its
+  requests at threshold t on degree d at level l); each group's latency is checked on its own. The
+  short requests that unmask a block per step (all recompute, the tightest per-step budget) then need
+  a TP degree whose rounds at its occupancy stay within their budget.
+- **Soft SLOs.** A group may be given up (binary ``u[q]``: its SLO constraint off). The objective is
+  lexicographic: the share of requests within their SLOs first (``slo_met``), then the average threshold
+  per output token (primary), then the average SLO slack (secondary). Only an unstable load is
+  infeasible (then: all TP-1 at the lowest thresholds, as in the separate-rounds model).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import scipy.sparse as sp
+
+from engine.latency_profile import LatencyProfile
+from planner.costs import StepModel
+from planner.milp import SOLVED, Milp, solve_milp
+from planner.workload import WorkloadClass
+
+DEFAULT_LEVELS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)
+SLO_WEIGHT = 100.0  # objective weight of the share of requests within SLO: above any threshold difference
+# HiGHS's relative gap here: the SLO share and the thresholds are resolved (to 1e-3 of SLO_WEIGHT), the slack,
+# a tie-breaker, is not searched to the end (it made solves hit the time limit)
+REL_GAP = 1e-4
+
+
+@dataclass(frozen=True)
+class MixedTables:
+    """Step groups q (class ``group_class[q]``), thresholds t, degrees d, occupancy levels l."""
+
+    degrees: tuple[int, ...]
+    levels: tuple[int, ...]
+    thresholds: tuple[float, ...]
+    group_class: np.ndarray  # (Q,) class index
+    group_share: np.ndarray  # (Q,) share of its class's requests
+    s_rec: np.ndarray  # (Q, T) recompute steps per request
+    s_cac: np.ndarray  # (Q, T) cached steps per request
+    latency: np.ndarray  # (Q, T, D, L) ms per request, all its steps at that level
+    step_ms: np.ndarray  # (T, D, L) instance ms per step (round time / occupancy)
+    isolated: np.ndarray  # (Q,) alone on TP-1 at the highest threshold (the SLO base), ms
+    rho: np.ndarray  # (T,) the workload's recompute share of steps
+
+    @property
+    def class_steps(self) -> np.ndarray:
+        """(C, T) mean steps per request of each class (its groups weighted by share)."""
+        C = int(self.group_class.max()) + 1
+        out = np.zeros((C, len(self.thresholds)))
+        np.add.at(out, self.group_class, self.group_share[:, None] * (self.s_rec + self.s_cac))
+        return out
+
+
+def _binom(n: int, p: float) -> np.ndarray:
+    """P(J = j), j = 0..n, J ~ Binomial(n, p)."""
+    j = np.arange(n + 1)
+    logc = np.array([math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) for k in j])
+    if p <= 0.0:
+        return (j == 0).astype(float)
+    if p >= 1.0:
+        return (j == n).astype(float)
+    return np.exp(logc + j * math.log(p) + (n - j) * math.log1p(-p))
+
+
+def _curve(prof: LatencyProfile, kind: str, tokens) -> np.ndarray:
+    """``prof.curve_ms`` over an array of token counts (0 for none)."""
+    pts = prof.curves.get(kind) or prof.curves["denoise"]
+    x = np.asarray(tokens, dtype=float)
+    if len(pts) == 1:
+        y = pts[0][1] * x / pts[0][0]
+    else:
+        xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+        seg = np.clip(np.searchsorted(xs, x, side="left") - 1, 0, len(xs) - 2)
+        y = ys[seg] + (ys[seg + 1] - ys[seg]) * (x - xs[seg]) / (xs[seg + 1] - xs[seg])
+        y = np.maximum(y, 0.05 * ys[seg])
+    return np.where(x > 0, y, 0.0)
+
+
+def mixed_tables(classes: list[WorkloadClass], profiles: dict[int, LatencyProfile], model: StepModel,
+                 levels: tuple[int, ...] = DEFAULT_LEVELS) -> MixedTables:
+    degrees, thresholds = tuple(sorted(profiles)), tuple(model.thresholds)
+    if not levels or any(level < 1 for level in levels) or list(levels) != sorted(set(levels)):
+        raise ValueError(f"levels must be increasing positive occupancies, got {levels}")
+    blk = float(model.block_tokens)
+    gc, gs, gf = [], [], []
+    for c in range(len(classes)):
+        for share, factor in model.spread:
+            gc.append(c)
+            gs.append(share)
+            gf.append(factor)
+    Q, T, D, L = len(gc), len(thresholds), len(degrees), len(levels)
+    group_class, group_share = np.array(gc), np.array(gs)
+    s_rec, s_cac = np.zeros((Q, T)), np.zeros((Q, T))
+    for q in range(Q):
+        out = classes[gc[q]].output_tokens
+        for t, th in enumerate(thresholds):
+            s_rec[q, t], s_cac[q, t] = model.steps(out, th, gf[q])
+    seq_q = np.array([classes[c].input_tokens + classes[c].output_tokens for c in gc], dtype=float)
+    rate = np.array([classes[c].rate for c in gc]) * group_share
+    weight = rate if rate.sum() > 0 else group_share
+    rho = (weight[:, None] * s_rec).sum(axis=0) / (weight[:, None] * (s_rec + s_cac)).sum(axis=0)  # (T,)
+    seq = float((weight * seq_q).sum() / weight.sum())  # the other requests' sequence length
+    latency, step_ms = np.zeros((Q, T, D, L)), np.zeros((T, D, L))
+    for k, d in enumerate(degrees):
+        prof = profiles[d]
+        far = max(seq - prof.ref_context, 0.0) * prof.attn_ms_per_pair  # attention extra per query token, others
+        own_far = np.maximum(seq_q - prof.ref_context, 0.0) * prof.attn_ms_per_pair  # ... group q's own
+        for t in range(T):
+            r = float(rho[t])
+            attn_other = (r * seq + (1 - r) * blk) * far  # expected attention extra of one other step
+            for m, lv in enumerate(levels):
+                # a round at occupancy lv: J ~ Bin(lv, rho) recompute steps, lv - J cached
+                j = np.arange(lv + 1)
+                full = _binom(lv, r) @ (_curve(prof, "recompute", j * seq) + _curve(prof, "cached", (lv - j) * blk))
+                step_ms[t, k, m] = (full + lv * attn_other + prof.overhead_ms) / lv
+                # a step's round: it and lv - 1 others, J ~ Bin(lv - 1, rho) of them recompute steps
+                j = np.arange(lv)
+                pj = _binom(lv - 1, r)
+                others = (lv - 1) * attn_other + prof.overhead_ms
+                rec = (_curve(prof, "recompute", seq_q[:, None] + j[None, :] * seq)
+                       + _curve(prof, "cached", (lv - 1 - j) * blk)[None, :]) @ pj
+                cac = pj @ (_curve(prof, "recompute", j * seq) + _curve(prof, "cached", (lv - j) * blk))
+                latency[:, t, k, m] = (s_rec[:, t] * (rec + seq_q * own_far + others)
+                                       + s_cac[:, t] * (cac + blk * own_far + others))
+    base = profiles[degrees[0]]
+    top = T - 1
+    iso_rec = _curve(base, "recompute", seq_q) + seq_q * np.maximum(seq_q - base.ref_context, 0) * base.attn_ms_per_pair
+    iso_cac = _curve(base, "cached", np.full(Q, blk)) + blk * np.maximum(seq_q - base.ref_context, 0) * \
+        base.attn_ms_per_pair
+    isolated = s_rec[:, top] * (iso_rec + base.overhead_ms) + s_cac[:, top] * (iso_cac + base.overhead_ms)
+    return MixedTables(degrees, tuple(levels), thresholds, group_class, group_share, s_rec, s_cac, latency,
+                       step_ms, isolated, rho)
+
+
+def rank(plan) -> tuple:
+    """Order of plans in this model: the share within SLO, then the primary, then the secondary objective."""
+    if not plan.feasible:
+        return (-1.0, 0.0, 0.0)
+    return (round(plan.slo_met, 4), round(plan.primary, 4), plan.secondary)
+
+
+def plan_capacity_mixed(classes: list[WorkloadClass], gpus: int, profiles: dict[int, LatencyProfile],
+                        model: StepModel, config, slots: dict[int, int] | None = None,
+                        fixed_counts: dict[int, int] | None = None):
+    """Stage 1 in the mixed-rounds model (arguments as ``stage1.plan_capacity``, which calls it).
+
+    Choosing the counts, the MILP's answer (its search capped at ``config.time_limit_s``) is compared
+    with each single-degree configuration (every GPU in TP-d instances, evaluated with the counts fixed,
+    one small solve each): the best by ``rank`` is the plan. On loads where the occupancy levels and the
+    split of classes over degrees leave the search far from done at the cap, this keeps the plan at
+    least as good as the best single-degree one."""
+    tab = mixed_tables(classes, profiles, model, config.levels)
+    if fixed_counts is not None:
+        return _solve_mixed(classes, gpus, tab, config, slots, fixed_counts)
+    best, solves = None, []
+    if config.mixed_search == "milp":
+        best = _solve_mixed(classes, gpus, tab, config, slots, None)
+        solves = list(best.solves)
+    cap = {d: (slots or {}).get(d, gpus // d) for d in tab.degrees}
+    for d in tab.degrees:
+        counts = {k: (min(gpus // d, cap[d]) if k == d else 0) for k in tab.degrees}
+        if not counts[d]:
+            continue
+        alt = _solve_mixed(classes, gpus, tab, config, slots, counts)
+        solves += list(alt.solves)
+        if best is None or rank(alt) > rank(best):
+            best = alt
+    if best is None:
+        raise ValueError("no TP degree has a slot for an instance")
+    return replace(best, solves=tuple(solves))
+
+
+def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, config, slots, fixed_counts):
+    from planner.stage1 import CapacityPlan, _fill, _infeasible_mixed
+
+    start = time.perf_counter()
+    C, T, D, L, Q = len(classes), len(tab.thresholds), len(tab.degrees), len(tab.levels), len(tab.group_class)
+    rate = np.array([c.rate for c in classes], dtype=float)
+    out = np.array([c.output_tokens for c in classes], dtype=float)
+    gc = tab.group_class
+    # SLO per group: the class's explicit SLO scaled to the group's isolated latency, else slo_scale x it
+    class_iso = np.zeros(C)
+    np.add.at(class_iso, gc, tab.group_share * tab.isolated)
+    slo = np.array([classes[c].slo_ms * tab.isolated[q] / class_iso[c] if classes[c].slo_ms is not None
+                    else config.slo_scale * tab.isolated[q] for q, c in enumerate(gc)])
+    w = rate * out if rate.sum() > 0 else out
+    w = w / w.sum()
+    cv = rate / rate.sum() if rate.sum() > 0 else np.full(C, 1.0 / C)
+    v = cv[gc] * tab.group_share  # (Q,) share of all requests
+    cap = np.array([(slots or {}).get(d, gpus // d) for d in tab.degrees], dtype=float)
+
+    # columns: x[c, t] | R[d] | z[d, l] | y[c, t, d, l] | m[q, d] | a[q, d]
+    ox, oR, oz = 0, C * T, C * T + D
+    oy = oz + D * L
+    om = oy + C * T * D * L
+    oa = om + Q * D
+    n = oa + Q * D
+    yc, yt, yd, yl = (a.ravel() for a in np.meshgrid(np.arange(C), np.arange(T), np.arange(D), np.arange(L),
+                                                      indexing="ij"))
+    ycol = oy + np.arange(len(yc))
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def block(r, c, val, lo_, hi_):
+        base = sum(len(x) for x in lo)
+        rows.append(np.asarray(r) + base)
+        cols.append(np.asarray(c))
+        vals.append(np.asarray(val, dtype=float))
+        lo.append(np.asarray(lo_, dtype=float))
+        hi.append(np.asarray(hi_, dtype=float))
+
+    xc, xt = np.repeat(np.arange(C), T), np.tile(np.arange(T), C)
+    block(xc, ox + np.arange(C * T), np.ones(C * T), np.ones(C), np.ones(C))  # one threshold per class
+    # a class's requests at its threshold are all placed: sum_{d,l} y[c, t, d, l] = x[c, t]
+    block(np.r_[yc * T + yt, xc * T + xt], np.r_[ycol, ox + np.arange(C * T)],
+          np.r_[np.ones(len(yc)), -np.ones(C * T)], np.zeros(C * T), np.zeros(C * T))
+    # m[q, d] = 1 only if group q's requests on degree d meet their SLO at the class's threshold and the
+    # degree's level: m[q, d] + x[c, t] + sum_{l: late} z[d, l] <= 2 for every t
+    late = tab.latency > slo[:, None, None, None] * (1 + 1e-9)  # (Q, T, D, L)
+    mq, mt, md = (a.ravel() for a in np.meshgrid(np.arange(Q), np.arange(T), np.arange(D), indexing="ij"))
+    lq, lt, ld, ll = np.nonzero(late)
+    row_of = (lq * T + lt) * D + ld
+    nr = Q * T * D
+    block(np.r_[np.arange(nr), np.arange(nr), row_of],
+          np.r_[om + mq * D + md, ox + gc[mq] * T + mt, oz + ld * L + ll],
+          np.ones(2 * nr + len(lq)), np.full(nr, -np.inf), np.full(nr, 2.0))
+    # credit a[q, d] <= m[q, d] and <= the class's share on d
+    qd = np.arange(Q * D)
+    block(np.r_[qd, qd], np.r_[oa + qd, om + qd], np.r_[np.ones(Q * D), -np.ones(Q * D)], np.full(Q * D, -np.inf),
+          np.zeros(Q * D))
+    sq, sy = np.nonzero(gc[:, None] == yc[None, :])  # group q, a y column of its class
+    block(np.r_[np.arange(Q * D), sq * D + yd[sy]], np.r_[oa + np.arange(Q * D), ycol[sy]],
+          np.r_[np.ones(Q * D), -np.ones(len(sq))], np.full(Q * D, -np.inf), np.zeros(Q * D))
+    # stability per degree: steps per second x instance ms per step <= utilisation x R[d] (x 1000)
+    load_y = rate[yc] * tab.class_steps[yc, yt] * tab.step_ms[yt, yd, yl] / 1e3
+    block(np.r_[yd, np.arange(D)], np.r_[ycol, oR + np.arange(D)], np.r_[load_y, np.full(D, -config.utilisation)],
+          np.full(D, -np.inf), np.zeros(D))
+    block(np.zeros(D, dtype=int), oR + np.arange(D), np.asarray(tab.degrees, dtype=float), [-np.inf], [gpus])
+    zd = np.repeat(np.arange(D), L)
+    block(zd, oz + np.arange(D * L), np.ones(D * L), np.full(D, -np.inf), np.ones(D))  # one level per degree
+    # requests only at a degree's level: y[c, t, d, l] <= z[d, l]
+    ny = len(yc)
+    block(np.r_[np.arange(ny), np.arange(ny)], np.r_[ycol, oz + yd * L + yl], np.r_[np.ones(ny), -np.ones(ny)],
+          np.full(ny, -np.inf), np.zeros(ny))
+    A = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                      shape=(sum(len(x) for x in lo), n))
+    col_lo, col_hi = np.zeros(n), np.ones(n)
+    col_hi[oR:oR + D] = cap
+    if fixed_counts is not None:
+        fixed = np.array([fixed_counts.get(d, 0) for d in tab.degrees], dtype=float)
+        col_lo[oR:oR + D] = col_hi[oR:oR + D] = fixed
+    integer = np.zeros(n, dtype=bool)
+    integer[:oy] = True  # x, R, z; m and a are 0/1 wherever x and z are
+    cost = np.zeros(n)  # minimise -SLO_WEIGHT x (share within SLO) - primary + w x (mean latency / SLO)
+    cost[ox:ox + C * T] = -(w[xc] * np.asarray(tab.thresholds)[xt])
+    cost[oa:] = -SLO_WEIGHT * np.repeat(v, D)
+    lat_y = tab.latency[:, yt, yd, yl]  # (Q, Y)
+    np.add.at(cost, ycol[sy], config.secondary_weight * v[sq] * lat_y[sq, sy] / slo[sq])
+    res = solve_milp(Milp(cost, A, np.concatenate(lo), np.concatenate(hi), col_lo, col_hi, integer),
+                     config.solver, config.time_limit_s, REL_GAP)
+    names = [c.name for c in classes]
+    class_slo = np.bincount(gc, tab.group_share * slo, minlength=C)
+    if res.status not in SOLVED or res.z is None:
+        info = replace(res.info, seconds=time.perf_counter() - start)
+        return _infeasible_mixed(classes, tab.thresholds, tab.degrees, w, gpus, cap, class_slo, fixed_counts, (info,))
+    z = res.z
+    x = z[:C * T].reshape(C, T)
+    R = z[oR:oR + D]
+    level = z[oz:oz + D * L].reshape(D, L)
+    y = np.maximum(z[oy:om], 0.0)
+    credit = np.maximum(z[oa:], 0.0).reshape(Q, D).sum(axis=1)  # share of each group within SLO
+    group_lat = np.bincount(sq, lat_y[sq, sy] * y[sy], minlength=Q)
+    load = np.bincount(yd, y * load_y, minlength=D)
+    chosen = x.argmax(axis=1)
+    th = np.asarray(tab.thresholds)
+    counts = {d: int(round(k)) for d, k in zip(tab.degrees, R)}
+    if fixed_counts is None:
+        counts = _fill(counts, load, tab.degrees, gpus, cap)
+    lv = {d: tab.levels[int(level[i].argmax())] for i, d in enumerate(tab.degrees) if load[i] > 1e-9}
+    info = replace(res.info, seconds=time.perf_counter() - start)
+    return CapacityPlan(
+        counts=counts, thresholds={nm: tab.thresholds[t] for nm, t in zip(names, chosen)},
+        primary=float((w * th[chosen]).sum()), secondary=float(1.0 - v @ (group_lat / slo)), feasible=True,
+        gpus=gpus, batch_recompute=dict(lv), batch_cached=dict(lv),
+        utilisation={d: float(load[i] / counts[d]) for i, d in enumerate(tab.degrees) if counts[d]},
+        latency_ms=dict(zip(names, np.bincount(gc, tab.group_share * group_lat, minlength=C).round(3).tolist())),
+        slo_ms=dict(zip(names, class_slo.round(3).tolist())), solves=(info,),
+        secondary_weight=config.secondary_weight, slo_met=float(v @ np.minimum(credit, 1.0)),
+        groups=[{"class": names[c], "share": round(float(tab.group_share[q]), 4),
+                 "steps": round(float(tab.s_rec[q, chosen[c]] + tab.s_cac[q, chosen[c]]), 1),
+                 "latency_ms": round(float(group_lat[q]), 3), "slo_ms": round(float(slo[q]), 3),
+                 "within_slo": round(float(min(credit[q], 1.0)), 4)} for q, c in enumerate(gc)])
