@@ -27,6 +27,12 @@ log = logging.getLogger(__name__)
 class PlannerConfig:
     period_s: float = 300.0  # re-plan every 5 minutes
     min_gain: float = 0.10  # act only when the primary or the secondary objective improves this much
+    # the mixed-rounds Stage 1 (plans with ``slo_met``): a change is priced. It takes ``change_s`` (new
+    # instances load while the old ones serve, ``overlap_slowdown`` times slower); it pays when the share
+    # of the period's requests within SLO it gains, less what the overlap loses, is at least ``min_met_gain``
+    min_met_gain: float = 0.02
+    change_s: float = 0.0
+    overlap_slowdown: float = 1.0
     secondary_floor: float = 0.05  # relative gains in slack are taken over max(|current slack|, floor)
     stage1: Stage1Config = field(default_factory=Stage1Config)
     stage2: Stage2Config = field(default_factory=Stage2Config)
@@ -151,13 +157,27 @@ class Planner:
         gp = (proposal.primary - current.primary) / max(abs(current.primary), 1e-9)
         gs = (proposal.secondary - current.secondary) / max(abs(current.secondary), cfg.secondary_floor)
         if proposal.slo_met is not None and current.slo_met is not None:
-            # the mixed-rounds model: the share of requests within SLO first, then the thresholds, then the slack
-            gm = (proposal.slo_met - current.slo_met) / max(current.slo_met, cfg.secondary_floor)
-            act = gm >= cfg.min_gain or (gm >= 0 and gp >= cfg.min_gain) or (gm >= 0 and gp >= 0 and gs >= cfg.min_gain)
-            reason = (f"gain within SLO {gm:+.1%}, primary {gp:+.1%}, secondary {gs:+.1%} "
-                      f"({'>=' if act else '<'} {cfg.min_gain:.0%}; "
-                      f"{current.slo_met:.3f} -> {proposal.slo_met:.3f})")
-            return Decision(act, reason, proposal, current, gp, gs)
+            return self._priced(proposal, current, gp, gs, args)
         act = gp >= cfg.min_gain or gs >= cfg.min_gain
         reason = f"gain primary {gp:+.1%}, secondary {gs:+.1%} ({'>=' if act else '<'} {cfg.min_gain:.0%})"
+        return Decision(act, reason, proposal, current, gp, gs)
+
+    def _priced(self, proposal: CapacityPlan, current: CapacityPlan, gp: float, gs: float, args) -> Decision:
+        """The mixed-rounds model's decision: the share within SLO a change gains over the rest of the period
+        against what the running instances lose while the new ones load beside them; with no loss of that
+        share, a threshold or slack gain of ``min_gain`` acts too (low load: positions the mix for a rise)."""
+        cfg = self.config
+        span = max(cfg.period_s - cfg.change_s, 0.0)
+        loss, during = 0.0, current.slo_met
+        if cfg.change_s > 0 and cfg.overlap_slowdown != 1.0:
+            classes, gpus, profiles, steps, stage1, slots = args
+            slow = {d: p.scaled(cfg.overlap_slowdown) for d, p in profiles.items()}
+            during = plan_capacity(classes, gpus, slow, steps, stage1, slots,
+                                   fixed_counts=self.current_counts()).slo_met or 0.0
+            loss = max(current.slo_met - during, 0.0) * cfg.change_s
+        net = ((proposal.slo_met - current.slo_met) * span - loss) / cfg.period_s
+        act = net >= cfg.min_met_gain or (net >= 0 and (gp >= cfg.min_gain or (gp >= 0 and gs >= cfg.min_gain)))
+        reason = (f"within SLO {current.slo_met:.3f} -> {proposal.slo_met:.3f} ({during:.3f} during the change), "
+                  f"net {net:+.3f} ({'>=' if net >= cfg.min_met_gain else '<'} {cfg.min_met_gain}); "
+                  f"primary {gp:+.1%}, secondary {gs:+.1%}: {'act' if act else 'keep'}")
         return Decision(act, reason, proposal, current, gp, gs)

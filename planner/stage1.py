@@ -64,6 +64,7 @@ class Stage1Config:
     # "mixed": "milp" chooses the counts by the MILP (and the single-degree configurations as a floor);
     # "single-degree" compares only the configurations with every GPU in one TP degree
     mixed_search: str = "milp"
+    shed: bool = True  # "mixed": requests that would miss their SLO may be refused (admission control), costing nothing
 
     def __post_init__(self) -> None:
         if self.rounds not in ("separate", "mixed"):

@@ -212,15 +212,22 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     v = cv[gc] * tab.group_share  # (Q,) share of all requests
     cap = np.array([(slots or {}).get(d, gpus // d) for d in tab.degrees], dtype=float)
 
-    # columns: x[c, t] | R[d] | z[d, l] | y[c, t, d, l] | m[q, d] | a[q, d]
+    # columns: x[c, t] | R[d] | z[d, l] | y[c, t, d, l] | m[q, d] | a[q, d] | e[q, t, d, l] (with ``shed``)
     ox, oR, oz = 0, C * T, C * T + D
     oy = oz + D * L
     om = oy + C * T * D * L
     oa = om + Q * D
-    n = oa + Q * D
+    oe = oa + Q * D
     yc, yt, yd, yl = (a.ravel() for a in np.meshgrid(np.arange(C), np.arange(T), np.arange(D), np.arange(L),
                                                       indexing="ij"))
     ycol = oy + np.arange(len(yc))
+    sq, sy = np.nonzero(gc[:, None] == yc[None, :])  # group q, a y column of its class
+    late = tab.latency > slo[:, None, None, None] * (1 + 1e-9)  # (Q, T, D, L)
+    # what admission control refuses: requests that would miss their SLO there (e[p] for these pairs p)
+    es = np.nonzero(late[sq, yt[sy], yd[sy], yl[sy]])[0] if config.shed else np.zeros(0, dtype=int)
+    ne = len(es)
+    n = oe + ne
+    ecol = oe + np.arange(ne)
     rows, cols, vals, lo, hi = [], [], [], [], []
 
     def block(r, c, val, lo_, hi_):
@@ -238,7 +245,6 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
           np.r_[np.ones(len(yc)), -np.ones(C * T)], np.zeros(C * T), np.zeros(C * T))
     # m[q, d] = 1 only if group q's requests on degree d meet their SLO at the class's threshold and the
     # degree's level: m[q, d] + x[c, t] + sum_{l: late} z[d, l] <= 2 for every t
-    late = tab.latency > slo[:, None, None, None] * (1 + 1e-9)  # (Q, T, D, L)
     mq, mt, md = (a.ravel() for a in np.meshgrid(np.arange(Q), np.arange(T), np.arange(D), indexing="ij"))
     lq, lt, ld, ll = np.nonzero(late)
     row_of = (lq * T + lt) * D + ld
@@ -246,17 +252,24 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     block(np.r_[np.arange(nr), np.arange(nr), row_of],
           np.r_[om + mq * D + md, ox + gc[mq] * T + mt, oz + ld * L + ll],
           np.ones(2 * nr + len(lq)), np.full(nr, -np.inf), np.full(nr, 2.0))
-    # credit a[q, d] <= m[q, d] and <= the class's share on d
+    # credit a[q, d] <= m[q, d] and <= the class's share on d less what of the group is refused there
     qd = np.arange(Q * D)
     block(np.r_[qd, qd], np.r_[oa + qd, om + qd], np.r_[np.ones(Q * D), -np.ones(Q * D)], np.full(Q * D, -np.inf),
           np.zeros(Q * D))
-    sq, sy = np.nonzero(gc[:, None] == yc[None, :])  # group q, a y column of its class
-    block(np.r_[np.arange(Q * D), sq * D + yd[sy]], np.r_[oa + np.arange(Q * D), ycol[sy]],
-          np.r_[np.ones(Q * D), -np.ones(len(sq))], np.full(Q * D, -np.inf), np.zeros(Q * D))
-    # stability per degree: steps per second x instance ms per step <= utilisation x R[d] (x 1000)
+    block(np.r_[np.arange(Q * D), sq * D + yd[sy], (sq * D + yd[sy])[es]],
+          np.r_[oa + np.arange(Q * D), ycol[sy], ecol],
+          np.r_[np.ones(Q * D), -np.ones(len(sq)), np.ones(ne)], np.full(Q * D, -np.inf), np.zeros(Q * D))
+    # refused requests (admission control): at most those placed there, e[q, t, d, l] <= y[c, t, d, l]
+    block(np.r_[np.arange(ne), np.arange(ne)], np.r_[ecol, ycol[sy[es]]], np.r_[np.ones(ne), -np.ones(ne)],
+          np.full(ne, -np.inf), np.zeros(ne))
+    # stability per degree: steps per second x instance ms per step <= utilisation x R[d] (x 1000); refused
+    # requests cost nothing
     load_y = rate[yc] * tab.class_steps[yc, yt] * tab.step_ms[yt, yd, yl] / 1e3
-    block(np.r_[yd, np.arange(D)], np.r_[ycol, oR + np.arange(D)], np.r_[load_y, np.full(D, -config.utilisation)],
-          np.full(D, -np.inf), np.zeros(D))
+    group_steps = tab.s_rec + tab.s_cac
+    load_e = (rate[gc[sq]] * tab.group_share[sq] * group_steps[sq, yt[sy]] * tab.step_ms[yt[sy], yd[sy], yl[sy]]
+              / 1e3)[es]
+    block(np.r_[yd, yd[sy[es]], np.arange(D)], np.r_[ycol, ecol, oR + np.arange(D)],
+          np.r_[load_y, -load_e, np.full(D, -config.utilisation)], np.full(D, -np.inf), np.zeros(D))
     block(np.zeros(D, dtype=int), oR + np.arange(D), np.asarray(tab.degrees, dtype=float), [-np.inf], [gpus])
     zd = np.repeat(np.arange(D), L)
     block(zd, oz + np.arange(D * L), np.ones(D * L), np.full(D, -np.inf), np.ones(D))  # one level per degree
@@ -275,7 +288,7 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     integer[:oy] = True  # x, R, z; m and a are 0/1 wherever x and z are
     cost = np.zeros(n)  # minimise -SLO_WEIGHT x (share within SLO) - primary + w x (mean latency / SLO)
     cost[ox:ox + C * T] = -(w[xc] * np.asarray(tab.thresholds)[xt])
-    cost[oa:] = -SLO_WEIGHT * np.repeat(v, D)
+    cost[oa:oe] = -SLO_WEIGHT * np.repeat(v, D)
     lat_y = tab.latency[:, yt, yd, yl]  # (Q, Y)
     np.add.at(cost, ycol[sy], config.secondary_weight * v[sq] * lat_y[sq, sy] / slo[sq])
     res = solve_milp(Milp(cost, A, np.concatenate(lo), np.concatenate(hi), col_lo, col_hi, integer),
@@ -290,9 +303,11 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     R = z[oR:oR + D]
     level = z[oz:oz + D * L].reshape(D, L)
     y = np.maximum(z[oy:om], 0.0)
-    credit = np.maximum(z[oa:], 0.0).reshape(Q, D).sum(axis=1)  # share of each group within SLO
+    credit = np.maximum(z[oa:oe], 0.0).reshape(Q, D).sum(axis=1)  # share of each group within SLO
+    e = np.maximum(z[oe:], 0.0)
+    refused = np.bincount(sq[es], e, minlength=Q)
     group_lat = np.bincount(sq, lat_y[sq, sy] * y[sy], minlength=Q)
-    load = np.bincount(yd, y * load_y, minlength=D)
+    load = np.bincount(yd, y * load_y, minlength=D) - np.bincount(yd[sy[es]], e * load_e, minlength=D)
     chosen = x.argmax(axis=1)
     th = np.asarray(tab.thresholds)
     counts = {d: int(round(k)) for d, k in zip(tab.degrees, R)}
@@ -311,4 +326,5 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
         groups=[{"class": names[c], "share": round(float(tab.group_share[q]), 4),
                  "steps": round(float(tab.s_rec[q, chosen[c]] + tab.s_cac[q, chosen[c]]), 1),
                  "latency_ms": round(float(group_lat[q]), 3), "slo_ms": round(float(slo[q]), 3),
-                 "within_slo": round(float(min(credit[q], 1.0)), 4)} for q, c in enumerate(gc)])
+                 "within_slo": round(float(min(credit[q], 1.0)), 4), "refused": round(float(refused[q]), 4)}
+                for q, c in enumerate(gc)])

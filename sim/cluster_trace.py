@@ -16,11 +16,14 @@ instance mixes of the same GPUs.
   at the real rates make a trace ``compression`` times shorter, and the planner's period and
   window, the instances' start-up delay and the reporting windows shrink by the same factor.
   Request-level time (step latencies, SLOs, migrations) is real. The report states the factor.
-- Reconfiguration: ``planner.Planner`` (Stage 1 + 10% hysteresis + Stage 2) on the cluster's nodes,
-  its workload monitor fed by the arrivals (sized for the window's busiest minute and for where its
-  trend is a period ahead, plus the 20% buffer), its step model measured on this workload
-  (``step_model``), its SLO scale the scenario's; ``sim.reconfig.PlannerController`` carries the
-  transitions out (start-up delay, drain and migrate, nothing dropped).
+- Reconfiguration: ``planner.Planner`` (Stage 1 in the mixed-rounds model over the single-degree
+  configurations, a change priced against its overlap, Stage 2) on the cluster's nodes, its workload
+  monitor fed by the arrivals (sized for the window's busiest minute), its step model measured on this
+  workload (``step_model``: steps per token and five step groups), its SLO scale the scenario's;
+  ``sim.reconfig.PlannerController`` carries the transitions out (start-up delay, drain and migrate,
+  nothing dropped). ``stage1_rounds="separate"`` with ``buffer=0.2`` and ``monitor_lookahead_s=300``
+  is the planner of the first measurements.
+- Load calibration (``capacity_rps``) is frozen (``CALIBRATION``): it does not follow the planner's Stage 1.
 - Static configurations: every mix in ``statics`` (TP-1, TP-2, TP-4 counts) for the whole trace.
 
 ``run_trace`` returns a JSON-able report (per configuration: ``cluster.summarize``; per reporting
@@ -68,11 +71,18 @@ class TraceScenario:
     burst_factor: float = 1.3
     period_s: float = 300.0  # planner period, real seconds
     window_s: float = 300.0  # workload monitor window, real seconds
-    buffer: float = 0.2  # monitor's safety buffer on rates
-    monitor_slices: int = 5  # the monitor sizes for the busiest minute of its window (1: the window's mean)
-    monitor_lookahead_s: float = 300.0  # ... or for where the window's trend is a period ahead, if higher (0: off)
+    # the monitor sizes for the busiest minute of its window (slices: 1 for the window's mean), with no buffer
+    # and no trend: the mixed-rounds Stage 1 estimates the share within SLO itself, and a margin on the rates
+    # on top made it leave TP-4 early (the separate-rounds planner was measured with buffer 0.2, lookahead 300)
+    buffer: float = 0.0  # monitor's safety buffer on rates
+    monitor_slices: int = 5
+    monitor_lookahead_s: float = 0.0  # ... or for where the window's trend is a period ahead, if higher (0: off)
     min_gain: float = 0.10  # hysteresis
+    min_met_gain: float = 0.02  # the mixed model: a change pays this share of a period's requests within SLO, net
     single_batch: bool = False  # Stage 1 with one recompute and one cached batch per TP degree (the paper's z, z')
+    stage1_rounds: str = "mixed"  # the planner's Stage 1 model (Stage1Config.rounds); "separate": the first one
+    mixed_search: str = "single-degree"  # Stage1Config.mixed_search
+    step_groups: int = 5  # the planner's step model: a class's requests in this many groups by steps (spread)
     start_delay_s: float = 30.0  # a new instance serves this long after its start (model load; real seconds)
     make_before_break: bool = True  # new instances load beside the old ones, which serve until they are ready
     overlap_slowdown: float = 1.1  # round time factor on a node's GPUs while a new instance shares them
@@ -81,26 +91,52 @@ class TraceScenario:
                                                  (0, 8, 0), (8, 4, 0))
 
 
-def step_model(specs: list[ClusterRequestSpec], thresholds: tuple[float, ...], block: int) -> StepModel:
-    """Steps per output token at each candidate threshold, measured on the workload's requests."""
+def step_model(specs: list[ClusterRequestSpec], thresholds: tuple[float, ...], block: int,
+               groups: int = 1) -> StepModel:
+    """Steps per output token at each candidate threshold, measured on the workload's requests; with
+    ``groups`` > 1 also their spread: the requests in ``groups`` equal parts by their steps at the highest
+    threshold relative to the mean, each part's mean ratio its factor."""
     spt = {t: statistics.fmean(s.steps[i] / s.output_tokens for s in specs) for i, t in enumerate(thresholds)}
-    return StepModel(steps_per_token=spt, block_tokens=block, kv_cache="approx")
+    if groups < 1 or groups > len(specs):
+        raise ValueError(f"groups must be in 1..{len(specs)}, got {groups}")
+    top = thresholds.index(max(thresholds))
+    mean = spt[max(thresholds)]
+    ratios = sorted(s.steps[top] / s.output_tokens / mean for s in specs)
+    parts = np.array_split(np.asarray(ratios), groups)
+    spread = tuple((len(p) / len(ratios), float(p.mean())) for p in parts)
+    return StepModel(steps_per_token=spt, block_tokens=block, kv_cache="approx", spread=spread)
+
+
+def _batches(sc: TraceScenario) -> tuple[int, ...]:
+    return tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= sc.requests.slots)
 
 
 def _stage1(sc: TraceScenario, steps: StepModel) -> Stage1Config:
-    batches = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= sc.requests.slots)
-    return Stage1Config(slo_scale=sc.requests.slo_factor, batches=batches, solver="auto", single_batch=sc.single_batch)
+    levels = tuple(b for b in Stage1Config().levels if b <= sc.requests.slots)
+    return Stage1Config(slo_scale=sc.requests.slo_factor, batches=_batches(sc), solver="auto",
+                        single_batch=sc.single_batch, rounds=sc.stage1_rounds, levels=levels,
+                        mixed_search=sc.mixed_search)
+
+
+# The trace's load calibration: Stage 1 in the separate-rounds model with a class's mean request, its
+# parameters pinned here, as it was when the scenario was calibrated. The planner under test may change
+# its own Stage 1 (``_stage1``); the trace it is tested on (its rates) must not move with it.
+CALIBRATION = {"utilisation": 0.9, "secondary_weight": 1e-3, "time_limit_s": 1.5, "single_batch": False,
+               "rounds": "separate"}
 
 
 def capacity_rps(sc: TraceScenario, specs: list[ClusterRequestSpec], profiles, steps: StepModel) -> float:
-    """Highest rate at which all-TP-1 on the cluster is feasible for Stage 1 (stable, within SLO), by bisection."""
+    """Highest rate at which all-TP-1 on the cluster is feasible for the calibration model (``CALIBRATION``:
+    stable, a class's mean request within SLO), by bisection."""
     monitor = WorkloadMonitor(window_s=1.0, buffer=0.0)
     for s in specs:
         monitor.record(0.0, s.prompt_tokens, s.output_tokens)
     shape = monitor.classes(0.0)
     total = sum(c.rate for c in shape)
     gpus = sum(sc.nodes)
-    cfg, fixed = _stage1(sc, steps), {d: (gpus if d == 1 else 0) for d in sc.degrees}
+    cfg = Stage1Config(slo_scale=sc.requests.slo_factor, batches=_batches(sc), solver="auto", **CALIBRATION)
+    steps = replace(steps, spread=((1.0, 1.0),))
+    fixed = {d: (gpus if d == 1 else 0) for d in sc.degrees}
 
     def ok(rate: float) -> bool:
         classes = [replace(c, rate=c.rate * rate / total) for c in shape]
@@ -162,7 +198,7 @@ def run_trace(sc: TraceScenario | None = None, n: int = 6000, seed: int = 0, mea
     rcfg = RouterConfig(thresholds=candidate_thresholds(table, q.quality_tolerance))
     profiles = load_tp_profiles(q.profile, sc.degrees)
     probe = make_specs(q, table, 4000, 1.0, seed + 1, profiles, rcfg.thresholds)
-    steps = step_model(probe, rcfg.thresholds, q.block_tokens)
+    steps = step_model(probe, rcfg.thresholds, q.block_tokens, sc.step_groups)
     cap = capacity_rps(sc, probe, profiles, steps)
     rate = mean_rate if mean_rate is not None else sc.mean_load * cap
     duration = n / rate  # compressed trace length
@@ -178,8 +214,10 @@ def run_trace(sc: TraceScenario | None = None, n: int = 6000, seed: int = 0, mea
     seq_tokens = sum(s.prompt_tokens + s.output_tokens for s in specs) // len(specs)
 
     cluster = Cluster(tuple(sc.nodes))
+    change_s = (sc.start_delay_s if sc.make_before_break else 0.0) / compression  # priced by the mixed model
     pcfg = PlannerConfig(period_s=sc.period_s / compression, min_gain=sc.min_gain, stage1=_stage1(sc, steps),
-                         steps=steps)
+                         steps=steps, min_met_gain=sc.min_met_gain, change_s=change_s,
+                         overlap_slowdown=sc.overlap_slowdown)
 
     def planner(clock: Callable[[], float]) -> Planner:  # first re-plan a period after the trace starts (t = 0)
         monitor = WorkloadMonitor(window_s=sc.window_s / compression, buffer=sc.buffer, slices=sc.monitor_slices,
@@ -260,8 +298,9 @@ def _report(sc, n, seed, rate, cap, compression, duration, steps, rcfg, table, s
         "planner": {"period_s_trace": sc.period_s, "period_s_simulated": round(sc.period_s / compression, 3),
                     "window_s_trace": sc.window_s, "buffer": sc.buffer, "monitor_slices": sc.monitor_slices,
                     "monitor_lookahead_s_trace": sc.monitor_lookahead_s,
-                    "single_batch": sc.single_batch,
-                    "min_gain": sc.min_gain,
+                    "single_batch": sc.single_batch, "stage1_rounds": sc.stage1_rounds,
+                    "mixed_search": sc.mixed_search, "step_groups": [list(g) for g in steps.spread],
+                    "min_gain": sc.min_gain, "min_met_gain": sc.min_met_gain,
                     "start_delay_s_trace": sc.start_delay_s, "plans": ctl.log.plans, "starts": ctl.log.starts,
                     "stops": ctl.log.stops, "make_before_break": sc.make_before_break,
                     "overlap_slowdown": sc.overlap_slowdown, "decisions": ctl.log.decisions},
@@ -380,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-factor", type=float, help="SLO = k x isolated TP-1 latency")
     ap.add_argument("--lookahead", type=float, help="monitor: trend look-ahead, trace seconds (0: off)")
     ap.add_argument("--single-batch", action="store_true", help="Stage 1 with one batch per TP degree")
+    ap.add_argument("--stage1-rounds", choices=("mixed", "separate"), help="the planner's Stage 1 model")
+    ap.add_argument("--mixed-search", choices=("milp", "single-degree"), help="Stage 1 (mixed): how counts are chosen")
+    ap.add_argument("--step-groups", type=int, help="the planner's step model: groups of a class's requests by steps")
+    ap.add_argument("--buffer", type=float, help="monitor: safety buffer on rates (0.2: 20%%)")
     ap.add_argument("--slices", type=int, help="monitor: size for the busiest of this many slices (1: the mean)")
     ap.add_argument("--statics", help="static mixes to compare, e.g. '16,0,0;4,0,3' (TP-1,TP-2,TP-4 counts)")
     ap.add_argument("--plot", help="write the figure here (PNG)")
@@ -393,10 +436,18 @@ def main(argv: list[str] | None = None) -> int:
         sc = replace(sc, requests=replace(sc.requests, slo_factor=args.slo_factor))
     if args.slices is not None:
         sc = replace(sc, monitor_slices=args.slices)
+    if args.buffer is not None:
+        sc = replace(sc, buffer=args.buffer)
     if args.lookahead is not None:
         sc = replace(sc, monitor_lookahead_s=args.lookahead)
     if args.single_batch:
         sc = replace(sc, single_batch=True)
+    if args.stage1_rounds is not None:
+        sc = replace(sc, stage1_rounds=args.stage1_rounds)
+    if args.mixed_search is not None:
+        sc = replace(sc, mixed_search=args.mixed_search)
+    if args.step_groups is not None:
+        sc = replace(sc, step_groups=args.step_groups)
     statics = None
     if args.statics:
         statics = tuple(tuple(int(v) for v in part.split(",")) for part in args.statics.split(";") if part.strip())

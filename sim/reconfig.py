@@ -85,6 +85,8 @@ class PlannerController:
                 "proposal": {str(k): v for k, v in d.proposal.counts.items()},
                 "running": {str(k): v for k, v in d.current.counts.items()},
                 "proposal_primary": round(d.proposal.primary, 4), "running_primary": round(d.current.primary, 4),
+                "proposal_slo_met": None if d.proposal.slo_met is None else round(d.proposal.slo_met, 4),
+                "running_slo_met": None if d.current.slo_met is None else round(d.current.slo_met, 4),
                 "solve_ms": round((d.proposal.solve_seconds + d.current.solve_seconds) * 1e3, 1)})
         if plan is not None:
             self.log.plans += 1

@@ -78,8 +78,13 @@ def test_mixed_stage1_low_load_meets_everything_and_overload_falls_back():
     low = plan_capacity(_classes(5.0), 16, PROFILES, STEPS, MIXED)
     assert low.feasible and low.slo_met == pytest.approx(1.0) and set(low.thresholds.values()) == {0.9}
     assert low.gpus_used <= 16
+    # overloaded: admission control refuses what would miss, and what is left is served within SLO
     over = plan_capacity(_classes(500.0), 16, PROFILES, STEPS, MIXED)
-    assert not over.feasible and over.counts == {1: 16, 2: 0, 4: 0} and over.slo_met == 0.0
+    assert over.feasible and over.slo_met < 0.4
+    assert sum(g["refused"] * g["share"] for g in over.groups) / len(over.thresholds) > 0.6
+    # without refusals an unstable load is infeasible: all TP-1 at the lowest thresholds
+    stuck = plan_capacity(_classes(500.0), 16, PROFILES, STEPS, replace(MIXED, shed=False))
+    assert not stuck.feasible and stuck.counts == {1: 16, 2: 0, 4: 0} and stuck.slo_met == 0.0
 
 
 def test_planner_acts_on_the_share_within_slo():
@@ -110,3 +115,18 @@ def test_trace_load_calibration_does_not_follow_the_planners_stage1():
         assert len(model.spread) == sc.step_groups
         caps.add(capacity_rps(sc, specs, profiles, model))
     assert len(caps) == 1 and caps.pop() > 0
+
+
+def test_planner_prices_a_change_by_what_the_overlap_costs():
+    """The same gain pays when the new instances serve early in the period, and does not when loading them
+    takes most of it with the running instances slowed meanwhile."""
+    stage1 = replace(MIXED, mixed_search="single-degree")
+    quick = Planner(Cluster((4, 4, 4, 4)), PROFILES, PlannerConfig(period_s=300.0, stage1=stage1, steps=STEPS,
+                                                                   change_s=30.0, overlap_slowdown=1.1))
+    d = quick.decide(_classes(40.0))
+    assert d.act and "during the change" in d.reason
+    slow = Planner(Cluster((4, 4, 4, 4)), PROFILES, PlannerConfig(period_s=300.0, stage1=stage1, steps=STEPS,
+                                                                  change_s=280.0, overlap_slowdown=2.0))
+    d2 = slow.decide(_classes(40.0))
+    assert not d2.act and d2.proposal.counts == d.proposal.counts
+    assert d2.proposal.slo_met - d2.current.slo_met >= 0.02  # a gain the flat rule would have taken
