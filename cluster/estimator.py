@@ -88,6 +88,12 @@ class TableStepEstimator:
             out.append([t * f for t in self.totals(s)])
         return out
 
+    @property
+    def arrival_error(self) -> float:
+        """The mean relative error of an arrival's estimate: E|exp(sigma z) - 1| for z ~ N(0, 1)."""
+        s = self.sigma
+        return math.exp(s * s / 2) * math.erf(s / math.sqrt(2))
+
     def forget(self, req_id: str) -> None:
         self._z.pop(req_id, None)
 
@@ -150,6 +156,16 @@ class OnlineStepEstimator(FeatureStepEstimator):
         return out
 
     measured_prior = 20  # finished requests after which the step prior's tokens per step are measured
+
+    @property
+    def arrival_error(self) -> float:
+        """The relative error of an arrival's estimate, as measured: the admission learner's holdout MAPE
+        when its model answers for arrivals (0 before: its prior, one round per block, is a lower bound)."""
+        adm = self.admission
+        if adm is None or adm.source == "prior":
+            return 0.0
+        err = getattr(adm, "holdout_mape", None)
+        return 0.0 if err is None or err != err else float(err)
 
     @property
     def ready(self) -> bool:

@@ -231,7 +231,11 @@ class Router:
                     return False
             before += load
         window = (req.deadline - now) * 1000.0
-        return own_serial <= window and before_own + own <= cap.within(window, util)
+        # its own serial time is refused only when it misses even with its estimate one typical error too
+        # high (the estimator's measured arrival_error): a point estimate refused requests that then met
+        # their SLOs (dilaserve-bench at 85 req/s: 205 shed and 99.8% of the admitted met, table estimates)
+        err = min(float(getattr(self.estimator, "arrival_error", 0.0) or 0.0), 1.0)
+        return own_serial / (1.0 + err) <= window and before_own + own <= cap.within(window, util)
 
     def reject(self, req: RequestState) -> None:
         """Undo ``add_request`` for a request shed on arrival: it leaves, and its load at the lowest

@@ -127,6 +127,11 @@ class _Learner:
     def version(self) -> int:
         return self._served.version
 
+    @property
+    def holdout_mape(self) -> float | None:
+        """The MAPE of the model in service on the newest requests at the last refit (None before one)."""
+        return self.history[-1]["mape"] if self.history else None
+
     def _predict(self, rows: np.ndarray, served: _Served | None = None, aux: np.ndarray | None = None) -> np.ndarray:
         served = served or self._served
         if served.model is None:

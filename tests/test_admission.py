@@ -53,18 +53,56 @@ def test_admission_refuses_almost_nothing_the_cluster_serves_in_time():
     assert len(ask) == 400 and sum(not ok for ok in ask.values()) <= 4
 
 
-def test_shedding_at_full_trust_serves_more_within_slo_than_admitting_everything():
-    """Overloaded (27 req/s), with the governor's feedback held off (full trust in the profile, no cuts):
-    refusing what admission refuses raises the attainment over every arrival, the refused counted as
-    misses (the former serial time shed 182 of 400 and fell from 0.84 to 0.55)."""
+def test_shedding_serves_more_within_slo_than_admitting_everything():
+    """Overloaded (27 req/s): refusing what admission refuses raises the attainment over every arrival,
+    the refused counted as misses (the former serial time shed 182 of 400 and fell from 0.84 to 0.55).
+    Admission alone (the governor held off: full trust in the profile, no cuts) gives an arrival's serial
+    time the benefit of one typical estimate error, so some admitted requests miss; the governor (on, as
+    served) makes up for it: 0.855 with point estimates, 0.865 with the error's benefit."""
     specs = synthetic(400, rate=27.0, seed=3)
     out = {}
-    for shed in (False, True):
+    for shed, governed in ((False, False), (True, False), (True, True)):
         sim = simulate(specs, shed)
-        sim.governor.util, sim.governor.low = 1.0, -1.0  # admission alone: full trust, never cut
+        if not governed:
+            sim.governor.util, sim.governor.low = 1.0, -1.0  # admission alone: full trust, never cut
         res = sim.run(specs)
-        out[shed] = summarize(res, specs, [True] * len(res.finished))
-    off, on = out[False], out[True]
+        out[shed, governed] = summarize(res, specs, [True] * len(res.finished))
+    off, alone, governed = out[False, False], out[True, False], out[True, True]
     assert off["slo_attainment"] < 0.9  # overloaded without shedding
-    assert on["slo_attainment"] >= off["slo_attainment"] + 0.03, (on, off)
-    assert 0 < on["shed"] < 0.1 * len(specs) and on["served_slo_attainment"] >= 0.9, on
+    for on in (alone, governed):
+        assert on["slo_attainment"] >= off["slo_attainment"] + 0.02, (on, off)
+        assert 0 < on["shed"] < 0.15 * len(specs), on
+    assert alone["served_slo_attainment"] >= off["slo_attainment"] + 0.05, alone
+    assert governed["served_slo_attainment"] >= 0.95, governed
+
+
+def test_an_arrival_gets_the_benefit_of_one_typical_estimate_error():
+    """The table estimator's arrival error is E|exp(sigma z) - 1| (0.247 at sigma 0.3); an arrival whose
+    serial time is 20% over its SLO window is refused on the point estimate and admitted with that benefit."""
+    import math
+    import random
+
+    from cluster import RequestState, Router, TableStepEstimator
+
+    rng = random.Random(0)
+    sampled = sum(abs(math.exp(0.3 * rng.gauss(0, 1)) - 1) for _ in range(100_000)) / 100_000
+    est = TableStepEstimator(TS, lambda s: [40.0] * len(TS), sigma=0.3)
+    assert abs(est.arrival_error - sampled) < 0.005
+    lat = TpLatencyModel(load_tp_profiles("h200-llada8b", [1]), 16, StepShape(32, 396))
+    class Known(TableStepEstimator):  # exact estimates, and an error it is told
+        arrival_error = 0.0
+
+    answers = {}
+    for err in (0.0, est.arrival_error):
+        e = Known(TS, lambda s: [40.0] * len(TS), sigma=0.0)
+        e.arrival_error = err
+        router = Router("remask", lat, e, [(0, 1)], RouterConfig(thresholds=TS))
+        probe = RequestState("probe", 0.0, 1e9, 140, 256)
+        router.add_request(probe, 0.0)
+        heavy_ms, light_ms = step_rounds_ms(lat, 1, 1, 0.0)
+        serial_s = (probe.heavy_left * heavy_ms + probe.light_left(len(TS) - 1) * light_ms) / 1000.0
+        router.finish(probe)
+        req = RequestState("r", 0.0, serial_s / 1.2, 140, 256)  # its serial time is 1.2x its SLO
+        router.add_request(req, 0.0)
+        answers[err] = router.admissible(req, 0.0)
+    assert answers == {0.0: False, est.arrival_error: True}

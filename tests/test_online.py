@@ -192,6 +192,13 @@ def test_admission_learner_prior_is_one_round_per_block_then_it_learns():
     assert mape(pred, true) < 0.25 and mape(pred, true) < mape(np.full(100, 8.0), true)
     assert np.allclose(pred, learner.predict([r for r, _ in test]), rtol=1e-6)
     assert "prior" not in learner.describe()
+    # the arrival estimates' measured error, which admission gives an arrival the benefit of
+    assert learner.holdout_mape == rec["mape"] == rec["new"]["mape"]
+    from cluster.estimator import OnlineStepEstimator
+
+    est = OnlineStepEstimator(OnlineStepLearner(), TS, admission=learner)
+    assert est.arrival_error == rec["mape"]
+    assert OnlineStepEstimator(OnlineStepLearner(), TS, admission=OnlineAdmissionLearner()).arrival_error == 0.0
 
 
 class SlowFit(OnlineStepLearner):
