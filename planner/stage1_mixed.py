@@ -38,6 +38,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from engine.latency_profile import LatencyProfile
+from planner.capacity import CapacityPlan, _fill, _infeasible_mixed
 from planner.costs import StepModel
 from planner.milp import SOLVED, Milp, solve_milp
 from planner.workload import WorkloadClass
@@ -194,8 +195,6 @@ def plan_capacity_mixed(classes: list[WorkloadClass], gpus: int, profiles: dict[
 
 
 def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, config, slots, fixed_counts):
-    from planner.stage1 import CapacityPlan, _fill, _infeasible_mixed
-
     start = time.perf_counter()
     C, T, D, L, Q = len(classes), len(tab.thresholds), len(tab.degrees), len(tab.levels), len(tab.group_class)
     rate = np.array([c.rate for c in classes], dtype=float)

@@ -422,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage1-rounds", choices=("mixed", "separate"), help="the planner's Stage 1 model")
     ap.add_argument("--mixed-search", choices=("milp", "single-degree"), help="Stage 1 (mixed): how counts are chosen")
     ap.add_argument("--step-groups", type=int, help="the planner's step model: groups of a class's requests by steps")
+    ap.add_argument("--min-met-gain", type=float, help="a change pays this share of a period's requests within SLO")
     ap.add_argument("--buffer", type=float, help="monitor: safety buffer on rates (0.2: 20%%)")
     ap.add_argument("--slices", type=int, help="monitor: size for the busiest of this many slices (1: the mean)")
     ap.add_argument("--statics", help="static mixes to compare, e.g. '16,0,0;4,0,3' (TP-1,TP-2,TP-4 counts)")
@@ -438,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         sc = replace(sc, monitor_slices=args.slices)
     if args.buffer is not None:
         sc = replace(sc, buffer=args.buffer)
+    if args.min_met_gain is not None:
+        sc = replace(sc, min_met_gain=args.min_met_gain)
     if args.lookahead is not None:
         sc = replace(sc, monitor_lookahead_s=args.lookahead)
     if args.single_batch:
