@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import secrets
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ from app.metrics import Metrics, failure_reason
 from app.protocol import ProgressBatch, StepItem
 
 log = logging.getLogger(__name__)
+GIL_SWITCH_S = 0.001  # the ingress process's GIL switch interval (Python's default: 0.005)
 web = FastAPI(title="Remask", description="OpenAI-compatible serving of diffusion language models")
 
 
@@ -200,6 +202,9 @@ class Ingress:
         self._document()
         self.gc_pauses = heap.PauseTimer(self.metrics.collected)
         heap.settle("ingress")
+        # the event loop shares the GIL with Serve's replica thread, the tokenizer's and the learners' threads:
+        # one of them busy holds it up to the switch interval (Python's default 5 ms) before the loop's turn
+        sys.setswitchinterval(GIL_SWITCH_S)
 
     def _document(self) -> None:
         """The OpenAPI document (``/openapi.json``) with this application's model, max_tokens limit and auth."""

@@ -10,8 +10,10 @@ with `remask loadgen`, reads `/debug/predictors` and `/metrics`, and shuts down.
 attainment, the thresholds requests decoded with (the mean, and the share of requests by their mean
 threshold: thresholds drop only under load), each predictor's source, version and recent Spearman,
 the event loop's lag (p99 over the run, and over the seconds in which a refit ran: /metrics is read
-every ``--poll-s`` during the replay), and the load average at start and end (the lag suffers when
-other work shares the CPUs). ``--compare`` takes the shipped run's output and adds issue 24's checks:
+every ``--poll-s`` during the replay), the ingress's garbage-collection pauses, and the load average at
+start and end (the lag suffers when other work shares the CPUs: Ray runs the service at niceness 15, so
+anything at a lower niceness preempts it; the replay runs at ``--client-nice``, 15 by default).
+``--compare`` takes the shipped run's output and adds issue 24's checks:
 an online version of each predictor, step Spearman >= 0.8 x the shipped one's, attainment within 5
 points, lag p99 <= 5 ms while refitting.
 """
@@ -156,6 +158,9 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8799)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poll-s", type=float, default=2.0, help="how often /metrics is read during the replay")
+    p.add_argument("--client-nice", type=int, default=15, help="niceness of the replay and the metrics poller "
+                   "(Ray runs its workers, the ingress and the replicas, at 15: a load generator at 0 on the same "
+                   "cores preempts the service it measures; 0 keeps it)")
     p.add_argument("--compare", help="the shipped run's output (--out of a --mode shipped run on the same trace)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -205,6 +210,8 @@ def main() -> int:
                 if done.wait(args.poll_s):
                     return
 
+        if args.client_nice:  # from here on this thread and the ones it starts (Linux: nice is per thread)
+            os.setpriority(os.PRIO_PROCESS, 0, args.client_nice)
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         t0 = time.monotonic()
