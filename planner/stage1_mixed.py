@@ -22,10 +22,15 @@ every active request takes one step per round, and a round's forwards of the two
   requests at threshold t on degree d at level l); each group's latency is checked on its own. The
   short requests that unmask a block per step (all recompute, the tightest per-step budget) then need
   a TP degree whose rounds at its occupancy stay within their budget.
-- **Soft SLOs.** A group may be given up (binary ``u[q]``: its SLO constraint off). The objective is
-  lexicographic: the share of requests within their SLOs first (``slo_met``), then the average threshold
-  per output token (primary), then the average SLO slack (secondary). Only an unstable load is
-  infeasible (then: all TP-1 at the lowest thresholds, as in the separate-rounds model).
+- **Soft SLOs.** A group's requests on a degree count as within SLO (``m[q, d]``, credit ``a[q, d]``)
+  only when their latency at the class's threshold and the degree's level is within their SLO. The
+  objective is lexicographic: the share of requests within their SLOs first (``slo_met``), then the
+  average threshold per output token (primary), then the average SLO slack (secondary).
+- **Refusals** (``Stage1Config.shed``, the router's admission control): a share of a class may be
+  refused at arrival (``r[c, t]``), and a group's requests placed where they would miss may be refused
+  (``e[q, t, d, l]``); refused requests are outside their SLO and cost no capacity, so past a
+  configuration's capacity the share within SLO falls gradually. Without refusals only an unstable load
+  is infeasible (then: all TP-1 at the lowest thresholds, as in the separate-rounds model).
 """
 
 from __future__ import annotations
@@ -225,8 +230,10 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     # what admission control refuses: requests that would miss their SLO there (e[p] for these pairs p)
     es = np.nonzero(late[sq, yt[sy], yd[sy], yl[sy]])[0] if config.shed else np.zeros(0, dtype=int)
     ne = len(es)
-    n = oe + ne
     ecol = oe + np.arange(ne)
+    orr = oe + ne  # r[c, t] (with ``shed``): the share of class c refused at arrival, placed nowhere
+    nr_ = C * T if config.shed else 0
+    n = orr + nr_
     rows, cols, vals, lo, hi = [], [], [], [], []
 
     def block(r, c, val, lo_, hi_):
@@ -240,8 +247,10 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     xc, xt = np.repeat(np.arange(C), T), np.tile(np.arange(T), C)
     block(xc, ox + np.arange(C * T), np.ones(C * T), np.ones(C), np.ones(C))  # one threshold per class
     # a class's requests at its threshold are all placed: sum_{d,l} y[c, t, d, l] = x[c, t]
-    block(np.r_[yc * T + yt, xc * T + xt], np.r_[ycol, ox + np.arange(C * T)],
-          np.r_[np.ones(len(yc)), -np.ones(C * T)], np.zeros(C * T), np.zeros(C * T))
+    # (less what is refused at arrival: sum_{d,l} y[c, t, d, l] + r[c, t] = x[c, t])
+    block(np.r_[yc * T + yt, xc * T + xt, (xc * T + xt)[:nr_]],
+          np.r_[ycol, ox + np.arange(C * T), orr + np.arange(nr_)],
+          np.r_[np.ones(len(yc)), -np.ones(C * T), np.ones(nr_)], np.zeros(C * T), np.zeros(C * T))
     # m[q, d] = 1 only if group q's requests on degree d meet their SLO at the class's threshold and the
     # degree's level: m[q, d] + x[c, t] + sum_{l: late} z[d, l] <= 2 for every t
     mq, mt, md = (a.ravel() for a in np.meshgrid(np.arange(Q), np.arange(T), np.arange(D), indexing="ij"))
@@ -283,6 +292,9 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     if fixed_counts is not None:
         fixed = np.array([fixed_counts.get(d, 0) for d in tab.degrees], dtype=float)
         col_lo[oR:oR + D] = col_hi[oR:oR + D] = fixed
+        for k in np.nonzero(fixed == 0)[0]:  # no instances of that degree: no level, nothing placed there
+            col_hi[oz + k * L:oz + (k + 1) * L] = 0.0
+            col_hi[ycol[yd == k]] = 0.0
     integer = np.zeros(n, dtype=bool)
     integer[:oy] = True  # x, R, z; m and a are 0/1 wherever x and z are
     cost = np.zeros(n)  # minimise -SLO_WEIGHT x (share within SLO) - primary + w x (mean latency / SLO)
@@ -303,8 +315,10 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     level = z[oz:oz + D * L].reshape(D, L)
     y = np.maximum(z[oy:om], 0.0)
     credit = np.maximum(z[oa:oe], 0.0).reshape(Q, D).sum(axis=1)  # share of each group within SLO
-    e = np.maximum(z[oe:], 0.0)
+    e = np.maximum(z[oe:orr], 0.0)
     refused = np.bincount(sq[es], e, minlength=Q)
+    if nr_:
+        refused += np.maximum(z[orr:], 0.0).reshape(C, T).sum(axis=1)[gc]
     group_lat = np.bincount(sq, lat_y[sq, sy] * y[sy], minlength=Q)
     load = np.bincount(yd, y * load_y, minlength=D) - np.bincount(yd[sy[es]], e * load_e, minlength=D)
     chosen = x.argmax(axis=1)
