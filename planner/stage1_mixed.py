@@ -20,8 +20,9 @@ every active request takes one step per round, and a round's forwards of the two
   latency, or the class's explicit SLO scaled to its steps). The router does not know a request's steps
   when it places it, so a class's groups share its placement ``y[c, t, d, l]`` (the share of its
   requests at threshold t on degree d at level l); each group's latency is checked on its own. The
-  short requests that unmask a block per step (all recompute, the tightest per-step budget) then need
-  a TP degree whose rounds at its occupancy stay within their budget.
+  short requests that unmask a block per step (all recompute steps, each in a round that also carries
+  the others' cached forward) then need a TP degree whose rounds at its occupancy stay within their
+  per-step budget.
 - **Soft SLOs.** A group's requests on a degree count as within SLO (``m[q, d]``, credit ``a[q, d]``)
   only when their latency at the class's threshold and the degree's level is within their SLO. The
   objective is lexicographic: the share of requests within their SLOs first (``slo_met``), then the
