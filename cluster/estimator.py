@@ -62,7 +62,7 @@ class TableStepEstimator:
 
     ``totals(state)`` returns the request's true total steps at each threshold
     (the simulator keeps them in ``state.extra``). The error factor is
-    ``exp(sigma * (1 - progress) * z)`` with one ``z ~ N(0, 1)`` per request,
+    ``exp(sigma * (1 - progress) * z)`` with one ``z ~ N(0, 1)`` per request (from its id and ``seed``),
     kept until the router calls ``forget(req_id)`` (``Router.finish``); at most
     ``max_requests`` are kept in any case (the oldest go first).
     """
@@ -71,7 +71,7 @@ class TableStepEstimator:
                  sigma: float = 0.3, seed: int = 0, max_requests: int = 100_000) -> None:
         self.thresholds = tuple(thresholds)
         self.totals, self.sigma = totals, sigma
-        self._rng = random.Random(seed)
+        self.seed = seed
         self._z: dict[str, float] = {}
         self.max_requests = max_requests
 
@@ -82,7 +82,10 @@ class TableStepEstimator:
             if z is None:
                 if len(self._z) >= self.max_requests:  # a caller that never forgets: drop the oldest
                     del self._z[next(iter(self._z))]
-                z = self._z[s.req_id] = self._rng.gauss(0.0, 1.0)
+                # drawn from the request's own stream: a request's error does not depend on what the router
+                # asked before it, so two runs of the same requests (a static mix and a reconfigured cluster)
+                # see the same errors (common random numbers: their difference is the configuration's)
+                z = self._z[s.req_id] = random.Random(f"{self.seed}:{s.req_id}").gauss(0.0, 1.0)
             left = 1.0 - s.progress
             f = left * math.exp(self.sigma * left * z)
             out.append([t * f for t in self.totals(s)])

