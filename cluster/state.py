@@ -143,14 +143,16 @@ class InstanceState:
     n_light: int = 0  # requests whose next step is a cached / denoise step
     tokens: int = 0  # prompt + output tokens of its requests (INFaaS's load)
     kv_capacity_tokens: int = 250_000
-    requests: set[str] = field(default_factory=set)
+    # its requests' ids in the order they came (a dict, not a set: a set's order follows the strings' hashes,
+    # which change with every process, and the order reaches the threshold plan and the evacuations)
+    requests: dict[str, None] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
         return self.n_heavy + self.n_light
 
     def add(self, req: RequestState) -> None:
-        self.requests.add(req.req_id)
+        self.requests[req.req_id] = None
         self.tokens += req.tokens
         if req.next_heavy:
             self.n_heavy += 1
@@ -159,7 +161,7 @@ class InstanceState:
         req.instance = self.inst_id
 
     def remove(self, req: RequestState) -> None:
-        self.requests.discard(req.req_id)
+        self.requests.pop(req.req_id, None)
         self.tokens -= req.tokens
         if req.next_heavy:
             self.n_heavy -= 1
