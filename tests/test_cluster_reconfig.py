@@ -130,7 +130,9 @@ def synthetic_table(n: int = 60, seed: int = 0):
 def test_dilaserve_trace_short_run_reconfigures_with_the_load_and_loses_nothing(tmp_path):
     from sim.cluster_trace import TraceScenario, plot_trace, run_trace
 
-    r = run_trace(TraceScenario(), n=800, seed=0, statics=(), table=synthetic_table())
+    # the controller's mechanics under the fast separate-rounds planner (the mixed-rounds one, the trace's
+    # default, takes ~30 s of solving here; tests/test_planner_mixed.py tests its choices)
+    r = run_trace(TraceScenario(stage1_rounds="separate"), n=800, seed=0, statics=(), table=synthetic_table())
     rec = r["policies"]["reconfig"]
     assert rec["requests"] == rec["arrived"] == 800 and rec["lost"] == 0
     p = r["planner"]
