@@ -49,6 +49,35 @@ class Milp:
             raise ValueError("Milp: array sizes do not match the constraint matrix")
 
 
+class Rows:
+    """A MILP's constraint rows, built a block at a time: ``add(rows, cols, values, lo, hi)`` takes a block's
+    rows numbered from 0 (placed after the rows added before), its entries and its row bounds."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._r: list[np.ndarray] = []
+        self._c: list[np.ndarray] = []
+        self._v: list[np.ndarray] = []
+        self._lo: list[np.ndarray] = []
+        self._hi: list[np.ndarray] = []
+
+    def add(self, rows, cols, values, lo, hi) -> None:
+        lo = np.asarray(lo, dtype=float)
+        self._r.append(np.asarray(rows) + self.n)
+        self._c.append(np.asarray(cols))
+        self._v.append(np.asarray(values, dtype=float))
+        self._lo.append(lo)
+        self._hi.append(np.asarray(hi, dtype=float))
+        self.n += len(lo)
+
+    def matrix(self, columns: int) -> sp.csr_matrix:
+        return sp.csr_matrix((np.concatenate(self._v), (np.concatenate(self._r), np.concatenate(self._c))),
+                             shape=(self.n, columns))
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.concatenate(self._lo), np.concatenate(self._hi)
+
+
 @dataclass(frozen=True)
 class MilpResult:
     z: np.ndarray | None  # None unless the status is in SOLVED

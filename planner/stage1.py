@@ -38,12 +38,11 @@ import time
 from dataclasses import dataclass, replace
 
 import numpy as np
-import scipy.sparse as sp
 
 from engine.latency_profile import LatencyProfile
 from planner.capacity import CapacityPlan, _fill
 from planner.costs import DEFAULT_BATCHES, CostTables, StepModel, cost_tables
-from planner.milp import SOLVED, Milp, solve_milp
+from planner.milp import SOLVED, Milp, Rows, solve_milp
 from planner.stage1_mixed import plan_capacity_mixed
 from planner.workload import WorkloadClass
 
@@ -140,15 +139,8 @@ def _build(tab: CostTables, rate, w, v, slo, gpus: int, cap, config: Stage1Confi
     n = oz + nz
     xc, xt = np.repeat(np.arange(C), T), np.tile(np.arange(T), C)
     gcol = og + np.arange(F)
-    rows, cols, vals, lo, hi = [], [], [], [], []
-
-    def block(r, c, v, lo_, hi_):
-        base = sum(len(x) for x in lo)
-        rows.append(np.asarray(r) + base)
-        cols.append(np.asarray(c))
-        vals.append(np.asarray(v, dtype=float))
-        lo.append(np.asarray(lo_, dtype=float))
-        hi.append(np.asarray(hi_, dtype=float))
+    rows = Rows()
+    block = rows.add
 
     block(xc, ox + np.arange(nx), np.ones(nx), np.ones(C), np.ones(C))  # one threshold per class
     # completeness and consistency: per (kind, class), flows = the steps of the chosen threshold
@@ -165,8 +157,7 @@ def _build(tab: CostTables, rate, w, v, slo, gpus: int, cap, config: Stage1Confi
         big = steps.max(axis=2)[gk, gc]  # the most steps of that kind the class can need
         block(np.r_[np.arange(F), np.arange(F)], np.r_[gcol, oz + (gk * D + gd) * B + gb], np.r_[np.ones(F), -big],
               np.full(F, -np.inf), np.zeros(F))
-    A = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                      shape=(sum(len(x) for x in lo), n))
+    A = rows.matrix(n)
     col_lo, col_hi = np.zeros(n), np.full(n, np.inf)
     # a threshold even the fastest (d, b) cannot serve within the SLO is out
     fastest = (steps * lat.min(axis=(2, 3))[:, :, None]).sum(axis=0)  # (C, T)
@@ -181,7 +172,7 @@ def _build(tab: CostTables, rate, w, v, slo, gpus: int, cap, config: Stage1Confi
     cost = np.zeros(n)  # minimise -(primary + w x secondary); the constant w x 1 is added back
     cost[ox:ox + nx] = -(w[xc] * np.asarray(tab.thresholds)[xt])
     cost[gcol] = config.secondary_weight * v[gc] * g_lat / slo[gc]
-    return _Model(Milp(cost, A, np.concatenate(lo), np.concatenate(hi), col_lo, col_hi, integer),
+    return _Model(Milp(cost, A, *rows.bounds(), col_lo, col_hi, integer),
                   C, T, D, gk, gc, gd, gb, g_lat, g_load)
 
 

@@ -41,12 +41,11 @@ import time
 from dataclasses import dataclass, replace
 
 import numpy as np
-import scipy.sparse as sp
 
 from engine.latency_profile import LatencyProfile
 from planner.capacity import CapacityPlan, _fill, _infeasible_mixed
 from planner.costs import StepModel
-from planner.milp import SOLVED, Milp, solve_milp
+from planner.milp import SOLVED, Milp, Rows, solve_milp
 from planner.workload import WorkloadClass
 
 DEFAULT_LEVELS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)
@@ -235,15 +234,8 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     orr = oe + ne  # r[c, t] (with ``shed``): the share of class c refused at arrival, placed nowhere
     nr_ = C * T if config.shed else 0
     n = orr + nr_
-    rows, cols, vals, lo, hi = [], [], [], [], []
-
-    def block(r, c, val, lo_, hi_):
-        base = sum(len(x) for x in lo)
-        rows.append(np.asarray(r) + base)
-        cols.append(np.asarray(c))
-        vals.append(np.asarray(val, dtype=float))
-        lo.append(np.asarray(lo_, dtype=float))
-        hi.append(np.asarray(hi_, dtype=float))
+    rows = Rows()
+    block = rows.add
 
     xc, xt = np.repeat(np.arange(C), T), np.tile(np.arange(T), C)
     block(xc, ox + np.arange(C * T), np.ones(C * T), np.ones(C), np.ones(C))  # one threshold per class
@@ -286,8 +278,7 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     ny = len(yc)
     block(np.r_[np.arange(ny), np.arange(ny)], np.r_[ycol, oz + yd * L + yl], np.r_[np.ones(ny), -np.ones(ny)],
           np.full(ny, -np.inf), np.zeros(ny))
-    A = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                      shape=(sum(len(x) for x in lo), n))
+    A = rows.matrix(n)
     col_lo, col_hi = np.zeros(n), np.ones(n)
     col_hi[oR:oR + D] = cap
     if fixed_counts is not None:
@@ -303,7 +294,7 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     cost[oa:oe] = -SLO_WEIGHT * np.repeat(v, D)
     lat_y = tab.latency[:, yt, yd, yl]  # (Q, Y)
     np.add.at(cost, ycol[sy], config.secondary_weight * v[sq] * lat_y[sq, sy] / slo[sq])
-    res = solve_milp(Milp(cost, A, np.concatenate(lo), np.concatenate(hi), col_lo, col_hi, integer),
+    res = solve_milp(Milp(cost, A, *rows.bounds(), col_lo, col_hi, integer),
                      config.solver, config.time_limit_s, REL_GAP)
     names = [c.name for c in classes]
     class_slo = np.bincount(gc, tab.group_share * slo, minlength=C)
