@@ -437,22 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     sc = TraceScenario()
     if args.slo_factor is not None:
         sc = replace(sc, requests=replace(sc.requests, slo_factor=args.slo_factor))
-    if args.slices is not None:
-        sc = replace(sc, monitor_slices=args.slices)
-    if args.buffer is not None:
-        sc = replace(sc, buffer=args.buffer)
-    if args.min_met_gain is not None:
-        sc = replace(sc, min_met_gain=args.min_met_gain)
-    if args.lookahead is not None:
-        sc = replace(sc, monitor_lookahead_s=args.lookahead)
+    fields = {"slices": "monitor_slices", "buffer": "buffer", "min_met_gain": "min_met_gain",
+              "lookahead": "monitor_lookahead_s", "stage1_rounds": "stage1_rounds", "mixed_search": "mixed_search",
+              "step_groups": "step_groups"}  # flag -> TraceScenario field, where given
+    sc = replace(sc, **{f: getattr(args, a) for a, f in fields.items() if getattr(args, a) is not None})
     if args.single_batch:
         sc = replace(sc, single_batch=True)
-    if args.stage1_rounds is not None:
-        sc = replace(sc, stage1_rounds=args.stage1_rounds)
-    if args.mixed_search is not None:
-        sc = replace(sc, mixed_search=args.mixed_search)
-    if args.step_groups is not None:
-        sc = replace(sc, step_groups=args.step_groups)
     statics = None
     if args.statics:
         statics = tuple(tuple(int(v) for v in part.split(",")) for part in args.statics.split(";") if part.strip())
