@@ -31,9 +31,17 @@ class PlannerConfig:
     # instances load while the old ones serve, ``overlap_slowdown`` times slower); it pays when the share
     # of the period's requests within SLO it gains, less what the overlap loses, is at least ``min_met_gain``
     min_met_gain: float = 0.02
+    confirm_below: float = 0.0  # a change that gains less than this (net) waits until the next period proposes it too
     change_s: float = 0.0
     overlap_slowdown: float = 1.0
     secondary_floor: float = 0.05  # relative gains in slack are taken over max(|current slack|, floor)
+    # the mixed-rounds Stage 1: weigh the loads the next period may bring instead of one. The window's mean load
+    # times each of the last ``forecast_history`` period-to-period changes of that mean (once ``forecast_min``
+    # are known): a configuration's share within SLO is its mean over them, so a mix that collapses if the
+    # load rises as it has risen before pays for it in proportion
+    forecast: bool = False
+    forecast_history: int = 12
+    forecast_min: int = 3
     stage1: Stage1Config = field(default_factory=Stage1Config)
     stage2: Stage2Config = field(default_factory=Stage2Config)
     steps: StepModel = field(default_factory=StepModel)  # the default until finished requests measure it
@@ -68,6 +76,8 @@ class Planner:
             Instance(f"init-{n}-{k}", n, smallest) for n, g in enumerate(cluster.gpus_per_node)
             for k in range(g // smallest)]
         self._rates: list[WorkloadClass] | None = None
+        self._last_mean: float | None = None  # the forecast's: the window's mean rate at the last re-plan
+        self._changes: list[float] = []  # ... and the ratios of consecutive ones
         self._last = clock()
         self.last_decision: Decision | None = None
 
@@ -104,10 +114,11 @@ class Planner:
         if now - self._last < self.config.period_s:
             return None
         self._last = now
-        classes = self.classes(now)[0]
+        classes, source = self.classes(now)
         if not classes:
             return None
-        decision = self.decide(classes)
+        scenarios = self.forecast(now) if self.config.forecast and source == "measured" else None
+        decision = self.decide(classes, scenarios=scenarios)
         self.last_decision = decision
         log.info("planner: %s (proposal %s, current %s)", decision.reason, decision.proposal.counts,
                  decision.current.counts)
@@ -116,6 +127,21 @@ class Planner:
         plan = plan_transition(self.cluster, self.current, decision.proposal.counts, self.config.stage2)
         self.current = list(plan.final)
         return plan
+
+    def forecast(self, now: float) -> list[tuple[float, list[WorkloadClass]]] | None:
+        """The next period's loads, equally likely: the window's mean load times each recent period-to-period
+        change of it (None until ``forecast_min`` changes are known). Called once per period."""
+        cfg = self.config
+        mean = self.monitor.classes_mean(now)
+        total = sum(c.rate for c in mean)
+        last, self._last_mean = self._last_mean, total
+        if last and total:
+            self._changes.append(total / last)
+            del self._changes[:-cfg.forecast_history]
+        if len(self._changes) < cfg.forecast_min or not total:
+            return None
+        k = 1.0 / len(self._changes)
+        return [(k, [replace(c, rate=c.rate * r) for c in mean]) for r in self._changes]
 
     def classes(self, now: float | None = None) -> tuple[list[WorkloadClass], str]:
         """The workload the next plan sizes for, and its source ("configured": ``observe_rates``)."""
@@ -137,8 +163,10 @@ class Planner:
                                    "output_edges": list(self.monitor.grid.output_edges)}}
         return out
 
-    def decide(self, classes: list[WorkloadClass], inputs: Inputs | None = None) -> Decision:
-        """Stage 1 for the proposal and for the running configuration; ``inputs``: default the current ones."""
+    def decide(self, classes: list[WorkloadClass], inputs: Inputs | None = None,
+               scenarios: list[tuple[float, list[WorkloadClass]]] | None = None) -> Decision:
+        """Stage 1 for the proposal and for the running configuration; ``inputs``: default the current ones;
+        ``scenarios`` (the mixed-rounds model): (weight, classes) loads to weigh instead of ``classes`` alone."""
         cfg = self.config
         inp = inputs or self.inputs.snapshot()
         classes = inp.with_slos(classes)
@@ -147,12 +175,17 @@ class Planner:
         args = (classes, self.cluster.gpus, inp.profiles, inp.steps, stage1, slots)
         proposal = plan_capacity(*args)
         current = plan_capacity(*args, fixed_counts=self.current_counts())
+        weighed = bool(scenarios) and proposal.slo_met is not None
+        if weighed:
+            scenarios = [(w, inp.with_slos(c)) for w, c in scenarios]
+            proposal, current = self._weighed(proposal, current, scenarios, args)
+            args = (scenarios,) + args[1:]
         same = {d: n for d, n in proposal.counts.items() if n} == {d: n for d, n in current.counts.items() if n}
         if same:
             return Decision(False, "proposal equals the running configuration", proposal, current)
         if not proposal.feasible:
             return Decision(True, "overloaded: no configuration meets SLO and stability; all TP-1", proposal, current)
-        if not current.feasible:
+        if not current.feasible and not weighed:
             return Decision(True, "the running configuration is unstable or misses SLOs", proposal, current)
         gp = (proposal.primary - current.primary) / max(abs(current.primary), 1e-9)
         gs = (proposal.secondary - current.secondary) / max(abs(current.secondary), cfg.secondary_floor)
@@ -170,14 +203,48 @@ class Planner:
         span = max(cfg.period_s - cfg.change_s, 0.0)
         loss, during = 0.0, current.slo_met
         if cfg.change_s > 0 and cfg.overlap_slowdown != 1.0:
-            classes, gpus, profiles, steps, stage1, slots = args
+            load, gpus, profiles, steps, stage1, slots = args
             slow = {d: p.scaled(cfg.overlap_slowdown) for d, p in profiles.items()}
-            during = plan_capacity(classes, gpus, slow, steps, stage1, slots,
-                                   fixed_counts=self.current_counts()).slo_met or 0.0
+            loads = load if load and isinstance(load[0], tuple) else [(1.0, load)]  # scenarios, or one load
+            during = sum(w * (plan_capacity(c, gpus, slow, steps, stage1, slots,
+                                            fixed_counts=self.current_counts()).slo_met or 0.0) for w, c in loads)
             loss = max(current.slo_met - during, 0.0) * cfg.change_s
         net = ((proposal.slo_met - current.slo_met) * span - loss) / cfg.period_s
         act = net >= cfg.min_met_gain or (net >= 0 and (gp >= cfg.min_gain or (gp >= 0 and gs >= cfg.min_gain)))
+        last = self.last_decision
+        wait = act and net < cfg.confirm_below and (last is None or last.proposal.counts != proposal.counts)
         reason = (f"within SLO {current.slo_met:.3f} -> {proposal.slo_met:.3f} ({during:.3f} during the change), "
                   f"net {net:+.3f} ({'>=' if net >= cfg.min_met_gain else '<'} {cfg.min_met_gain}); "
-                  f"primary {gp:+.1%}, secondary {gs:+.1%}: {'act' if act else 'keep'}")
+                  f"primary {gp:+.1%}, secondary {gs:+.1%}: "
+                  f"{'wait for the next period to agree' if wait else 'act' if act else 'keep'}")
+        act = act and not wait
         return Decision(act, reason, proposal, current, gp, gs)
+
+    def _weighed(self, proposal: CapacityPlan, current: CapacityPlan, scenarios,
+                 args) -> tuple[CapacityPlan, CapacityPlan]:
+        """The proposal and the running configuration with their share within SLO weighed over ``scenarios``;
+        the proposal is the best of the point proposal, every single-degree configuration and the running
+        one by that share (then by its thresholds at the point load), the running one on ties."""
+        _, gpus, profiles, steps, stage1, slots = args
+        running = self.current_counts()
+        candidates = [running, dict(proposal.counts)]
+        for d in sorted(profiles):
+            candidates.append({k: (min(gpus // d, slots.get(d, gpus // d)) if k == d else 0) for k in sorted(profiles)})
+        seen, scored = set(), []
+        for counts in candidates:
+            key = tuple(sorted((d, n) for d, n in counts.items() if n))
+            if key in seen:
+                continue
+            seen.add(key)
+            met = sum(w * (plan_capacity(c, gpus, profiles, steps, stage1, slots, fixed_counts=counts).slo_met or 0.0)
+                      for w, c in scenarios)
+            point = current if counts == running else plan_capacity(*args, fixed_counts=counts)
+            scored.append((round(met, 4), point.primary if point.feasible else -1.0, counts == running, met, point))
+        best = max(scored, key=lambda s: s[:3])
+        now = next(s for s in scored if s[2])
+
+        def weighed(s) -> CapacityPlan:  # a configuration infeasible at the point load has no slack there
+            plan = s[4]
+            return replace(plan, slo_met=s[3], feasible=True,
+                           secondary=plan.secondary if plan.secondary is not None else -1.0)
+        return weighed(best), weighed(now)

@@ -65,12 +65,18 @@ class Stage1Config:
     # "single-degree" compares only the configurations with every GPU in one TP degree
     mixed_search: str = "milp"
     shed: bool = True  # "mixed": requests that would miss their SLO may be refused (admission control), costing nothing
+    # "mixed": the occupancy a request meets at a level. "level": exactly the level (the fluid model: a group's
+    # requests are all within their SLO there or all outside); "queue": a birth-death queue at the arrival rate
+    # the level carries, so a share of a group meets more than the level (``MixedTables.within_slo``)
+    occupancy: str = "level"
 
     def __post_init__(self) -> None:
         if self.rounds not in ("separate", "mixed"):
             raise ValueError(f"rounds must be 'separate' or 'mixed', got {self.rounds!r}")
         if self.mixed_search not in ("milp", "single-degree"):
             raise ValueError(f"mixed_search must be 'milp' or 'single-degree', got {self.mixed_search!r}")
+        if self.occupancy not in ("queue", "level"):
+            raise ValueError(f"occupancy must be 'queue' or 'level', got {self.occupancy!r}")
 
 
 def default_slos(classes: list[WorkloadClass], tab: CostTables, scale: float) -> np.ndarray:

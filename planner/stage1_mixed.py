@@ -23,13 +23,18 @@ every active request takes one step per round, and a round's forwards of the two
   short requests that unmask a block per step (all recompute steps, each in a round that also carries
   the others' cached forward) then need a TP degree whose rounds at its occupancy stay within their
   per-step budget.
-- **Soft SLOs.** A group's requests on a degree count as within SLO (``m[q, d]``, credit ``a[q, d]``)
-  only when their latency at the class's threshold and the degree's level is within their SLO. The
-  objective is lexicographic: the share of requests within their SLOs first (``slo_met``), then the
-  average threshold per output token (primary), then the average SLO slack (secondary).
+- **Soft SLOs.** A group's requests placed at (threshold, degree, level) count at the share of them
+  within SLO there (``MixedTables.within_slo``; linear in the placement): all or none at the level's
+  occupancy (``Stage1Config.occupancy="level"``), or the share of a birth-death queue's occupancies
+  whose latency is within it (``"queue"``). The objective is lexicographic: the share of requests
+  within their SLOs first (``slo_met``), then the average threshold per output token (primary), then
+  the average SLO slack (secondary).
+- **Attention.** A recompute step's attention over its sequence is in its curve (profiled on whole
+  sequences), as the router and the simulator count it; cached steps add theirs beyond the profile's
+  reference context.
 - **Refusals** (``Stage1Config.shed``, the router's admission control): a share of a class may be
-  refused at arrival (``r[c, t]``), and a group's requests placed where they would miss may be refused
-  (``e[q, t, d, l]``); refused requests are outside their SLO and cost no capacity, so past a
+  refused at arrival (``r[c, t]``), and the share of a group's requests placed where they would miss
+  may be refused (``e[q, t, d, l]``); refused requests are outside their SLO and cost no capacity, so past a
   configuration's capacity the share within SLO falls gradually. Without refusals only an unstable load
   is infeasible (then: all TP-1 at the lowest thresholds, as in the separate-rounds model).
 """
@@ -70,6 +75,42 @@ class MixedTables:
     step_ms: np.ndarray  # (T, D, L) instance ms per step (round time / occupancy)
     isolated: np.ndarray  # (Q,) alone on TP-1 at the highest threshold (the SLO base), ms
     rho: np.ndarray  # (T,) the workload's recompute share of steps
+    # the queue model (``_queue``): ms per request when its rounds hold n = 1..N requests (N the largest
+    # level), the wait for a place of an arrival that meets k - 1 >= N others (k = 1..K), the share of
+    # arrivals that meet occupancy k at each level, and the workload's mean steps per request
+    latency_n: np.ndarray  # (Q, T, D, N)
+    wait_ms: np.ndarray  # (T, D, K)
+    occupancy: np.ndarray  # (T, D, L, K)
+    mean_steps: np.ndarray  # (T,)
+
+    def within_slo(self, slo: np.ndarray, model: str = "queue") -> np.ndarray:
+        """(Q, T, D, L) the share of group q's requests within ``slo[q]`` (ms) at each threshold, degree and
+        level. "level": 1 or 0, every request at the level itself (the fluid model). "queue": the share of
+        the occupancy distribution an arrival meets whose latency is within it. A request's rounds do not
+        all hold what it met on arrival: the occupancy drifts back toward the level's mean as requests come
+        and go, at about the pace the population turns over (a mean request's life), so over a life of x
+        such times it averages m + (k - m)(1 - e^-x)/x (the mean of an exponential decay): a short request
+        lives with what it met, a long one with about the mean."""
+        if model == "level":
+            return (self.latency <= slo[:, None, None, None] * (1 + 1e-9)).astype(float)
+        Q, T, D, N = self.latency_n.shape
+        K = self.occupancy.shape[-1]
+        k = np.arange(1, K + 1, dtype=float)
+        mean = self.occupancy @ k  # (T, D, L)
+        x = np.maximum((self.s_rec + self.s_cac) / self.mean_steps[None, :], 1e-9)  # (Q, T) lives
+        keep = (1.0 - np.exp(-x)) / x  # (Q, T) share of the deviation kept over the life
+        served = np.minimum(k, N)  # beyond N the request waits, then runs at N
+        avg = mean[None, :, :, :, None] + keep[:, :, None, None, None] * (served - mean[None, :, :, :, None])
+        avg = np.clip(avg, 1.0, N)  # (Q, T, D, L, K) the occupancy its rounds average
+        lo = np.minimum(np.floor(avg).astype(int), N) - 1  # linear interpolation in latency_n (0-based)
+        hi = np.minimum(lo + 1, N - 1)
+        frac = avg - (lo + 1)
+        qi, ti, di = (np.arange(n).reshape(shape) for n, shape in
+                      ((Q, (Q, 1, 1, 1, 1)), (T, (1, T, 1, 1, 1)), (D, (1, 1, D, 1, 1))))
+        lat, nxt = self.latency_n[qi, ti, di, lo], self.latency_n[qi, ti, di, hi]
+        lat = lat + frac * (nxt - lat) + self.wait_ms[None, :, :, None, :]
+        ok = lat <= slo[:, None, None, None, None] * (1 + 1e-9)
+        return (self.occupancy[None] * ok).sum(axis=-1)
 
     @property
     def class_steps(self) -> np.ndarray:
@@ -105,8 +146,45 @@ def _curve(prof: LatencyProfile, kind: str, tokens) -> np.ndarray:
     return np.where(x > 0, y, 0.0)
 
 
+def _queue(round_all: np.ndarray, mean_steps: np.ndarray, levels: tuple[int, ...],
+           utilisation: float, factor: int, sub: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """The queue model of an instance at each level: requests arrive (Poisson) at a rate the level carries
+    (up to ``utilisation`` x the rate its rounds complete them; a request takes ``mean_steps`` rounds,
+    and above the level below's), and leave at the rate
+    of the occupancy they are at (k requests in rounds of ``round_all[k]`` ms: k / (steps x round) per
+    second; beyond the largest level, that level's rate, the rest waiting for a place). Its stationary
+    distribution (a birth-death chain) is what an arrival meets (Poisson arrivals see time averages).
+
+    Returns the wait for a place of an arrival that meets k - 1 others (k = 1..K; beyond the largest level
+    N, k - N departures) and, per threshold, degree and level, the share of arrivals whose rounds hold k
+    requests (themselves included)."""
+    T, D, N = round_all.shape
+    K = factor * N
+    k = np.arange(1, K + 1)
+    kk = np.minimum(k, N) - 1
+    mu = np.minimum(k, N)[None, None, :] / (mean_steps[:, None, None] * round_all[:, :, kk] / 1e3)  # (T, D, K) /s
+    wait_ms = np.maximum(k - N, 0)[None, None, :] * 1e3 / mu[:, :, N - 1:N]  # (T, D, K)
+    occupancy = np.zeros((T, D, len(levels), K))
+    below = np.zeros((T, D))
+    for m, lv in enumerate(levels):
+        top = utilisation * mu[:, :, lv - 1]  # (T, D) arrivals per second the level carries
+        # the level is the smallest that carries the load: the load lies between the level below's and its own;
+        # the distribution is averaged over ``sub`` rates spread across that interval
+        for i in range(sub):
+            lam = below + (i + 0.5) / sub * (top - below)
+            logp = np.concatenate([np.zeros((T, D, 1)), np.cumsum(np.log(lam[..., None] / mu), axis=2)], axis=2)
+            p = np.exp(logp - logp.max(axis=2, keepdims=True))[..., :K]  # an arrival meets j = 0..K-1 others
+            occupancy[:, :, m] += p / p.sum(axis=2, keepdims=True) / sub
+        below = top
+    return wait_ms, occupancy
+
+
 def mixed_tables(classes: list[WorkloadClass], profiles: dict[int, LatencyProfile], model: StepModel,
-                 levels: tuple[int, ...] = DEFAULT_LEVELS) -> MixedTables:
+                 levels: tuple[int, ...] = DEFAULT_LEVELS, utilisation: float = 0.9,
+                 queue_factor: int = 3) -> MixedTables:
+    """The tables of a Stage 1 solve; ``utilisation``: the share of a level's throughput that arrivals
+    fill (the stability bound: the queue model's arrival rate at each level); ``queue_factor``: the
+    queue model follows occupancies up to this many times the largest level."""
     degrees, thresholds = tuple(sorted(profiles)), tuple(model.thresholds)
     if not levels or any(level < 1 for level in levels) or list(levels) != sorted(set(levels)):
         raise ValueError(f"levels must be increasing positive occupancies, got {levels}")
@@ -117,7 +195,7 @@ def mixed_tables(classes: list[WorkloadClass], profiles: dict[int, LatencyProfil
             gc.append(c)
             gs.append(share)
             gf.append(factor)
-    Q, T, D, L = len(gc), len(thresholds), len(degrees), len(levels)
+    Q, T, D = len(gc), len(thresholds), len(degrees)
     group_class, group_share = np.array(gc), np.array(gs)
     s_rec, s_cac = np.zeros((Q, T)), np.zeros((Q, T))
     for q in range(Q):
@@ -129,19 +207,23 @@ def mixed_tables(classes: list[WorkloadClass], profiles: dict[int, LatencyProfil
     weight = rate if rate.sum() > 0 else group_share
     rho = (weight[:, None] * s_rec).sum(axis=0) / (weight[:, None] * (s_rec + s_cac)).sum(axis=0)  # (T,)
     seq = float((weight * seq_q).sum() / weight.sum())  # the other requests' sequence length
-    latency, step_ms = np.zeros((Q, T, D, L)), np.zeros((T, D, L))
+    top_level = levels[-1]
+    occ = np.arange(1, top_level + 1)  # every occupancy up to the largest level
+    lat_all, round_all = np.zeros((Q, T, D, top_level)), np.zeros((T, D, top_level))
     for k, d in enumerate(degrees):
         prof = profiles[d]
-        far = max(seq - prof.ref_context, 0.0) * prof.attn_ms_per_pair  # attention extra per query token, others
+        # attention beyond the profile's reference context, per query token of a cached step (a recompute step's
+        # attention over its whole sequence is in its curve, measured on whole sequences, as the router counts it)
+        far = max(seq - prof.ref_context, 0.0) * prof.attn_ms_per_pair  # the others'
         own_far = np.maximum(seq_q - prof.ref_context, 0.0) * prof.attn_ms_per_pair  # ... group q's own
         for t in range(T):
             r = float(rho[t])
-            attn_other = (r * seq + (1 - r) * blk) * far  # expected attention extra of one other step
-            for m, lv in enumerate(levels):
+            attn_other = (1 - r) * blk * far  # expected attention extra of one other step
+            for m, lv in enumerate(occ):
                 # a round at occupancy lv: J ~ Bin(lv, rho) recompute steps, lv - J cached
                 j = np.arange(lv + 1)
                 full = _binom(lv, r) @ (_curve(prof, "recompute", j * seq) + _curve(prof, "cached", (lv - j) * blk))
-                step_ms[t, k, m] = (full + lv * attn_other + prof.overhead_ms) / lv
+                round_all[t, k, m] = full + lv * attn_other + prof.overhead_ms
                 # a step's round: it and lv - 1 others, J ~ Bin(lv - 1, rho) of them recompute steps
                 j = np.arange(lv)
                 pj = _binom(lv - 1, r)
@@ -149,16 +231,20 @@ def mixed_tables(classes: list[WorkloadClass], profiles: dict[int, LatencyProfil
                 rec = (_curve(prof, "recompute", seq_q[:, None] + j[None, :] * seq)
                        + _curve(prof, "cached", (lv - 1 - j) * blk)[None, :]) @ pj
                 cac = pj @ (_curve(prof, "recompute", j * seq) + _curve(prof, "cached", (lv - j) * blk))
-                latency[:, t, k, m] = (s_rec[:, t] * (rec + seq_q * own_far + others)
+                lat_all[:, t, k, m] = (s_rec[:, t] * (rec + others)
                                        + s_cac[:, t] * (cac + blk * own_far + others))
+    at = np.asarray(levels) - 1
+    latency, step_ms = lat_all[..., at], round_all[..., at] / np.asarray(levels, dtype=float)
+    mean_steps = (weight[:, None] * (s_rec + s_cac)).sum(axis=0) / weight.sum()  # (T,)
+    wait_ms, occupancy = _queue(round_all, mean_steps, levels, utilisation, queue_factor)
     base = profiles[degrees[0]]
     top = T - 1
-    iso_rec = _curve(base, "recompute", seq_q) + seq_q * np.maximum(seq_q - base.ref_context, 0) * base.attn_ms_per_pair
+    iso_rec = _curve(base, "recompute", seq_q)
     iso_cac = _curve(base, "cached", np.full(Q, blk)) + blk * np.maximum(seq_q - base.ref_context, 0) * \
         base.attn_ms_per_pair
     isolated = s_rec[:, top] * (iso_rec + base.overhead_ms) + s_cac[:, top] * (iso_cac + base.overhead_ms)
     return MixedTables(degrees, tuple(levels), thresholds, group_class, group_share, s_rec, s_cac, latency,
-                       step_ms, isolated, rho)
+                       step_ms, isolated, rho, lat_all, wait_ms, occupancy, mean_steps)
 
 
 def rank(plan) -> tuple:
@@ -178,7 +264,7 @@ def plan_capacity_mixed(classes: list[WorkloadClass], gpus: int, profiles: dict[
     one small solve each): the best by ``rank`` is the plan. On loads where the occupancy levels and the
     split of classes over degrees leave the search far from done at the cap, this keeps the plan at
     least as good as the best single-degree one."""
-    tab = mixed_tables(classes, profiles, model, config.levels)
+    tab = mixed_tables(classes, profiles, model, config.levels, config.utilisation)
     if fixed_counts is not None:
         return _solve_mixed(classes, gpus, tab, config, slots, fixed_counts)
     best, solves = None, []
@@ -216,19 +302,19 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     v = cv[gc] * tab.group_share  # (Q,) share of all requests
     cap = np.array([(slots or {}).get(d, gpus // d) for d in tab.degrees], dtype=float)
 
-    # columns: x[c, t] | R[d] | z[d, l] | y[c, t, d, l] | m[q, d] | a[q, d] | e[q, t, d, l] (with ``shed``)
+    # columns: x[c, t] | R[d] | z[d, l] | y[c, t, d, l] | e[q, t, d, l] (with ``shed``) | r[c, t] (with ``shed``)
     ox, oR, oz = 0, C * T, C * T + D
     oy = oz + D * L
-    om = oy + C * T * D * L
-    oa = om + Q * D
-    oe = oa + Q * D
+    oe = oy + C * T * D * L
     yc, yt, yd, yl = (a.ravel() for a in np.meshgrid(np.arange(C), np.arange(T), np.arange(D), np.arange(L),
                                                       indexing="ij"))
     ycol = oy + np.arange(len(yc))
     sq, sy = np.nonzero(gc[:, None] == yc[None, :])  # group q, a y column of its class
-    late = tab.latency > slo[:, None, None, None] * (1 + 1e-9)  # (Q, T, D, L)
+    # (Q, T, D, L) share of a group's requests within SLO there, to 1e-4 (tinier coefficients trouble the solver)
+    met = np.round(tab.within_slo(slo, config.occupancy), 4)
+    met_p = met[sq, yt[sy], yd[sy], yl[sy]]  # ... per pair (group, y column)
     # what admission control refuses: requests that would miss their SLO there (e[p] for these pairs p)
-    es = np.nonzero(late[sq, yt[sy], yd[sy], yl[sy]])[0] if config.shed else np.zeros(0, dtype=int)
+    es = np.nonzero(met_p < 1.0 - 1e-9)[0] if config.shed else np.zeros(0, dtype=int)
     ne = len(es)
     ecol = oe + np.arange(ne)
     orr = oe + ne  # r[c, t] (with ``shed``): the share of class c refused at arrival, placed nowhere
@@ -244,24 +330,9 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     block(np.r_[yc * T + yt, xc * T + xt, (xc * T + xt)[:nr_]],
           np.r_[ycol, ox + np.arange(C * T), orr + np.arange(nr_)],
           np.r_[np.ones(len(yc)), -np.ones(C * T), np.ones(nr_)], np.zeros(C * T), np.zeros(C * T))
-    # m[q, d] = 1 only if group q's requests on degree d meet their SLO at the class's threshold and the
-    # degree's level: m[q, d] + x[c, t] + sum_{l: late} z[d, l] <= 2 for every t
-    mq, mt, md = (a.ravel() for a in np.meshgrid(np.arange(Q), np.arange(T), np.arange(D), indexing="ij"))
-    lq, lt, ld, ll = np.nonzero(late)
-    row_of = (lq * T + lt) * D + ld
-    nr = Q * T * D
-    block(np.r_[np.arange(nr), np.arange(nr), row_of],
-          np.r_[om + mq * D + md, ox + gc[mq] * T + mt, oz + ld * L + ll],
-          np.ones(2 * nr + len(lq)), np.full(nr, -np.inf), np.full(nr, 2.0))
-    # credit a[q, d] <= m[q, d] and <= the class's share on d less what of the group is refused there
-    qd = np.arange(Q * D)
-    block(np.r_[qd, qd], np.r_[oa + qd, om + qd], np.r_[np.ones(Q * D), -np.ones(Q * D)], np.full(Q * D, -np.inf),
-          np.zeros(Q * D))
-    block(np.r_[np.arange(Q * D), sq * D + yd[sy], (sq * D + yd[sy])[es]],
-          np.r_[oa + np.arange(Q * D), ycol[sy], ecol],
-          np.r_[np.ones(Q * D), -np.ones(len(sq)), np.ones(ne)], np.full(Q * D, -np.inf), np.zeros(Q * D))
-    # refused requests (admission control): at most those placed there, e[q, t, d, l] <= y[c, t, d, l]
-    block(np.r_[np.arange(ne), np.arange(ne)], np.r_[ecol, ycol[sy[es]]], np.r_[np.ones(ne), -np.ones(ne)],
+    # refused requests (admission control): at most the group's share placed there that would miss,
+    # e[q, t, d, l] <= (1 - met) y[c, t, d, l]
+    block(np.r_[np.arange(ne), np.arange(ne)], np.r_[ecol, ycol[sy[es]]], np.r_[np.ones(ne), -(1.0 - met_p[es])],
           np.full(ne, -np.inf), np.zeros(ne))
     # stability per degree: steps per second x instance ms per step <= utilisation x R[d] (x 1000); refused
     # requests cost nothing
@@ -288,12 +359,12 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
             col_hi[oz + k * L:oz + (k + 1) * L] = 0.0
             col_hi[ycol[yd == k]] = 0.0
     integer = np.zeros(n, dtype=bool)
-    integer[:oy] = True  # x, R, z; m and a are 0/1 wherever x and z are
+    integer[:oy] = True  # x, R, z
     cost = np.zeros(n)  # minimise -SLO_WEIGHT x (share within SLO) - primary + w x (mean latency / SLO)
     cost[ox:ox + C * T] = -(w[xc] * np.asarray(tab.thresholds)[xt])
-    cost[oa:oe] = -SLO_WEIGHT * np.repeat(v, D)
     lat_y = tab.latency[:, yt, yd, yl]  # (Q, Y)
-    np.add.at(cost, ycol[sy], config.secondary_weight * v[sq] * lat_y[sq, sy] / slo[sq])
+    # the share within SLO: a group's requests placed at (t, d, l) count at the share of them within SLO there
+    np.add.at(cost, ycol[sy], v[sq] * (config.secondary_weight * lat_y[sq, sy] / slo[sq] - SLO_WEIGHT * met_p))
     res = solve_milp(Milp(cost, A, *rows.bounds(), col_lo, col_hi, integer),
                      config.solver, config.time_limit_s, REL_GAP)
     names = [c.name for c in classes]
@@ -305,8 +376,8 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     x = z[:C * T].reshape(C, T)
     R = z[oR:oR + D]
     level = z[oz:oz + D * L].reshape(D, L)
-    y = np.maximum(z[oy:om], 0.0)
-    credit = np.maximum(z[oa:oe], 0.0).reshape(Q, D).sum(axis=1)  # share of each group within SLO
+    y = np.maximum(z[oy:oe], 0.0)
+    credit = np.bincount(sq, met_p * y[sy], minlength=Q)  # share of each group within SLO
     e = np.maximum(z[oe:orr], 0.0)
     refused = np.bincount(sq[es], e, minlength=Q)
     if nr_:

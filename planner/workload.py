@@ -103,9 +103,11 @@ class WorkloadMonitor:
 
     def classes(self, now: float) -> list[WorkloadClass]:
         """Buffered rates of every class seen in the window (sizes: the window's means)."""
+        return self._classes(now, peak=True)
+
+    def _classes(self, now: float, peak: bool) -> list[WorkloadClass]:
         horizon = now - self.window_s
-        # before a full window has passed, divide by the time observed (at least 1 s)
-        span = self.window_s if self._start is None else min(self.window_s, max(now - self._start, 1.0))
+        span = self._span(now)
         out = []
         for key in sorted(self._windows):
             w = self._windows[key]
@@ -115,18 +117,33 @@ class WorkloadMonitor:
                 continue
             out.append(WorkloadClass(self.grid.name(key), n / span * (1.0 + self.buffer),
                                      w.sum_in / n, max(w.sum_out / n, 1.0)))
-        scale = self._peak_ratio(now, span) if self.slices > 1 and out else 1.0
+        scale = self._peak_ratio(now, span) if peak and self.slices > 1 and out else 1.0
         return [replace(c, rate=c.rate * scale) for c in out] if scale > 1.0 else out
+
+    def classes_mean(self, now: float) -> list[WorkloadClass]:
+        """``classes`` at the window's mean rate (no busiest slice, no trend)."""
+        return self._classes(now, peak=False)
+
+    def _span(self, now: float) -> float:
+        # before a full window has passed, divide by the time observed (at least 1 s)
+        return self.window_s if self._start is None else min(self.window_s, max(now - self._start, 1.0))
+
+    def _slice_counts(self, now: float) -> list[int]:
+        """Arrivals per slice of the window, newest first."""
+        S = self.slices
+        width = self._span(now) / S
+        counts = [0] * S
+        for w in self._windows.values():
+            for t, _, _ in w.events:
+                counts[min(int((now - t) / width), S - 1)] += 1
+        return counts
 
     def _peak_ratio(self, now: float, span: float) -> float:
         """The busiest slice's arrival rate (or the trend's ``lookahead_s`` ahead, if higher) over the
         span's mean rate; at least 1."""
         S = self.slices
         width = span / S
-        counts = [0] * S  # counts[0]: the newest slice
-        for w in self._windows.values():
-            for t, _, _ in w.events:
-                counts[min(int((now - t) / width), S - 1)] += 1
+        counts = self._slice_counts(now)  # counts[0]: the newest slice
         total = sum(counts)
         if not total:
             return 1.0

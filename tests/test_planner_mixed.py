@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from engine.latency_profile import load_tp_profiles
-from planner import Cluster, Planner, PlannerConfig, Stage1Config, WorkloadClass, plan_capacity
+from planner import Cluster, Planner, PlannerConfig, Stage1Config, WorkloadClass, WorkloadMonitor, plan_capacity
 from planner.costs import StepModel
-from planner.stage1_mixed import mixed_tables, rank
+from planner.stage1_mixed import _queue, mixed_tables, rank
 
 PROFILES = load_tp_profiles("h200-llada8b")
 SPT = {0.7: 0.323, 0.8: 0.372, 0.9: 0.41}  # the dilaserve-trace workload's measured steps per token
@@ -41,13 +41,13 @@ def test_mixed_round_latency_alone_is_the_profiles_round_and_grows_with_occupanc
     seq = 55.0 + 256.0
     short, top = 0, len(tab.thresholds) - 1  # the block-per-step group, threshold 0.9
     for k, d in enumerate(tab.degrees):
-        alone = PROFILES[d].round_ms([("recompute", seq, seq)])
+        alone = PROFILES[d].round_ms([("recompute", seq, 0)])  # its attention is in the curve, as the router counts
         assert tab.latency[short, top, k, 0] == pytest.approx(8 * alone, rel=1e-6)
         assert np.all(np.diff(tab.latency[:, :, k, :], axis=-1) > 0)  # more requests per round: slower
     # a recompute step shares its round with the others' cached forward: at 4 requests on TP-1 a short
     # request's step takes its own recompute plus at least the cached forward of the others
     others = PROFILES[1].round_ms([("cached", 32, seq)] * 3)
-    assert tab.latency[short, top, 0, 2] / 8 >= PROFILES[1].round_ms([("recompute", seq, seq)]) + 0.9 * others
+    assert tab.latency[short, top, 0, 2] / 8 >= PROFILES[1].round_ms([("recompute", seq, 0)]) + 0.9 * others
     # per step the instance's time falls with occupancy (rounds amortise), and TP-4 is faster than TP-1
     assert np.all(np.diff(tab.step_ms, axis=-1) < 0)
     assert np.all(tab.latency[:, :, -1, :] < tab.latency[:, :, 0, :])
@@ -72,6 +72,48 @@ def test_mixed_stage1_picks_tp4_where_only_it_meets_the_short_requests_budget():
     sep = plan_capacity(classes, 16, PROFILES, STEPS, replace(MIXED, rounds="separate"),
                         fixed_counts={1: 16, 2: 0, 4: 0})
     assert sep.feasible and sep.slo_met is None
+
+
+def test_queue_occupancy_is_the_birth_death_chains_stationary_distribution():
+    """With rounds whose time grows in proportion to their occupancy the departure rate is flat, and the
+    chain is M/M/1: an arrival meets j others with probability (1 - r) r^j. The first level's load is
+    averaged over (0, utilisation x its throughput]: with one sub-rate, half of it."""
+    T, D, N = 1, 1, 8
+    round_all = np.arange(1, N + 1, dtype=float).reshape(T, D, N) * 10.0  # ms: mu = 1000 / (steps x 10) per s
+    steps = np.array([5.0])  # mu = 20 requests/s at every occupancy
+    wait, occ = _queue(round_all, steps, (1, 4), utilisation=0.9, factor=8, sub=1)
+    r = 0.45
+    k = np.arange(1, 8 * N + 1)
+    assert occ.shape == (T, D, 2, 8 * N) and np.allclose(occ.sum(axis=-1), 1.0)
+    assert np.allclose(occ[0, 0, 0], (1 - r) * r ** (k - 1), atol=1e-12)
+    # beyond the largest level an arrival waits for k - N departures at that level's rate
+    assert wait[0, 0, N - 1] == 0.0 and wait[0, 0, N] == pytest.approx(1e3 / 20.0)
+    # the second level carries the load between the first's and its own: a busier chain
+    assert occ[0, 0, 1] @ k > occ[0, 0, 0] @ k
+
+
+def test_queue_model_counts_a_share_of_each_group_within_slo():
+    """The fluid model puts a whole group in or out of its SLO at the level; the queue model counts the share
+    of its requests that meet an occupancy whose latency is within it. On 16 TP-1 instances at SLO 1.75x the
+    short group is mostly out and the long one mostly in; the share falls as the load rises; 4 TP-4 instances
+    keep more of both."""
+    queue = replace(MIXED, occupancy="queue")
+    shares = []
+    for rate in (10.0, 25.0, 40.0):
+        tp1 = plan_capacity(_classes(rate), 16, PROFILES, STEPS, queue, fixed_counts={1: 16, 2: 0, 4: 0})
+        shares.append(tp1.slo_met)
+    assert shares[0] > shares[1] > shares[2]
+    tp1 = plan_capacity(_classes(40.0), 16, PROFILES, STEPS, queue, fixed_counts={1: 16, 2: 0, 4: 0})
+    tp4 = plan_capacity(_classes(40.0), 16, PROFILES, STEPS, queue, fixed_counts={1: 0, 2: 0, 4: 4})
+    short, long_ = (g["within_slo"] for g in tp1.groups)
+    assert 0.0 < short < 0.5 < long_ < 1.0
+    assert all(g4["within_slo"] > g1["within_slo"] for g1, g4 in zip(tp1.groups, tp4.groups))
+    assert tp4.slo_met > tp1.slo_met
+    tab = mixed_tables(_classes(40.0), PROFILES, STEPS, MIXED.levels)
+    slo = 1.75 * tab.isolated
+    assert np.array_equal(tab.within_slo(slo, "level"), (tab.latency <= slo[:, None, None, None] * (1 + 1e-9)))
+    share = tab.within_slo(slo, "queue")
+    assert share.shape == tab.latency.shape and np.all((share >= 0) & (share <= 1 + 1e-9))
 
 
 def test_mixed_stage1_low_load_meets_everything_and_overload_falls_back():
@@ -130,3 +172,39 @@ def test_planner_prices_a_change_by_what_the_overlap_costs():
     d2 = slow.decide(_classes(40.0))
     assert not d2.act and d2.proposal.counts == d.proposal.counts
     assert d2.proposal.slo_met - d2.current.slo_met >= 0.02  # a gain the flat rule would have taken
+
+
+def test_a_change_below_confirm_below_waits_for_the_next_period_to_agree():
+    stage1 = replace(MIXED, mixed_search="single-degree")
+    planner = Planner(Cluster((4, 4, 4, 4)), PROFILES, PlannerConfig(period_s=300.0, stage1=stage1, steps=STEPS,
+                                                                     confirm_below=1.0), clock=lambda: 0.0)
+    first = planner.decide(_classes(40.0))
+    assert not first.act and "wait for the next period to agree" in first.reason and first.proposal.counts[4] == 4
+    planner.last_decision = first  # what maybe_replan keeps
+    second = planner.decide(_classes(40.0))
+    assert second.act and second.proposal.counts == first.proposal.counts
+    planner.last_decision = replace(first, proposal=replace(first.proposal, counts={1: 16, 2: 0, 4: 0}))
+    assert not planner.decide(_classes(40.0)).act  # the last period proposed something else
+
+
+def test_forecast_weighs_the_window_mean_by_past_period_to_period_changes():
+    """Once three changes of the window's mean rate are known, the next period's loads are the current mean
+    times each of them, equally likely; a decision then weighs every configuration over those loads."""
+    now = [0.0]
+    monitor = WorkloadMonitor(window_s=10.0, buffer=0.0, slices=5)
+    stage1 = replace(MIXED, mixed_search="single-degree")
+    planner = Planner(Cluster((4, 4, 4, 4)), PROFILES,
+                      PlannerConfig(period_s=10.0, stage1=stage1, steps=STEPS, forecast=True), monitor,
+                      clock=lambda: now[0])
+    got = []
+    for period, rate in enumerate((10.0, 15.0, 20.0, 30.0)):
+        for k in range(int(rate * 10)):
+            planner.observe(55, 256, period * 10.0 + k / rate)
+        now[0] = (period + 1) * 10.0
+        got.append(planner.forecast(now[0]))
+    assert got[:3] == [None, None, None]
+    loads = got[3]
+    assert [w for w, _ in loads] == pytest.approx([1 / 3] * 3)
+    assert [sum(c.rate for c in cs) for _, cs in loads] == pytest.approx([30 * 1.5, 30 * 20 / 15, 30 * 1.5], rel=0.02)
+    d = planner.decide(monitor.classes(now[0]), scenarios=loads)
+    assert 0.0 <= d.current.slo_met <= 1.0 and d.proposal.slo_met >= d.current.slo_met
