@@ -15,8 +15,8 @@ def _simulate_cluster(args) -> int:
     if args.plot and not trace and args.estimator != "online":
         raise ValueError("--plot draws the reconfiguration timeline of dilaserve-trace, or the learning curve of "
                          f"--estimator online; not of {args.scenario} with --estimator {args.estimator}")
-    if trace and (args.estimator != "table" or args.shed != "auto"):
-        raise ValueError("dilaserve-trace runs with the table estimator and its own admission; drop --estimator/--shed")
+    if trace and args.estimator != "table":
+        raise ValueError("dilaserve-trace runs with the table estimator; drop --estimator")
     if not trace and (args.break_before_make or args.workers != 1):
         raise ValueError("--break-before-make and --workers are dilaserve-trace's")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
@@ -25,11 +25,12 @@ def _simulate_cluster(args) -> int:
         if args.slo_factor <= 0:
             raise ValueError("--slo-factor must be positive")
         online["slo_factor"] = args.slo_factor
+    shed = {"auto": None, "on": True, "off": False}[args.shed]
     if trace:
-        online.update(make_before_break=not args.break_before_make, workers=args.workers)
+        online.update(make_before_break=not args.break_before_make, workers=args.workers, shed=shed)
     if not trace:
         early = tuple(int(x) for x in args.refit_early.split(",") if x.strip()) if args.refit_early else ()
-        online |= {"estimator": args.estimator, "shed": {"auto": None, "on": True, "off": False}[args.shed],
+        online |= {"estimator": args.estimator, "shed": shed,
                   "refit_every": args.refit_every, "refit_early": early,
                   "min_requests": min(early) if early else args.refit_every * 2}
     report = run_cluster_scenario(args.scenario, policies, args.requests or 2000, args.seed, args.rate,
@@ -100,8 +101,8 @@ def add_parsers(sub) -> None:
                    "counts, comma-separated; '' for none")
     s.add_argument("--shed", choices=["auto", "on", "off"], default="auto",
                    help="cluster scenarios: refuse arrivals that cannot meet their SLO, as the live ingress does "
-                        "(auto: remask sheds, the papers' baselines admit everything: sim.cluster_run.SHED_DEFAULT); "
-                        "refused requests count as SLO misses")
+                        "(auto: remask sheds, the papers' baselines admit everything: sim.cluster.SHED_DEFAULT; "
+                        "dilaserve-trace: off, where it costs more than it saves); refused requests are SLO misses")
     s.add_argument("--slo-factor", type=float, help="cluster scenarios: SLO = this x the isolated TP-1 latency "
                    "(default: the scenario's)")
     s.add_argument("--break-before-make", action="store_true", help="dilaserve-trace: a new instance starts only "

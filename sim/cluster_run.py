@@ -8,23 +8,10 @@ from dataclasses import replace
 
 from cluster import RouterConfig
 from engine.latency_profile import load_tp_profiles
-from sim.cluster import ClusterConfig, ClusterSimulator, summarize
+from sim.cluster import ClusterConfig, ClusterSimulator, sheds, summarize
 from sim.cluster_scenarios import accuracy_of, candidate_thresholds, get_cluster_scenario, make_specs
 from sim.cluster_trace import TraceScenario, run_trace
 from sim.threshold_table import load_table
-
-# Policies that shed at arrival unless told (`--shed off`): Remask's own, as the live ingress does
-# (router.shed_over_capacity, on by default); the papers' baselines admit everything. On dilaserve-bench
-# (seed 0) shedding raises remask's attainment over every arrival from 0.857 to 0.896 at 85 req/s and from
-# 0.207 to 0.629 at 120 req/s; `remask simulate --scenario dilaserve-bench --policies remask --rate R
-# --shed on|off --json` prints them.
-SHED_DEFAULT: tuple[str, ...] = ("remask",)
-
-
-def sheds(policy: str, shed: bool | None) -> bool:
-    """Whether ``policy`` refuses arrivals that cannot meet their SLO: ``shed``, or by default the policies
-    in ``SHED_DEFAULT`` (the papers' baselines admit everything)."""
-    return policy in SHED_DEFAULT if shed is None else shed
 
 
 def run_cluster_scenario(name: str, policies: list[str] | None, n: int, seed: int = 0, rate: float | None = None,
@@ -41,6 +28,8 @@ def run_cluster_scenario(name: str, policies: list[str] | None, n: int, seed: in
         if policies is not None and len(policies) != 1:
             raise ValueError("dilaserve-trace compares instance mixes under one router policy; give one")
         trace = TraceScenario(requests=sc, policy=(policies or sc.policies)[0], make_before_break=make_before_break)
+        if shed is not None:
+            trace = replace(trace, shed=shed)
         return run_trace(trace, n, seed, rate, progress=progress, workers=workers)
     rate = sc.rate if rate is None else rate
     if rate <= 0:

@@ -17,14 +17,17 @@ instance mixes of the same GPUs.
   window, the instances' start-up delay and the reporting windows shrink by the same factor.
   Request-level time (step latencies, SLOs, migrations) is real. The report states the factor.
 - Reconfiguration: ``planner.Planner`` (Stage 1 in the mixed-rounds model over the single-degree
-  configurations, a change priced against its overlap, Stage 2) on the cluster's nodes, its workload
-  monitor fed by the arrivals (sized for the window's busiest minute), its step model measured on this
-  workload (``step_model``: steps per token and five step groups), its SLO scale the scenario's;
+  configurations, would-be-late requests refused in the model, a change priced against its overlap and,
+  when it gains less than 5%, made only once a second period proposes it, Stage 2) on the cluster's
+  nodes, its workload monitor fed by the arrivals (sized for the window's busiest minute), its step
+  model measured on this workload (``step_model``: steps per token and five step groups), its SLO scale
+  the scenario's;
   ``sim.reconfig.PlannerController`` carries the transitions out (start-up delay, drain and migrate,
   nothing dropped). ``stage1_rounds="separate"`` with ``buffer=0.2`` and ``monitor_lookahead_s=300``
   is the planner of the first measurements.
 - Load calibration (``capacity_rps``) is frozen (``CALIBRATION``): it does not follow the planner's Stage 1.
 - Static configurations: every mix in ``statics`` (TP-1, TP-2, TP-4 counts) for the whole trace.
+- Admission: off by default (``shed``); with it, a refused request is a miss in the window it arrived in.
 
 ``run_trace`` returns a JSON-able report (per configuration: ``cluster.summarize``; per reporting
 window: offered rate, instances per TP degree, SLO attainment); ``plot_trace`` draws it.
@@ -49,7 +52,7 @@ from cluster import RouterConfig
 from engine.latency_profile import load_tp_profiles
 from loadgen.arrivals import ArrivalParams, arrivals
 from planner import Cluster, Planner, PlannerConfig, Stage1Config, StepModel, WorkloadMonitor, plan_capacity
-from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterResult, ClusterSimulator, summarize
+from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterResult, ClusterSimulator, sheds, summarize
 from sim.cluster_scenarios import CLUSTER_SCENARIOS, ClusterScenario, candidate_thresholds, make_specs
 from sim.reconfig import PlannerController
 from sim.threshold_table import ThresholdTable, load_table
@@ -60,6 +63,9 @@ class TraceScenario:
     name: str = "dilaserve-trace"
     requests: ClusterScenario = CLUSTER_SCENARIOS["dilaserve-trace"]  # request shape, SLO factor, model table
     policy: str = "remask"
+    # refuse arrivals that cannot meet their SLO (None: as the policy does by default). Off: on this trace the
+    # admission governor sheds more than it saves (reports/planner.md, "Shedding on the trace")
+    shed: bool | None = False
     nodes: tuple[int, ...] = (4, 4, 4, 4)  # 16 GPUs, 4 per node (DiLaServe's GH200 cluster)
     degrees: tuple[int, ...] = (1, 2, 4)
     trace_s: float = 7200.0  # the trace's real length
@@ -79,9 +85,17 @@ class TraceScenario:
     monitor_lookahead_s: float = 0.0  # ... or for where the window's trend is a period ahead, if higher (0: off)
     min_gain: float = 0.10  # hysteresis
     min_met_gain: float = 0.02  # the mixed model: a change pays this share of a period's requests within SLO, net
+    confirm_below: float = 0.05  # PlannerConfig.confirm_below
     single_batch: bool = False  # Stage 1 with one recompute and one cached batch per TP degree (the paper's z, z')
     stage1_rounds: str = "mixed"  # the planner's Stage 1 model (Stage1Config.rounds); "separate": the first one
     mixed_search: str = "single-degree"  # Stage1Config.mixed_search
+    occupancy: str = "level"  # Stage1Config.occupancy
+    # the planner's model refuses would-be-late requests (Stage1Config.shed) though the cluster admits everything:
+    # compressed, an overload lasts a period of a few seconds of request time, and what it costs is about what
+    # refusing the excess would (without: the model sees a collapse, and the planner left 4 x TP-4 too early at
+    # 1.75x; mean -0.57 points against +0.43 with)
+    planner_refusals: bool = True
+    forecast: bool = False  # PlannerConfig.forecast: weigh the loads past period-to-period changes foretell
     step_groups: int = 5  # the planner's step model: a class's requests in this many groups by steps (spread)
     start_delay_s: float = 30.0  # a new instance serves this long after its start (model load; real seconds)
     make_before_break: bool = True  # new instances load beside the old ones, which serve until they are ready
@@ -117,7 +131,9 @@ def _stage1(sc: TraceScenario, steps: StepModel) -> Stage1Config:
     # depend on how busy the machine was (the same command gave 0.9445 and 0.9495)
     return Stage1Config(slo_scale=sc.requests.slo_factor, batches=_batches(sc), solver="auto",
                         single_batch=sc.single_batch, rounds=sc.stage1_rounds, levels=levels,
-                        mixed_search=sc.mixed_search, time_limit_s=None)
+                        mixed_search=sc.mixed_search, time_limit_s=None,
+                        shed=sc.planner_refusals,
+                        occupancy=sc.occupancy)
 
 
 # The trace's load calibration: Stage 1 in the separate-rounds model with a class's mean request, its
@@ -166,7 +182,7 @@ def _simulate(sc: TraceScenario, specs, profiles, rcfg: RouterConfig, seq_tokens
     """One run: the static instances ``tps``, or (``planner``: a factory given the virtual clock) the
     planner's starting placement, reconfigured as it decides."""
     q = sc.requests
-    cfg = ClusterConfig(tps, q.slots, q.block_tokens, seq_tokens, router=rcfg)
+    cfg = ClusterConfig(tps, q.slots, q.block_tokens, seq_tokens, router=rcfg, shed=sheds(sc.policy, sc.shed))
     t0 = time.perf_counter()
     sim = ClusterSimulator(cfg, profiles, sc.policy, seed)
     ctl = None
@@ -219,7 +235,8 @@ def run_trace(sc: TraceScenario | None = None, n: int = 6000, seed: int = 0, mea
     change_s = (sc.start_delay_s if sc.make_before_break else 0.0) / compression  # priced by the mixed model
     pcfg = PlannerConfig(period_s=sc.period_s / compression, min_gain=sc.min_gain, stage1=_stage1(sc, steps),
                          steps=steps, min_met_gain=sc.min_met_gain, change_s=change_s,
-                         overlap_slowdown=sc.overlap_slowdown)
+                         overlap_slowdown=sc.overlap_slowdown, forecast=sc.forecast,
+                         confirm_below=sc.confirm_below)
 
     def planner(clock: Callable[[], float]) -> Planner:  # first re-plan a period after the trace starts (t = 0)
         monitor = WorkloadMonitor(window_s=sc.window_s / compression, buffer=sc.buffer, slices=sc.monitor_slices,
@@ -274,11 +291,9 @@ def _report(sc, n, seed, rate, cap, compression, duration, steps, rcfg, table, s
                         "held": run.res.held, "wall_s": round(run.wall_s, 1)})
         configs[name] = summary
         met = np.zeros(W)
-        tot = np.zeros(W)
+        tot = np.bincount(np.minimum(((arr - t0) / width).astype(int), W - 1), minlength=W)  # refused ones too
         for spec, lat, _ in run.res.finished:
-            k = min(int((spec.arrival - t0) / width), W - 1)
-            tot[k] += 1
-            met[k] += lat <= spec.slo_s + 1e-9
+            met[min(int((spec.arrival - t0) / width), W - 1)] += lat <= spec.slo_s + 1e-9
         per_window[name] = [round(float(m / t), 4) if t else None for m, t in zip(met, tot)]
     statics = [k for k in configs if k.startswith("static-")]
     best = max(statics, key=lambda k: (configs[k]["slo_attainment"], configs[k]["mean_threshold"])) if statics else None
@@ -292,7 +307,7 @@ def _report(sc, n, seed, rate, cap, compression, duration, steps, rcfg, table, s
         "gpus": sum(sc.nodes), "nodes": list(sc.nodes), "slots": sc.requests.slots,
         "arrival_rate_rps": round(rate, 3), "capacity_rps_all_tp1": round(cap, 2),
         "peak_window_rps": round(float(offered.max()), 2), "low_window_rps": round(float(offered.min()), 2),
-        "slo_factor": sc.requests.slo_factor, "mix": sc.requests.mix,
+        "slo_factor": sc.requests.slo_factor, "mix": sc.requests.mix, "shedding": sheds(sc.policy, sc.shed),
         "candidate_thresholds": list(rcfg.thresholds),
         "steps_per_token": {f"{t:g}": round(v, 4) for t, v in steps.steps_per_token.items()},
         "time_compression": round(compression, 2), "trace_minutes": round(sc.trace_s / 60, 1),
@@ -301,7 +316,10 @@ def _report(sc, n, seed, rate, cap, compression, duration, steps, rcfg, table, s
                     "window_s_trace": sc.window_s, "buffer": sc.buffer, "monitor_slices": sc.monitor_slices,
                     "monitor_lookahead_s_trace": sc.monitor_lookahead_s,
                     "single_batch": sc.single_batch, "stage1_rounds": sc.stage1_rounds,
-                    "mixed_search": sc.mixed_search, "step_groups": [list(g) for g in steps.spread],
+                    "mixed_search": sc.mixed_search, "occupancy": sc.occupancy,
+                    "refusals": sc.planner_refusals,
+                    "forecast": sc.forecast,
+                    "step_groups": [list(g) for g in steps.spread],
                     "min_gain": sc.min_gain, "min_met_gain": sc.min_met_gain,
                     "start_delay_s_trace": sc.start_delay_s, "plans": ctl.log.plans, "starts": ctl.log.starts,
                     "stops": ctl.log.stops, "make_before_break": sc.make_before_break,
@@ -423,10 +441,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single-batch", action="store_true", help="Stage 1 with one batch per TP degree")
     ap.add_argument("--stage1-rounds", choices=("mixed", "separate"), help="the planner's Stage 1 model")
     ap.add_argument("--mixed-search", choices=("milp", "single-degree"), help="Stage 1 (mixed): how counts are chosen")
+    ap.add_argument("--planner-refusals", choices=("on", "off"), help="the planner's model refuses would-be-late "
+                    "requests (default: on)")
+    ap.add_argument("--forecast", choices=("on", "off"), help="the planner weighs the loads past changes foretell")
+    ap.add_argument("--occupancy", choices=("queue", "level"), help="Stage 1 (mixed): the occupancy a request meets")
     ap.add_argument("--step-groups", type=int, help="the planner's step model: groups of a class's requests by steps")
     ap.add_argument("--min-met-gain", type=float, help="a change pays this share of a period's requests within SLO")
+    ap.add_argument("--confirm-below", type=float, help="a change that gains less (net) waits for a second period")
     ap.add_argument("--buffer", type=float, help="monitor: safety buffer on rates (0.2: 20%%)")
     ap.add_argument("--slices", type=int, help="monitor: size for the busiest of this many slices (1: the mean)")
+    ap.add_argument("--shed", choices=("auto", "on", "off"), default="off",
+                    help="refuse arrivals that cannot meet their SLO (auto: as the policy does by default)")
     ap.add_argument("--statics", help="static mixes to compare, e.g. '16,0,0;4,0,3' (TP-1,TP-2,TP-4 counts)")
     ap.add_argument("--plot", help="write the figure here (PNG)")
     ap.add_argument("--out", help="write the JSON report here")
@@ -439,10 +464,16 @@ def main(argv: list[str] | None = None) -> int:
         sc = replace(sc, requests=replace(sc.requests, slo_factor=args.slo_factor))
     fields = {"slices": "monitor_slices", "buffer": "buffer", "min_met_gain": "min_met_gain",
               "lookahead": "monitor_lookahead_s", "stage1_rounds": "stage1_rounds", "mixed_search": "mixed_search",
-              "step_groups": "step_groups"}  # flag -> TraceScenario field, where given
+              "step_groups": "step_groups", "occupancy": "occupancy",
+              "confirm_below": "confirm_below"}  # flag -> TraceScenario field, where given
     sc = replace(sc, **{f: getattr(args, a) for a, f in fields.items() if getattr(args, a) is not None})
     if args.single_batch:
         sc = replace(sc, single_batch=True)
+    sc = replace(sc, shed={"auto": None, "on": True, "off": False}[args.shed])
+    if args.planner_refusals:
+        sc = replace(sc, planner_refusals=args.planner_refusals == "on")
+    if args.forecast:
+        sc = replace(sc, forecast=args.forecast == "on")
     statics = None
     if args.statics:
         statics = tuple(tuple(int(v) for v in part.split(",")) for part in args.statics.split(";") if part.strip())
