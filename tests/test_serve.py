@@ -477,9 +477,11 @@ def test_canvas_chunks_only_for_clients_that_ask(app_url, hf_client):
     assert sum(len(v["committed"]) for v in views) >= 1 and views[0]["length"] >= 24
 
 
-def test_playground_in_a_real_browser(app_url):
+def test_playground_in_a_real_browser(app_url, tmp_path):
     """Headless Chromium opens /playground of the running app, sends a prompt, waits for the canvas to
-    finish; the text it shows equals the API's answer to the same request. The screenshot goes to reports/."""
+    finish; the text it shows equals the API's answer to the same request. The screenshot goes to
+    ``REMASK_PLAYGROUND_SCREENSHOT`` when set (reports/playground.png is drawn so), else to a temporary file."""
+    import os
     from pathlib import Path
 
     from tests.browser import chromium_available, missing_reason, run_playground
@@ -489,7 +491,7 @@ def test_playground_in_a_real_browser(app_url):
     assert httpx.get(app_url + "/playground").status_code == 200
     params = {"threshold": 0.9, "temperature": 0, "max_tokens": 48}
     prompt = "story: fox 3"
-    shot = Path(__file__).resolve().parent.parent / "reports" / "playground.png"
+    shot = Path(os.environ.get("REMASK_PLAYGROUND_SCREENSHOT") or tmp_path / "playground.png")
     got = run_playground(app_url, prompt, params, shot)
     api_answer = post(app_url, "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
                                                           **params}).json()["choices"][0]["message"]["content"]
