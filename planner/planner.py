@@ -16,6 +16,7 @@ from engine.latency_profile import LatencyProfile
 from planner.costs import StepModel
 from planner.inputs import FinishedRequest, Inputs, InputsConfig, MeasuredInputs
 from planner.stage1 import CapacityPlan, Stage1Config, plan_capacity
+from planner.stage1_mixed import single_degree_counts
 from planner.stage2 import Cluster, Stage2Config, plan_transition
 from planner.transition import Instance, TransitionPlan
 from planner.workload import WorkloadClass, WorkloadMonitor
@@ -227,9 +228,7 @@ class Planner:
         one by that share (then by its thresholds at the point load), the running one on ties."""
         _, gpus, profiles, steps, stage1, slots = args
         running = self.current_counts()
-        candidates = [running, dict(proposal.counts)]
-        for d in sorted(profiles):
-            candidates.append({k: (min(gpus // d, slots.get(d, gpus // d)) if k == d else 0) for k in sorted(profiles)})
+        candidates = [running, dict(proposal.counts), *single_degree_counts(sorted(profiles), gpus, slots)]
         seen, scored = set(), []
         for counts in candidates:
             key = tuple(sorted((d, n) for d, n in counts.items() if n))

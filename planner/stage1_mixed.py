@@ -254,6 +254,17 @@ def rank(plan) -> tuple:
     return (round(plan.slo_met, 4), round(plan.primary, 4), plan.secondary)
 
 
+def single_degree_counts(degrees, gpus: int, slots: dict[int, int] | None = None) -> list[dict[int, int]]:
+    """The configurations with every GPU in instances of one TP degree (as many as its slots allow), one per
+    degree that has a slot for an instance."""
+    out = []
+    for d in degrees:
+        counts = {k: (min(gpus // d, (slots or {}).get(d, gpus // d)) if k == d else 0) for k in degrees}
+        if counts[d]:
+            out.append(counts)
+    return out
+
+
 def plan_capacity_mixed(classes: list[WorkloadClass], gpus: int, profiles: dict[int, LatencyProfile],
                         model: StepModel, config, slots: dict[int, int] | None = None,
                         fixed_counts: dict[int, int] | None = None):
@@ -271,11 +282,7 @@ def plan_capacity_mixed(classes: list[WorkloadClass], gpus: int, profiles: dict[
     if config.mixed_search == "milp":
         best = _solve_mixed(classes, gpus, tab, config, slots, None)
         solves = list(best.solves)
-    cap = {d: (slots or {}).get(d, gpus // d) for d in tab.degrees}
-    for d in tab.degrees:
-        counts = {k: (min(gpus // d, cap[d]) if k == d else 0) for k in tab.degrees}
-        if not counts[d]:
-            continue
+    for counts in single_degree_counts(tab.degrees, gpus, slots):
         alt = _solve_mixed(classes, gpus, tab, config, slots, counts)
         solves += list(alt.solves)
         if best is None or rank(alt) > rank(best):

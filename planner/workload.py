@@ -107,7 +107,8 @@ class WorkloadMonitor:
 
     def _classes(self, now: float, peak: bool) -> list[WorkloadClass]:
         horizon = now - self.window_s
-        span = self._span(now)
+        # before a full window has passed, divide by the time observed (at least 1 s)
+        span = self.window_s if self._start is None else min(self.window_s, max(now - self._start, 1.0))
         out = []
         for key in sorted(self._windows):
             w = self._windows[key]
@@ -124,26 +125,15 @@ class WorkloadMonitor:
         """``classes`` at the window's mean rate (no busiest slice, no trend)."""
         return self._classes(now, peak=False)
 
-    def _span(self, now: float) -> float:
-        # before a full window has passed, divide by the time observed (at least 1 s)
-        return self.window_s if self._start is None else min(self.window_s, max(now - self._start, 1.0))
-
-    def _slice_counts(self, now: float) -> list[int]:
-        """Arrivals per slice of the window, newest first."""
-        S = self.slices
-        width = self._span(now) / S
-        counts = [0] * S
-        for w in self._windows.values():
-            for t, _, _ in w.events:
-                counts[min(int((now - t) / width), S - 1)] += 1
-        return counts
-
     def _peak_ratio(self, now: float, span: float) -> float:
         """The busiest slice's arrival rate (or the trend's ``lookahead_s`` ahead, if higher) over the
         span's mean rate; at least 1."""
         S = self.slices
         width = span / S
-        counts = self._slice_counts(now)  # counts[0]: the newest slice
+        counts = [0] * S  # counts[0]: the newest slice
+        for w in self._windows.values():
+            for t, _, _ in w.events:
+                counts[min(int((now - t) / width), S - 1)] += 1
         total = sum(counts)
         if not total:
             return 1.0
