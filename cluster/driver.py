@@ -139,7 +139,7 @@ class ClusterDriver:
         held, self.held = self.held, []
         for state in held:
             if state.req_id in self.router.requests:  # an active request whose instance went away
-                moves.append(self._placed(state, self.router.place(state), None, "resume", now))
+                moves.append(self._placed(state, self.router.place(state, now=now), None, "resume", now))
             else:
                 self.router.add_request(state, now)
                 state.epoch = self.governor.epoch if self.shed and state.counted else -1
@@ -170,7 +170,7 @@ class ClusterDriver:
         moves = []
         for state in self._remove(inst_id):
             self.stats["evacuated"] += 1
-            dst = self.router.place(state)
+            dst = self.router.place(state, now=now)
             if dst is None:
                 self._hold(state, now)
             else:
@@ -196,7 +196,7 @@ class ClusterDriver:
     def resume(self, state: RequestState, now: float, exclude: int | None = None) -> Move | None:
         """Place an active request again (its instance went away or refused it), not on ``exclude``; None:
         no instance can take it (when none serves it waits in ``held``)."""
-        dst = self.router.place(state, exclude)
+        dst = self.router.place(state, exclude, now)
         if dst is None:
             if not self.router.instances:
                 self._hold(state, now)

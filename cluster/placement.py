@@ -36,6 +36,40 @@ def best_instance(model: TpLatencyModel, instances: Sequence[InstanceState], hea
     return best, best_key[0]
 
 
+def finish_ms(model: TpLatencyModel, inst: InstanceState, req: RequestState, k: int) -> float:
+    """What ``req``'s remaining steps at candidate threshold ``k`` take on ``inst``, each step in a round of
+    the instance's requests with ``req`` among them (counted once if it is there already)."""
+    nh, nl = inst.n_heavy, inst.n_light
+    if req.instance == inst.inst_id:
+        if req.next_heavy:
+            nh -= 1
+        else:
+            nl -= 1
+    tp = inst.tp
+    return req.heavy_left * model.round_ms(tp, nh + 1, nl) + req.light_left(k) * model.round_ms(tp, nh, nl + 1)
+
+
+def fit_instance(model: TpLatencyModel, instances: Sequence[InstanceState], req: RequestState, budget_ms: float,
+                 levels: Sequence[int], margin: float = 0.2, exclude: int | None = None
+                 ) -> InstanceState | None:
+    """SLO fit: an instance of the lowest TP degree on which ``req`` would finish within ``budget_ms``
+    (``finish_ms`` times ``1 + margin``), trying the candidate thresholds ``levels`` in turn (the highest
+    first), the fastest of that degree with the request added; None when it fits nowhere. A high-TP instance
+    takes a step faster but spends more GPU time on it than a TP-1 one: a request that meets its SLO on the
+    cheaper degree leaves the fast instances to the requests that need them."""
+    for k in levels:
+        best, best_key = None, (0, 0.0)
+        for inst in instances:
+            if inst.inst_id == exclude or finish_ms(model, inst, req, k) * (1.0 + margin) > budget_ms:
+                continue
+            key = (inst.tp, latency_with(model, inst, req.next_heavy))
+            if best is None or key < best_key:
+                best, best_key = inst, key
+        if best is not None:
+            return best
+    return None
+
+
 def migration_gain_ms(model: TpLatencyModel, req: RequestState, src: InstanceState, dst_latency_ms: float,
                       steps_ahead: float) -> float:
     """Latency ``req`` saves over ``steps_ahead`` steps by moving from ``src`` (where it is counted)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cluster.placement import best_instance, can_migrate_free, migration_gain_ms
+from cluster.placement import best_instance, can_migrate_free, fit_instance, migration_gain_ms
 from cluster.state import InstanceState, RequestState
 from engine.registry import Registry
 
@@ -104,6 +104,44 @@ class DynamicPolicy(FixedThresholdPolicy):
 @register("remask")
 class RemaskPolicy(DynamicPolicy):
     load_control = True
+
+
+@register("remask-fit")
+class RemaskFitPolicy(RemaskPolicy):
+    """Remask with SLO-fit placement where the cluster mixes TP degrees (``placement.fit_instance``): an
+    arrival goes to the lowest degree on which it would finish in time, and a request at a recompute step
+    moves only when it would no longer finish in time where it is, to where it would; where it fits nowhere,
+    Alg. 3 (the fastest instance; the usual migration test). On one degree it is ``remask``."""
+
+    margin = 0.2  # a fit keeps this share of the budget in reserve (the step estimates err)
+
+    def place(self, router, req):
+        if len({i.tp for i in router.instances}) > 1:
+            inst = fit_instance(router.latency, router.instances, req, (req.deadline - router.now) * 1000.0,
+                                range(len(router.cfg.thresholds)), self.margin)
+            if inst is not None:
+                return inst
+        return super().place(router, req)
+
+    def migrations(self, router, src, stepped):
+        if len({i.tp for i in router.instances}) == 1:
+            return super().migrations(router, src, stepped)
+        out, rest = [], []
+        levels = range(len(router.cfg.thresholds))
+        for req in sorted(stepped, key=walk_order):
+            if not can_migrate_free(req):
+                continue
+            budget = (req.deadline - router.now) * 1000.0
+            if fit_instance(router.latency, [src], req, budget, levels, self.margin) is not None:
+                continue  # it finishes in time where it is
+            dst = fit_instance(router.latency, router.instances, req, budget, levels, self.margin,
+                               exclude=src.inst_id)
+            if dst is None:
+                rest.append(req)
+                continue
+            out.append((req, dst))
+            router.move(req, src, dst)
+        return out + self.walk(router, src, rest)
 
 
 @register("infaas")

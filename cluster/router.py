@@ -86,6 +86,7 @@ class Router:
         self._ref_tp = 1 if 1 in latency.profiles else latency.degrees[0]
         self.cap = cluster_capacity(latency, self.instances, 5.0, 0.1)  # refreshed by each load-control run
         self.stats = {"migrations": 0, "load_control_runs": 0}
+        self.now = 0.0  # s, the latest event's time (placements judge deadlines against it)
 
     def _index(self, threshold: float) -> int:
         i = self._pos.get(threshold)
@@ -99,6 +100,7 @@ class Router:
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id!r}")
         self.requests[req.req_id] = req
+        self.now = now
         req.est = self.estimator.predict([req])[0]
         lat, tp = self.latency, self._ref_tp
         alone = req.heavy_left * lat.round_ms(tp, 1, 0) + req.light_left(0) * lat.round_ms(tp, 0, 1)
@@ -141,6 +143,7 @@ class Router:
                 now: float) -> list[tuple[RequestState, int]]:
         """``stepped``: (request, next step is heavy, finished) for each request of the round."""
         inst = self.by_id[inst_id]
+        self.now = now
         live = []
         refresh = []
         every = self.cfg.estimate_every
@@ -270,8 +273,11 @@ class Router:
         self.cap = cluster_capacity(self.latency, self.instances, 5.0, 0.1)
         return orphans
 
-    def place(self, req: RequestState, exclude: int | None = None) -> int | None:
-        """Place an active request again (its instance died or refused it); None: nowhere to go."""
+    def place(self, req: RequestState, exclude: int | None = None, now: float | None = None) -> int | None:
+        """Place an active request again (its instance died or refused it); None: nowhere to go. ``now``: the
+        time (SLO-fit placement judges the deadline against it; default the latest event's)."""
+        if now is not None:
+            self.now = now
         if req.instance is not None:
             self.by_id[req.instance].remove(req)
         candidates = [i for i in self.instances if i.inst_id != exclude]

@@ -86,6 +86,58 @@ def test_alg3_lowest_latency_instance_prefers_high_tp_at_low_load():
     assert best_instance(lat, router.instances)[0].inst_id == 1  # the emptier TP-1 instance
 
 
+def _alone_ms(lat, tp, steps):
+    """A request of ``req``'s shape (8 blocks: 8 recompute steps) taking ``steps`` steps alone on a TP-``tp``."""
+    return 8 * lat.round_ms(tp, 1, 0) + (steps - 8) * lat.round_ms(tp, 0, 1)
+
+
+def test_fit_placement_takes_the_lowest_degree_that_meets_the_slo():
+    totals = {k: (60.0, 50.0, 40.0, 30.0, 20.0) for k in ("slack", "tight", "late", "busy")}
+    router = make_router("remask-fit", tps=(1, 1, 4), totals=totals)
+    lat = router.latency
+    tp1, tp4 = _alone_ms(lat, 1, 60), _alone_ms(lat, 4, 60)
+    assert tp4 < tp1 / 2
+    # room on TP-1 (at the highest threshold, with the 20% margin): TP-1, though the idle TP-4 is faster
+    assert router.add_request(req("slack", slo=1.5 * tp1 / 1000), 0.0) == 0
+    # only TP-4 meets it: TP-4
+    assert router.add_request(req("tight", slo=1.3 * tp4 / 1000), 0.0) == 2
+    # fits nowhere: Alg. 3, the fastest instance with it added (TP-4 at this load)
+    assert router.add_request(req("late", slo=0.5 * tp4 / 1000), 0.0) == 2
+    # Alg. 3 (remask) sends the slack request to the idle TP-4 instance
+    alg3 = make_router("remask", tps=(1, 1, 4), totals=totals)
+    assert alg3.add_request(req("slack", slo=1.5 * tp1 / 1000), 0.0) == 2
+    # one degree: the same placements as remask
+    one = make_router("remask-fit", tps=(1, 1), totals=totals)
+    one.instances[0].n_light = 3
+    assert one.add_request(req("busy", slo=1.5 * tp1 / 1000), 0.0) == 1
+
+
+def test_fit_migration_moves_a_request_only_when_it_would_miss_where_it_is():
+    totals = {f"r{i}": (60.0, 50.0, 40.0, 30.0, 20.0) for i in range(6)}
+    router = make_router("remask-fit", tps=(1, 4), totals=totals)
+    lat = router.latency
+    tp1 = _alone_ms(lat, 1, 60)
+    for i in range(6):  # six on the TP-1 instance; the TP-4 instance idle
+        r = req(f"r{i}", arrival=0.01 * i, slo=10 * tp1 / 1000)
+        router.requests[r.req_id] = r
+        r.est = list(totals[r.req_id])
+        router.instances[0].add(r)
+    roomy = router.requests["r0"]
+    assert router.on_step(0, [(roomy, True, False)], now=0.0) == []  # on time where it is: it stays
+    tight = router.requests["r1"]
+    tight.deadline = 0.0 + 1.3 * _alone_ms(lat, 4, 60) / 1000  # now only the TP-4 instance is in time
+    moves = router.on_step(0, [(tight, True, False)], now=0.0)
+    assert [(r.req_id, dst) for r, dst in moves] == [("r1", 1)]
+    # remask moves the roomy one too: the idle TP-4 instance is faster
+    alg3 = make_router("remask", tps=(1, 4), totals=totals)
+    for i in range(6):
+        r = req(f"r{i}", arrival=0.01 * i, slo=10 * tp1 / 1000)
+        alg3.requests[r.req_id] = r
+        r.est = list(totals[r.req_id])
+        alg3.instances[0].add(r)
+    assert [r.req_id for r, _ in alg3.on_step(0, [(alg3.requests["r0"], True, False)], now=0.0)] == ["r0"]
+
+
 def test_latency_model_tables_tp_scaling_and_time_sharing():
     lat = latency(slots=8)
     prof = load_tp_profiles("h200-llada8b", [1])[1]
@@ -173,7 +225,7 @@ def test_dynamic_policy_lowers_threshold_when_late_fixed_does_not():
 
 
 def test_registry_and_config_errors():
-    for name in ("remask", "infaas", "llumnix", "fixed-threshold", "dynamic-no-load-control"):
+    for name in ("remask", "remask-fit", "infaas", "llumnix", "fixed-threshold", "dynamic-no-load-control"):
         assert make_router_policy(name).name == name
     with pytest.raises(ValueError, match="known: .*infaas.*remask"):
         make_router_policy("nope")
