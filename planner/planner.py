@@ -33,6 +33,9 @@ class PlannerConfig:
     # of the period's requests within SLO it gains, less what the overlap loses, is at least ``min_met_gain``
     min_met_gain: float = 0.02
     confirm_below: float = 0.0  # a change that gains less than this (net) waits until the next period proposes it too
+    # what "proposes it too" means: "same", the same counts; "change", a change from the same running configuration
+    # that pays (with many configurations to choose from, near-equal ones take turns as the proposal)
+    confirm: str = "same"
     change_s: float = 0.0
     overlap_slowdown: float = 1.0
     secondary_floor: float = 0.05  # relative gains in slack are taken over max(|current slack|, floor)
@@ -48,6 +51,10 @@ class PlannerConfig:
     steps: StepModel = field(default_factory=StepModel)  # the default until finished requests measure it
     inputs: InputsConfig = field(default_factory=InputsConfig)  # when measurements replace defaults
 
+    def __post_init__(self) -> None:
+        if self.confirm not in ("same", "change"):
+            raise ValueError(f"confirm must be 'same' or 'change', got {self.confirm!r}")
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -57,6 +64,7 @@ class Decision:
     current: CapacityPlan  # the running configuration evaluated on the same workload
     gain_primary: float = 0.0
     gain_secondary: float = 0.0
+    wanted: bool = False  # the change pays (``act``, unless it waits for confirmation)
 
 
 class Planner:
@@ -213,13 +221,16 @@ class Planner:
         net = ((proposal.slo_met - current.slo_met) * span - loss) / cfg.period_s
         act = net >= cfg.min_met_gain or (net >= 0 and (gp >= cfg.min_gain or (gp >= 0 and gs >= cfg.min_gain)))
         last = self.last_decision
-        wait = act and net < cfg.confirm_below and (last is None or last.proposal.counts != proposal.counts)
+        if cfg.confirm == "change":
+            agreed = last is not None and last.wanted and last.current.counts == current.counts
+        else:
+            agreed = last is not None and last.proposal.counts == proposal.counts
+        wait = act and net < cfg.confirm_below and not agreed
         reason = (f"within SLO {current.slo_met:.3f} -> {proposal.slo_met:.3f} ({during:.3f} during the change), "
                   f"net {net:+.3f} ({'>=' if net >= cfg.min_met_gain else '<'} {cfg.min_met_gain}); "
                   f"primary {gp:+.1%}, secondary {gs:+.1%}: "
                   f"{'wait for the next period to agree' if wait else 'act' if act else 'keep'}")
-        act = act and not wait
-        return Decision(act, reason, proposal, current, gp, gs)
+        return Decision(act and not wait, reason, proposal, current, gp, gs, wanted=act)
 
     def _weighed(self, proposal: CapacityPlan, current: CapacityPlan, scenarios,
                  args) -> tuple[CapacityPlan, CapacityPlan]:

@@ -62,8 +62,13 @@ class Stage1Config:
     rounds: str = "separate"
     levels: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)  # "mixed": occupancy levels
     # "mixed": "milp" chooses the counts by the MILP (and the single-degree configurations as a floor);
-    # "single-degree" compares only the configurations with every GPU in one TP degree
+    # "single-degree" compares only the configurations with every GPU in one TP degree; "every" compares every
+    # configuration that uses all the GPUs (one fixed-count solve each)
     mixed_search: str = "milp"
+    # "mixed": where the router puts a request. "class": by its class only (a class's step groups share a
+    # placement); "group": each step group on its own (an SLO-fit router, ``remask-fit``, sends a request where
+    # its predicted steps meet its SLO, so a class's short requests can go to fast instances, its long ones not)
+    placement: str = "class"
     shed: bool = True  # "mixed": requests that would miss their SLO may be refused (admission control), costing nothing
     # "mixed": the occupancy a request meets at a level. "level": exactly the level (the fluid model: a group's
     # requests are all within their SLO there or all outside); "queue": a birth-death queue at the arrival rate
@@ -73,8 +78,10 @@ class Stage1Config:
     def __post_init__(self) -> None:
         if self.rounds not in ("separate", "mixed"):
             raise ValueError(f"rounds must be 'separate' or 'mixed', got {self.rounds!r}")
-        if self.mixed_search not in ("milp", "single-degree"):
-            raise ValueError(f"mixed_search must be 'milp' or 'single-degree', got {self.mixed_search!r}")
+        if self.mixed_search not in ("milp", "single-degree", "every"):
+            raise ValueError(f"mixed_search must be 'milp', 'single-degree' or 'every', got {self.mixed_search!r}")
+        if self.placement not in ("class", "group"):
+            raise ValueError(f"placement must be 'class' or 'group', got {self.placement!r}")
         if self.occupancy not in ("queue", "level"):
             raise ValueError(f"occupancy must be 'queue' or 'level', got {self.occupancy!r}")
 

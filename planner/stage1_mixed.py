@@ -265,6 +265,26 @@ def single_degree_counts(degrees, gpus: int, slots: dict[int, int] | None = None
     return out
 
 
+def full_counts(degrees, gpus: int, slots: dict[int, int] | None = None) -> list[dict[int, int]]:
+    """Every configuration whose instances use all ``gpus`` (within each degree's slots), as counts per degree."""
+    degrees = sorted(degrees)
+    out: list[dict[int, int]] = []
+
+    def walk(i: int, left: int, counts: dict[int, int]) -> None:
+        if i == len(degrees):
+            if left == 0:
+                out.append(dict(counts))
+            return
+        d = degrees[i]
+        for k in range(min(left // d, (slots or {}).get(d, gpus // d)) + 1):
+            counts[d] = k
+            walk(i + 1, left - k * d, counts)
+        counts.pop(d, None)
+
+    walk(0, gpus, {})
+    return out
+
+
 def plan_capacity_mixed(classes: list[WorkloadClass], gpus: int, profiles: dict[int, LatencyProfile],
                         model: StepModel, config, slots: dict[int, int] | None = None,
                         fixed_counts: dict[int, int] | None = None):
@@ -282,7 +302,9 @@ def plan_capacity_mixed(classes: list[WorkloadClass], gpus: int, profiles: dict[
     if config.mixed_search == "milp":
         best = _solve_mixed(classes, gpus, tab, config, slots, None)
         solves = list(best.solves)
-    for counts in single_degree_counts(tab.degrees, gpus, slots):
+    menu = full_counts(tab.degrees, gpus, slots) if config.mixed_search == "every" else \
+        single_degree_counts(tab.degrees, gpus, slots)
+    for counts in menu:
         alt = _solve_mixed(classes, gpus, tab, config, slots, counts)
         solves += list(alt.solves)
         if best is None or rank(alt) > rank(best):
@@ -309,14 +331,23 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     v = cv[gc] * tab.group_share  # (Q,) share of all requests
     cap = np.array([(slots or {}).get(d, gpus // d) for d in tab.degrees], dtype=float)
 
-    # columns: x[c, t] | R[d] | z[d, l] | y[c, t, d, l] | e[q, t, d, l] (with ``shed``) | r[c, t] (with ``shed``)
+    # where requests are placed: by class (the router knows a request's class, not its steps), or by step group
+    # (``config.placement == "group"``: an SLO-fit router places each request where its predicted steps meet
+    # its SLO, so a class's short and long requests may go to different degrees); a unit's requests share
+    # their class's threshold
+    by_group = config.placement == "group"
+    unit_of = np.arange(Q) if by_group else gc  # (Q,) each group's placement unit
+    unit_class = gc if by_group else np.arange(C)  # (U,)
+    U = len(unit_class)
+    # columns: x[c, t] | R[d] | z[d, l] | y[u, t, d, l] | e[q, t, d, l] (with ``shed``) | r[u, t] (with ``shed``)
     ox, oR, oz = 0, C * T, C * T + D
     oy = oz + D * L
-    oe = oy + C * T * D * L
-    yc, yt, yd, yl = (a.ravel() for a in np.meshgrid(np.arange(C), np.arange(T), np.arange(D), np.arange(L),
+    oe = oy + U * T * D * L
+    yu, yt, yd, yl = (a.ravel() for a in np.meshgrid(np.arange(U), np.arange(T), np.arange(D), np.arange(L),
                                                       indexing="ij"))
-    ycol = oy + np.arange(len(yc))
-    sq, sy = np.nonzero(gc[:, None] == yc[None, :])  # group q, a y column of its class
+    yc = unit_class[yu]
+    ycol = oy + np.arange(len(yu))
+    sq, sy = np.nonzero(unit_of[:, None] == yu[None, :])  # group q, a y column of its unit
     # (Q, T, D, L) share of a group's requests within SLO there, to 1e-4 (tinier coefficients trouble the solver)
     met = np.round(tab.within_slo(slo, config.occupancy), 4)
     met_p = met[sq, yt[sy], yd[sy], yl[sy]]  # ... per pair (group, y column)
@@ -324,27 +355,32 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     es = np.nonzero(met_p < 1.0 - 1e-9)[0] if config.shed else np.zeros(0, dtype=int)
     ne = len(es)
     ecol = oe + np.arange(ne)
-    orr = oe + ne  # r[c, t] (with ``shed``): the share of class c refused at arrival, placed nowhere
-    nr_ = C * T if config.shed else 0
+    orr = oe + ne  # r[u, t] (with ``shed``): the share of unit u refused at arrival, placed nowhere
+    nr_ = U * T if config.shed else 0
     n = orr + nr_
     rows = Rows()
     block = rows.add
 
     xc, xt = np.repeat(np.arange(C), T), np.tile(np.arange(T), C)
     block(xc, ox + np.arange(C * T), np.ones(C * T), np.ones(C), np.ones(C))  # one threshold per class
-    # a class's requests at its threshold are all placed: sum_{d,l} y[c, t, d, l] = x[c, t]
-    # (less what is refused at arrival: sum_{d,l} y[c, t, d, l] + r[c, t] = x[c, t])
-    block(np.r_[yc * T + yt, xc * T + xt, (xc * T + xt)[:nr_]],
-          np.r_[ycol, ox + np.arange(C * T), orr + np.arange(nr_)],
-          np.r_[np.ones(len(yc)), -np.ones(C * T), np.ones(nr_)], np.zeros(C * T), np.zeros(C * T))
+    # a unit's requests at its class's threshold are all placed: sum_{d,l} y[u, t, d, l] = x[c(u), t]
+    # (less what is refused at arrival: sum_{d,l} y[u, t, d, l] + r[u, t] = x[c(u), t])
+    ut_u, ut_t = np.repeat(np.arange(U), T), np.tile(np.arange(T), U)
+    block(np.r_[yu * T + yt, ut_u * T + ut_t, (ut_u * T + ut_t)[:nr_]],
+          np.r_[ycol, ox + unit_class[ut_u] * T + ut_t, orr + np.arange(nr_)],
+          np.r_[np.ones(len(yu)), -np.ones(U * T), np.ones(nr_)], np.zeros(U * T), np.zeros(U * T))
     # refused requests (admission control): at most the group's share placed there that would miss,
-    # e[q, t, d, l] <= (1 - met) y[c, t, d, l]
+    # e[q, t, d, l] <= (1 - met) y[u, t, d, l]
     block(np.r_[np.arange(ne), np.arange(ne)], np.r_[ecol, ycol[sy[es]]], np.r_[np.ones(ne), -(1.0 - met_p[es])],
           np.full(ne, -np.inf), np.zeros(ne))
     # stability per degree: steps per second x instance ms per step <= utilisation x R[d] (x 1000); refused
     # requests cost nothing
-    load_y = rate[yc] * tab.class_steps[yc, yt] * tab.step_ms[yt, yd, yl] / 1e3
     group_steps = tab.s_rec + tab.s_cac
+    if by_group:  # steps per second of a unit's requests, all at (t, d, l)
+        unit_load = rate[gc][yu] * tab.group_share[yu] * group_steps[yu, yt]
+    else:
+        unit_load = rate[yc] * tab.class_steps[yc, yt]
+    load_y = unit_load * tab.step_ms[yt, yd, yl] / 1e3
     load_e = (rate[gc[sq]] * tab.group_share[sq] * group_steps[sq, yt[sy]] * tab.step_ms[yt[sy], yd[sy], yl[sy]]
               / 1e3)[es]
     block(np.r_[yd, yd[sy[es]], np.arange(D)], np.r_[ycol, ecol, oR + np.arange(D)],
@@ -353,7 +389,7 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     zd = np.repeat(np.arange(D), L)
     block(zd, oz + np.arange(D * L), np.ones(D * L), np.full(D, -np.inf), np.ones(D))  # one level per degree
     # requests only at a degree's level: y[c, t, d, l] <= z[d, l]
-    ny = len(yc)
+    ny = len(yu)
     block(np.r_[np.arange(ny), np.arange(ny)], np.r_[ycol, oz + yd * L + yl], np.r_[np.ones(ny), -np.ones(ny)],
           np.full(ny, -np.inf), np.zeros(ny))
     A = rows.matrix(n)
@@ -388,7 +424,7 @@ def _solve_mixed(classes: list[WorkloadClass], gpus: int, tab: MixedTables, conf
     e = np.maximum(z[oe:orr], 0.0)
     refused = np.bincount(sq[es], e, minlength=Q)
     if nr_:
-        refused += np.maximum(z[orr:], 0.0).reshape(C, T).sum(axis=1)[gc]
+        refused += np.maximum(z[orr:], 0.0).reshape(U, T).sum(axis=1)[unit_of]
     group_lat = np.bincount(sq, lat_y[sq, sy] * y[sy], minlength=Q)
     load = np.bincount(yd, y * load_y, minlength=D) - np.bincount(yd[sy[es]], e * load_e, minlength=D)
     chosen = x.argmax(axis=1)

@@ -185,6 +185,22 @@ def test_a_change_below_confirm_below_waits_for_the_next_period_to_agree():
     assert second.act and second.proposal.counts == first.proposal.counts
     planner.last_decision = replace(first, proposal=replace(first.proposal, counts={1: 16, 2: 0, 4: 0}))
     assert not planner.decide(_classes(40.0)).act  # the last period proposed something else
+    # confirm="change": any change that paid last period, from the same running configuration, agrees
+    planner = Planner(Cluster((4, 4, 4, 4)), PROFILES, PlannerConfig(period_s=300.0, stage1=stage1, steps=STEPS,
+                                                                     confirm_below=1.0, confirm="change"),
+                      clock=lambda: 0.0)
+    first = planner.decide(_classes(40.0))
+    assert not first.act and first.wanted
+    other = replace(first.proposal, counts={1: 0, 2: 8, 4: 0})
+    planner.last_decision = replace(first, proposal=other)
+    assert planner.decide(_classes(40.0)).act
+    planner.last_decision = replace(first, proposal=other, wanted=False)  # last period kept the running one
+    assert not planner.decide(_classes(40.0)).act
+    running_then = replace(first.current, counts={1: 0, 2: 8, 4: 0})  # ... or ran something else then
+    planner.last_decision = replace(first, current=running_then)
+    assert not planner.decide(_classes(40.0)).act
+    with pytest.raises(ValueError, match="confirm"):
+        PlannerConfig(confirm="twice")
 
 
 def test_forecast_weighs_the_window_mean_by_past_period_to_period_changes():
@@ -208,3 +224,39 @@ def test_forecast_weighs_the_window_mean_by_past_period_to_period_changes():
     assert [sum(c.rate for c in cs) for _, cs in loads] == pytest.approx([30 * 1.5, 30 * 20 / 15, 30 * 1.5], rel=0.02)
     d = planner.decide(monitor.classes(now[0]), scenarios=loads)
     assert 0.0 <= d.current.slo_met <= 1.0 and d.proposal.slo_met >= d.current.slo_met
+
+
+def test_group_placement_sends_a_class_short_requests_to_the_fast_instances():
+    """With an SLO-fit router (``remask-fit``) a class's requests do not share one placement: at 40 req/s the
+    block-per-step fifth fits only on TP-4, and 12 x TP-1 + 1 x TP-4 meets every SLO once that group goes to
+    the TP-4 instance and the long requests to TP-1. Placed by class, a class's groups split alike, and the
+    one TP-4 instance cannot carry the class's share that would hold all of its short requests."""
+    counts = {1: 12, 2: 0, 4: 1}
+    by_class = plan_capacity(_classes(40.0), 16, PROFILES, STEPS, MIXED, fixed_counts=counts)
+    by_group = plan_capacity(_classes(40.0), 16, PROFILES, STEPS, replace(MIXED, placement="group"),
+                             fixed_counts=counts)
+    short = [g for g in by_class.groups if g["steps"] == 8]
+    assert short and short[0]["within_slo"] < 0.5 and by_class.slo_met < 0.9
+    assert by_group.slo_met == pytest.approx(1.0)
+    assert all(g["within_slo"] == pytest.approx(1.0) for g in by_group.groups)
+    # all TP-1 misses the short group whatever the placement: nothing to send it to
+    tp1 = plan_capacity(_classes(40.0), 16, PROFILES, STEPS, replace(MIXED, placement="group"),
+                        fixed_counts={1: 16, 2: 0, 4: 0})
+    assert tp1.slo_met == pytest.approx(0.8, abs=1e-6)
+    with pytest.raises(ValueError, match="placement"):
+        Stage1Config(placement="anywhere")
+
+
+def test_full_counts_lists_every_configuration_that_uses_all_gpus():
+    from planner.stage1_mixed import full_counts
+
+    menu = full_counts((1, 2, 4), 16)
+    assert len(menu) == 25  # n4 = 0..4, then n2 = 0..(16 - 4 n4) / 2, the rest TP-1
+    assert all(sum(d * k for d, k in c.items()) == 16 for c in menu)
+    assert len({tuple(sorted(c.items())) for c in menu}) == 25
+    assert {1: 12, 2: 0, 4: 1} in menu and {1: 0, 2: 8, 4: 0} in menu
+    # slots cap a degree's instances (and a configuration that cannot use every GPU is not listed)
+    capped = full_counts((1, 4), 16, slots={4: 2})
+    assert sorted(capped, key=lambda c: c[4]) == [{1: 16, 4: 0}, {1: 12, 4: 1}, {1: 8, 4: 2}]
+    plan = plan_capacity(_classes(40.0), 16, PROFILES, STEPS, replace(MIXED, placement="group", mixed_search="every"))
+    assert plan.slo_met == pytest.approx(1.0) and sum(d * k for d, k in plan.counts.items()) == 16
