@@ -108,8 +108,9 @@ class RouterArgs(_Section):
     """``router``: the cluster router and the dispatcher around it, at the ingress."""
 
     section: ClassVar[str] = "router"
-    policy: str = Field("remask", description="cluster router: remask | fixed-threshold | "
-                                              "dynamic-no-load-control | infaas | llumnix")
+    policy: str = Field("remask-fit", description="cluster router: remask-fit (remask, placing by SLO fit where "
+                                                  "the instances mix TP degrees) | remask | fixed-threshold | "
+                                                  "dynamic-no-load-control | infaas | llumnix")
     thresholds: list[float] = Field([0.9, 0.8, 0.7], description="candidate confidence thresholds the router "
                                                                   "chooses from per step (requests without their own)")
     predictors: Literal["auto", "shipped", "online", "off"] = Field(

@@ -65,7 +65,7 @@ def test_sections_and_their_defaults():
     assert isinstance(cfg.http, HttpArgs) and isinstance(cfg.router, RouterArgs)
     assert isinstance(cfg.engine, EngineArgs) and isinstance(cfg.resources, ResourceArgs) and cfg.planner is None
     assert cfg.engine.model == "tiny-bd" and cfg.name == "tiny-bd" and cfg.engine.slots == 32
-    assert cfg.router.policy == "remask" and cfg.engine.policy == "dwise"
+    assert cfg.router.policy == "remask-fit" and cfg.engine.policy == "dwise"
     assert cfg.router.thresholds == [0.9, 0.8, 0.7] and cfg.resources.tp_degrees == [1]
     assert cfg.http.max_ongoing == 4096
     assert str(cfg.engine.torch_dtype()) == "torch.float32"

@@ -287,7 +287,7 @@ def test_online_learners_train_on_the_requests_served(replicas):
         d = Dispatcher(build_router(cfg, mcfg, learning), ids_decode(), block_tokens=mcfg.block_size,
                        full_sequence=False, per_instance_limit=cfg.engine.slots * 8 + cfg.engine.max_waiting,
                        learning=learning)
-        assert isinstance(d.router.estimator, OnlineStepEstimator) and d.router.policy.name == "remask"
+        assert isinstance(d.router.estimator, OnlineStepEstimator) and d.router.policy.name == "remask-fit"
         for i, r in enumerate(replicas):
             await d.connect(f"l{i}", 1, **r.info())
         prompts = PROSE * 8
