@@ -30,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--refusals", choices=("on", "off"), default="on")
     ap.add_argument("--no-sim", action="store_true", help="the models only (fast)")
+    ap.add_argument("--policy", default="remask", help="the simulated router's policy")
+    ap.add_argument("--placement", choices=("class", "group"), default="class",
+                    help="the models' placement (group: as an SLO-fit router places)")
+    ap.add_argument("--mixes", help="mixes to compare, e.g. '16,0,0;12,0,1' (TP-1,TP-2,TP-4 counts; default: "
+                    "16xTP1, 8xTP2, 4xTP4)")
+    ap.add_argument("--occupancy", default="level,queue", help="the models to compare, comma-separated")
     args = ap.parse_args(argv)
 
     from cluster import RouterConfig
@@ -43,7 +49,15 @@ def main(argv: list[str] | None = None) -> int:
 
     set_threads(1)
     sc = TraceScenario()
-    sc = replace(sc, requests=replace(sc.requests, slo_factor=args.slo_factor))
+    sc = replace(sc, requests=replace(sc.requests, slo_factor=args.slo_factor), policy=args.policy,
+                 placement=args.placement)
+    mixes = MIXES
+    if args.mixes:
+        mixes = {}
+        for part in args.mixes.split(";"):
+            k1, k2, k4 = (int(x) for x in part.split(","))
+            mixes["+".join(f"{k}xTP{d}" for d, k in ((1, k1), (2, k2), (4, k4)) if k)] = {1: k1, 2: k2, 4: k4}
+    models = tuple(m for m in args.occupancy.split(",") if m)
     q = sc.requests
     table = load_table(q.model, q.table_prompts, thresholds=RouterConfig().thresholds, progress=True)
     rcfg = RouterConfig(thresholds=candidate_thresholds(table, q.quality_tolerance))
@@ -61,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     for rate in (float(x) for x in args.rates.split(",") if x.strip()):
         classes = [replace(c, rate=c.rate * rate / total) for c in shape]
         row = {"slo_factor": args.slo_factor, "rate": rate}
-        for name, counts in MIXES.items():
-            for occ in ("level", "queue"):
+        for name, counts in mixes.items():
+            for occ in models:
                 plan = plan_capacity(classes, sum(sc.nodes), profiles, steps, replace(stage1, occupancy=occ), slots,
                                      fixed_counts=counts)
                 row[f"{name}_{occ}"] = round(plan.slo_met or 0.0, 3) if plan.feasible else 0.0
@@ -74,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{name}_sim"] = summarize(run.res, specs, [])["slo_attainment"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\nSLO {args.slo_factor}x: share within SLO, simulator / fluid model / queue model")
+    print(f"\nSLO {args.slo_factor}x: share within SLO, simulator / " + " / ".join(f"{m} model" for m in models))
     for row in rows:
-        cells = [f"{row.get(f'{n}_sim', float('nan')):.3f} / {row[f'{n}_level']:.3f} / {row[f'{n}_queue']:.3f}"
-                 for n in MIXES]
-        print(f"  {row['rate']:5.1f} req/s  " + "  ".join(f"{n}: {c}" for n, c in zip(MIXES, cells)))
+        cells = [" / ".join([f"{row.get(f'{n}_sim', float('nan')):.3f}"] + [f"{row[f'{n}_{m}']:.3f}" for m in models])
+                 for n in mixes]
+        print(f"  {row['rate']:5.1f} req/s  " + "  ".join(f"{n}: {c}" for n, c in zip(mixes, cells)))
     return 0
 
 

@@ -101,7 +101,8 @@ def add_parsers(sub) -> None:
                    "counts, comma-separated; '' for none")
     s.add_argument("--shed", choices=["auto", "on", "off"], default="auto",
                    help="cluster scenarios: refuse arrivals that cannot meet their SLO, as the live ingress does "
-                        "(auto: remask sheds, the papers' baselines admit everything: sim.cluster.SHED_DEFAULT; "
+                        "(auto: remask and remask-fit shed, the papers' baselines admit everything: "
+                        "sim.cluster.SHED_DEFAULT; "
                         "dilaserve-trace: off, where it costs more than it saves); refused requests are SLO misses")
     s.add_argument("--slo-factor", type=float, help="cluster scenarios: SLO = this x the isolated TP-1 latency "
                    "(default: the scenario's)")

@@ -100,7 +100,7 @@ class ClusterRequestSpec:
 # (seed 0) shedding raises remask's attainment over every arrival from 0.857 to 0.896 at 85 req/s and from
 # 0.207 to 0.629 at 120 req/s; `remask simulate --scenario dilaserve-bench --policies remask --rate R
 # --shed on|off --json` prints them.
-SHED_DEFAULT: tuple[str, ...] = ("remask",)
+SHED_DEFAULT: tuple[str, ...] = ("remask", "remask-fit")
 
 
 def sheds(policy: str, shed: bool | None) -> bool:

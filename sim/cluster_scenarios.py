@@ -81,7 +81,7 @@ for _name in list(CLUSTER_SCENARIOS):  # every threshold of 0.5..0.9 a candidate
     CLUSTER_SCENARIOS[f"{_name}-all-thresholds"] = replace(CLUSTER_SCENARIOS[_name], name=f"{_name}-all-thresholds",
                                                            quality_tolerance=None)
 # the requests of the reconfiguration trace (instances and rates come from sim/cluster_trace.py)
-CLUSTER_SCENARIOS["dilaserve-trace"] = ClusterScenario("dilaserve-trace", ("remask",), slo_factor=TRACE_SLO_FACTOR)
+CLUSTER_SCENARIOS["dilaserve-trace"] = ClusterScenario("dilaserve-trace", ("remask-fit",), slo_factor=TRACE_SLO_FACTOR)
 
 
 def candidate_thresholds(table: ThresholdTable, tolerance: float | None) -> tuple[float, ...]:

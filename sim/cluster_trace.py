@@ -62,7 +62,10 @@ from sim.threshold_table import ThresholdTable, load_table
 class TraceScenario:
     name: str = "dilaserve-trace"
     requests: ClusterScenario = CLUSTER_SCENARIOS["dilaserve-trace"]  # request shape, SLO factor, model table
-    policy: str = "remask"
+    # the router: SLO-fit placement (a request goes to the lowest TP degree where it finishes in time) lifts
+    # every static mix of TP-1 and TP-4 instances here by 2-15 points over Alg. 3 (reports/planner.md,
+    # "SLO-fit placement")
+    policy: str = "remask-fit"
     # refuse arrivals that cannot meet their SLO (None: as the policy does by default). Off: on this trace the
     # admission governor sheds more than it saves (reports/planner.md, "Shedding on the trace")
     shed: bool | None = False
@@ -86,10 +89,14 @@ class TraceScenario:
     min_gain: float = 0.10  # hysteresis
     min_met_gain: float = 0.02  # the mixed model: a change pays this share of a period's requests within SLO, net
     confirm_below: float = 0.05  # PlannerConfig.confirm_below
+    confirm: str = "change"  # PlannerConfig.confirm: with 25 configurations, near-equal ones take turns as proposal
     single_batch: bool = False  # Stage 1 with one recompute and one cached batch per TP degree (the paper's z, z')
     stage1_rounds: str = "mixed"  # the planner's Stage 1 model (Stage1Config.rounds); "separate": the first one
-    mixed_search: str = "single-degree"  # Stage1Config.mixed_search
-    occupancy: str = "level"  # Stage1Config.occupancy
+    mixed_search: str = "every"  # Stage1Config.mixed_search: each of the 25 ways to fill the 16 GPUs
+    # Stage1Config.occupancy: with mixed configurations the queue model tells them apart where the fluid
+    # model finds every one of them within SLO (reports/planner.md, "SLO-fit placement")
+    occupancy: str = "queue"
+    placement: str | None = None  # Stage1Config.placement; None: as the router places (group for remask-fit)
     # the planner's model refuses would-be-late requests (Stage1Config.shed) though the cluster admits everything:
     # compressed, an overload lasts a period of a few seconds of request time, and what it costs is about what
     # refusing the excess would (without: the model sees a collapse, and the planner left 4 x TP-4 too early at
@@ -125,6 +132,13 @@ def _batches(sc: TraceScenario) -> tuple[int, ...]:
     return tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= sc.requests.slots)
 
 
+def _placement(sc: TraceScenario) -> str:
+    """Stage 1's placement: as given, else as the router places (by step group where it places by SLO fit)."""
+    if sc.placement is not None:
+        return sc.placement
+    return "group" if sc.policy == "remask-fit" else "class"
+
+
 def _stage1(sc: TraceScenario, steps: StepModel) -> Stage1Config:
     levels = tuple(b for b in Stage1Config().levels if b <= sc.requests.slots)
     # no wall-clock cap on the search: the simulator plans in virtual time, and a cap made a run's plans
@@ -133,7 +147,7 @@ def _stage1(sc: TraceScenario, steps: StepModel) -> Stage1Config:
                         single_batch=sc.single_batch, rounds=sc.stage1_rounds, levels=levels,
                         mixed_search=sc.mixed_search, time_limit_s=None,
                         shed=sc.planner_refusals,
-                        occupancy=sc.occupancy)
+                        occupancy=sc.occupancy, placement=_placement(sc))
 
 
 # The trace's load calibration: Stage 1 in the separate-rounds model with a class's mean request, its
@@ -236,7 +250,7 @@ def run_trace(sc: TraceScenario | None = None, n: int = 6000, seed: int = 0, mea
     pcfg = PlannerConfig(period_s=sc.period_s / compression, min_gain=sc.min_gain, stage1=_stage1(sc, steps),
                          steps=steps, min_met_gain=sc.min_met_gain, change_s=change_s,
                          overlap_slowdown=sc.overlap_slowdown, forecast=sc.forecast,
-                         confirm_below=sc.confirm_below)
+                         confirm_below=sc.confirm_below, confirm=sc.confirm)
 
     def planner(clock: Callable[[], float]) -> Planner:  # first re-plan a period after the trace starts (t = 0)
         monitor = WorkloadMonitor(window_s=sc.window_s / compression, buffer=sc.buffer, slices=sc.monitor_slices,
@@ -308,6 +322,7 @@ def _report(sc, n, seed, rate, cap, compression, duration, steps, rcfg, table, s
         "arrival_rate_rps": round(rate, 3), "capacity_rps_all_tp1": round(cap, 2),
         "peak_window_rps": round(float(offered.max()), 2), "low_window_rps": round(float(offered.min()), 2),
         "slo_factor": sc.requests.slo_factor, "mix": sc.requests.mix, "shedding": sheds(sc.policy, sc.shed),
+        "router_policy": sc.policy,
         "candidate_thresholds": list(rcfg.thresholds),
         "steps_per_token": {f"{t:g}": round(v, 4) for t, v in steps.steps_per_token.items()},
         "time_compression": round(compression, 2), "trace_minutes": round(sc.trace_s / 60, 1),
@@ -316,9 +331,9 @@ def _report(sc, n, seed, rate, cap, compression, duration, steps, rcfg, table, s
                     "window_s_trace": sc.window_s, "buffer": sc.buffer, "monitor_slices": sc.monitor_slices,
                     "monitor_lookahead_s_trace": sc.monitor_lookahead_s,
                     "single_batch": sc.single_batch, "stage1_rounds": sc.stage1_rounds,
-                    "mixed_search": sc.mixed_search, "occupancy": sc.occupancy,
+                    "mixed_search": sc.mixed_search, "occupancy": sc.occupancy, "placement": _placement(sc),
                     "refusals": sc.planner_refusals,
-                    "forecast": sc.forecast,
+                    "forecast": sc.forecast, "confirm_below": sc.confirm_below, "confirm": sc.confirm,
                     "step_groups": [list(g) for g in steps.spread],
                     "min_gain": sc.min_gain, "min_met_gain": sc.min_met_gain,
                     "start_delay_s_trace": sc.start_delay_s, "plans": ctl.log.plans, "starts": ctl.log.starts,
@@ -440,18 +455,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookahead", type=float, help="monitor: trend look-ahead, trace seconds (0: off)")
     ap.add_argument("--single-batch", action="store_true", help="Stage 1 with one batch per TP degree")
     ap.add_argument("--stage1-rounds", choices=("mixed", "separate"), help="the planner's Stage 1 model")
-    ap.add_argument("--mixed-search", choices=("milp", "single-degree"), help="Stage 1 (mixed): how counts are chosen")
+    ap.add_argument("--placement", choices=("class", "group"), help="Stage 1 (mixed): the router places by class "
+                    "or by step group")
+    ap.add_argument("--mixed-search", choices=("milp", "single-degree", "every"),
+                    help="Stage 1 (mixed): how counts are chosen")
     ap.add_argument("--planner-refusals", choices=("on", "off"), help="the planner's model refuses would-be-late "
                     "requests (default: on)")
     ap.add_argument("--forecast", choices=("on", "off"), help="the planner weighs the loads past changes foretell")
     ap.add_argument("--occupancy", choices=("queue", "level"), help="Stage 1 (mixed): the occupancy a request meets")
     ap.add_argument("--step-groups", type=int, help="the planner's step model: groups of a class's requests by steps")
     ap.add_argument("--min-met-gain", type=float, help="a change pays this share of a period's requests within SLO")
+    ap.add_argument("--confirm", choices=("same", "change"), help="a second period agrees by proposing the same "
+                    "counts, or any change that pays")
     ap.add_argument("--confirm-below", type=float, help="a change that gains less (net) waits for a second period")
     ap.add_argument("--buffer", type=float, help="monitor: safety buffer on rates (0.2: 20%%)")
     ap.add_argument("--slices", type=int, help="monitor: size for the busiest of this many slices (1: the mean)")
     ap.add_argument("--shed", choices=("auto", "on", "off"), default="off",
                     help="refuse arrivals that cannot meet their SLO (auto: as the policy does by default)")
+    ap.add_argument("--policy", help="the router policy (default: remask)")
     ap.add_argument("--statics", help="static mixes to compare, e.g. '16,0,0;4,0,3' (TP-1,TP-2,TP-4 counts)")
     ap.add_argument("--plot", help="write the figure here (PNG)")
     ap.add_argument("--out", help="write the JSON report here")
@@ -465,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     fields = {"slices": "monitor_slices", "buffer": "buffer", "min_met_gain": "min_met_gain",
               "lookahead": "monitor_lookahead_s", "stage1_rounds": "stage1_rounds", "mixed_search": "mixed_search",
               "step_groups": "step_groups", "occupancy": "occupancy",
-              "confirm_below": "confirm_below"}  # flag -> TraceScenario field, where given
+              "confirm_below": "confirm_below", "confirm": "confirm", "policy": "policy",
+              "placement": "placement"}  # flag -> TraceScenario field, where given
     sc = replace(sc, **{f: getattr(args, a) for a, f in fields.items() if getattr(args, a) is not None})
     if args.single_batch:
         sc = replace(sc, single_batch=True)

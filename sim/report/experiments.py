@@ -372,8 +372,7 @@ def cluster_trace(r: ExperimentRunner) -> None:
         return
     from sim.cluster_trace import TraceScenario, run_trace
 
-    rep = run_trace(TraceScenario(policy="remask"), p.trace_n, r.seed, statics=p.trace_statics)
-    rep["router_policy"] = "remask"
+    rep = run_trace(TraceScenario(), p.trace_n, r.seed, statics=p.trace_statics)
     r.tick("dilaserve-trace")
     for name, s in rep["policies"].items():
         r.little.append(ck.littles_law(f"cluster trace / {name}", s["mean_in_system"], s["throughput_rps"],
