@@ -63,7 +63,7 @@ class TraceScenario:
     name: str = "dilaserve-trace"
     requests: ClusterScenario = CLUSTER_SCENARIOS["dilaserve-trace"]  # request shape, SLO factor, model table
     # the router: SLO-fit placement (a request goes to the lowest TP degree where it finishes in time) lifts
-    # every static mix of TP-1 and TP-4 instances here by 2-15 points over Alg. 3 (reports/planner.md,
+    # every static mix of two TP degrees here by 1.7-15 points over Alg. 3 (reports/planner.md,
     # "SLO-fit placement")
     policy: str = "remask-fit"
     # refuse arrivals that cannot meet their SLO (None: as the policy does by default). Off: on this trace the
