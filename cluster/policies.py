@@ -115,8 +115,13 @@ class RemaskFitPolicy(RemaskPolicy):
 
     margin = 0.2  # a fit keeps this share of the budget in reserve (the step estimates err)
 
+    @staticmethod
+    def mixed(router) -> bool:
+        """The serving instances run more than one TP degree (else this policy is ``remask``)."""
+        return len({i.tp for i in router.instances}) > 1
+
     def place(self, router, req):
-        if len({i.tp for i in router.instances}) > 1:
+        if self.mixed(router):
             inst = fit_instance(router.latency, router.instances, req, (req.deadline - router.now) * 1000.0,
                                 range(len(router.cfg.thresholds)), self.margin)
             if inst is not None:
@@ -124,7 +129,7 @@ class RemaskFitPolicy(RemaskPolicy):
         return super().place(router, req)
 
     def migrations(self, router, src, stepped):
-        if len({i.tp for i in router.instances}) == 1:
+        if not self.mixed(router):
             return super().migrations(router, src, stepped)
         out, rest = [], []
         levels = range(len(router.cfg.thresholds))

@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refusals", choices=("on", "off"), default="on")
     ap.add_argument("--no-sim", action="store_true", help="the models only (fast)")
     ap.add_argument("--policy", default="remask", help="the simulated router's policy")
-    ap.add_argument("--placement", choices=("class", "group"), default="class",
-                    help="the models' placement (group: as an SLO-fit router places)")
+    ap.add_argument("--placement", choices=("class", "group"),
+                    help="the models' placement (default: as the policy places; group for remask-fit)")
     ap.add_argument("--mixes", help="mixes to compare, e.g. '16,0,0;12,0,1' (TP-1,TP-2,TP-4 counts; default: "
                     "16xTP1, 8xTP2, 4xTP4)")
     ap.add_argument("--occupancy", default="level,queue", help="the models to compare, comma-separated")
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from planner import Cluster, WorkloadMonitor, plan_capacity
     from sim.cluster import summarize
     from sim.cluster_scenarios import candidate_thresholds, make_specs
-    from sim.cluster_trace import TraceScenario, _simulate, _stage1, step_model
+    from sim.cluster_trace import TraceScenario, _simulate, _stage1, mix_name, parse_mixes, step_model
     from sim.threshold_table import load_table
 
     set_threads(1)
@@ -53,10 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                  placement=args.placement)
     mixes = MIXES
     if args.mixes:
-        mixes = {}
-        for part in args.mixes.split(";"):
-            k1, k2, k4 = (int(x) for x in part.split(","))
-            mixes["+".join(f"{k}xTP{d}" for d, k in ((1, k1), (2, k2), (4, k4)) if k)] = {1: k1, 2: k2, 4: k4}
+        mixes = {mix_name(mix, sc.degrees): dict(zip(sc.degrees, mix)) for mix in parse_mixes(args.mixes)}
     models = tuple(m for m in args.occupancy.split(",") if m)
     q = sc.requests
     table = load_table(q.model, q.table_prompts, thresholds=RouterConfig().thresholds, progress=True)

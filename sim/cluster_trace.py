@@ -208,8 +208,18 @@ def _simulate(sc: TraceScenario, specs, profiles, rcfg: RouterConfig, seq_tokens
     return _Run(res, time.perf_counter() - t0, ctl)
 
 
+def mix_name(mix: tuple[int, ...], degrees) -> str:
+    """'12xTP1+1xTP4' for the counts ``mix`` of ``degrees``."""
+    return "+".join(f"{n}xTP{d}" for n, d in zip(mix, degrees) if n)
+
+
 def _static_name(mix: tuple[int, int, int], degrees) -> str:
-    return "static-" + "+".join(f"{n}xTP{d}" for n, d in zip(mix, degrees) if n)
+    return "static-" + mix_name(mix, degrees)
+
+
+def parse_mixes(text: str) -> tuple[tuple[int, ...], ...]:
+    """'16,0,0;4,0,3' -> ((16, 0, 0), (4, 0, 3)): instance counts per TP degree, one mix per ';'."""
+    return tuple(tuple(int(v) for v in part.split(",")) for part in text.split(";") if part.strip())
 
 
 def run_trace(sc: TraceScenario | None = None, n: int = 6000, seed: int = 0, mean_rate: float | None = None,
@@ -498,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         sc = replace(sc, forecast=args.forecast == "on")
     statics = None
     if args.statics:
-        statics = tuple(tuple(int(v) for v in part.split(",")) for part in args.statics.split(";") if part.strip())
+        statics = parse_mixes(args.statics)
     report = run_trace(sc, args.requests, args.seed, args.rate, statics, progress=not args.quiet, workers=args.workers)
     if args.plot:
         plot_trace(report, args.plot)
