@@ -158,12 +158,17 @@ def test_dilaserve_trace_with_shedding_counts_refused_requests_as_misses_in_thei
 
     sc = TraceScenario(stage1_rounds="separate", shed=True)
     sc = replace(sc, requests=replace(sc.requests, slo_factor=1.3))
-    r = run_trace(sc, n=400, seed=0, statics=((16, 0, 0),), table=synthetic_table())
+    r = run_trace(sc, n=400, seed=0, statics=((16, 0, 0), (0, 0, 4)), table=synthetic_table())
     w = r["windows"]
     width = (w["minutes"][1] - w["minutes"][0]) * 60 / r["time_compression"]
+    arrivals = [round(x * width) for x in w["offered_rps"]]
     for name, s in r["policies"].items():
         assert s["requests"] == 400 and s["lost"] == 0
-        arrivals = [round(x * width) for x in w["offered_rps"]]
         met = sum((a or 0.0) * n for a, n in zip(w["slo_attainment"][name], arrivals))
         assert met / 400 == pytest.approx(s["slo_attainment"], abs=2e-3), name
     assert r["shedding"] and sum(s["shed"] for s in r["policies"].values()) > 0
+    # the hindsight bound: the best static mix of every window, weighted by its arrivals
+    statics = ("static-16xTP1", "static-4xTP4")
+    best = sum(max(w["slo_attainment"][k][i] or 0.0 for k in statics) * n for i, n in enumerate(arrivals))
+    assert r["hindsight_static"] == pytest.approx(best / 400, abs=2e-3)
+    assert r["hindsight_static"] >= max(r["policies"][k]["slo_attainment"] for k in statics)
