@@ -13,7 +13,7 @@ Replica -> ingress:
 - ``Ready``: the handshake succeeded (the replica's ``VERSION``: each end refuses another version, so
   that during a redeploy across a protocol change an ingress keeps to the replicas that speak its own);
 - ``ProgressBatch``: one per round boundary, with a ``StepItem``, ``AcceptedItem`` or ``ErrorItem`` per
-  request the boundary concerns (the round loop's records, ``engine.loop``; step items carry
+  request the boundary concerns (the round loop's records, ``engine.progress``; step items carry
   ``predictors.features.StepFeatures``);
 - ``Tick``: the instance's stats, every ``tick_s`` (the ingress declares a replica dead when they stop);
 - ``Draining``: the replica is shutting down; send it nothing new.
@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine.loop import AcceptedItem, Done, ErrorItem, Item, ProgressBatch, StepItem
+from engine.progress import AcceptedItem, Done, ErrorItem, Item, ProgressBatch, StepItem
 from predictors.features import STEP_FEATURES, StepFeatures
 
 VERSION = 2  # of this protocol (1: the untyped dicts before it); bump it with any change a peer would misread
@@ -69,7 +69,7 @@ class ProtocolError(ValueError):
         return f"{where.lstrip('.')}: {self.reason}" if where else self.reason
 
 
-# ---- the messages (the progress records are engine.loop's) ----------------------------------------------
+# ---- the messages (the progress records are engine.progress's) ------------------------------------------
 
 @dataclass(slots=True)
 class Hello:

@@ -3,7 +3,7 @@
 Control messages (add, abort, thresholds) are queued and take effect at the
 next round boundary, so the loop never waits on its callers (with one bounded
 exception, below). Progress leaves
-as one ``ProgressBatch`` per round boundary through a callback: for every
+as one ``ProgressBatch`` (engine/progress.py) per round boundary through a callback: for every
 request that stepped, a ``StepItem`` (its newly committed token ids, its step
 count, whether its next step is heavy, and with a ``describe`` function its step
 features); an ``AcceptedItem`` or ``ErrorItem`` for requests accepted or
@@ -74,81 +74,17 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.instance import Instance, InstanceBroken, RoundFailed
+from engine.progress import AcceptedItem, Done, ErrorItem, Item, ProgressBatch, StepItem
 from engine.sched_types import StepKind
 from engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
 HEAVY = (StepKind.PREFILL, StepKind.RECOMPUTE)
 PROBE_ROUNDS_MAX = 64  # rounds a probe runs at most while its restarted requests get back to where they failed
-
-
-# ---- progress records ------------------------------------------------------------------------------
-# ``attempt`` on every item is the ``attempt`` its request was submitted with, so that a receiver can tell
-# the progress of an older placement of the same request from the current one's.
-
-@dataclass(slots=True)
-class Done:
-    """How a request ended on this instance."""
-
-    finish_reason: str  # "stop" (an EOS, a stop id or a stop string) or "length" (its max_tokens)
-    rounds: int  # rounds it took part in
-    completion_tokens: int  # output tokens committed in all (those committed before a resume included)
-
-
-@dataclass(slots=True)
-class StepItem:
-    """A request took a step in the round just run."""
-
-    req_id: str
-    ids: list[int]  # output token ids committed since its last item
-    steps: int  # rounds it has taken part in so far
-    heavy: bool  # its next step is a prefill or a recompute
-    features: Any = None  # ``describe``'s step features after the step (predictors.features.StepFeatures)
-    canvas: dict | None = None  # the step's canvas (``Sequence.canvas_step``), for a request sent with ``canvas``
-    done: Done | None = None  # set when it finished in this round
-    attempt: int = 0
-
-
-@dataclass(slots=True)
-class AcceptedItem:
-    """A request joined the instance at this round boundary."""
-
-    req_id: str
-    add_ms: float | None  # from its sender's dispatch (``sent_at``) to the round boundary; None without sent_at
-    prompt_tokens: int  # prompt tokens (the output tokens committed before a resume not counted)
-    attempt: int = 0
-
-
-@dataclass(slots=True)
-class ErrorItem:
-    """A request was refused or failed; the instance holds it no more."""
-
-    req_id: str
-    message: str
-    # 400 (a bad request), 429 (the instance is full or draining), 500 (its rounds failed: it is at fault),
-    # 503 (the instance's rounds failed and it gave up on the request: resume it elsewhere)
-    status: int
-    attempt: int = 0
-
-
-Item = StepItem | AcceptedItem | ErrorItem
-
-
-@dataclass(slots=True)
-class ProgressBatch:
-    """What one round boundary reports."""
-
-    t: float  # wall-clock emission time
-    round: int  # rounds run so far (this batch follows round ``round``)
-    round_ms: float  # the last round's time
-    kinds: dict[str, int] = field(default_factory=dict)  # the last round's steps per step kind
-    kind_tokens: dict[str, int] = field(default_factory=dict)  # and query tokens per step kind
-    stats: dict[str, Any] = field(default_factory=dict)  # ``RoundLoop.stats()``
-    items: list[Item] = field(default_factory=list)
 
 
 class Overloaded(Exception):

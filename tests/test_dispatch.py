@@ -517,7 +517,7 @@ def test_a_request_back_on_its_first_instance_ignores_that_instance_s_stale_prog
     third attempt while A's round of the first attempt is still being reported: that round's tokens are
     stale and must not reach the client."""
     from app.protocol import Add
-    from engine.loop import Done, ErrorItem, StepItem
+    from engine.progress import Done, ErrorItem, StepItem
 
     async def main():
         d = make_dispatcher()

@@ -13,7 +13,7 @@ from app.dispatch import Dispatcher
 from app.protocol import Thresholds
 from cluster import Router, RouterConfig, StepShape, TableStepEstimator, TpLatencyModel
 from engine.latency_profile import load_tp_profiles
-from engine.loop import Done, ProgressBatch, StepItem
+from engine.progress import Done, ProgressBatch, StepItem
 from predictors.features import StepFeatures
 from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterSimulator
 from tests.fakes import RecordingLink
@@ -36,7 +36,7 @@ def specs(n: int, rate: float, seed: int) -> list[ClusterRequestSpec]:
 
 
 def simulate(policy: str, reqs: list[ClusterRequestSpec], join_at: float):
-    profiles = load_tp_profiles("h200-llada8b", [1, 2])
+    profiles = load_tp_profiles("h200-llada8b-measured", [1, 2])
     cfg = ClusterConfig((1, 1), slots=8, block_tokens=BLOCK, sequence_tokens=396,
                         router=RouterConfig(thresholds=TS), estimator_sigma=0.3)
     sim = ClusterSimulator(cfg, profiles, policy, seed=3, log=True)

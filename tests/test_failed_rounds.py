@@ -10,7 +10,8 @@ import pytest
 
 from engine.engine import Engine
 from engine.instance import Instance
-from engine.loop import ErrorItem, RoundLoop, StepItem
+from engine.loop import RoundLoop
+from engine.progress import ErrorItem, StepItem
 from engine.sequence import SamplingParams
 from tests.conftest import make_model
 

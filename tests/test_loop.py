@@ -8,7 +8,8 @@ import torch
 
 from engine.engine import Engine
 from engine.instance import Instance
-from engine.loop import AcceptedItem, ErrorItem, Overloaded, ProgressBatch, RoundLoop, StepItem
+from engine.loop import Overloaded, RoundLoop
+from engine.progress import AcceptedItem, ErrorItem, ProgressBatch, StepItem
 from engine.sequence import SamplingParams
 from tests.conftest import make_model
 
