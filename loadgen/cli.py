@@ -1,4 +1,4 @@
-"""``remask loadgen {synth,replay,plot,overhead}`` and ``remask chat``."""
+"""``remask loadgen {synth,replay,bench,plot,overhead}`` and ``remask chat``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from engine.argtypes import category_mix as _mix
 from loadgen.arrivals import ARRIVALS
+from loadgen.bench import add_parser as _bench_parser
 from loadgen.lengths import LENGTHS
 
 
@@ -133,7 +134,7 @@ def _synth_parser(sub) -> None:
 
 def add_parsers(sub) -> None:
     """Add ``loadgen`` and ``chat`` to the ``remask`` sub-parsers."""
-    lg = sub.add_parser("loadgen", help="traces, open-loop replay, plots, overhead of the load generator")
+    lg = sub.add_parser("loadgen", help="traces, open-loop replay, vLLM-style benchmark, plots, overhead")
     lsub = lg.add_subparsers(dest="loadgen_command", required=True)
     _synth_parser(lsub)
 
@@ -159,6 +160,8 @@ def add_parsers(sub) -> None:
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_replay)
+
+    _bench_parser(lsub)
 
     p = lsub.add_parser("plot", help="PNG plots of a results JSON")
     p.add_argument("results")

@@ -104,10 +104,12 @@ def error_message(body: bytes) -> str:
         return body[:200].decode(errors="replace")
 
 
-async def send(transport, req: TraceRequest, model: str | None, res: RequestResult, t0: float) -> RequestResult:
+async def send(transport, req: TraceRequest, model: str | None, res: RequestResult, t0: float,
+               path: str | None = None) -> RequestResult:
     """Send ``req`` now over ``transport`` (see loadgen.http), filling ``res`` as the stream arrives.
 
     ``t0`` is the replay's start (``time.perf_counter``). Timings start when the request is written.
+    ``path`` replaces the endpoint's usual path (``PATHS``), e.g. a benchmark's ``--endpoint``.
     """
     res.max_tokens, res.threshold, res.slo_ms = req.max_tokens, req.threshold, req.slo_ms
     res.prompt_chars = len(req.text)
@@ -116,7 +118,7 @@ async def send(transport, req: TraceRequest, model: str | None, res: RequestResu
     last = start = None
     done = False
     try:
-        async with transport.stream(PATHS[req.endpoint], payload, {"X-Request-Id": req.request_id}) as resp:
+        async with transport.stream(path or PATHS[req.endpoint], payload, {"X-Request-Id": req.request_id}) as resp:
             start = resp.sent_at
             res.send_s = start - t0
             res.status = resp.status

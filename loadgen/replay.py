@@ -40,6 +40,7 @@ class ReplayConfig:
     max_concurrency: int | None = None  # at most this many requests in flight (None: unbounded)
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES  # of TTFT, TPOT, ITL and E2EL in the summary
     goodput: dict[str, float] | None = None  # {"ttft"|"tpot"|"e2el": ms}: vLLM's --goodput bounds
+    path: str | None = None  # the URL path of every request (None: /v1/completions or /v1/chat/completions)
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -74,11 +75,11 @@ async def _replay(trace: list[TraceRequest], cfg: ReplayConfig, stop: asyncio.Ev
 
     async def gated(req: TraceRequest, res: RequestResult) -> RequestResult:
         if slots is None:
-            return await send(client, req, cfg.model, res, t0)
+            return await send(client, req, cfg.model, res, t0, cfg.path)
         waited = time.perf_counter()
         async with slots:
             res.queued_ms = (time.perf_counter() - waited) * 1000.0
-            return await send(client, req, cfg.model, res, t0)
+            return await send(client, req, cfg.model, res, t0, cfg.path)
 
     try:
         t0 = time.perf_counter() + cfg.lead_s

@@ -42,7 +42,7 @@ class TraceRequest:
     priority: int = 0
     input_len: int | None = None  # nominal lengths from a length distribution, when one was used
     output_len: int | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # more body fields, sent as they are (e.g. ignore_eos, temperature)
 
     @property
     def text(self) -> str:
@@ -71,6 +71,7 @@ class TraceRequest:
                 out[key] = getattr(self, key)
         if self.priority:
             out["priority"] = self.priority
+        out.update(self.extra)
         return out
 
 
