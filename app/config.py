@@ -72,6 +72,13 @@ class HttpArgs(_Section):
 
     section: ClassVar[str] = "http"
     served_model_name: str | None = Field(None, description="name clients use; defaults to `engine.model`")
+    chat_template: str | None = Field(None, description="a Jinja chat template for every chat instead of the "
+                                                        "checkpoint's own: the template, or a file holding it "
+                                                        "(read here, at validation)")
+    allowed_origins: list[str] = Field([], description="CORS: the origins browsers may call the API from ('*': "
+                                                       "any); empty: no CORS headers (off)")
+    max_model_len: int | None = Field(None, ge=1, description="the longest prompt + answer, in tokens (default and "
+                                                              "cap: the model's context, max_position_embeddings)")
     api_keys: list[ApiKeySpec] = Field([], description="API keys (app.auth); when any are given, /v1/* and "
                                                         "/debug/* need `Authorization: Bearer <key>`")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; larger ones get 413")
@@ -96,6 +103,19 @@ class HttpArgs(_Section):
     tokens_per_minute: int | None = Field(None, ge=1, description="prompt + max_tokens tokens per minute, counted "
                                                                   "at admission, as requests_per_second applies; "
                                                                   "unset: no limit")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v: str | None) -> str | None:
+        """A file's path becomes its text; a template is kept; anything else is refused."""
+        if v is None or "{{" in v or "{%" in v:
+            return v
+        from pathlib import Path
+
+        path = Path(v).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat_template {v!r} is neither a file nor a Jinja template (no {{{{ or {{%)")
+        return path.read_text()
 
     @model_validator(mode="after")
     def _burst_needs_a_rate(self) -> HttpArgs:
@@ -156,7 +176,9 @@ class EngineArgs(_Section):
     """``engine``: the model and the engine of every Denoiser replica (every rank of a TP group)."""
 
     section: ClassVar[str] = "engine"
-    model: str = Field("tiny-bd", description="embedded model name or local HF-format checkpoint directory")
+    model: str = Field("tiny-bd", description="embedded model name, local HF-format checkpoint directory or hub "
+                                              "id (org/name: engine.models.hub, through the hub cache)")
+    revision: str | None = Field(None, description="a hub id's branch, tag or commit (default: main)")
     device: str = Field("cpu", description="'cpu' or 'cuda'")
     dtype: str | None = Field(None, description="float32 | bfloat16 | float16 (default: bfloat16 on cuda)")
     policy: str = Field("dwise", description="instance scheduling policy")
@@ -338,6 +360,20 @@ class AppConfig(BaseModel):
                 raise ValueError("the config is in sections now: " + "; ".join(
                     f"`{k}` moved to `{MOVED[k]}` (write it under `{MOVED[k].split('.')[0]}:`)" for k in moved))
         return data
+
+    @model_validator(mode="after")
+    def _device_and_gpus(self):
+        """``engine.device`` and ``resources.gpus_per_rank`` agree: cuda needs GPUs per rank; cpu holds no whole
+        GPU (a fraction below 1 stays allowed: Ray's accounting of replicas that share, as on a CPU test cluster
+        with logical GPUs)."""
+        cuda, gpus = self.engine.device.startswith("cuda"), self.resources.gpus_per_rank
+        if cuda and gpus == 0:
+            raise ValueError("engine.device cuda with resources.gpus_per_rank 0: Ray would give each rank no GPU "
+                             "(set gpus_per_rank to 1, or a fraction to share GPUs)")
+        if not cuda and gpus >= 1:
+            raise ValueError(f"engine.device {self.engine.device} with resources.gpus_per_rank {gpus:g}: each rank "
+                             f"would hold GPUs it never uses (set engine.device cuda, or gpus_per_rank 0)")
+        return self
 
     @model_validator(mode="after")
     def _shared_gpus(self):

@@ -168,9 +168,10 @@ def test_make_before_break_follows_the_resources_and_refuses_what_cannot_fit():
     assert config(make_before_break=True).planner.make_before_break is True
     assert shared(make_before_break=False).planner.make_before_break is False
     whole = {"tp_degrees": [1, 2], "gpus_per_rank": 1}
-    assert AppConfig(resources=whole, planner={"gpus_per_node": 2}).planner.make_before_break is False
+    cuda = {"device": "cuda"}  # whole GPUs per rank: a cuda engine (a cpu one holding GPUs is refused)
+    assert AppConfig(engine=cuda, resources=whole, planner={"gpus_per_node": 2}).planner.make_before_break is False
     with pytest.raises(ValueError, match="fit beside the ones they replace"):
-        AppConfig(resources=whole, planner={"gpus_per_node": 2, "make_before_break": True})
+        AppConfig(engine=cuda, resources=whole, planner={"gpus_per_node": 2, "make_before_break": True})
     # Ray gives a fractional GPU demand the fullest GPU it fits: two ranks of a TP group could share a device
     with pytest.raises(ValueError, match="two ranks of a TP group on one GPU"):
         AppConfig(engine={"device": "cuda"}, resources={"tp_degrees": [1, 2], "gpus_per_rank": 0.5})
