@@ -22,7 +22,7 @@ from engine.decoding import UnmaskRule, make_rule
 from engine.kv_cache import ApproxCache, ExactCache, KVPool
 from engine.models.transformer import DLMTransformer
 from engine.runner import TorchRunner
-from engine.sched_types import StepKind
+from engine.scheduler.types import StepKind
 from engine.sequence import SamplingParams, Sequence, Status, StepInput, StepReport
 
 log = logging.getLogger(__name__)

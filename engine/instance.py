@@ -10,7 +10,7 @@ refined estimate is whatever the engine's refine hook wrote into
 ran), or an explicit
 ``refiner(seq)`` (the simulator's calibrated stand-in). An external estimate (the
 cluster router's: ``add_request(est_rounds=)``, ``set_estimate``) replaces
-whichever estimate the scheduler holds; the most recent one holds (engine/scheduler.py).
+whichever estimate the scheduler holds; the most recent one holds (engine/scheduler/).
 
 KV reservations: by default the scheduler reserves against exactly what the
 engine's KV pool holds (its slots x positions per slot; a request reserves the
@@ -34,9 +34,9 @@ from collections.abc import Callable, Collection
 
 from engine.clock import Clock, WallClock
 from engine.engine import Engine, EngineRound, Output
-from engine.sched_policies import make_policy
-from engine.sched_types import RoundPlan, RoundResult, SchedRequest, SlotAssignment, StepCosts, StepOutcome
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.policies import make_policy
+from engine.scheduler.types import RoundPlan, RoundResult, SchedRequest, SlotAssignment, StepCosts, StepOutcome
 from engine.sequence import SamplingParams, Sequence
 
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.sched_types import StepKind
+from engine.scheduler.types import StepKind
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -76,7 +76,7 @@ class LatencyProfile:
 
     def step_costs(self, block_tokens: int, sequence_tokens: int, batch: int = 32):
         """Relative step costs (a denoise block = 1) at a typical batch, for work weighting."""
-        from engine.sched_types import StepCosts
+        from engine.scheduler.types import StepCosts
 
         unit = self.curve_ms("denoise", block_tokens * batch) / batch
         return StepCosts(

@@ -33,7 +33,7 @@ An estimate made after round n is the request's remaining rounds as of then:
 the loop subtracts the denoising rounds the request ran since (it remembers
 the last 64 rounds; an older estimate is dropped), and drops it when the
 request's refinement came after round n: the most recent estimate holds
-(engine/scheduler.py). The ``add``'s ``est_rounds`` replaces the instance's
+(engine/scheduler/). The ``add``'s ``est_rounds`` replaces the instance's
 admission estimate.
 
 Failed rounds. A round whose engine step raises (a CUDA out-of-memory error,
@@ -79,7 +79,7 @@ from typing import Any
 
 from engine.instance import Instance, InstanceBroken, RoundFailed
 from engine.progress import AcceptedItem, Done, ErrorItem, Item, ProgressBatch, StepItem
-from engine.sched_types import StepKind
+from engine.scheduler.types import StepKind
 from engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 from engine.decoding import UnmaskRule, confidence, noise_seeds, sample
 from engine.kv_cache import ApproxCache, ExactCache
 from engine.models.config import ModelConfig
-from engine.sched_types import StepKind
+from engine.scheduler.types import StepKind
 
 
 class Status(enum.IntEnum):

@@ -62,7 +62,7 @@ def cmd_simulate(args) -> int:
     if args.scenario in CLUSTER_SCENARIOS:
         return _simulate_cluster(args)
     policies = [p.strip() for p in (args.policies or "fcfs-prefill-first,dwise,oracle").split(",") if p.strip()]
-    from engine.sched_policies import make_policy
+    from engine.scheduler.policies import make_policy
 
     for p in policies:
         make_policy(p)  # fail fast on unknown names

@@ -73,9 +73,9 @@ from cluster.estimator import feature_row
 from cluster.state import RequestState
 from engine.clock import VirtualClock
 from engine.latency_profile import LatencyProfile
-from engine.sched_policies import make_policy
-from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepKind, StepOutcome
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.policies import make_policy
+from engine.scheduler.types import RoundPlan, RoundResult, SchedRequest, StepKind, StepOutcome
 
 ESTIMATORS = ("table", "online")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from engine.engine import Engine
 from engine.instance import execute_plan
 from engine.latency_profile import LatencyProfile
-from engine.sched_types import RoundPlan, RoundResult, SchedRequest
+from engine.scheduler.types import RoundPlan, RoundResult, SchedRequest
 from engine.sequence import SamplingParams, Sequence
 from sim.workload import SimRequestSpec
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.latency_profile import LatencyProfile
-from engine.sched_types import RoundPlan, RoundResult, SchedRequest, StepKind, StepOutcome
+from engine.scheduler.types import RoundPlan, RoundResult, SchedRequest, StepKind, StepOutcome
 from sim.workload import SimRequestSpec, sched_request
 
 

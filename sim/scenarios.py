@@ -119,8 +119,8 @@ def run_scenario(name: str, policies: list[str], n: int, seed: int = 0, progress
 def _run_model_policy(sc: Scenario, specs, policy: str, profile):
     from engine.clock import VirtualClock
     from engine.loading import load_engine
-    from engine.sched_policies import make_policy
     from engine.scheduler import Scheduler, SchedulerConfig
+    from engine.scheduler.policies import make_policy
     from sim.model_runner import ModelInTheLoopRunner
 
     clock = VirtualClock()

@@ -92,7 +92,7 @@ def simulate(specs: list[SimRequestSpec], scheduler: Scheduler, runner, clock: V
 
 def run_policy(specs: list[SimRequestSpec], policy: str, profile, slots: int = 128,
                kv_capacity_tokens: int = 666_000, block: int = BLOCK) -> SimStats:
-    from engine.sched_policies import make_policy
+    from engine.scheduler.policies import make_policy
     from sim.runner import SimulatedRunner
 
     clock = VirtualClock()

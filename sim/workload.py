@@ -18,7 +18,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from engine.sched_types import SchedRequest
+from engine.scheduler.types import SchedRequest
 
 
 @dataclass

@@ -23,7 +23,7 @@ LAYERS = {
     "tools": {"engine", "predictors", "planner", "cluster", "app", "deployments", "sim", "loadgen", "tasksuite"},
 }
 # scheduling and routing code: never torch or ray (the simulator runs it at full speed)
-PURE = ["tasksuite/*.py", "engine/scheduler*.py", "engine/sched_*.py", "engine/registry.py", "cluster/*.py",
+PURE = ["tasksuite/*.py", "engine/scheduler/*.py", "engine/registry.py", "cluster/*.py",
         "sim/*.py", "planner/*.py"]
 
 

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from engine.clock import VirtualClock
 from engine.latency_profile import load_profile
-from engine.sched_policies import POLICIES, make_policy
-from engine.sched_types import Residency, RoundResult, SchedRequest, StepKind, StepOutcome
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.policies import POLICIES, make_policy
+from engine.scheduler.types import Residency, RoundResult, SchedRequest, StepKind, StepOutcome
 from sim.runner import SimulatedRunner
 from sim.simulator import simulate
 from sim.workload import SimRequestSpec

@@ -29,7 +29,7 @@ from engine.models.flops import forward_flops
 from engine.models.presets import build_preset, preset_config
 from engine.models.transformer import SparseMoE
 from engine.runner import TorchRunner
-from engine.sched_types import StepKind
+from engine.scheduler.types import StepKind
 from engine.sequence import StepInput
 from tools.bench_engine import measure_peak
 

@@ -7,9 +7,9 @@ import statistics
 import time
 
 from engine.clock import VirtualClock
-from engine.sched_policies import make_policy
-from engine.sched_types import RoundResult, SchedRequest, StepKind, StepOutcome
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.policies import make_policy
+from engine.scheduler.types import RoundResult, SchedRequest, StepKind, StepOutcome
 
 
 def bench_scheduler(slots: int = 128, resident: int = 1024, rounds: int = 500, policy: str = "dwise",

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 
 from engine.clock import VirtualClock
 from engine.latency_profile import LatencyProfile
-from engine.sched_policies import DwisePolicy, MlfqPolicy, Policy, SsjfPolicy, make_policy
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.policies import DwisePolicy, MlfqPolicy, Policy, SsjfPolicy, make_policy
 from sim.report.checks import trace_hash
 from sim.runner import SimulatedRunner
 from sim.simulator import simulate

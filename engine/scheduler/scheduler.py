@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from engine.clock import Clock, WallClock
-from engine.sched_policies import Policy, make_policy
-from engine.sched_types import Residency, RoundPlan, RoundResult, SchedRequest, SlotAssignment, StepKind
+from engine.scheduler.policies import Policy, make_policy
+from engine.scheduler.types import Residency, RoundPlan, RoundResult, SchedRequest, SlotAssignment, StepKind
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ scheduler can rank a large waiting set cheaply.
 from __future__ import annotations
 
 from engine.registry import Registry
-from engine.sched_types import SchedRequest, StepCosts, StepKind
+from engine.scheduler.types import SchedRequest, StepCosts, StepKind
 
 
 class Policy:
