@@ -36,29 +36,13 @@ request's refinement came after round n: the most recent estimate holds
 (engine/scheduler/). The ``add``'s ``est_rounds`` replaces the instance's
 admission estimate.
 
-Failed rounds. A round whose engine step raises (a CUDA out-of-memory error,
-a request that breaks the forward) fails no request by itself: the loop finds
-the request at fault by bisection. The requests of the failed round that it
-left as they were (``RoundFailed.touched``: engine/instance.py) run again in
-*probe* rounds of their own, half of them at a time (``Instance.step(only=)``);
-a probe that fails is split again, one that succeeds clears its requests. A
-request that failed ``max_round_failures`` rounds in a row, the last one alone,
-is *convicted*; once every probe of the failure has run, a convicted request
-gets an ``ErrorItem`` with status 500 if a round succeeded on the instance
-since the failures began (the instance works: the request is at fault), and
-otherwise status 503 (the instance gives up on it: its sender resumes it
-elsewhere from its committed tokens), unless this instance had already given
-up on it once (then 500). A request the failed round had half-updated starts
-over here from the tokens already published (``Instance.reset``: its KV slots
-and reservation are released and taken again when it is readmitted); a step it
-takes then clears nothing until it has published past that point, and a probe
-holding it runs again (``PROBE_ROUNDS_MAX`` rounds at most) until it has, or
-fails: a fault that strikes at a later step of a request is found as well, and
-cannot make it start over for ever. Probe rounds run only the probe's
-requests; the others wait. ``broken_after`` give-ups
-(503) with no successful round in between mean the instance itself is broken:
-the loop ends as below. Any other exception (the scheduler's) hands every
-request back (503).
+Failed rounds. A round whose engine step raises (a CUDA out-of-memory error, a
+request that breaks the forward) fails no request by itself: the loop finds
+the request at fault by bisection, in probe rounds that run some of its
+requests by themselves (engine/probing.py holds that state and its decisions:
+when a request is convicted, gets a 500 or is handed back with a 503, and when
+``broken_after`` give-ups mean the instance itself is broken: the loop ends as
+below). Any other exception (the scheduler's) hands every request back (503).
 
 A round that raises ``InstanceBroken`` (a tensor-parallel rank is gone) ends
 the loop: its requests get no error, ``on_fatal`` is called, and whoever
@@ -78,13 +62,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.instance import Instance, InstanceBroken, RoundFailed
+from engine.probing import Probing
 from engine.progress import AcceptedItem, Done, ErrorItem, Item, ProgressBatch, StepItem
 from engine.scheduler.types import StepKind
 from engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
 HEAVY = (StepKind.PREFILL, StepKind.RECOMPUTE)
-PROBE_ROUNDS_MAX = 64  # rounds a probe runs at most while its restarted requests get back to where they failed
 
 
 class Overloaded(Exception):
@@ -116,8 +100,7 @@ class RoundLoop:
         ``max_round_failures``: failed rounds in a row, the last one alone, that convict a request;
         ``broken_after``: requests given up on (503) with no successful round in between that end the loop
         as a broken instance (module docstring)."""
-        if max_round_failures < 1 or broken_after < 1:
-            raise ValueError("max_round_failures and broken_after must be at least 1")
+        self.probing = Probing(max_round_failures, broken_after)  # failed rounds (engine/probing.py)
         self.instance = instance
         self._emit = on_batch
         self.max_waiting = max_waiting
@@ -147,15 +130,6 @@ class RoundLoop:
                                      "estimates_dropped", "threshold_answers", "answers_on_time", "answers_late",
                                      "rounds_failed", "probe_rounds", "requests_failed", "requests_given_up",
                                      "requests_reset"), 0)
-        # failed rounds (module docstring)
-        self.max_round_failures, self.broken_after = max_round_failures, broken_after
-        self._strikes: dict[str, int] = {}  # request -> failed rounds in a row it was in
-        self._probes: deque[list[str]] = deque()  # requests to run by themselves, next first
-        self._probe_runs = 0  # rounds the first probe has run
-        self._convicted: dict[str, str] = {}  # request -> its last failure, awaiting the verdict
-        self._healthy = True  # a round succeeded since the current failures began
-        self._given_up: dict[str, None] = {}  # requests handed back (503) lately, oldest first (bounded)
-        self._give_ups = 0  # requests handed back since the last successful round
         self.threshold_wait_ms = 0.0
         self.threshold_answer_ms = 0.0  # summed over the answers (after_round) to this loop's batches
         self._emitted: deque[tuple[int, float]] = deque(maxlen=64)  # (round, when its batch left)
@@ -240,8 +214,8 @@ class RoundLoop:
                 items.append(AcceptedItem(req_id, None if sent_at is None else (time.time() - sent_at) * 1e3,
                                           len(seq.prompt_ids) - len(seq.committed), attempt))
             elif op == "abort":
-                self._strikes.pop(cmd[1], None)
-                self._convicted.pop(cmd[1], None)
+                self.probing.forget(cmd[1])
+                self.probing.convicted.pop(cmd[1], None)
                 if self._tracked.pop(cmd[1], None) is not None:
                     self.instance.abort(cmd[1])
             elif op == "thresholds":
@@ -348,10 +322,10 @@ class RoundLoop:
                     return self._fatal()
                 continue
             if only is not None and not plan.slots:  # none of its requests could run: back to ordinary rounds
-                self._probe_passed()
+                self.probing.probe_passed()
                 self._send(items)
                 continue
-            self._healthy, self._give_ups = True, 0
+            self.probing.round_succeeded()
             self.rounds += 1
             self.filled_slots += len(plan.slots)
             finished = {r.req_id for r in done}
@@ -363,37 +337,23 @@ class RoundLoop:
                 self._cleared(slot.req_id)
             if only is not None:
                 self.counts["probe_rounds"] += 1
-                self._probe_runs += 1
-                if self._probe_runs >= PROBE_ROUNDS_MAX or all(
-                        (tr := self._tracked.get(r)) is None or tr.reset_at is None for r in only):
-                    self._probe_passed()
+                self.probing.probe_ran(all((tr := self._tracked.get(r)) is None or tr.reset_at is None
+                                           for r in only))
             self._send(items)
 
-    # ---- failed rounds (module docstring) ---------------------------------------------------------
+    # ---- failed rounds (engine/probing.py) ---------------------------------------------------------
     def _next_probe(self, items: list[Item]) -> list[str] | None:
         """The requests the next round runs by themselves (None: an ordinary round); once every probe has
         run, the verdict on the convicted requests."""
-        while self._probes:
-            group = [r for r in self._probes[0] if r in self._tracked and r not in self._convicted]
-            if group:
-                return group
-            self._probes.popleft()
-        if self._convicted:
+        only = self.probing.next_probe(self._tracked)
+        if only is None and self.probing.convicted:
             self._verdict(items)
-        return None
-
-    def _probe_passed(self) -> None:
-        self._probes.popleft()
-        self._probe_runs = 0
+        return only
 
     def _round_failed(self, failed: RoundFailed, probing: bool, items: list[Item]) -> None:
-        if probing:
-            self._probe_passed()  # it failed: replaced by its halves below
-        else:  # an ordinary round: new failures begin (no probe and no verdict is pending)
-            self._healthy = False
+        self.probing.round_failed(failed, probing)
         touched = set(failed.touched)
         for req_id in failed.batch:
-            self._strikes[req_id] = self._strikes.get(req_id, 0) + 1
             tr = self._tracked.get(req_id)
             if req_id in touched and tr is not None:
                 try:  # half-updated: over again from what its receiver has
@@ -403,70 +363,45 @@ class RoundLoop:
                 except (ValueError, RuntimeError, KeyError) as exc:
                     self._drop(req_id, ErrorItem(req_id, f"{failed}; restarting it failed: {exc}", 503, tr.attempt),
                                items)
-        suspects = [r for r in failed.batch if r in self._tracked]
-        if len(failed.batch) == 1 and suspects and (n := self._strikes[suspects[0]]) >= self.max_round_failures:
-            self._convicted[suspects[0]] = f"{failed} (the request failed {n} rounds in a row, the last by itself)"
-            return
-        # one that keeps failing without being isolated (a restarted request may miss its probes, not being
-        # admitted in time): convicted once it failed more rounds than a bisection takes
-        cap = self.max_round_failures + self.instance.scheduler.cfg.slots.bit_length()
-        for r in [r for r in suspects if self._strikes[r] >= cap]:
-            self._convicted[r] = f"{failed} (the request failed {self._strikes[r]} rounds in a row)"
-            suspects.remove(r)
-        if len(suspects) > 1:
-            half = len(suspects) // 2
-            self._probes.extendleft([suspects[half:], suspects[:half]])  # the first half runs first
-        elif suspects:
-            self._probes.appendleft(suspects)  # again, by itself
+        self.probing.bisect(failed, [r for r in failed.batch if r in self._tracked],
+                            self.instance.scheduler.cfg.slots)
 
     def _cleared(self, req_id: str) -> None:
         """``req_id`` took a step in a round that succeeded: its failures in a row are over, unless it had
-        started over and has not yet got past where it was (its step then proves nothing: it may fail again
-        where it failed, and a fault that comes back before it publishes a token would go on for ever)."""
-        if req_id not in self._strikes:
-            return
+        started over and has not yet got past where it was (``Probing.clear``)."""
         tr = self._tracked.get(req_id)
-        if tr is None or tr.reset_at is None or tr.sent > tr.reset_at:
-            del self._strikes[req_id]
-            if tr is not None:
-                tr.reset_at = None
+        short = tr is not None and tr.reset_at is not None and tr.sent <= tr.reset_at
+        if self.probing.clear(req_id, short) and tr is not None:
+            tr.reset_at = None
 
     def _verdict(self, items: list[Item]) -> None:
-        """Every probe has run: a convicted request fails (500) when the instance has run a round since the
-        failures began, else the instance gives up on it (503) unless it did once before."""
-        for req_id, why in self._convicted.items():
-            tr = self._tracked.get(req_id)
-            if tr is None:
-                continue
-            if self._healthy or req_id in self._given_up:
+        """Every probe has run: each convicted request fails (500) or is handed back (503)."""
+        for req_id, why, at_fault in self.probing.verdict(self._tracked):
+            attempt = self._tracked[req_id].attempt
+            if at_fault:
                 self.counts["requests_failed"] += 1
-                self._drop(req_id, ErrorItem(req_id, why, 500, tr.attempt), items)
+                self._drop(req_id, ErrorItem(req_id, why, 500, attempt), items)
             else:
-                self._hand_back(req_id, f"{why}; no round succeeded on this instance since", tr.attempt, items)
-        self._convicted.clear()
-        if self._give_ups >= self.broken_after:
-            self._end(InstanceBroken(f"{self._give_ups} requests given up on with no round succeeding in between"))
+                self._hand_back(req_id, f"{why}; no round succeeded on this instance since", attempt, items)
+        if self.probing.broken():
+            self._end(InstanceBroken(self.probing.broken_reason()))
 
     def _hand_back(self, req_id: str, why: str, attempt: int, items: list[Item]) -> None:
         self.counts["requests_given_up"] += 1
-        self._give_ups += 1
-        self._given_up[req_id] = None
-        if len(self._given_up) > 1024:
-            del self._given_up[next(iter(self._given_up))]
+        self.probing.gave_up(req_id)
         self._drop(req_id, ErrorItem(req_id, f"{why}: resume it elsewhere", 503, attempt), items)
 
     def _give_up_all(self, why: str, items: list[Item]) -> None:
         """A failure outside the engine: every request is handed back (its sender resumes it elsewhere)."""
         for req_id, tr in list(self._tracked.items()):
             self._hand_back(req_id, why, tr.attempt, items)
-        self._probes.clear()
-        self._convicted.clear()
-        if self._give_ups >= self.broken_after:
-            self._end(InstanceBroken(f"{self._give_ups} requests given up on with no round succeeding in between"))
+        self.probing.drop_all()
+        if self.probing.broken():
+            self._end(InstanceBroken(self.probing.broken_reason()))
 
     def _drop(self, req_id: str, item: ErrorItem, items: list[Item]) -> None:
         self._tracked.pop(req_id, None)
-        self._strikes.pop(req_id, None)
+        self.probing.forget(req_id)
         self.instance.abort(req_id)
         items.append(item)
 

@@ -130,7 +130,7 @@ def test_a_request_that_breaks_its_rounds_fails_alone_and_the_others_finish_as_w
         assert s["requests_failed"] == 1 and s["requests_given_up"] == 0 and s["requests_reset"] == 0
         assert fault.failed == s["rounds_failed"] and 2 <= s["rounds_failed"] <= 2 + len(PROMPTS).bit_length()
         assert s["probe_rounds"] >= 1
-        assert culprit not in inst.seqs and not loop._strikes and not loop._probes
+        assert culprit not in inst.seqs and not loop.probing.strikes and not loop.probing.probes
         _run(loop, sink, {"after": "late one"})  # the instance keeps serving
         assert sink.ended("after").done is not None and sink.ids("after") == reference["after"]
         assert loop.broken is None
