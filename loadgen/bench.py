@@ -486,8 +486,9 @@ def result_filename(args, model_id: str, date: str) -> Path:
     return Path(args.result_dir or ".") / name
 
 
-def run(args, out=sys.stdout) -> tuple[dict, bool]:
-    """Run the benchmark ``args`` describe; (the result document, interrupted)."""
+def run(args, out=None) -> tuple[dict, bool]:
+    """Run the benchmark ``args`` describe, printing to ``out`` (stdout); (the result document, interrupted)."""
+    out = out or sys.stdout
     from loadgen.client import resolve_api_key
     from loadgen.replay import ReplayConfig, replay
 
