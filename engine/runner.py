@@ -33,6 +33,7 @@ import torch
 from engine.decoding import confidence, noise_seeds, sample
 from engine.kv_cache import KVPool
 from engine.models.flops import forward_flops, linear_weights
+from engine.models.layouts import emulating
 from engine.models.masks import allowed, attends_all
 from engine.models.transformer import DLMTransformer
 from engine.sequence import SamplingParams, StepInput
@@ -97,7 +98,7 @@ class TorchRunner:
         self.model = model
         self.cfg = model.config
         self.device = torch.device(device)
-        if fuse if fuse is not None else self.device.type == "cuda":
+        if fuse if fuse is not None else self.device.type == "cuda" or emulating():  # CUDA's paths where emulated
             model.fuse_projections()
         self.pool: KVPool | None = None  # set by the engine: caches take slots of it, forwards attend in place
         self.graphs: ForwardGraphs | None = None  # set by the engine on CUDA: small pooled forwards replayed

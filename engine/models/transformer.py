@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
+from engine.models.layouts import attention, emulating
 
 KV = tuple[torch.Tensor, torch.Tensor]
 Room = bool | tuple[torch.Tensor, int]  # where fresh K/V go in ``past`` (Attention.forward)
@@ -115,9 +116,10 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split((self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd), -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(n, t, self.nh, self.hd).transpose(1, 2)
-        k = k.view(n, t, self.nkv, self.hd).transpose(1, 2)
-        v = v.view(n, t, self.nkv, self.hd).transpose(1, 2)
+        # heads split off the last dimension: a view whatever the products' strides (unflatten, not .view)
+        q = q.unflatten(-1, (self.nh, self.hd)).transpose(1, 2)
+        k = k.unflatten(-1, (self.nkv, self.hd)).transpose(1, 2)
+        v = v.unflatten(-1, (self.nkv, self.hd)).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -136,12 +138,15 @@ class Attention(nn.Module):
         elif past is not None and past[0].shape[2]:
             keys, values = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
         group = self.nh // self.nkv
+        # the attention kernel's output may come back in any strides (CUDA's fused kernels hand back a
+        # transposed [N, T, heads, D] buffer; engine/models/layouts.py): split with unflatten, which is a view
+        # whatever the strides, and laid out [N, T, heads x D] for o_proj by one reshape (one copy at most)
         if group > 1 and mask is not None and mask.shape[-2] == group * t:  # grouped query heads folded as rows
-            out = F.scaled_dot_product_attention(q.reshape(n, self.nkv, group * t, self.hd), keys, values,
-                                                 attn_mask=mask).view(n, self.nh, t, self.hd)
+            out = attention(q.reshape(n, self.nkv, group * t, self.hd), keys, values, attn_mask=mask)
+            out = out.unflatten(2, (group, t)).permute(0, 3, 1, 2, 4)  # [N, T, kv heads, group, D]
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=group > 1)
-        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), (k, v)
+            out = attention(q, keys, values, attn_mask=mask, enable_gqa=group > 1).transpose(1, 2)
+        return self.o_proj(out.reshape(n, t, -1)), (k, v)
 
 
 class MLP(nn.Module):
@@ -188,11 +193,11 @@ class Router(nn.Module):
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
         biased = scores + self.expert_bias.float()
         if cfg.expert_groups_used < cfg.expert_groups:
-            groups = biased.view(len(x), cfg.expert_groups, -1)
+            groups = biased.unflatten(1, (cfg.expert_groups, -1))
             best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)  # [N, groups]
             keep = torch.zeros_like(best, dtype=torch.bool)
             keep.scatter_(1, best.topk(cfg.expert_groups_used, dim=-1).indices, True)
-            biased = groups.masked_fill(~keep[..., None], float("-inf")).view_as(biased)
+            biased = groups.masked_fill(~keep[..., None], float("-inf")).flatten(1)
         ids = biased.topk(cfg.experts_per_token, dim=-1).indices
         weights = scores.gather(1, ids)
         if cfg.experts_per_token > 1:
@@ -278,11 +283,11 @@ class SparseMoE(nn.Module):
             out = self._grouped(rows, counts)
         else:
             out = self._grid(rows, flat[order], counts) if kernel == "grid" else self._each(rows, counts)
-        routed = torch.empty_like(out).index_copy_(0, order, out).view(len(x), k, -1)
+        routed = torch.empty_like(out).index_copy_(0, order, out).unflatten(0, (len(x), k))
         y = (routed.float() * weights[..., None]).sum(1).to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return y.view(shape)
+        return y.reshape(shape)
 
     def _each(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(rows)
@@ -347,7 +352,7 @@ class DLMTransformer(nn.Module):
         # Grouped-query attention under a mask: SDPA's fused kernels take no GQA with a mask (it falls back
         # to the unfused math kernel, K/V repeated per query head), so each key/value head's group of query
         # heads is folded into its query rows and the mask repeated to match, once per forward. None: on
-        # CUDA only (on a CPU the math kernel is the one anyway).
+        # CUDA only (on a CPU the math kernel is the one anyway), and where CUDA's layouts are emulated.
         self.fold_gqa: bool | None = None
 
     def forward(
@@ -397,7 +402,9 @@ class DLMTransformer(nn.Module):
 
     def folds_gqa(self, device: torch.device) -> bool:
         """Whether a masked forward on ``device`` folds grouped query heads into rows (``fold_gqa``)."""
-        return self.fold_gqa if self.fold_gqa is not None else device.type == "cuda"
+        if self.fold_gqa is not None:
+            return self.fold_gqa
+        return device.type == "cuda" or emulating()  # CUDA's choice, where CUDA is emulated too
 
     def fuse_projections(self) -> DLMTransformer:
         """Fuse q/k/v and gate/up into single products (inference only; see Attention.fuse)."""
