@@ -5,13 +5,30 @@ from __future__ import annotations
 from app.config import INGRESS, AppConfig, denoiser_name
 
 
+def pin_model(cfg: AppConfig) -> AppConfig:
+    """A hub id in ``engine.model`` resolved once, here, before any replica starts (downloaded into the hub
+    cache when missing): the deployments receive its snapshot directory, whose path names the repo and the
+    commit (a node without it resolves that same commit: ``engine.loading.resolve_model``), and serve it under
+    the hub id unless ``http.served_model_name`` says otherwise. Any other model is returned as it is."""
+    from engine.models.hub import is_hub_id
+
+    e = cfg.engine
+    if not is_hub_id(e.model):
+        return cfg
+    from engine.loading import resolve_model
+
+    path = resolve_model(e.model, e.revision)
+    return cfg.model_copy(update={"engine": e.model_copy(update={"model": str(path)}),
+                                  "http": cfg.http.model_copy(update={"served_model_name": cfg.name})})
+
+
 def build_app(args: dict | AppConfig | None):
     """One Denoiser deployment per TP degree and the Ingress in front of them. ``args``: serve_config.yaml's
     ``args`` (validated here, once: every deployment receives the ``AppConfig`` itself) or an ``AppConfig``."""
     from deployments.denoiser import Denoiser
     from deployments.ingress import Ingress
 
-    cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    cfg = pin_model(args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {}))
     res = cfg.resources
     handles = {}
     initial = None

@@ -3,7 +3,8 @@
 Embedded default models (``tiny-bd``, ``tiny-mdm``) ship inside the package;
 model presets (``llada-8b-shape``, ...: random weights of a real shape, for
 profiles and benchmarks) are built in place; anything else must be a local
-HF-format directory. Nothing is downloaded.
+HF-format directory or a hub id (``org/name``, resolved through the hub cache by
+``engine.models.hub``; downloaded there only when not cached).
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ from pathlib import Path
 
 import torch
 
+from engine.models.hub import is_hub_id, resolve_hub, snapshot_ref
 from engine.models.presets import is_preset
 
 DEFAULTS_DIR = Path(__file__).parent / "defaults"
 DEFAULT_MODELS = ("tiny-bd", "tiny-mdm")
 
 
-def resolve_model(name_or_path: str) -> Path:
+def resolve_model(name_or_path: str, revision: str | None = None) -> Path:
+    """The checkpoint directory of an embedded model, a local directory, a hub id (at ``revision``) or a
+    hub cache snapshot's path that this machine lacks (a config pinned elsewhere: resolved again by its
+    repo id and commit)."""
     if is_preset(name_or_path):
         raise ValueError(f"{name_or_path!r} is a model preset (random weights), not a checkpoint directory")
     if name_or_path in DEFAULT_MODELS:
@@ -30,8 +35,12 @@ def resolve_model(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    if is_hub_id(name_or_path):
+        return resolve_hub(name_or_path, revision)
+    if (ref := snapshot_ref(path)) is not None:
+        return resolve_hub(*ref)
     raise FileNotFoundError(f"unknown model {name_or_path!r}: not an embedded model "
-                            f"({', '.join(DEFAULT_MODELS)}) and not a local directory")
+                            f"({', '.join(DEFAULT_MODELS)}), not a local directory and not a hub id (org/name)")
 
 
 def load_engine(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **engine_kwargs):

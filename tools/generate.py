@@ -10,11 +10,23 @@ def _show(engine, seq, report) -> None:
     print(f"step {len(seq.history):3d} {report.kind.value:9s} +{report.committed:<2d} |{text}|")
 
 
+def _local(model: str, revision: str | None) -> str:
+    """A hub id resolved to its snapshot directory (said on stderr); any other model as it is."""
+    import sys
+
+    from engine.models.hub import local_model
+
+    path = local_model(model, revision)
+    if path != model:
+        print(f"remask: {model} resolved to {path}", file=sys.stderr)
+    return path
+
+
 def cmd_generate(args) -> int:
     from engine.loading import load_engine
     from engine.sequence import SamplingParams
 
-    engine = load_engine(args.model, device=args.device, cache=args.cache)
+    engine = load_engine(_local(args.model, args.revision), device=args.device, cache=args.cache)
     tok, block = engine.tokenizer, engine.cfg.block_size
     defaults = getattr(tok, "generation_defaults", {})
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
@@ -55,7 +67,8 @@ def cmd_generate(args) -> int:
 def add_parsers(sub) -> None:
     """Add ``generate`` to the ``remask`` sub-parsers."""
     g = sub.add_parser("generate", help="generate an answer (interactive without --prompt)")
-    g.add_argument("--model", default="tiny-bd")
+    g.add_argument("--model", default="tiny-bd", help="an embedded model, a local directory or a hub id (org/name)")
+    g.add_argument("--revision", help="a hub id's branch, tag or commit (default: main)")
     g.add_argument("--prompt")
     g.add_argument("--threshold", type=float)
     g.add_argument("--max-tokens", type=int)

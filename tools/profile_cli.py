@@ -13,18 +13,24 @@ def cmd_profile(args) -> int:
     from engine.device import parse_dtype
     from engine.latency_profile import load_profile
     from engine.loading import load_engine
+    from engine.models.hub import is_hub_id
     from engine.profiling import check_profile, profile_engine
+    from tools.generate import _local
 
     dtype = parse_dtype(args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     if args.check is None and args.out is None:
         raise ValueError("give --out FILE to write a profile, or --check PROFILE to test one against a real run")
     check = load_profile(args.check) if args.check else None
+    hub = is_hub_id(args.model)  # named as its hub cache spells it: org--name
+    name = args.name or (args.model.replace("/", "--") if hub else args.model.split(":")[0])
+    args.model = _local(args.model, args.revision)
     if args.tp > 1:
         if check is not None:
             raise ValueError("--check runs one process; check a TP profile's curves with --tp 1")
         from engine.profiling import profile_tp
 
-        prof = profile_tp(args.model, args.tp, args.out, device=args.device, dtype=dtype, name=args.name,
+        prof = profile_tp(args.model, args.tp, args.out, device=args.device, dtype=dtype,
+                          name=args.name or f"{name}-tp{args.tp}",
                           batch_sizes=tuple(args.batch_sizes), rounds=args.rounds, progress=True,
                           prompt_lens=tuple(args.prompt_lens or [None]), max_tokens=args.max_tokens)
         print(f"wrote {args.out}: TP-{args.tp}, " + ", ".join(f"{k} {len(v)} points" for k, v in prof.curves.items()))
@@ -42,7 +48,7 @@ def cmd_profile(args) -> int:
               f"graph: error "
               f"{res['steady']['total_error']:.1%}, per round median {res['steady']['median_round_error']:.1%}"))
         return 0
-    prof = profile_engine(engine, args.name or args.model.split(":")[0], args.batch_sizes, args.rounds, progress=True,
+    prof = profile_engine(engine, name, args.batch_sizes, args.rounds, progress=True,
                           prompt_lens=tuple(args.prompt_lens or [None]), max_tokens=args.max_tokens)
     prof.save(args.out)
     print(f"wrote {args.out}: " + ", ".join(f"{k} {len(v)} points" for k, v in prof.curves.items())
@@ -54,8 +60,10 @@ def cmd_profile(args) -> int:
 def add_parsers(sub) -> None:
     """Add ``profile`` to the ``remask`` sub-parsers."""
     f = sub.add_parser("profile", help="measure a latency profile (round time by step kind and batch)")
-    f.add_argument("--model", default="tiny-bd", help="an embedded model, a local directory or a shape preset "
-                                                      "(llada-8b-shape, dream-7b-shape, sdar-8b-shape[:overrides])")
+    f.add_argument("--model", default="tiny-bd", help="an embedded model, a local directory, a hub id (org/name) "
+                                                      "or a shape preset (llada-8b-shape, dream-7b-shape, "
+                                                      "sdar-8b-shape[:overrides])")
+    f.add_argument("--revision", help="a hub id's branch, tag or commit (default: main)")
     f.add_argument("--out", help="write the profile here (JSON)")
     f.add_argument("--check", metavar="PROFILE", help="instead: time a real run of mixed requests round by round "
                                                       "and compare with this profile's predictions")
