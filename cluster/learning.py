@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 
-from predictors.online import OnlineAdmissionLearner, OnlineStepLearner, RefitWorker
+from predictors.online import OnlineAdmissionLearner, OnlineStepLearner
+from predictors.refit_worker import RefitWorker
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Online learners (predictors/online.py): priors, refits, the swap rule, bounded memory, the refit thread."""
+"""Online learners (predictors/online.py): priors, refits, the swap rule, bounded memory; the refit worker
+(predictors/refit_worker.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from predictors.online import OnlineAdmissionLearner, OnlineStepLearner, RefitWorker, mape
+from predictors.online import OnlineAdmissionLearner, OnlineStepLearner, mape
+from predictors.refit_worker import RefitWorker
 
 TS = (0.9, 0.8, 0.7)
 BLOCKS, OUT = 8, 256
@@ -282,7 +284,7 @@ def test_refit_worker_fits_in_another_process_and_swaps_as_refit_does():
 
 
 def test_admission_models_cross_the_pipe_intact():
-    from predictors.online import _portable, _rebuild
+    from predictors.refit_worker import _portable, _rebuild
 
     rng = np.random.default_rng(9)
     learner = OnlineAdmissionLearner(min_requests=50)
@@ -388,7 +390,8 @@ ORPHAN = """
 import sys, time
 import numpy as np
 sys.path.insert(0, {root!r})
-from predictors.online import OnlineStepLearner, RefitWorker
+from predictors.online import OnlineStepLearner
+from predictors.refit_worker import RefitWorker
 worker = RefitWorker(OnlineStepLearner((0.9,)))
 print(worker.pid, flush=True)
 time.sleep(60)
