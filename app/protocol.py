@@ -92,6 +92,7 @@ class Sampling:
     top_k: int | None = None
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # decode to max_tokens past the model's end of text
 
     @classmethod
     def from_dict(cls, d: dict | None) -> Sampling:
@@ -104,7 +105,8 @@ class Sampling:
         try:
             return cls(*(None if d.get(k) is None else conv(d[k]) for k, conv in
                          (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int))),
-                       stop_token_ids=[int(i) for i in d.get("stop_token_ids", ())])
+                       stop_token_ids=[int(i) for i in d.get("stop_token_ids", ())],
+                       ignore_eos=bool(d.get("ignore_eos", False)))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad sampling parameters {d}: {exc}") from None
 
@@ -311,7 +313,7 @@ class _Record:
 
 _DONE = _Record(Done, finish_reason=_STR, rounds=_INT, completion_tokens=_INT)
 _SAMPLING = _Record(Sampling, temperature=_optional(_FLOAT), top_p=_optional(_FLOAT), top_k=_optional(_INT),
-                    seed=_optional(_INT), stop_token_ids=_IDS)
+                    seed=_optional(_INT), stop_token_ids=_IDS, ignore_eos=_BOOL)
 
 # progress items: their kind (an array's first value) and record
 _ITEMS = {

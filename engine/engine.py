@@ -176,7 +176,7 @@ class Engine:
                        threshold=params.threshold, arrival=time.monotonic(),
                        prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
                        committed=list(committed or ()), params=params,
-                       stop_ids=(*self.stop_ids, *params.stop_token_ids))
+                       stop_ids=(*(() if params.ignore_eos else self.stop_ids), *params.stop_token_ids))
         self.sequences[seq.seq_id] = seq
         return seq
 

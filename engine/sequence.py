@@ -41,6 +41,7 @@ class SamplingParams:
     top_k: int = 0  # top-k filter when sampling; 0 or -1: off
     seed: int | None = None  # the sampling noise's seed; None: the engine draws one per request
     stop_token_ids: tuple[int, ...] = ()  # ids that end the output as the model's EOS does
+    ignore_eos: bool = False  # decode to max_tokens past the model's EOS (and its template's end-of-turn ids)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(self.stop_token_ids)  # a JSON list is welcome
@@ -132,7 +133,8 @@ class Sequence:
         if self.sampling is not None and self.sampling.seed is None:
             raise ValueError("a sampling sequence needs a seed (Engine.add_request draws one)")
         self._stop_extra = tuple(dict.fromkeys(t for t in self.stop_ids if t != self.cfg.eos_token_id))
-        self._stops = frozenset((self.cfg.eos_token_id, *self._stop_extra))
+        self.ignore_eos = self.params is not None and self.params.ignore_eos  # only stop_ids end it then
+        self._stops = frozenset((*(() if self.ignore_eos else (self.cfg.eos_token_id,)), *self._stop_extra))
         self.tokens = torch.tensor(self.prompt_ids + list(self.committed)
                                    + [self.cfg.mask_token_id] * (self.gen_len - n), dtype=torch.long)
         # the same memory as a NumPy array: a step's bookkeeping over a few dozen positions costs a
@@ -289,7 +291,7 @@ class Sequence:
     def _check_finished(self) -> bool:
         out = self._np[self.out_start : self.out_end]
         is_mask = out == self.cfg.mask_token_id
-        stop = out == self.cfg.eos_token_id
+        stop = out == self.cfg.eos_token_id if not self.ignore_eos else np.zeros(out.shape, dtype=bool)
         for t in self._stop_extra:  # a few ids at most: a comparison each (np.isin sorts)
             stop |= out == t
         eos = np.flatnonzero(stop)

@@ -70,9 +70,11 @@ class CharTokenizer:
         return self.prompt_ids(prompt, block_size) if isinstance(prompt, str) else list(prompt)
 
     def chat_ids(self, messages: list[dict], block_size: int, add_generation_prompt: bool = True,
-                 add_special_tokens: bool = False) -> list[int]:
-        """A chat for an embedded model: its messages' contents joined by newlines, in ``prompt_ids``'s format
-        (which has its own specials)."""
+                 add_special_tokens: bool = False, chat_template: str | None = None) -> list[int]:
+        """A chat for an embedded model: its messages' contents joined by newlines (or the text
+        ``chat_template`` renders), in ``prompt_ids``'s format (which has its own specials)."""
+        if chat_template is not None:
+            return self.prompt_ids(render_chat(chat_template, messages, add_generation_prompt), block_size)
         return self.prompt_ids("\n".join(m["content"] for m in messages), block_size)
 
     def save(self, directory: str | Path) -> None:
@@ -160,18 +162,20 @@ class HFTokenizer:
             return list(prompt)
         return list(self.tok(prompt, add_special_tokens=True)["input_ids"])
 
-    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat as the model reads it: its own template, else the plain format (``plain_chat``)."""
-        if self.has_chat_template:
-            return self.tok.apply_chat_template(messages, tokenize=False,
-                                                add_generation_prompt=add_generation_prompt)
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
+                  chat_template: str | None = None) -> str:
+        """The chat as the model reads it: ``chat_template`` when given, else its own template, else the plain
+        format (``plain_chat``)."""
+        if chat_template is not None or self.has_chat_template:
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                chat_template=chat_template)
         return (self.bos_token or "") + plain_chat(messages, add_generation_prompt)
 
     def chat_ids(self, messages: list[dict], block_size: int = 0, add_generation_prompt: bool = True,
-                 add_special_tokens: bool = False) -> list[int]:
-        """A chat's ids; the template writes the special tokens it wants (``add_special_tokens``: the
-        tokenizer's own too, e.g. a BOS, as vLLM's ``/tokenize`` offers)."""
-        text = self.chat_text(messages, add_generation_prompt)
+                 add_special_tokens: bool = False, chat_template: str | None = None) -> list[int]:
+        """A chat's ids; the template (``chat_template``, else the checkpoint's) writes the special tokens it
+        wants (``add_special_tokens``: the tokenizer's own too, e.g. a BOS, as vLLM's ``/tokenize`` offers)."""
+        text = self.chat_text(messages, add_generation_prompt, chat_template)
         return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def prompt_ids(self, prompt: str, block_size: int) -> list[int]:
@@ -192,6 +196,15 @@ class HFTokenizer:
         ids = self.encode(after)
         special = set(self.tok.all_special_ids) | {i for i, t in self.tok.added_tokens_decoder.items() if t.special}
         return ids[0] if ids and ids[0] in special else None
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """A Jinja chat template rendered in a sandbox (as Hugging Face renders them), for a tokenizer without
+    ``apply_chat_template``."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
 
 
 PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}

@@ -3,10 +3,10 @@ allowed them, per-key and per-address rate limits (429 + Retry-After), the body-
 JSON 500 of an unexpected exception, the cheap prompt-length check before tokenizing, every /debug route
 behind the keys, the planner's lock never waited for on the event loop, and the proxy's finite queue.
 
-The Ingress is built as in its replica (``Ingress.__init__``: keys, tokenizer, router, dispatcher) around the
-embedded tiny-bd model, with the dispatcher's ``submit`` replaced by a fake generation; its FastAPI app is
-served by uvicorn in a thread on a free port, and the class-based routes find the ingress through Serve's
-replica context (patched here). Requests go over real HTTP, some through the official ``openai`` client.
+The front is built as the Ingress replica builds it (``app.frontend.Frontend``: keys, tokenizer, router,
+dispatcher, completion service) around the embedded tiny-bd model, with the dispatcher's ``submit`` replaced by
+a fake generation; the API's FastAPI app (``app.frontend.build_web``) is served around it by uvicorn in a thread
+on a free port, without Ray. Requests go over real HTTP, some through the official ``openai`` client.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import math
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -28,7 +27,6 @@ from app.config import AppConfig
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
-serve = pytest.importorskip("ray.serve")
 
 MODEL = "tiny-bd"
 LOW, HIGH = "sk-abuse-low-0123456789", "sk-abuse-high-9876543210"
@@ -71,12 +69,10 @@ class Current:
 
 
 def make_ingress(**http) -> object:
-    from deployments.ingress import Ingress
+    from app.frontend import Frontend
 
-    cls = Ingress.func_or_class.__wrapped__  # the class itself, without Serve's ASGI replica wrapper
-    ing = cls.__new__(cls)
     cfg = AppConfig(engine={"model": MODEL, "slots": 4}, router={"predictors": "off"}, http=http)
-    cls.__init__(ing, {}, cfg)  # the replica's own start: keys, tokenizer, router, dispatcher (no instances)
+    ing = Frontend(cfg)  # the replica's own start: keys, tokenizer, router, dispatcher (no instances)
     Current.submitted = []
     Current.stream_fail_after = None
 
@@ -93,8 +89,9 @@ class LiveApp:
     """The ingress's FastAPI app under uvicorn, in a thread, on a free port."""
 
     def __init__(self) -> None:
-        from deployments.ingress import web
+        from app.frontend import build_web
 
+        web = build_web(lambda: Current.ingress)
         self.server = uvicorn.Server(uvicorn.Config(web, host="127.0.0.1", port=0, log_level="warning",
                                                    lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -113,12 +110,9 @@ class LiveApp:
 
 @pytest.fixture(scope="module")
 def live():
-    mp = pytest.MonkeyPatch()
-    mp.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=Current.ingress))
     app = LiveApp()
     yield app
     app.close()
-    mp.undo()
 
 
 def keyed(**extra) -> dict:
@@ -327,8 +321,8 @@ def test_an_unexpected_exception_is_a_json_500_with_a_request_id(live, caplog):
     def boom(req):
         raise RuntimeError("injected fault in a handler")
 
-    ing._sampling = boom
-    with caplog.at_level(logging.ERROR, logger="deployments.ingress"):
+    ing.completions.sampling = boom
+    with caplog.at_level(logging.ERROR, logger="app.middleware"):
         r = post(live, {"prompt": "hi"})
     err = error_of(r, 500)
     rid = r.headers["x-request-id"]
@@ -352,7 +346,7 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event(live, caplog):
     openai = pytest.importorskip("openai")
     make_ingress(**keyed())
     Current.stream_fail_after = 3  # accepted and two deltas, then the fault
-    with caplog.at_level(logging.ERROR, logger="deployments.ingress"):
+    with caplog.at_level(logging.ERROR, logger="app.completions"):
         r = post(live, {"prompt": "hi", "stream": True})
     assert r.status_code == 200
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
@@ -410,15 +404,16 @@ def test_a_huge_prompt_is_refused_before_tokenizing(live):
     # a prompt that may fit is tokenized, in a worker thread (the event loop runs uvicorn's thread)
     assert post(live, {"prompt": "hello there"}).status_code == 200
     assert calls and all(t is not live.thread for t in calls)
-    assert ing.chars_per_token == max(len(t) for t in ing.tokenizer.vocab)
+    assert ing.completions.chars_per_token == max(len(t) for t in ing.tokenizer.vocab)
     n = len(encode("x" * 40, ing.model_cfg.block_size))
-    assert n >= math.ceil(40 / ing.chars_per_token)  # the bound the check relies on
+    assert n >= math.ceil(40 / ing.completions.chars_per_token)  # the bound the check relies on
 
 
 # ---- /debug behind the keys, the planner off the event loop -------------------------------------------------
 def test_every_debug_route_needs_a_key(live):
-    from deployments.ingress import web
+    from app.frontend import build_web
 
+    web = build_web(lambda: Current.ingress)
     make_ingress(**keyed())
     debug = sorted(p for p in web.openapi()["paths"] if p.startswith("/debug"))
     assert len(debug) >= 5, debug

@@ -200,14 +200,24 @@ def test_negative_slo():
 
 
 @pytest.mark.parametrize("n", [0, 2, 5])
-def test_n_must_be_one(n):
-    expect_error("completion", {"prompt": "a", "n": n}, param="n")
+def test_n_past_the_servers_limit_refused(n):
+    expect_error("completion", {"prompt": "a", "n": n}, param="n")  # max_n 1 (the parser's default)
     expect_error("chat", {"messages": USER, "n": n}, param="n")
+    if n:
+        err = expect_error("chat", {"messages": USER, "n": n + 5}, param="n", max_n=n + 4)
+        assert f"1 to {n + 4}" in err.message
+        assert parse("chat", {"messages": USER, "n": n}, max_n=4 if n < 5 else 5).n == n
 
 
 def test_n_one_accepted():
     assert parse("completion", {"prompt": "a", "n": 1}).prompts == ["a"]
     assert parse("chat", {"messages": USER, "n": None}).messages == USER
+
+
+def test_best_of_equal_to_n_is_a_noop():
+    assert parse("completion", {"prompt": "a", "n": 3, "best_of": 3}, max_n=4).n == 3
+    expect_error("completion", {"prompt": "a", "n": 2, "best_of": 3}, param="best_of", max_n=4,
+                 code="unsupported_parameter")
 
 
 def test_unknown_kind():
@@ -230,9 +240,19 @@ def test_api_error_shapes():
 
 
 # A value each unimplemented field would act on (so it is refused), for every field of the no-op tables.
-COMPLETION_BAD = {"best_of": 2, "echo": True, "frequency_penalty": 0.5, "presence_penalty": -1,
-                  "logit_bias": {"50": -100}, "logprobs": 0, "suffix": "end"}
-CHAT_BAD = {"frequency_penalty": 0.5, "presence_penalty": 1, "logit_bias": {"50": 5}, "logprobs": True,
+# vLLM's and SGLang's extras: a value each would act on
+VLLM_BAD = {"repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 4, "use_beam_search": True, "length_penalty": 0.5,
+            "skip_special_tokens": False, "spaces_between_special_tokens": False, "include_stop_str_in_output": True,
+            "truncate_prompt_tokens": 16, "prompt_logprobs": 1, "allowed_token_ids": [1, 2], "bad_words": ["x"],
+            "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
+            "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}}, "logits_processors": ["x"],
+            "return_tokens_as_token_ids": True, "detokenize": False, "no_stop_trim": True, "regex": "a",
+            "json_schema": {"type": "object"}, "ebnf": "root ::= 'a'", "lora_path": "adapter",
+            "return_hidden_states": True}
+COMPLETION_BAD = {"best_of": 2, "frequency_penalty": 0.5, "presence_penalty": -1, "add_special_tokens": False,
+                  "logit_bias": {"50": -100}, "logprobs": 0, "suffix": "end", **VLLM_BAD}
+CHAT_BAD = {"best_of": 2, "add_special_tokens": True, "chat_template_kwargs": {"enable_thinking": True},
+            **VLLM_BAD, "frequency_penalty": 0.5, "presence_penalty": 1, "logit_bias": {"50": 5}, "logprobs": True,
             "top_logprobs": 3, "response_format": {"type": "json_object"},
             "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
             "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
@@ -272,7 +292,7 @@ def test_numeric_and_empty_defaults_accepted(kind, field, value):
 
 @pytest.mark.parametrize("kind,field,value", [
     # JSON booleans are not numbers (and numbers are not booleans): not the default, refused
-    ("completion", "frequency_penalty", False), ("completion", "best_of", True), ("completion", "echo", 0),
+    ("completion", "frequency_penalty", False), ("completion", "best_of", True), ("completion", "min_p", False),
     ("chat", "logprobs", 0), ("chat", "store", 0), ("completion", "suffix", False),
     ("chat", "response_format", {"type": "text", "x": 1}), ("chat", "modalities", "text"),
 ])
@@ -281,13 +301,12 @@ def test_lookalike_defaults_refused(kind, field, value):
 
 
 @pytest.mark.parametrize("kind,field", [
-    ("completion", "some_future_field"), ("chat", "some_future_field"), ("completion", "ignore_eos"),
-    ("completion", "min_p"), ("chat", "repetition_penalty"), ("chat", "chat_template"),
-    ("chat", "chat_template_kwargs"), ("completion", "prompt_logprobs"), ("completion", "guided_json"),
+    ("completion", "some_future_field"), ("chat", "some_future_field"), ("completion", "chat_template"),
+    ("completion", "chat_template_kwargs"), ("completion", "mm_processor_kwargs"), ("chat", "guided_decoding_backend"),
     # fields of the other endpoint
     ("completion", "messages"), ("completion", "max_completion_tokens"), ("completion", "add_generation_prompt"),
     ("completion", "tools"), ("completion", "response_format"), ("completion", "safety_identifier"),
-    ("completion", "top_logprobs"), ("chat", "prompt"), ("chat", "echo"), ("chat", "suffix"), ("chat", "best_of"),
+    ("completion", "top_logprobs"), ("chat", "prompt"), ("chat", "echo"), ("chat", "suffix"),
 ])
 def test_unknown_field_refused(kind, field):
     err = expect_error(kind, body_of(kind, **{field: None}), param=field, code="unknown_parameter")
@@ -295,7 +314,7 @@ def test_unknown_field_refused(kind, field):
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
-@pytest.mark.parametrize("key", ["continuous_usage_stats", "include_obfuscation", "x"])
+@pytest.mark.parametrize("key", ["include_obfuscation", "x"])
 def test_unknown_stream_options_refused(kind, key):
     body = body_of(kind, stream=True, stream_options={"include_usage": True, key: True})
     err = expect_error(kind, body, param=f"stream_options.{key}", code="unknown_parameter")
@@ -628,10 +647,11 @@ def test_null_optional_fields_are_defaults():
 
 IMPLEMENTED = {
     "completion": {"model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k",
-                   "seed", "stop", "stop_token_ids", "n", "user", "slo_ms", "priority", "threshold"},
+                   "seed", "stop", "stop_token_ids", "n", "user", "slo_ms", "priority", "threshold", "echo",
+                   "ignore_eos"},
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature",
              "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "user", "safety_identifier",
-             "add_generation_prompt", "slo_ms", "priority", "threshold"},
+             "add_generation_prompt", "slo_ms", "priority", "threshold", "ignore_eos", "chat_template"},
 }
 
 
@@ -664,7 +684,7 @@ BAD_BODIES = {
     "completion": [{"prompt": ""}, {"prompt": []}, {"prompt": [[]]}, {"prompt": ["a", 1]}, {"prompt": [VOCAB]},
                    {"prompt": ["a"] * (MAX_PROMPTS + 1)}, {"prompt": "a", "stop": ["x"] * 5},
                    {"prompt": "a", "stop": ""}, {"prompt": "a", "temperature": 2.5}, {"prompt": "a", "top_p": 0},
-                   {"prompt": "a", "top_k": -2}, {"prompt": "a", "echo": True}, {"prompt": "a", "x": 1},
+                   {"prompt": "a", "top_k": -2}, {"prompt": "a", "echo": 1}, {"prompt": "a", "x": 1},
                    {"prompt": "a", "stream_options": {"include_canvas": 1}, "stream": True},
                    {"prompt": "a", "stop_token_ids": [VOCAB]}, {"prompt": "a", "max_tokens": 65}],
     "chat": [{"messages": []}, {"messages": [{"role": "tool", "content": "x"}]},

@@ -334,10 +334,10 @@ def _events(done: dict | None = None, error: dict | None = None, deltas=("a", "b
 
 
 def _ingress():
-    from deployments.ingress import Ingress
+    """The ingress's completion service (app.completions) with only what its metrics need."""
+    from app.completions import CompletionService
 
-    cls = Ingress.func_or_class.__wrapped__  # the class itself, without Serve's ASGI replica wrapper
-    ing = cls.__new__(cls)
+    ing = CompletionService.__new__(CompletionService)
     ing.metrics = Metrics(model_name=MODEL)
     ing.cfg = AppConfig(http={"served_model_name": MODEL}, engine={"kv_capacity_tokens": 1000})
     ing.outcomes, ing.planner = RecentOutcomes(), None
@@ -372,7 +372,7 @@ def test_ingress_sse_records_success_gaps_errors_and_cancellations():
                FakeStream(_events(deltas="x")[:-1], hang=True)]  # no end: still decoding
     for _ in streams:
         m.request_started()
-    out = asyncio.run(_drain(ing._sse(_req(3, slo_ms=100.0), streams, [])))
+    out = asyncio.run(_drain(ing.sse(_req(3, slo_ms=100.0), streams, [])))
     # the client read every chunk so far and went away while the third choice was still decoding
     assert len(out) == 3 + 2 + 1 + 2  # the deltas, the first choice's end, the second's error
     assert not any("[DONE]" in c for c in out)
@@ -389,25 +389,28 @@ def test_ingress_sse_records_success_gaps_errors_and_cancellations():
 
 
 def test_ingress_finished_and_on_batch():
+    from app.frontend import Frontend
+
     ing = _ingress()
     m = ing.metrics
     from app.control_timer import ControlTimer
 
-    ing.control = ControlTimer()
-    ing.dispatcher = SimpleNamespace(
+    front = Frontend.__new__(Frontend)  # the front's progress-batch gauges, on the same metrics
+    front.metrics, front.cfg, front.control = m, ing.cfg, ControlTimer()
+    front.dispatcher = SimpleNamespace(
         stats={"shed": 3}, instances={0: SimpleNamespace(stats={"running": 2, "waiting": 1, "kv_reserved_tokens": 250}),
                                       1: SimpleNamespace(stats={"running": 1, "waiting": 0, "kv_reserved_tokens": 0})})
     from app.protocol import AcceptedItem, ProgressBatch, StepItem
 
-    ing._on_batch(ProgressBatch(time.time(), 7, 5.0, items=[StepItem("a", [], 1, False), StepItem("b", [], 2, False),
+    front.on_batch(ProgressBatch(time.time(), 7, 5.0, items=[StepItem("a", [], 1, False), StepItem("b", [], 2, False),
                                                             AcceptedItem("c", 1.0, 3)]), 0.0)
-    assert ing.control.events == 1 and list(ing.control.add_ms) == [1.0]
+    assert front.control.events == 1 and list(front.control.add_ms) == [1.0]
     assert count(m, "remask:filled_slots_per_round") == 1 and total(m, "remask:filled_slots_per_round") == 2
     assert value(m, "remask:num_requests_running") == 3 and value(m, "remask:num_requests_waiting") == 1
     assert value(m, "remask:kv_cache_usage_perc") == pytest.approx(250 / 2000)
     assert value(m, "remask:requests_shed_total") == 3
     m.request_started()
-    ing._finished(_req(slo_ms=1000.0), _done(completion_tokens=5))
+    ing.finished(_req(slo_ms=1000.0), _done(completion_tokens=5))
     assert value(m, "remask:slo_met_total") == 1
     assert total(m, "remask:time_per_output_token_seconds") == pytest.approx((0.4 - 0.1) / 4)
     assert value(m, "remask:prompt_tokens_total") == 4 and value(m, "remask:generation_tokens_total") == 5
@@ -419,7 +422,7 @@ def test_ingress_sse_complete_stream_counts_no_cancellation():
     streams = [FakeStream(_events(deltas="abcd")), FakeStream(_events(deltas="xy"))]
     for _ in streams:
         m.request_started()
-    out = asyncio.run(_drain(ing._sse(_req(2), streams, [])))
+    out = asyncio.run(_drain(ing.sse(_req(2), streams, [])))
     assert out[-1].strip() == "data: [DONE]"
     assert value(m, "remask:request_success_total", finished_reason="stop") == 2
     assert sum(value(m, "remask:request_failure_total", reason=r) for r in FAILURE_REASONS) == 0
@@ -443,9 +446,10 @@ def _generating(per_submit):
             raise out
         return out
 
-    ing._body, ing._parse = body, lambda kind, raw, key: _req(1, stream=False)
-    ing._prompt_ids, ing._check_prompt, ing._sampling = lambda req: [[1, 2]], lambda *a: None, lambda req: {}
-    ing._charge = lambda *a: None  # no rate limits
+    ing.gate, ing.parse = SimpleNamespace(body=body), lambda kind, raw, key, rid=None: _req(1, stream=False)
+    ing.prompt_ids, ing.check_prompt = lambda req: [[1, 2]], lambda *a: None
+    ing.sampling = lambda req: {"temperature": 0.0, "seed": None}
+    ing.charge = lambda *a: None  # no rate limits
     ing.dispatcher = SimpleNamespace(submit=submit, stats={"shed": 0}, instances={})
     return ing
 
@@ -454,7 +458,7 @@ def test_ingress_generate_success_and_refusals():
     from app.dispatch import DispatchError
 
     ing = _generating(lambda: FakeStream(_events(deltas="abc")))
-    response = asyncio.run(ing._generate("completion", None, None))
+    response = asyncio.run(ing.generate("completion", None, None))
     assert response["choices"][0]["text"] == "ab"
     m = ing.metrics
     assert value(m, "remask:request_success_total", finished_reason="stop") == 1
@@ -466,7 +470,7 @@ def test_ingress_generate_success_and_refusals():
     for per_submit, status, reason in cases:
         ing = _generating(per_submit)
         m = ing.metrics
-        response = asyncio.run(ing._generate("completion", None, None))
+        response = asyncio.run(ing.generate("completion", None, None))
         assert response.status_code == status
         assert value(m, "remask:request_failure_total", reason=reason) == 1, reason  # once, by _refused
         assert sum(value(m, "remask:request_failure_total", reason=r) for r in FAILURE_REASONS) == 1
@@ -479,7 +483,7 @@ def test_ingress_generate_cancelled_handler_counts_cancelled():
     m = ing.metrics
 
     async def go():
-        task = asyncio.ensure_future(ing._generate("completion", None, None))
+        task = asyncio.ensure_future(ing.generate("completion", None, None))
         await asyncio.sleep(0.05)
         task.cancel()  # the client went away
         with pytest.raises(asyncio.CancelledError):

@@ -58,6 +58,10 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)  # at most MAX_STOP non-empty strings
     stop_token_ids: list[int] = field(default_factory=list)
     created: int = 0
+    n: int = 1  # choices per prompt, each an independent request
+    ignore_eos: bool = False  # decode to max_tokens past the model's end of text
+    echo: bool = False  # completions: the prompt before each choice's text
+    chat_template: str | None = None  # chat: this request's template instead of the server's
 
     @property
     def prompt(self) -> str | list[int]:
@@ -124,6 +128,8 @@ def _validate(model_cls: type[BaseModel], data: dict, noops: dict[str, tuple]) -
         for key in options:
             if key not in STREAM_OPTIONS:
                 raise unknown(f"stream_options.{key}")
+        if options.get("continuous_usage_stats") not in (None, False):
+            raise unsupported("stream_options.continuous_usage_stats", (False,))
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
@@ -303,10 +309,11 @@ def _stop(value: Any) -> list[str]:
     return list(items)
 
 
-def _sampling(req: Any, vocab_size: int | None) -> dict:
+def _sampling(req: Any, vocab_size: int | None, max_n: int = 1) -> dict:
     """The checked sampling and stop fields, as GenRequest's keyword arguments."""
-    if req.n not in (None, 1):
-        raise invalid(f"Invalid value for 'n': {req.n}. Only n=1 is supported.", param="n", code="invalid_value")
+    if req.n is not None and not 1 <= req.n <= max_n:
+        raise invalid(f"Invalid value for 'n': {req.n}. This server generates 1 to {max_n} choices per prompt "
+                      "(http.max_n).", param="n", code="invalid_value")
     _in_range("temperature", req.temperature, 0, 2)
     _in_range("top_p", req.top_p, 0, 1, low_open=True)
     _in_range("top_k", req.top_k, -1, TOKEN_ID_MAX)
@@ -326,23 +333,28 @@ def _sampling(req: Any, vocab_size: int | None) -> dict:
     return dict(
         temperature=None if req.temperature is None else float(req.temperature),
         top_p=None if req.top_p is None else float(req.top_p), top_k=top_k, seed=req.seed, stop=_stop(req.stop),
+        n=req.n or 1, ignore_eos=bool(req.ignore_eos),
         stop_token_ids=[] if req.stop_token_ids is None else _token_ids(req.stop_token_ids, "stop_token_ids",
                                                                         vocab_size))
 
 
 def parse_request(kind: str, body: bytes | str, *, known_models: list[str], max_tokens_limit: int,
-                  default_max_tokens: int, vocab_size: int | None = None) -> GenRequest:
+                  default_max_tokens: int, vocab_size: int | None = None, max_n: int = 1,
+                  request_id: str | None = None) -> GenRequest:
     """Validate a raw completion (``kind="completion"``) or chat (``kind="chat"``) body; raise :class:`APIError`.
 
-    Token ids (prompts, ``stop_token_ids``) must be below ``vocab_size`` when it is given."""
+    Token ids (prompts, ``stop_token_ids``) must be below ``vocab_size`` when it is given; ``n`` at most
+    ``max_n``. The request's id is ``request_id`` (the ``X-Request-ID`` it is answered with), else a new one."""
     if kind not in ("completion", "chat"):
         raise ValueError(f"unknown request kind {kind!r}")
     data = _load_json(body)
+    if "best_of" in data and _is_int(data["best_of"]) and _same(data["best_of"], data.get("n", 1)):
+        data = {k: v for k, v in data.items() if k != "best_of"}  # best_of == n: the n choices, a no-op
     if kind == "completion":
         req = _validate(CompletionRequest, data, COMPLETION_NOOPS)
         prompts, messages = _prompts(req.prompt, vocab_size), []
         limit_param, max_tokens, add_generation_prompt = "max_tokens", req.max_tokens, True
-        prefix = "cmpl-"
+        prefix, extra = "cmpl-", {"echo": bool(req.echo)}
     else:
         req = _validate(ChatCompletionRequest, data, CHAT_NOOPS)
         prompts, messages = [], _messages(req.messages)
@@ -350,16 +362,17 @@ def parse_request(kind: str, body: bytes | str, *, known_models: list[str], max_
             else "max_completion_tokens"
         max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
         add_generation_prompt = req.add_generation_prompt is not False
-        prefix = "chatcmpl-"
+        prefix, extra = "chatcmpl-", {"chat_template": req.chat_template}
     model = _resolve_model(req.model, known_models)
-    sampling = _sampling(req, vocab_size)
+    sampling = _sampling(req, vocab_size, max_n)
     return GenRequest(
-        request_id=prefix + uuid.uuid4().hex, kind=kind, model=model, prompts=prompts, messages=messages,
+        request_id=request_id or prefix + uuid.uuid4().hex, kind=kind, model=model, prompts=prompts, messages=messages,
         max_tokens=_max_tokens(max_tokens, limit_param, max_tokens_limit, default_max_tokens),
         add_generation_prompt=add_generation_prompt, stream=bool(req.stream),
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
         include_canvas=bool(req.stream and req.stream_options and req.stream_options.include_canvas),
-        slo_ms=req.slo_ms, priority=req.priority, threshold=req.threshold, created=int(time.time()), **sampling)
+        slo_ms=req.slo_ms, priority=req.priority, threshold=req.threshold, created=int(time.time()), **sampling,
+        **extra)
 
 
 def parse_tokenize(body: bytes | str, known_models: list[str]) -> TokenizeRequest:

@@ -36,10 +36,16 @@ def completion_response(req: GenRequest, choices: list[tuple[str, str]], prompt_
 
 def chat_response(req: GenRequest, text: str, finish_reason: str, prompt_tokens: int,
                   completion_tokens: int) -> dict:
-    """A non-streamed ``chat.completion`` object."""
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-              "finish_reason": finish_reason}
-    out = _envelope(req, "chat.completion", [choice])
+    """A non-streamed ``chat.completion`` object of one choice."""
+    return chat_choices_response(req, [(text, finish_reason)], prompt_tokens, completion_tokens)
+
+
+def chat_choices_response(req: GenRequest, choices: list[tuple[str, str]], prompt_tokens: int,
+                          completion_tokens: int) -> dict:
+    """A non-streamed ``chat.completion`` object: ``choices`` are ``(text, finish_reason)`` by index."""
+    out = _envelope(req, "chat.completion", [
+        {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+        for i, (text, reason) in enumerate(choices)])
     out["usage"] = usage_dict(prompt_tokens, completion_tokens)
     return out
 
@@ -59,14 +65,14 @@ def completion_chunk(req: GenRequest, text_delta: str, finish_reason: str | None
 
 
 def chat_chunk(req: GenRequest, delta_text: str | None = None, finish_reason: str | None = None,
-               role: bool = False) -> dict:
+               role: bool = False, index: int = 0) -> dict:
     """One ``chat.completion.chunk``; the first carries ``delta.role == "assistant"`` (``role=True``)."""
     delta: dict[str, Any] = {}
     if role:
         delta["role"] = "assistant"
     if delta_text is not None or role:
         delta["content"] = delta_text if delta_text is not None else ""
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     return _with_null_usage(req, _envelope(req, "chat.completion.chunk", [choice]))
 
 
@@ -104,15 +110,19 @@ def sse(data: dict | str) -> str:
 SSE_DONE = sse("[DONE]")
 
 
-def model_response(model_id: str, created: int | None = None) -> dict:
-    """One model object (``GET /v1/models/{model}``, and each entry of ``GET /v1/models``)."""
-    return {"id": model_id, "object": "model", "created": _STARTED if created is None else created,
-            "owned_by": "remask"}
+def model_response(model_id: str, created: int | None = None, max_model_len: int | None = None) -> dict:
+    """One model object (``GET /v1/models/{model}``, and each entry of ``GET /v1/models``); with
+    ``max_model_len`` (vLLM's field: the longest prompt + answer in tokens) when known."""
+    out = {"id": model_id, "object": "model", "created": _STARTED if created is None else created,
+           "owned_by": "remask"}
+    if max_model_len is not None:
+        out["max_model_len"] = max_model_len
+    return out
 
 
-def models_response(models: list[str], created: int | None = None) -> dict:
+def models_response(models: list[str], created: int | None = None, max_model_len: int | None = None) -> dict:
     """The ``GET /v1/models`` list."""
-    return {"object": "list", "data": [model_response(m, created) for m in models]}
+    return {"object": "list", "data": [model_response(m, created, max_model_len) for m in models]}
 
 
 def version_response() -> dict:

@@ -24,13 +24,26 @@ TOKEN_ID_MAX = 2**31 - 1  # the largest token id accepted when the vocabulary si
 # Known OpenAI/vLLM fields that Remask does not implement: the values accepted (each a no-op, the default);
 # any other value is refused with 400 ``unsupported_parameter``. Numbers compare by value (0 == 0.0), other
 # values by type and value (false is not 0).
+# vLLM's and SGLang's sampling extras at their neutral values (what their benchmark clients and SDK users send):
+VLLM_NOOPS: dict[str, tuple] = {
+    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "use_beam_search": (None, False),
+    "length_penalty": (None, 1), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "include_stop_str_in_output": (None, False), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,), "logits_processors": (None,),
+    "return_tokens_as_token_ids": (None, False), "detokenize": (None, True), "no_stop_trim": (None, False),
+    "regex": (None,), "json_schema": (None,), "ebnf": (None,), "lora_path": (None,),
+    "return_hidden_states": (None, False),
+}
 COMPLETION_NOOPS: dict[str, tuple] = {
-    "best_of": (None, 1), "echo": (None, False), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-    "logit_bias": (None, {}), "logprobs": (None,), "suffix": (None, ""),
+    "best_of": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+    "logit_bias": (None, {}), "logprobs": (None,), "suffix": (None, ""), "add_special_tokens": (None, True),
+    **VLLM_NOOPS,
 }
 CHAT_NOOPS: dict[str, tuple] = {
-    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
-    "logprobs": (None, False), "top_logprobs": (None,), "response_format": (None, {"type": "text"}),
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "add_special_tokens": (None, False),
+    "chat_template_kwargs": (None, {}), **VLLM_NOOPS, "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "functions": (None,),
     "function_call": (None,), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
@@ -46,7 +59,7 @@ MESSAGE_NOOPS: dict[str, tuple] = {
 TOKENIZE_NOOPS: dict[str, tuple] = {"return_token_strs": (None, False)}
 # stream_options keys Remask implements; any other is refused as unknown. ``include_canvas`` is Remask's
 # extension: a ``remask_canvas`` chunk per denoising step (``canvas_chunk``).
-STREAM_OPTIONS = ("include_usage", "include_canvas")
+STREAM_OPTIONS = ("include_usage", "include_canvas", "continuous_usage_stats")
 
 
 def _is_int(value: Any) -> bool:
@@ -111,6 +124,9 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = Field(False, description="a last chunk with the usage of the whole request")
     include_canvas: bool | None = Field(False, description="Remask: a chunk per denoising step with the canvas "
                                                            "of the request's current block (`remask_canvas`)")
+    continuous_usage_stats: bool | None = Field(False, description="vLLM's: only false is accepted (the usage comes "
+                                                                    "in the last chunk)",
+                                                json_schema_extra={"enum": [False, None]})
 
 
 class _CommonRequest(BaseModel):
@@ -131,7 +147,10 @@ class _CommonRequest(BaseModel):
     seed: int | None = Field(None, json_schema_extra={"minimum": INT64_MIN, "maximum": INT64_MAX})
     stop: Annotated[Any, WithJsonSchema(_STOP_SCHEMA)] = None
     stop_token_ids: Annotated[Any, WithJsonSchema(_STOP_IDS_SCHEMA)] = None
-    n: int | None = Field(1, description="only 1 is supported", json_schema_extra={"minimum": 1, "maximum": 1})
+    n: int | None = Field(1, description="choices to generate, each an independent request (seeds seed, seed + 1, "
+                                         "...); at most `http.max_n`", json_schema_extra={"minimum": 1})
+    ignore_eos: bool | None = Field(False, description="vLLM's extension: decode to max_tokens, past the model's "
+                                                       "end of text (stop_token_ids still stop)")
     user: str | None = Field(None, description="an end-user id (metadata)")
     # Remask extensions
     slo_ms: float | None = Field(default=None, allow_inf_nan=False, json_schema_extra={"minimum": 0},
@@ -145,6 +164,7 @@ class _CommonRequest(BaseModel):
 class _CompletionFields(_CommonRequest):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"required": ["prompt"]})
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = None
+    echo: bool | None = Field(False, description="the prompt before each choice's text")
 
 
 class _ChatFields(_CommonRequest):
@@ -155,6 +175,8 @@ class _ChatFields(_CommonRequest):
     add_generation_prompt: bool | None = Field(True, description="vLLM's extension: end the rendered chat with the "
                                                                  "assistant's turn")
     safety_identifier: str | None = Field(None, description="an end-user id (metadata)")
+    chat_template: str | None = Field(None, description="vLLM's extension: a Jinja chat template for this request "
+                                                        "instead of the server's", json_schema_extra={"minLength": 1})
 
 
 def _with_noops(name: str, base: type[BaseModel], noops: dict[str, tuple], doc: str) -> type[BaseModel]:
