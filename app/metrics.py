@@ -111,6 +111,11 @@ class Metrics:
         self.waiting = self._gauge("num_requests_waiting", "Requests queued on the instances, not yet admitted")
         self.kv_usage = self._gauge("kv_cache_usage_perc",
                                     "KV cache usage: reserved KV tokens over the instances' KV capacity (1 = full)")
+        self.graph_failures = self._gauge("cuda_graph_capture_failures",
+                                          "CUDA-graph captures that failed, over the live instances (an instance "
+                                          "runs its rounds eagerly after its first)")
+        self.graphs_off = self._gauge("cuda_graphs_off_instances",
+                                      "Live instances whose CUDA graphs were turned off by a failed capture")
 
     def _make_histograms(self) -> None:
         self.ttft = self._histogram("time_to_first_token_seconds",
@@ -232,13 +237,15 @@ class Metrics:
     def set_cluster(self, instance_stats: Iterable[Mapping], kv_capacity_tokens: int, shed: int | None = None) -> None:
         """The gauges from each instance's last reported stats (``running``, ``waiting``,
         ``kv_reserved_tokens``; KV capacity the instance's ``kv_capacity_tokens`` when it reports one, else
-        ``kv_capacity_tokens``), and the dispatcher's running
+        ``kv_capacity_tokens``; ``cuda_graph_capture_failures``, ``cuda_graphs_off``), and the dispatcher's running
         count of shed requests mirrored into ``remask:requests_shed_total``."""
         views = list(instance_stats)
         self.set_queue(sum(v.get("running", 0) for v in views), sum(v.get("waiting", 0) for v in views))
         capacity = sum(v.get("kv_capacity_tokens") or kv_capacity_tokens for v in views)  # each instance's own
         used = sum(v.get("kv_reserved_tokens", 0) for v in views)
         self.kv_usage.set(min(used / capacity, 1.0) if capacity > 0 else 0.0)
+        self.graph_failures.set(sum(v.get("cuda_graph_capture_failures", 0) for v in views))
+        self.graphs_off.set(sum(bool(v.get("cuda_graphs_off")) for v in views))
         if shed is not None:
             self.sync_shed(shed)
 

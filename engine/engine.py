@@ -9,6 +9,7 @@ instance scheduler replaces it with its own RoundPlan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import secrets
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.batch import run_model
 from engine.decoding import UnmaskRule, make_rule
 from engine.kv_cache import ApproxCache, ExactCache, KVPool
 from engine.models.transformer import DLMTransformer
@@ -100,7 +102,8 @@ class Engine:
 
             if not slots or sharded:
                 raise ValueError("CUDA graphs need a KV pool (kv_slots > 0) and a model on one device")
-            self.runner.graphs = ForwardGraphs(self.runner)
+            # the graphs capture the runner's eager forward over its model; the runner replays through them
+            self.runner.graphs = ForwardGraphs(functools.partial(run_model, self.runner.model), self.device)
         self.max_gen_length = max_gen_length
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()

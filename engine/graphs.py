@@ -32,26 +32,29 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.runner import Batch, TorchRunner
+from engine.batch import Batch
 
 log = logging.getLogger(__name__)
 
 
-def capture_forward(runner: TorchRunner, batch: Batch, pool=None) -> tuple[Callable[[], None], torch.Tensor]:
-    """``runner.forward(batch)`` captured in a CUDA graph: (replay, the hidden rows each replay writes).
+Forward = Callable[[Batch], torch.Tensor]  # a forward over a prepared batch (engine.batch.run_model, bound)
+
+
+def capture_forward(forward: Forward, batch: Batch, pool=None) -> tuple[Callable[[], None], torch.Tensor]:
+    """``forward(batch)`` captured in a CUDA graph: (replay, the hidden rows each replay writes).
     Warmed up twice on a side stream first (allocator, kernel choice); the batch's device tensors are the
     graph's inputs. A pooled forward's warm-ups write the same K/V the replay will, where it will."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            runner.forward(batch)
+            forward(batch)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     # thread_local: CUDA calls of the server's other threads (health checks, transfers) during a capture
     # neither join the graph nor fail it
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        hidden = runner.forward(batch)
+        hidden = forward(batch)
     return graph.replay, hidden
 
 
@@ -63,19 +66,22 @@ class _Graph:
 
 
 class ForwardGraphs:
-    def __init__(self, runner: TorchRunner, max_tokens: int = 512, span_step: int = 64, max_graphs: int = 64,
-                 emulate: bool = False) -> None:
+    def __init__(self, forward: Forward, device: torch.device | str, max_tokens: int = 512, span_step: int = 64,
+                 max_graphs: int = 64, emulate: bool = False) -> None:
+        """``forward``: the eager forward over a prepared batch on ``device`` that the graphs capture and
+        replay (``functools.partial(engine.batch.run_model, model)``)."""
         if min(max_tokens, span_step, max_graphs) < 1:
             raise ValueError("max_tokens, span_step and max_graphs must be positive")
-        if not emulate and runner.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
-        self.runner = runner
+        if not emulate and torch.device(device).type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {device}")
+        self.run = forward
         self.max_tokens, self.span_step, self.max_graphs = max_tokens, span_step, max_graphs
         self.emulate = emulate
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.seen: set[tuple] = set()  # shapes met once: captured when met again
         self.mempool = None if emulate else torch.cuda.graph_pool_handle()
         self.captures = self.replays = 0
+        self.capture_failures = 0  # captures that failed: the first turns graphs off (so at most one today)
         self.failed: str | None = None  # why a capture failed: graphs are off from then on
 
     def takes(self, batch: Batch) -> bool:
@@ -99,6 +105,7 @@ class ForwardGraphs:
             try:
                 graph = self._build(key, batch)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # the round runs eagerly instead
+                self.capture_failures += 1
                 self.failed = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graph capture failed, graphs are off for this engine: %s", self.failed)
                 return None
@@ -129,12 +136,12 @@ class ForwardGraphs:
                          bias=torch.empty((rows, 1, t, keys), dtype=batch.buf.dtype, device=batch.buf.device))
         self._load(static, batch)
         if self.emulate:
-            hidden = self.runner.forward(static)
+            hidden = self.run(static)
 
             def replay() -> None:
-                hidden.copy_(self.runner.forward(static))
+                hidden.copy_(self.run(static))
         else:
-            replay, hidden = capture_forward(self.runner, static, self.mempool)
+            replay, hidden = capture_forward(self.run, static, self.mempool)
         graph = self.graphs[key] = _Graph(static, hidden, replay)
         self.captures += 1
         if len(self.graphs) > self.max_graphs:

@@ -183,10 +183,18 @@ class RoundLoop:
                 "rounds": self.rounds, "filled_slots": self.filled_slots, "last_round_s": self.last_round_s,
                 "kv_reserved_tokens": s.kv_reserved, "kv_capacity_tokens": s.cfg.kv_budget,
                 "kv_beyond_pool": 0 if pool is None else pool.beyond, "alive": self._thread.is_alive(),
-                "round_running_s": 0.0 if t0 is None else time.perf_counter() - t0,
+                "round_running_s": 0.0 if t0 is None else time.perf_counter() - t0, **self._graph_stats(),
                 **self.counts, "threshold_wait_ms": round(self.threshold_wait_ms, 3),
                 "threshold_answer_ms_mean": round(self.threshold_answer_ms / max(self.counts["threshold_answers"], 1),
                                                   3)}
+
+    def _graph_stats(self) -> dict:
+        """The engine's CUDA graphs (engine/graphs.py): captures, replays, failed captures and, once one failed
+        (graphs are then off for this instance), why; zeros and None where the engine has no graphs."""
+        g = self.instance.engine.runner.graphs
+        return {"cuda_graph_captures": getattr(g, "captures", 0), "cuda_graph_replays": getattr(g, "replays", 0),
+                "cuda_graph_capture_failures": getattr(g, "capture_failures", 0),
+                "cuda_graphs_off": getattr(g, "failed", None)}
 
     # ---- the loop ----------------------------------------------------------------------------
     def _apply_commands(self, items: list[Item]) -> bool:

@@ -18,18 +18,18 @@ over the forward; the rows of requests that sample are drawn apart, only in
 forwards that have some: ``decoding.sample``).
 On CUDA the q/k/v and gate/up projections are fused into single products, and
 the engine has small forwards over the KV pool replayed from CUDA graphs
-(``graphs``, engine/graphs.py).
+(``graphs``, engine/graphs.py, handed to the runner by the engine).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from engine.batch import Batch, Replayer, run_model
 from engine.decoding import confidence, noise_seeds, sample
 from engine.kv_cache import KVPool
 from engine.models.flops import forward_flops, linear_weights
@@ -37,9 +37,6 @@ from engine.models.layouts import emulating
 from engine.models.masks import allowed, attends_all
 from engine.models.transformer import DLMTransformer
 from engine.sequence import SamplingParams, StepInput
-
-if TYPE_CHECKING:
-    from engine.graphs import ForwardGraphs
 
 BALANCE = {"cuda": 150.0, "cpu": 10.0}  # FLOPs per byte of memory traffic (see TorchRunner.fill_pays)
 
@@ -66,21 +63,6 @@ class StepOutput:
         return self._logits[lo:hi] if self._logits is not None else self.head(self.hidden[lo:hi])
 
 
-@dataclass
-class Batch:
-    """One padded forward's device inputs (``TorchRunner.prepare``)."""
-
-    ids: torch.Tensor  # [N, T]
-    pos: torch.Tensor  # [N, T]
-    bias: torch.Tensor | None  # additive mask [N, 1, T, C + T], None when nothing is masked
-    buf: torch.Tensor  # [layers, 2, N, kv_heads, P, head_dim]: keys and values, fresh K/V written in place
-    t_max: int
-    c_max: int  # the forward attends to the first C + T positions of ``buf`` (P = C + T unless pooled)
-    row_of: list[int]  # per step, its row of the batch
-    q_off: list[int]  # per step, where its query's K/V start along ``buf``'s positions
-    write: torch.Tensor | None = None  # [N, T] where each query row's K/V go, when not at the end (the pool)
-
-
 def group_by_length(inputs: list[StepInput]) -> list[list[int]]:
     """Indices of ``inputs`` grouped so each group's lengths are within 2x."""
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].ids))
@@ -94,14 +76,17 @@ def group_by_length(inputs: list[StepInput]) -> list[list[int]]:
 
 
 class TorchRunner:
-    def __init__(self, model: DLMTransformer, device: str | torch.device = "cpu", fuse: bool | None = None) -> None:
+    def __init__(self, model: DLMTransformer, device: str | torch.device = "cpu", fuse: bool | None = None,
+                 graphs: Replayer | None = None) -> None:
+        """``graphs``: replays the small forwards over the pool it takes (on CUDA, the engine's ``ForwardGraphs``
+        over this runner's model, engine/graphs.py); None: every forward runs eagerly."""
         self.model = model
         self.cfg = model.config
         self.device = torch.device(device)
         if fuse if fuse is not None else self.device.type == "cuda" or emulating():  # CUDA's paths where emulated
             model.fuse_projections()
         self.pool: KVPool | None = None  # set by the engine: caches take slots of it, forwards attend in place
-        self.graphs: ForwardGraphs | None = None  # set by the engine on CUDA: small pooled forwards replayed
+        self.graphs = graphs
         # FLOPs per byte of memory traffic at which filler rows are worth computing instead of copying
         # contexts (fill_pays): about the H200's bf16 peak over its bandwidth; a CPU core's is far lower
         self.balance = BALANCE.get(self.device.type, BALANCE["cpu"])
@@ -233,13 +218,9 @@ class TorchRunner:
         return hidden, [StepOutput(hidden[r, :len(s.ids)], buf[:, :, r, :, o : o + len(s.ids)], self.head)
                         for s, r, o in zip(inputs, batch.row_of, batch.q_off)], batch.row_of
 
-    @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
-        """The model over a prepared batch: final hidden rows [N, T, H]; fresh K/V land in ``batch.buf``.
-        Only device work on the batch's tensors, so it can be captured in a CUDA graph."""
-        layers_past = [(batch.buf[l, 0], batch.buf[l, 1]) for l in range(self.cfg.num_layers)]
-        room = True if batch.write is None else (batch.write, batch.t_max + batch.c_max)
-        return self.model(batch.ids, batch.pos, batch.bias, layers_past, room=room, head=False)[1]
+        """The model over a prepared batch, eagerly (``engine.batch.run_model``)."""
+        return run_model(self.model, batch)
 
     def prepare(self, inputs: list[StepInput]) -> Batch:
         """Host-side batching of ``inputs`` and its asynchronous copies to the device."""

@@ -11,7 +11,7 @@ from engine.engine import Engine
 from engine.graphs import ForwardGraphs
 from engine.kv_cache import KVPool
 from engine.sequence import SamplingParams, StepInput, StepKind
-from tests.conftest import make_model
+from tests.builders import make_model
 
 PROMPTS = ["max: a1 b7 c3 d2", "12+5=", "rev: abcdef", "story: cat 3 and some more words here", "a", "9-4="]
 
@@ -20,7 +20,7 @@ def _engines(tok, attention, cache, **graphs):
     model = make_model(attention=attention)
     plain = Engine(model, tok, cache=cache, max_slots=4, kv_slot_tokens=80, cuda_graphs=False)
     graphed = Engine(model, tok, cache=cache, max_slots=4, kv_slot_tokens=80, cuda_graphs=False)
-    graphed.runner.graphs = ForwardGraphs(graphed.runner, emulate=True, **graphs)
+    graphed.runner.graphs = ForwardGraphs(graphed.runner.forward, "cpu", emulate=True, **graphs)
     for e in (plain, graphed):  # never-written pool positions hold large finite values: they must stay masked
         e.runner.pool.kv.fill_(1e3)
     return plain, graphed
@@ -47,7 +47,7 @@ def test_shapes_are_captured_when_met_again_and_keys_round_up(tok):
     cfg = model.config
     engine = Engine(model, tok, max_slots=4, kv_slot_tokens=80, cuda_graphs=False)
     runner = engine.runner
-    graphs = runner.graphs = ForwardGraphs(runner, emulate=True, span_step=32)
+    graphs = runner.graphs = ForwardGraphs(runner.forward, "cpu", emulate=True, span_step=32)
     pool: KVPool = runner.pool
     pool.kv.normal_()
 
@@ -68,7 +68,7 @@ def test_shapes_are_captured_when_met_again_and_keys_round_up(tok):
         graphs.max_tokens = 7
         assert not graphs.takes(runner.prepare([step(20)]))
         runner.pool = None  # a forward that copies its contexts is never a graph's
-        assert not ForwardGraphs(runner, emulate=True).takes(runner.prepare([step(20)]))
+        assert not ForwardGraphs(runner.forward, "cpu", emulate=True).takes(runner.prepare([step(20)]))
 
 
 def test_least_recently_used_graph_is_dropped(tok):
@@ -89,7 +89,7 @@ def test_graph_options_are_checked(tok):
     engine = Engine(model, tok, max_slots=2)
     assert engine.runner.graphs is None  # off by default on a CPU
     with pytest.raises(ValueError, match="positive"):
-        ForwardGraphs(engine.runner, span_step=0, emulate=True)
+        ForwardGraphs(engine.runner.forward, "cpu", span_step=0, emulate=True)
 
 
 def test_a_failed_capture_turns_graphs_off_and_the_round_runs_eagerly(tok, caplog):
@@ -104,6 +104,23 @@ def test_a_failed_capture_turns_graphs_off_and_the_round_runs_eagerly(tok, caplo
     assert [o.token_ids for o in graphed.generate(PROMPTS, params)] == \
            [o.token_ids for o in plain.generate(PROMPTS, params)]
     assert g.failed.startswith("RuntimeError") and g.replays == 0 and "graphs are off" in caplog.text
+    # not only logged: the instance's stats (its /debug/instances entry) and the service's /metrics count it
+    from app.metrics import Metrics
+    from engine.instance import Instance
+    from engine.loop import RoundLoop
+
+    loop = RoundLoop(Instance(graphed, slots=4), lambda batch: None)
+    try:
+        stats = loop.stats()
+    finally:
+        loop.stop()
+    assert stats["cuda_graph_capture_failures"] == 1 and "not permitted" in stats["cuda_graphs_off"]
+    assert stats["cuda_graph_captures"] == g.captures and stats["cuda_graph_replays"] == 0
+    metrics = Metrics("m")
+    metrics.set_cluster([stats, {"running": 0}], kv_capacity_tokens=1)
+    text = metrics.render()[0].decode()
+    assert 'remask:cuda_graph_capture_failures{model_name="m"} 1.0' in text
+    assert 'remask:cuda_graphs_off_instances{model_name="m"} 1.0' in text
 
 
 def test_profile_skips_the_rounds_that_meet_or_capture_a_graph(tok, monkeypatch):
@@ -111,7 +128,7 @@ def test_profile_skips_the_rounds_that_meet_or_capture_a_graph(tok, monkeypatch)
 
     model = make_model(attention="block_causal")
     engine = Engine(model, tok, max_slots=2, kv_slot_tokens=200, cuda_graphs=False)
-    graphs = engine.runner.graphs = ForwardGraphs(engine.runner, emulate=True)
+    graphs = engine.runner.graphs = ForwardGraphs(engine.runner.forward, "cpu", emulate=True)
     steady = []
     timed = profiling._timed_step
 
@@ -134,7 +151,7 @@ def test_profile_check_reports_the_rounds_without_warming_apart(tok):
     engine = Engine(model, tok, max_slots=4, kv_slot_tokens=200, cuda_graphs=False)
     prof = profile_engine(engine, "t", batch_sizes=(1, 4), rounds=3, prompt_lens=(20,))
     assert "steady" not in check_profile(engine, prof, requests=6, slots=4)
-    graphs = engine.runner.graphs = ForwardGraphs(engine.runner, emulate=True)
+    graphs = engine.runner.graphs = ForwardGraphs(engine.runner.forward, "cpu", emulate=True)
     res = check_profile(engine, prof, requests=8, slots=4)
     assert graphs.captures > 0 and graphs.replays > 0
     # a round may meet or capture several shapes (one per forward)

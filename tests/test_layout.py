@@ -1,9 +1,12 @@
 """The house's floors (docs/architecture.md), checked on the source tree: no package imports one on a
-floor above it or beside it, no module imports itself back through others, the pure modules stay pure."""
+floor above it or beside it, no module imports itself back through others (type-only imports count: a
+knot drawn for the type checker is a knot), the pure modules stay pure, and outside ``cluster/`` the
+router is reached only through the cluster driver."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -33,19 +36,16 @@ def module_of(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports(path: Path) -> set[str]:
-    """Every module ``path`` imports at run time, at any depth of the file (function-level too; not those
-    under ``if TYPE_CHECKING``), relative ones resolved; ``from pkg import name`` counts ``pkg.name`` too."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+def imports(path: Path, text: str | None = None) -> set[str]:
+    """Every module ``path`` imports, at any depth of the file (function-level too, and those under ``if
+    TYPE_CHECKING``: a type-only import ties the two modules all the same), relative ones resolved;
+    ``from pkg import name`` counts ``pkg.name`` too. ``text``: the file's source (default: read it)."""
+    tree = ast.parse(path.read_text() if text is None else text, filename=str(path))
     here = module_of(path).split(".")
     if path.name != "__init__.py":
         here = here[:-1]
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(node)}
     names = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -78,6 +78,16 @@ def test_layers_are_closed_under_their_own_imports():
     for pkg, allowed in LAYERS.items():
         for dep in allowed:
             assert LAYERS[dep] <= allowed, f"{pkg} may import {dep}, which may import {LAYERS[dep] - allowed}"
+
+
+# loops being untied as this is written, each with who unties it; remove an entry once its loop is gone
+KNOWN_LOOPS: list[list[str]] = []
+
+
+def test_type_only_imports_are_counted():
+    """A module that imports another only under ``if TYPE_CHECKING`` still imports it here."""
+    text = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .router import Router\n"
+    assert {"cluster.router", "cluster.router.Router"} <= imports(ROOT / "cluster" / "probe.py", text)
 
 
 def test_no_import_loops():
@@ -114,7 +124,51 @@ def test_no_import_loops():
     for m in sorted(graph):
         if m not in index:
             visit(m)
+    loops = [c for c in loops if c not in KNOWN_LOOPS]
     assert not loops, f"import loops: {loops}"
+
+
+def router_members() -> set[str]:
+    """The names a ``cluster.router.Router`` answers to: its methods and the attributes it sets on itself."""
+    tree = ast.parse((ROOT / "cluster" / "router.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Router"]
+    names = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+    for node in ast.walk(cls):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            names.add(node.attr)
+    return names
+
+
+# outside cluster/, code that still reads the router past the driver, each with its way out; remove an
+# entry once its file goes through the driver (``ClusterDriver.counters()`` has these counters)
+ROUTER_REACH_KNOWN = {
+    "deployments/ingress.py": "/debug/instances reads the router's stats and latency scale (issue 36)",
+    "app/frontend.py": "the same view, moving out of deployments/ingress.py (issue 36)",
+}
+
+
+def test_only_the_cluster_driver_reaches_the_router():
+    """The cluster driver is the one door into the cluster core: outside ``cluster/`` no code uses a router's
+    member through an attribute (``self.router.by_id``, ``dispatcher.router.stats``, ``driver.router.…``:
+    the live dispatcher and the cluster simulator ask the driver). A config's ``router`` section
+    (``cfg.router.thresholds``) is no router: its fields are not the router's members."""
+    members = router_members()
+    assert {"by_id", "instances", "requests", "policy", "latency", "remaining_steps", "stats"} <= members
+    reach = re.compile(r"\.router\.(\w+)|\bdriver\.router\b")
+    bad = []
+    for pkg in LAYERS:
+        if pkg == "cluster":
+            continue
+        for path in py_files(f"{pkg}/**/*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel in ROUTER_REACH_KNOWN:
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                for m in reach.finditer(line):
+                    if m.group(1) is None or m.group(1) in members:
+                        bad.append(f"{rel}:{n}: {line.strip()}")
+    assert not bad, "the router reached past the cluster driver:\n" + "\n".join(bad)
 
 
 def test_app_holds_no_tools():
@@ -136,3 +190,12 @@ def test_only_deployments_import_ray_serve():
             continue
         bad = {m for m in imports(path) if m.startswith("ray.serve") or m == "ray.serve"}
         assert not bad, f"{rel} imports {bad}"
+
+
+def test_no_test_module_imports_another():
+    """Fakes and builders shared by the tests live in support modules (tests/builders.py, fakes.py,
+    serving.py, checkpoints.py): no test file imports a test module or conftest.py (pytest loads those)."""
+    for path in py_files("tests/*.py"):
+        bad = {m for m in imports(path) if m.split(".")[0] == "tests" and len(m.split(".")) > 1
+               and (m.split(".")[1].startswith("test_") or m.split(".")[1] == "conftest")}
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: move what it needs to a support module"

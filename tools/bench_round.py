@@ -59,7 +59,7 @@ def round_inputs(cfg, slots: int, tokens: int, context: int, device, dtype, seed
 def graphed_forward(runner: TorchRunner, inputs: list[StepInput]):
     """The runner's forward over ``inputs`` captured once in a CUDA graph: (replay, the hidden rows each
     replay writes). The batch's device tensors are the graph's static inputs."""
-    return capture_forward(runner, runner.prepare(inputs))
+    return capture_forward(runner.forward, runner.prepare(inputs))
 
 
 def _time(fn, device, warmup: int, repeats: int) -> list[float]:
@@ -126,7 +126,7 @@ def bench_round(model: str = "llada-8b-shape", device: str = "cpu", dtype: str |
                 try:
                     runs["forward, CUDA graph"] = _time(graphed_forward(fused, inputs)[0], dev, warmup, repeats)
                     if in_place:  # the round as the engine runs it with graphs on (engine/graphs.py)
-                        fused.graphs = ForwardGraphs(fused, max_tokens=slots * tokens)
+                        fused.graphs = ForwardGraphs(fused.forward, dev, max_tokens=slots * tokens)
                         runs["round, CUDA graphs"] = _time(lambda: fused.run(inputs, rows), dev, max(warmup, 2),
                                                            repeats)
                         fused.graphs = None
