@@ -265,7 +265,7 @@ def load_sync():
 
 def test_the_manifests_are_what_the_sync_script_writes():
     sync = load_sync()
-    assert set(sync.MANIFESTS) == set(MANIFESTS) and {c for c, _ in sync.MANIFESTS.values()} == set(MANIFESTS.values())
+    assert sync.MANIFESTS == MANIFESTS
     for name in MANIFESTS:
         assert (KUBERAY / name).read_text() == sync.expected(name), \
             f"{name} is out of date: run python ops/kuberay/sync_serve_config.py"
@@ -275,18 +275,19 @@ def test_the_manifests_are_what_the_sync_script_writes():
 def test_the_sync_script_replaces_only_the_block():
     sync = load_sync()
     text = (KUBERAY / "rayservice-cpu.yaml").read_text()
-    serve = sync.serve_config_text((ROOT / "serve_config.yaml").read_text().replace("slots: 32", "slots: 8"),
-                                   "0.0.0.0")
+    serve = sync.serve_config_text((ROOT / "serve_config.yaml").read_text().replace("slots: 32", "slots: 8"))
     assert serve.startswith("proxy_location:") and "host: 0.0.0.0" in serve and "127.0.0.1" not in serve
     changed = sync.render(text, serve)
     assert changed != text and sync.render(changed, sync.serve_config_text(
-        (ROOT / "serve_config.yaml").read_text(), "0.0.0.0")) == text  # and back, byte for byte
+        (ROOT / "serve_config.yaml").read_text())) == text  # and back, byte for byte
     old, new = yaml.safe_load(text), yaml.safe_load(changed)
     assert yaml.safe_load(new["spec"].pop("serveConfigV2"))["applications"][0]["args"]["engine"]["slots"] == 8
     old["spec"].pop("serveConfigV2")
     assert old == new  # nothing but the block changed
     with pytest.raises(ValueError, match="serveConfigV2"):
         sync.render("spec:\n  rayClusterConfig: {}\n", serve)
+    with pytest.raises(ValueError, match="http_options.host"):
+        sync.serve_config_text("applications: []\n")
 
 
 def test_the_gpu_workers_fit_the_gpu_config():

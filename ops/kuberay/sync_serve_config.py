@@ -4,8 +4,8 @@
     python ops/kuberay/sync_serve_config.py --check    # exit 1 naming each manifest that is out of date
 
 ``rayservice-gpu.yaml`` carries serve_config.gpu.yaml and ``rayservice-cpu.yaml`` serve_config.yaml, each
-without its leading comment; the CPU one listens on 0.0.0.0 instead of 127.0.0.1 (in a pod, Serve's
-proxy must be reachable from the Kubernetes Service). Only the ``serveConfigV2: |`` block changes: the rest
+without its leading comment and listening on 0.0.0.0 (serve_config.yaml's 127.0.0.1 would not do: in a pod,
+Serve's proxy must be reachable from the Kubernetes Service). Only the ``serveConfigV2: |`` block changes: the rest
 of each manifest, comments included, stays as written. tests/test_deploy.py fails while a manifest is
 out of date. Plain text handling, no YAML library: this runs with any Python 3.
 """
@@ -18,26 +18,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-# manifest -> (the serve config it carries, the HTTP host it listens on in a pod: None keeps the config's)
-MANIFESTS: dict[str, tuple[str, str | None]] = {
-    "rayservice-gpu.yaml": ("serve_config.gpu.yaml", None),
-    "rayservice-cpu.yaml": ("serve_config.yaml", "0.0.0.0"),
-}
-POD_HOST = "0.0.0.0"
+# manifest -> the serve config it carries
+MANIFESTS: dict[str, str] = {"rayservice-gpu.yaml": "serve_config.gpu.yaml", "rayservice-cpu.yaml": "serve_config.yaml"}
+POD_HOST = "0.0.0.0"  # http_options.host in a pod
 _KEY = re.compile(r"^(?P<indent> *)serveConfigV2: \|\n", re.M)
 
 
-def serve_config_text(serve_text: str, host: str | None) -> str:
+def serve_config_text(serve_text: str, host: str = POD_HOST) -> str:
     """The serve config as it goes into a pod: its leading comment dropped, ``http_options.host`` set."""
     lines = serve_text.splitlines()
     while lines and (not lines[0].strip() or lines[0].lstrip().startswith("#")):
         lines.pop(0)
-    text = "\n".join(lines) + "\n"
-    if host is not None:
-        text, n = re.subn(r"^(http_options:\n(?:[ \t]+.*\n)*?[ \t]+host:[ \t]*)\S+", rf"\g<1>{host}", text,
-                          count=1, flags=re.M)
-        if n != 1:
-            raise ValueError("the serve config has no http_options.host to set")
+    text, n = re.subn(r"^(http_options:\n(?:[ \t]+.*\n)*?[ \t]+host:[ \t]*)\S+", rf"\g<1>{host}",
+                      "\n".join(lines) + "\n", count=1, flags=re.M)
+    if n != 1:
+        raise ValueError("the serve config has no http_options.host to set")
     return text
 
 
@@ -59,14 +54,13 @@ def render(manifest_text: str, serve_text: str) -> str:
 
 def expected(manifest: str) -> str:
     """The manifest's text with its serve config as the repository's serve config file has it now."""
-    config, host = MANIFESTS[manifest]
-    return render((HERE / manifest).read_text(), serve_config_text((ROOT / config).read_text(), host))
+    return render((HERE / manifest).read_text(), serve_config_text((ROOT / MANIFESTS[manifest]).read_text()))
 
 
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     stale = []
-    for manifest, (config, _) in MANIFESTS.items():
+    for manifest, config in MANIFESTS.items():
         want = expected(manifest)
         if (HERE / manifest).read_text() != want:
             stale.append(f"ops/kuberay/{manifest} (from {config})")
