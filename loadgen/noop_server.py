@@ -11,7 +11,8 @@ unless ``Authorization: Bearer KEY`` comes with it; ``GET /noop/stats`` returns 
 answered (``count``), the most streams in flight at once (``max_inflight``) and the ``Authorization``
 headers seen with their counts (``authorization``: a test server's own key, nothing else); a request with
 ``stream_options.include_canvas`` gets a ``remask_canvas`` chunk before each text chunk (one round per
-chunk, one position per character); ``GET /debug/control`` answers like the app's, with no samples.
+chunk, one position per character); ``GET /debug/control`` answers like the app's, with no samples;
+``--refuse FIELD`` answers a body with that field 400 ``unknown_parameter``, as a server without it would.
 
 ``python -m loadgen.noop_server --port 0`` prints ``listening on <port>`` once ready.
 """
@@ -37,6 +38,7 @@ class NoopConfig:
     fail_status: int = 500
     model: str = "noop"
     api_key: str | None = None
+    refuse: tuple[str, ...] = ()  # body fields answered with a 400 unknown_parameter, as a server without them
 
 
 class NoopServer:
@@ -94,6 +96,10 @@ class NoopServer:
             return self.send_json(writer, self.cfg.fail_status, {"error": {"message": "injected failure",
                                                                       "type": "server_error"}})
         req = json.loads(body or b"{}")
+        if refused := [k for k in self.cfg.refuse if k in req]:
+            return self.send_json(writer, 400, {"error": {
+                "message": f"Unrecognized request argument supplied: {refused[0]}", "type": "invalid_request_error",
+                "param": refused[0], "code": "unknown_parameter"}})
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         try:
@@ -186,9 +192,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fail-every", type=int, default=0, help="every k-th generation request fails (0: none)")
     p.add_argument("--fail-status", type=int, default=500)
     p.add_argument("--api-key", help="answer 401 unless 'Authorization: Bearer KEY' comes with a request")
+    p.add_argument("--refuse", action="append", default=[], metavar="FIELD",
+                   help="answer 400 unknown_parameter to a request body with FIELD (repeatable)")
     a = p.parse_args(argv)
     cfg = NoopConfig(a.reply, a.chunks, a.first_delay_ms / 1000, a.gap_ms / 1000, a.fail_every, a.fail_status,
-                     api_key=a.api_key)
+                     api_key=a.api_key, refuse=tuple(a.refuse))
     try:
         asyncio.run(serve(cfg, a.host, a.port))
     except KeyboardInterrupt:

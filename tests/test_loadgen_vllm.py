@@ -201,6 +201,17 @@ def test_bench_chat_remask_dataset_and_options(noop, tmp_path, capsys):
     assert res["remask"]["ignore_eos"] is False and httpx.get(url + "/noop/stats").json()["max_inflight"] <= 2
 
 
+def test_random_dataset_goes_without_ignore_eos_when_the_server_refuses_it(noop, capsys):
+    url = noop("--refuse", "ignore_eos")
+    base = ["loadgen", "bench", "--base-url", url, "--tokenizer", "tiny-bd", "--num-prompts", "4", "--disable-tqdm",
+            "--random-input-len", "8"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: the server refused ignore_eos" in out and "Successful requests:                     4 " in out
+    assert main([*base, "--ignore-eos"]) == 2  # asked for by name: refused is an error, not a silent change
+    assert "Unrecognized request argument supplied: ignore_eos" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--request-rate", "0"], "--request-rate must be > 0"),
     (["--burstiness", "-1"], "--burstiness must be > 0"),
