@@ -38,7 +38,8 @@ def lay_out(checkpoint: str | Path, hf_home: str | Path, repo_id: str, *, commit
         link = snapshot / src.relative_to(checkpoint)
         link.parent.mkdir(parents=True, exist_ok=True)
         up = len(link.relative_to(snapshot).parts) - 1  # a file in a folder of the snapshot: one more ../
-        link.symlink_to("../" * up + f"../../blobs/{blob.name}")
+        if not link.is_symlink():  # another revision of the same commit laid it out already
+            link.symlink_to("../" * up + f"../../blobs/{blob.name}")
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / revision).write_text(commit)
     return snapshot
