@@ -1,6 +1,6 @@
 """Does a resumed request decode the uninterrupted run's text? The engine alone, no service.
 
-For each of ``--requests`` fault-harness requests (``tools.faults.fault_requests``: task-suite prompts, a fixed
+For each of ``--requests`` fault-harness requests (``tools.faults.checks.fault_requests``: task-suite prompts, a fixed
 threshold, greedy or seeded), it runs the request uninterrupted, then for every round k stops a fresh engine
 after k rounds and resumes the request on another fresh engine from its committed tokens (the prefix up to
 the first mask: what the ingress holds when an instance dies), and compares the token ids. Resume points are
@@ -30,7 +30,7 @@ def main() -> int:
 
     from engine.loading import load_engine
     from engine.sequence import SamplingParams
-    from tools.faults import fault_requests
+    from tools.faults.checks import fault_requests
 
     def params(body: dict) -> SamplingParams:
         kw = {"max_tokens": body["max_tokens"], "threshold": body["threshold"]}

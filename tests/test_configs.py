@@ -175,7 +175,7 @@ def test_deployment_names():
 
 
 def test_the_fault_harness_configs_validate():
-    from tools.faults import app_args
+    from tools.faults.harness import app_args
 
     cfg = AppConfig.model_validate(app_args({2: 3}, 16, router={"dead_after_s": 5.0},
                                             http={"served_model_name": "v2"}))
