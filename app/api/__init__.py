@@ -32,6 +32,7 @@ from app.api.parsing import GenRequest, TokenizeRequest, parse_detokenize, parse
 from app.api.responses import (
                             SSE_DONE,
                             canvas_chunk,
+    chat_choices_response,
                             chat_chunk,
                             chat_response,
                             completion_chunk,
