@@ -18,19 +18,51 @@ a request that just finished a step moves (``migrations``).
   their freeness differs by more than ``llumnix_gap`` (load-balancing
   migration at any step: when the next step would have been a cached step,
   the target recomputes), fixed threshold.
+
+A policy sees the router through ``RouterView``: the members it reads (the latency model, the serving
+instances, the router's settings, the latest event's time) and the two it calls (``move``,
+``migration_cost_ms``). ``cluster.router.Router`` has them; a policy never imports the router.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from cluster.latency import TpLatencyModel
 from cluster.placement import best_instance, can_migrate_free, fit_instance, migration_gain_ms
 from cluster.state import InstanceState, RequestState
 from engine.registry import Registry
 
-if TYPE_CHECKING:
-    from cluster.router import Router
+
+class PolicySettings(Protocol):
+    """The router's settings a policy reads (``cluster.router.RouterConfig`` has them)."""
+
+    @property
+    def thresholds(self) -> tuple[float, ...]: ...  # the candidates, highest first
+    @property
+    def migration_margin(self) -> float: ...
+    @property
+    def llumnix_gap(self) -> float: ...
+
+
+class RouterView(Protocol):
+    """What a policy sees of the router: exactly the members it uses."""
+
+    @property
+    def latency(self) -> TpLatencyModel: ...
+    @property
+    def instances(self) -> Sequence[InstanceState]: ...  # the serving ones (a placement's candidates)
+    @property
+    def cfg(self) -> PolicySettings: ...
+    @property
+    def now(self) -> float: ...  # s, the latest event's time
+
+    def move(self, req: RequestState, src: InstanceState, dst: InstanceState) -> None:
+        """Account ``req`` to ``dst`` at once, so that the policy's next decisions see the new loads."""
+
+    def migration_cost_ms(self, req: RequestState) -> float:
+        """What moving ``req`` costs (its transfer and the fixed cost)."""
 
 
 class RouterPolicy:
@@ -38,10 +70,10 @@ class RouterPolicy:
     dynamic = False  # Alg. 1 per step, else the fixed threshold
     load_control = False  # Alg. 2 caps
 
-    def place(self, router: Router, req: RequestState) -> InstanceState:
+    def place(self, router: RouterView, req: RequestState) -> InstanceState:
         raise NotImplementedError
 
-    def migrations(self, router: Router, src: InstanceState,
+    def migrations(self, router: RouterView, src: InstanceState,
                    stepped: Sequence[RequestState]) -> list[tuple[RequestState, InstanceState]]:
         return []
 
@@ -116,7 +148,7 @@ class RemaskFitPolicy(RemaskPolicy):
     margin = 0.2  # a fit keeps this share of the budget in reserve (the step estimates err)
 
     @staticmethod
-    def mixed(router) -> bool:
+    def mixed(router: RouterView) -> bool:
         """The serving instances run more than one TP degree (else this policy is ``remask``)."""
         return len({i.tp for i in router.instances}) > 1
 
