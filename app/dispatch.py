@@ -2,7 +2,8 @@
 
 ``Dispatcher`` (asyncio, no Ray) owns one control channel per instance and
 executes what the cluster driver (``cluster.driver.ClusterDriver``, around the
-router ``cluster.Router``; the cluster simulator drives the same one) decides.
+router ``cluster.Router``; the cluster simulator drives the same one) decides:
+the driver is its one door into the cluster core (it never calls the router).
 For each request it
 
 - places it on arrival (the router policy; Alg. 3 for ``remask``) and sends
@@ -143,10 +144,11 @@ class Dispatcher:
         instances whenever one joins or leaves. ``learning``: the online predictors (``cluster.learning``), given
         every finished request's step rows and rounds. ``clock``: monotonic seconds (a test's own);
         ``log_decisions``: the cluster driver keeps its decisions (``driver.decisions``)."""
-        self.router, self.decode, self.clock = router, decode, clock
+        self.decode, self.clock = decode, clock
         # what happens to requests and instances: the cluster simulator drives the same driver
         self.driver = ClusterDriver(router, shed=shed_over_capacity, calibrate=True,
                                     per_instance_limit=per_instance_limit, log=log_decisions)
+        self.router = router  # the driver's: for the debug views and tests; the dispatcher asks the driver
         self.block_tokens, self.full_sequence = block_tokens, full_sequence
         self.per_instance_limit, self.default_slo_s = per_instance_limit, default_slo_s
         self.max_resumes, self.dead_after_s, self.park_s = max_resumes, dead_after_s, park_s
@@ -196,13 +198,8 @@ class Dispatcher:
         from engine.latency_profile import LatencyProfile
 
         prof = LatencyProfile.from_dict(data)
-        stamp = prof.meta.get("measured_at")
-        old = self.router.latency.profiles.get(tp)
-        if old is not None and stamp is not None and old.meta.get("measured_at") == stamp:
+        if not self.driver.use_profile(tp, prof):
             return None
-        if old is not None and not prof.attn_ms_per_pair:
-            prof.attn_ms_per_pair, prof.ref_context = old.attn_ms_per_pair, old.ref_context
-        self.router.latency.set_profile(tp, prof)
         log.info("TP-%d latency profile measured by a replica (%s)", tp, prof.meta.get("replica"))
         return prof
 
@@ -253,7 +250,7 @@ class Dispatcher:
 
     def _forget_gone(self) -> None:
         """Close the links of the instances the driver let go (drained ones once their requests moved)."""
-        gone = [i for i in self.instances.values() if i.inst_id not in self.router.by_id]
+        gone = [i for i in self.instances.values() if self.driver.instance(i.inst_id) is None]
         for inst in gone:
             del self.instances[inst.inst_id]
             self.by_replica.pop(inst.replica, None)
@@ -366,7 +363,7 @@ class Dispatcher:
             raise DispatchError(400, str(exc)) from None
         if not self.instances and (self.park_s <= 0 or len(self.driver.held) >= self.per_instance_limit):
             raise DispatchError(503, "no model instance is ready; retry shortly")
-        if self.instances and all(i.n >= self.per_instance_limit for i in self.router.instances):
+        if self.instances and self.driver.full():
             raise DispatchError(429, f"every instance holds {self.per_instance_limit} requests")
         now = self.clock()
         slo_s = slo_ms / 1000.0 if slo_ms is not None else self.default_slo_s
@@ -464,7 +461,7 @@ class Dispatcher:
 
     def _finish(self, live: _Live, done: Done) -> None:
         self.live.pop(live.req_id, None)
-        inst = self.router.by_id.get(live.state.instance)
+        inst = self.driver.instance(live.state.instance)
         now = self.clock()
         self.driver.finished(live.state, now)
         self._emit(live, live.out.finish(), now)  # held-back text: an unfinished character, a stop's prefix
@@ -573,41 +570,40 @@ class Dispatcher:
 
     def _item_error(self, live: _Live, inst_id: int, item: ErrorItem) -> None:
         if item.status == 429:  # that instance's queue is full: another one, else shed
-            if len(self.router.instances) > 1 and live.resumes < self.max_resumes:
+            if len(self.driver.serving()) > 1 and live.resumes < self.max_resumes:
                 return self._resume(live, inst_id, "its instance was full")
             return self._fail(live, 429, f"server overloaded: {item.message}")
         if item.status == 503:  # the instance's rounds failed and it gave the request up (engine/loop.py): not the
             # request's fault; another instance, or this one again when it is the only one (``max_resumes`` bounds it)
-            alone = all(i.inst_id == inst_id for i in self.router.instances)
+            alone = all(i == inst_id for i in self.driver.serving())
             return self._resume(live, None if alone else inst_id, f"its instance gave it up ({item.message})")
         self._fail(live, item.status, item.message)
 
     def _planned(self, live: _Live) -> bool:
         """Whether the router chooses the request's thresholds: then every batch carrying it is answered
         (``_plan``), and its instance waits a little for the answer before its next round."""
-        return self.router.policy.dynamic and live.state.fixed_threshold is None
+        return self.driver.chooses_thresholds and live.state.fixed_threshold is None
 
     def _plan(self, inst_id: int, now: float, after_round: int | None = None) -> None:
         """Answer an instance's progress batch (of round ``after_round``): the thresholds of its requests'
         next steps where the router chooses them (those that changed), and the router's estimates of their
         remaining denoising rounds (the instance scheduler's r_i). Sent for every batch while the instance
         holds a request whose thresholds the router chooses (its loop waits for the answer)."""
-        if not self.router.policy.dynamic or inst_id not in self.instances:
+        if not self.driver.chooses_thresholds or inst_id not in self.instances:
             return
-        planned = self.driver.plan(inst_id, now)
-        if not planned:
+        plan = self.driver.plan(inst_id, now)
+        if not plan.thresholds:
             return
         changed = {}
-        for req_id, t in planned.items():
+        for req_id, t in plan.thresholds.items():
             live = self.live.get(req_id)
             if live is not None and t != live.sent_threshold:
                 changed[req_id] = t
                 live.sent_threshold = t
-        estimates = {r: round(self.router.remaining_steps(self.router.requests[r]), 2) for r in planned
-                     if self.router.requests[r].est}
+        estimates = {r: round(e, 2) for r, e in plan.estimates.items()}
         self.instances[inst_id].link.send(Thresholds(changed, estimates, after_round))
 
     # ---- views -----------------------------------------------------------------------------------
     def describe(self) -> dict:
-        return {str(i.inst_id): {"replica": i.replica, "tp": i.tp, "requests": self.router.by_id[i.inst_id].n,
+        return {str(i.inst_id): {"replica": i.replica, "tp": i.tp, "requests": self.driver.instance(i.inst_id).n,
                                  **i.meta, **i.stats} for i in self.instances.values()}

@@ -19,10 +19,15 @@ writes it again:
   and the admission governor's early feedback (a request past its deadline is a miss now, not at its
   finish);
 - **thresholds** (``plan``): after each round, and when a request is placed, the thresholds of the
-  instance's requests' next steps (requests with a client-fixed threshold keep it) and the router's
-  estimate of their remaining rounds (the instance scheduler's r_i);
+  instance's requests' next steps (requests with a client-fixed threshold keep it) together with the
+  router's estimates of their remaining rounds at them (the instance scheduler's r_i);
 - **finishing** (``finished``, ``cancelled``): the request leaves the router; the governor learns
   whether an admitted request met its SLO.
+
+The driver is the executors' one door into the cluster core: what else they need of the router comes
+from its views (``serving``, ``instance``, ``full``, ``chooses_thresholds``, ``estimate``,
+``migration_cost_ms``, ``counters``) and ``use_profile`` (a measured latency profile); neither executor
+calls the router itself.
 
 Every decision comes back as ``Move`` objects (send this request to that instance: a placement, a
 migration, an evacuation or a resume); executing one (a wire message, or a migration event in virtual
@@ -38,7 +43,8 @@ from dataclasses import dataclass
 
 from cluster.admission import AdmissionGovernor
 from cluster.router import Router
-from cluster.state import RequestState
+from cluster.state import InstanceState, RequestState
+from engine.latency_profile import LatencyProfile
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,16 @@ class Move:
     src: int | None
     why: str
     attempt: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The next steps' thresholds of an instance's requests, by request id (those whose threshold the router
+    chooses), and the router's estimates of their remaining rounds at those thresholds (the requests that
+    have an estimate)."""
+
+    thresholds: dict[str, float]
+    estimates: dict[str, float]
 
 
 class ClusterDriver:
@@ -72,6 +88,47 @@ class ClusterDriver:
     def serving(self) -> list[int]:
         """Instances that take new requests."""
         return [i.inst_id for i in self.router.instances]
+
+    def instance(self, inst_id: int | None) -> InstanceState | None:
+        """The router's view of an instance, serving or draining (its requests, their next steps' kinds, its
+        TP degree); None when it is not (or no longer) in the router."""
+        return self.router.by_id.get(inst_id) if inst_id is not None else None
+
+    def full(self) -> bool:
+        """Every serving instance holds ``per_instance_limit`` requests (True when none serves; False with
+        no limit)."""
+        limit = self.per_instance_limit
+        return limit is not None and all(i.n >= limit for i in self.router.instances)
+
+    @property
+    def chooses_thresholds(self) -> bool:
+        """The policy chooses each step's threshold (Alg. 1); else every step takes the fixed one."""
+        return self.router.policy.dynamic
+
+    def migration_cost_ms(self, state: RequestState) -> float:
+        """What moving ``state`` to another instance costs: its prompt and committed tokens over the link, and
+        the fixed cost (the simulator delays a move's arrival by it)."""
+        return self.router.migration_cost_ms(state)
+
+    def counters(self) -> dict:
+        """The router's policy, its counts (migrations, load-control runs) and the latency model's
+        calibration scale (measured over profiled round time)."""
+        policy = self.router.policy
+        return {"policy": getattr(policy, "name", type(policy).__name__), **self.router.stats,
+                "latency_scale": self.router.latency.scale}
+
+    def use_profile(self, tp: int, prof: LatencyProfile) -> bool:
+        """A latency profile measured for TP degree ``tp`` (a replica's own, at its start): the router's from
+        now on, unless it is the measurement already in use (the same ``measured_at``: False). Without an
+        attention term of its own (it measured one prompt length) it keeps the profile's it replaces."""
+        old = self.router.latency.profiles.get(tp)
+        stamp = prof.meta.get("measured_at")
+        if old is not None and stamp is not None and old.meta.get("measured_at") == stamp:
+            return False
+        if old is not None and not prof.attn_ms_per_pair:
+            prof.attn_ms_per_pair, prof.ref_context = old.attn_ms_per_pair, old.ref_context
+        self.router.latency.set_profile(tp, prof)
+        return True
 
     def _log(self, *entry) -> None:
         if self.decisions is not None:
@@ -235,30 +292,31 @@ class ClusterDriver:
             out.append(self._move(state, dst, inst_id, "migrate", now))
         return out
 
-    def plan(self, inst_id: int, now: float, states: Sequence[RequestState] | None = None) -> dict[str, float]:
+    def plan(self, inst_id: int, now: float, states: Sequence[RequestState] | None = None) -> Plan:
         """The thresholds of the next steps of ``states`` (default: every request on ``inst_id`` whose
-        threshold the router chooses), by request id. Fixed thresholds are not the router's: left out."""
+        threshold the router chooses) with the estimates of their remaining rounds at them. Fixed
+        thresholds are not the router's: left out."""
         inst = self.router.by_id.get(inst_id)
         if inst is None:
-            return {}
+            return Plan({}, {})
         if states is None:
             states = [self.router.requests[r] for r in inst.requests if r in self.router.requests]
         states = [s for s in states if s.fixed_threshold is None]
         if not states:
-            return {}
+            return Plan({}, {})
         before = [s.threshold for s in states]
-        out = {}
+        thresholds = {}
         for s, t, old in zip(states, self.router.plan_thresholds(inst_id, states, now), before):
-            out[s.req_id] = t
+            thresholds[s.req_id] = t
             if t != old:
                 self._log(round(now, 9), "threshold", s.req_id, inst_id, t)
-        return out
+        return Plan(thresholds, {s.req_id: self.router.remaining_steps(s) for s in states if s.est})
 
     def threshold_for(self, state: RequestState, now: float) -> float:
         """The threshold of a request's next step on the instance it was just placed on."""
         if state.fixed_threshold is not None:
             return state.fixed_threshold
-        return self.plan(state.instance, now, [state])[state.req_id]
+        return self.plan(state.instance, now, [state]).thresholds[state.req_id]
 
     def estimate(self, state: RequestState) -> float | None:
         """The router's estimate of ``state``'s remaining rounds at its threshold (None before any)."""

@@ -215,9 +215,11 @@ class ClusterSimulator:
                                            sigma=cfg.estimator_sigma, seed=seed)
         self._served = _ServedError()  # the error of the estimates the router served with
         self.curve: list[dict] = []  # online: one point per refit
-        self.router = Router(policy, self.latency, estimator, list(enumerate(cfg.tp_degrees)), cfg.router)
-        # the cluster control the live ingress runs too: admission, membership, progress, thresholds
-        self.driver = ClusterDriver(self.router, shed=cfg.shed, log=log)
+        router = Router(policy, self.latency, estimator, list(enumerate(cfg.tp_degrees)), cfg.router)
+        # the cluster control the live ingress runs too: admission, membership, progress, thresholds; the
+        # simulator's one door into the cluster core (it never calls the router)
+        self.driver = ClusterDriver(router, shed=cfg.shed, log=log)
+        self.router = router  # the driver's: for the reports and tests
         self.governor = self.driver.governor
         base = profiles[min(profiles)]
         self._costs = base.step_costs(cfg.block_tokens, cfg.sequence_tokens, batch=cfg.slots)
@@ -298,7 +300,7 @@ class ClusterSimulator:
             if m.why == "place":
                 self._enter(m.state, m.dst)
             else:
-                delay = self.router.migration_cost_ms(m.state) / 1000.0
+                delay = self.driver.migration_cost_ms(m.state) / 1000.0
                 self._push(now + delay, "migrate", (m.state, m.dst, m.attempt))
 
     # ---- events --------------------------------------------------------------------------
@@ -342,8 +344,8 @@ class ClusterSimulator:
         res.held = self.driver.stats["held"]
         if self.cfg.shed:
             res.admission = {"util": round(self.governor.util, 4), "cuts": self.governor.cuts}
-        res.migrations = self.router.stats["migrations"]
-        res.load_control_runs = self.router.stats["load_control_runs"]
+        counters = self.driver.counters()
+        res.migrations, res.load_control_runs = counters["migrations"], counters["load_control_runs"]
         for inst in self.insts:
             res.rounds += inst.rounds
             res.slots_filled += inst.slots_filled
@@ -374,7 +376,7 @@ class ClusterSimulator:
         tr = self.truth[st.req_id]
         tr.next_heavy = st.next_heavy  # a move at a cached step made it a recompute step
         req = SchedRequest(st.req_id, math.ceil(st.prompt_tokens / self.cfg.block_tokens), tr.blocks,
-                           self.router.remaining_steps(st), arrival=st.arrival, deadline=st.deadline,
+                           self.driver.estimate(st), arrival=st.arrival, deadline=st.deadline,
                            priority=st.priority, full_sequence=True)
         req.blocks_done = tr.block
         req.rounds_done = tr.steps
@@ -447,7 +449,7 @@ class ClusterSimulator:
         for m in moves:
             inst.sched.abort(m.state.req_id)
         self._execute(moves)
-        self.driver.plan(inst.inst_id, now)  # the next steps' thresholds of the requests it holds (as live)
+        plan = self.driver.plan(inst.inst_id, now)  # the next steps of the requests it holds (as live)
         for st, _, done in stepped:
             if done:
                 self.driver.finished(st, now)
@@ -455,7 +457,7 @@ class ClusterSimulator:
                 continue
             req = inst.sched.requests.get(st.req_id)
             if req is not None:
-                req.est_rounds = self.router.remaining_steps(st)
+                req.est_rounds = plan.estimates.get(st.req_id, 0.0)
                 req.key = inst.sched.policy.key(req)
         inst.busy = False
         if self.learner is not None and self.learner.due():  # at this virtual instant: the fit takes no virtual time

@@ -11,7 +11,7 @@ TS = (0.9, 0.8, 0.7)
 
 def driver(tps=(1, 1), policy="remask", **kw) -> ClusterDriver:
     est = TableStepEstimator(TS, lambda s: (40.0, 30.0, 20.0), sigma=0.0)
-    lat = TpLatencyModel(load_tp_profiles("h200-llada8b", sorted(set(tps)) or [1]), 16, StepShape(32, 396))
+    lat = TpLatencyModel(load_tp_profiles("h200-llada8b-measured", sorted(set(tps)) or [1]), 16, StepShape(32, 396))
     return ClusterDriver(Router(policy, lat, est, list(enumerate(tps)), RouterConfig(thresholds=TS)), log=True, **kw)
 
 
@@ -27,8 +27,47 @@ def test_arrivals_are_placed_with_a_first_attempt_and_a_threshold():
     fixed = req("b", fixed_threshold=0.85)
     d.arrive(fixed, 0.0)
     assert d.threshold_for(fixed, 0.0) == 0.85  # the client's own: never the router's
-    assert "b" not in d.plan(fixed.instance, 0.0)
+    assert "b" not in d.plan(fixed.instance, 0.0).thresholds
     assert [e[1] for e in d.decisions][:2] == ["place", "threshold"]
+
+
+def test_a_plan_carries_the_thresholds_with_the_estimates_at_them():
+    d = driver(tps=(1,))
+    a, b = req("a"), req("b", fixed_threshold=0.85)
+    for s in (a, b):
+        d.arrive(s, 0.0)
+    plan = d.plan(0, 0.0)
+    assert set(plan.thresholds) == set(plan.estimates) == {"a"}  # a fixed threshold is the client's
+    k = TS.index(plan.thresholds["a"])
+    assert plan.estimates["a"] == a.est[k] == d.estimate(a)  # the remaining rounds at the chosen threshold
+    assert d.plan(5, 0.0).thresholds == {}  # an instance the router does not know
+
+
+def test_the_views_answer_for_the_router():
+    d = driver(tps=(1, 1), per_instance_limit=1)
+    assert d.chooses_thresholds and not driver(policy="infaas").chooses_thresholds
+    assert d.instance(0).tp == 1 and d.instance(9) is None and d.instance(None) is None
+    assert not d.full()
+    for i in range(2):
+        d.arrive(req(f"r{i}"), 0.0)
+    assert d.full() and d.instance(0).n == d.instance(1).n == 1
+    d.drain(1, 1.0)
+    assert d.serving() == [0] and d.instance(1) is not None  # draining: still in the router, out of placement
+    assert d.counters()["policy"] == "remask" and d.counters()["migrations"] == 0
+    assert d.migration_cost_ms(req("x")) > 0.0
+
+
+def test_a_measured_profile_replaces_the_router_s_once():
+    d = driver(tps=(1,))
+    old = d.router.latency.profiles[1]
+    prof = old.scaled(2.0)
+    prof.meta["measured_at"] = "t1"
+    prof.attn_ms_per_pair = 0.0
+    assert d.use_profile(1, prof) and d.router.latency.profiles[1] is prof
+    assert prof.attn_ms_per_pair == old.attn_ms_per_pair  # it measured one prompt length: the old term kept
+    again = old.scaled(3.0)
+    again.meta["measured_at"] = "t1"
+    assert not d.use_profile(1, again) and d.router.latency.profiles[1] is prof  # the same measurement
 
 
 def test_with_no_instance_arrivals_wait_and_the_next_instance_takes_them():
