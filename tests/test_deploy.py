@@ -10,6 +10,10 @@ import fnmatch
 import importlib.util
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -155,6 +159,69 @@ def test_the_image_puts_the_profiles_where_the_engine_reads_them():
     from engine.latency_profile import PROFILES_DIR
 
     assert PROFILES_DIR.name == "profiles" and PROFILES_DIR.parent == ROOT
+
+
+_INSTALLED_CHECK = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    import engine
+    from app.config import AppConfig
+    from engine.latency_profile import PROFILES_DIR, load_tp_profiles
+    from engine.loading import DEFAULT_MODELS, resolve_model
+
+    site = Path(sys.argv[1])
+    assert Path(engine.__file__).is_relative_to(site), engine.__file__  # the installed copy, not a source tree
+    assert PROFILES_DIR.is_relative_to(site) and PROFILES_DIR.is_dir(), PROFILES_DIR
+    for name in DEFAULT_MODELS:
+        assert (resolve_model(name) / "config.json").is_file(), name
+    for config in sys.argv[2:]:
+        cfg = AppConfig.model_validate(yaml.safe_load(Path(config).read_text())["applications"][0]["args"])
+        assert sorted(load_tp_profiles(cfg.profile_name(), cfg.resources.tp_degrees)) == cfg.resources.tp_degrees
+    import deployments.builder  # noqa: F401
+    print("ok")
+""")
+
+
+@pytest.mark.slow
+def test_the_installed_project_holds_what_the_app_reads(tmp_path):
+    """What the image's `pip install .` leaves: the build context as the Dockerfile copies it, built into a wheel
+    and installed into a directory of its own; then the Dockerfile's own commands after `pip install .` run
+    there (the profiles beside the packages). Every file of every package arrives, and from outside any source
+    tree the installed app finds its embedded models and the latency profiles of both serve configs."""
+    pytest.importorskip("setuptools", minversion="70.1")  # bdist_wheel built in
+    instrs = dockerfile()
+    context, site, wheels = tmp_path / "context", tmp_path / "site", tmp_path / "wheels"
+    for src in copies(instrs):
+        if (ROOT / src).is_dir():
+            shutil.copytree(ROOT / src, context / src, ignore=shutil.ignore_patterns("__pycache__", "*.py[co]"))
+        else:
+            (context / src).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / src, context / src)
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), "."], cwd=context,
+                   check=True, capture_output=True, timeout=240)
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), *map(str, wheels.glob("*.whl"))],
+                   check=True, capture_output=True, timeout=120)
+    install = next(a for k, a in instrs if k == "RUN" and re.search(r"\bpip install \.(\s|$)", a))
+    after = install.split("&&", 1)[1]  # the Dockerfile's commands after `pip install .`
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", "-c", f"set -e; {after}"], cwd=context, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    packages = {p.rstrip("*") for p in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                ["packages"]["find"]["include"]}
+    missing = [str(f.relative_to(ROOT)) for pkg in sorted(packages) for f in (ROOT / pkg).rglob("*")
+               if f.is_file() and "__pycache__" not in f.parts and not (site / f.relative_to(ROOT)).is_file()]
+    assert not missing, f"the wheel lacks package files (a directory without __init__.py, data not in package-data): " \
+                        f"{missing[:10]}"
+    configs = [str(context / c) for c in MANIFESTS.values()]
+    done = subprocess.run([sys.executable, "-P", "-c", _INSTALLED_CHECK, str(site), *configs], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 # --- the RayService manifests ------------------------------------------------------------------------------
