@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -186,6 +187,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as nn.Linear
         self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+        # sees (and may replace) each call's chosen expert ids [N, k]: records one model's choices or holds
+        # another's equal to them, e.g. to compare a bf16 forward with a float32 one on the same experts
+        self.choice_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (expert ids [N, k], weights [N, k] in float32)."""
@@ -199,6 +203,8 @@ class Router(nn.Module):
             keep.scatter_(1, best.topk(cfg.expert_groups_used, dim=-1).indices, True)
             biased = groups.masked_fill(~keep[..., None], float("-inf")).flatten(1)
         ids = biased.topk(cfg.experts_per_token, dim=-1).indices
+        if self.choice_hook is not None:
+            ids = self.choice_hook(ids)
         weights = scores.gather(1, ids)
         if cfg.experts_per_token > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
