@@ -27,6 +27,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # Ray's image runs as its non-root user `ray` (uid 1000, group users) with Python in /home/ray/anaconda3,
 # which that user owns: everything below installs and runs as `ray`, never as root.
 USER ray
+# made by `ray` first: a directory WORKDIR creates belongs to root, and `pip install .` writes its build there
+RUN mkdir -p /home/ray/remask
 WORKDIR /home/ray/remask
 
 # torch first, in a layer of its own (about 3 GB with its CUDA libraries): a code change does not fetch it again
