@@ -10,16 +10,39 @@ model) with the dispatcher's ``submit`` replaced by a fake generation that recor
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from app.config import AppConfig
-from tests.test_abuse import FakeStream
 
 testclient = pytest.importorskip("fastapi.testclient")
 
 MODEL = "tiny-bd"
+
+
+class FakeStream:
+    """A generation's events as the dispatcher gives them: accepted, a delta per two characters, done."""
+
+    def __init__(self, text: str, prompt_tokens: int, max_tokens: int) -> None:
+        self.events = [{"type": "accepted", "add_ms": 0.1}] + [
+            {"type": "delta", "text": text[i:i + 2]} for i in range(0, len(text), 2)] + [
+            {"type": "done", "finish_reason": "length", "text": text, "prompt_tokens": prompt_tokens,
+             "completion_tokens": len(text), "max_tokens": max_tokens, "rounds": 2, "ttft_s": 0.01, "e2e_s": 0.02,
+             "queue_s": 0.0, "threshold": 0.9, "resumes": 0}]
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        await asyncio.sleep(0)
+        if not self.events:
+            raise StopAsyncIteration
+        return self.events.pop(0)
+
+    def cancel(self) -> None:
+        self.events = []
 
 
 def front_of(**http):
