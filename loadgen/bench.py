@@ -507,11 +507,15 @@ def run(args, out=None) -> tuple[dict, bool]:
     auto_eos = args.dataset_name == "random" and not args.ignore_eos
     args.ignore_eos = args.ignore_eos or auto_eos
     prompts = load_prompts(args, tok)
+    if args.endpoint and BACKENDS[args.backend] == "completion" and any(p.messages for p in prompts):
+        raise ValueError(f"--dataset-path {args.dataset_path} has chat lines ({{\"messages\": ...}}), which "
+                         f"--endpoint {args.endpoint} cannot take; use --backend openai-chat")
     offsets = request_offsets(len(prompts), args.request_rate, args.burstiness, args.seed)
     trace = build_trace(prompts, offsets, BACKENDS[args.backend], _extra_body(args), args.request_id_prefix,
                         args.threshold, args.slo_ms, args.slo_ms_per_token)
     cfg = ReplayConfig(url=base, model=model_name, timeout_s=args.timeout, progress=not args.disable_tqdm,
-                       api_key=key, max_concurrency=args.max_concurrency, path=path, lead_s=0.0)
+                       api_key=key, max_concurrency=args.max_concurrency, lead_s=0.0,
+                       path=path if args.endpoint else None)  # None: a JSONL chat line goes to the chat path
 
     print("Starting initial single prompt test run...", file=out)
     probe = replay([replace(trace[0], arrival_s=0.0, request_id=trace[0].request_id + "-test")],

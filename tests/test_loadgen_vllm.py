@@ -201,6 +201,19 @@ def test_bench_chat_remask_dataset_and_options(noop, tmp_path, capsys):
     assert res["remask"]["ignore_eos"] is False and httpx.get(url + "/noop/stats").json()["max_inflight"] <= 2
 
 
+def test_bench_jsonl_file_with_completion_and_chat_lines(noop, tmp_path, capsys):
+    url = noop("--reply", "fine")
+    lines = [{"prompt": "tell me", "max_tokens": 5}, {"messages": [{"role": "user", "content": "and you"}],
+                                                     "max_tokens": 3}]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    assert main(["loadgen", "bench", "--base-url", url, "--tokenizer", "tiny-bd", "--dataset-name", "jsonl",
+                 "--dataset-path", str(tmp_path / "p.jsonl"), "--num-prompts", "4", "--custom-output-len", "-1",
+                 "--disable-tqdm", "--save-result", "--result-filename", str(tmp_path / "r.json")]) == 0
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["completed"] == 4 and res["remask"]["ignore_eos"] is False  # a chat line went to the chat path
+    assert res["input_lens"] == [7] * 4 and res["output_lens"] == [4] * 4  # the no-op's usage: its reply
+
+
 def test_random_dataset_goes_without_ignore_eos_when_the_server_refuses_it(noop, capsys):
     url = noop("--refuse", "ignore_eos")
     base = ["loadgen", "bench", "--base-url", url, "--tokenizer", "tiny-bd", "--num-prompts", "4", "--disable-tqdm",
@@ -227,8 +240,11 @@ def test_random_dataset_goes_without_ignore_eos_when_the_server_refuses_it(noop,
     (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "needs a chat endpoint"),
     (["--endpoint", "/v1/chat/completions"], "use --backend openai-chat"),
     (["--tokenizer", "no-such-tokenizer-xyz"], "not an embedded model, not a local directory"),
+    (["--dataset-name", "jsonl", "--dataset-path", "{chat}", "--endpoint", "/v1/completions"], "has chat lines"),
 ])
-def test_bad_flag_values_are_clear_errors(extra, message, capsys):
+def test_bad_flag_values_are_clear_errors(extra, message, capsys, tmp_path):
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    extra = [x.replace("{chat}", str(tmp_path / "chat.jsonl")) for x in extra]
     base = ["loadgen", "bench", "--port", "9", "--model", "m", "--tokenizer", "tiny-bd", "--num-prompts", "3"]
     assert main([*base, *extra]) == 2
     assert message in capsys.readouterr().err
