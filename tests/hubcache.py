@@ -43,3 +43,14 @@ def lay_out(checkpoint: str | Path, hf_home: str | Path, repo_id: str, *, commit
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / revision).write_text(commit)
     return snapshot
+
+
+def go_offline(monkeypatch, hf_home: str | Path) -> None:
+    """huggingface_hub offline with its cache under ``hf_home``, in this process (its constants are read at
+    import: patched) and in the processes it starts (the environment)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(Path(hf_home) / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

@@ -11,7 +11,7 @@ import pytest
 
 from engine.loading import resolve_model
 from engine.models.hub import ALLOW_PATTERNS, is_hub_id, local_model, snapshot_ref
-from tests.hubcache import COMMIT, lay_out
+from tests.hubcache import COMMIT, go_offline, lay_out
 from tools.cli import main
 
 REPO = "acme/tiny-dream"
@@ -31,14 +31,9 @@ def hub_home(tmp_path_factory):
 
 @pytest.fixture
 def offline(hub_home, monkeypatch):
-    """huggingface_hub offline, its cache in hub_home (its constants are read at import: patched too)."""
-    from huggingface_hub import constants
-
+    """huggingface_hub offline, its cache in hub_home: acme/tiny-dream's snapshot directory."""
     home, _ = hub_home
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    go_offline(monkeypatch, home)
     return home / "hub" / "models--acme--tiny-dream" / "snapshots" / COMMIT
 
 

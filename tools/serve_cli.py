@@ -35,7 +35,10 @@ def load_doc(path: str | None) -> dict:
         return copy.deepcopy(BASE_DOC)
     import yaml
 
-    doc = yaml.safe_load(Path(path).read_text())
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not a serve config (not YAML: {exc})") from None
     apps = doc.get("applications") if isinstance(doc, dict) else None
     if not isinstance(apps, list) or not apps:
         raise ValueError(f"{path}: not a serve config (no `applications` list); start from serve_config.yaml")

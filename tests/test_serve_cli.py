@@ -1,0 +1,195 @@
+"""``remask serve MODEL`` (tools/serve_cli.py): the serve config it writes (``--dry-run``) means what
+serve_config.yaml means, parses with the app's config class and Serve's schema, takes vLLM's options and a
+hub id from an offline hub cache; device/GPU mismatches are refused at start. One slow test starts it for real
+and stops it with Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from app.config import AppConfig
+from tests.hubcache import COMMIT, go_offline, lay_out
+from tools.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO = "acme/tiny-sdar"
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """HF_HOME holding acme/tiny-sdar, and the checkpoint directory it was laid out from."""
+    from tests.checkpoints import build_checkpoint
+
+    root = tmp_path_factory.mktemp("serve_hub")
+    checkpoint = build_checkpoint("sdar", root / "checkpoint")
+    lay_out(checkpoint, root / "home", REPO)
+    return root / "home", checkpoint
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """--device auto sees no GPU (the same answer on a GPU machine)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def dry_run(capsys, *argv: str) -> dict:
+    assert main(["serve", *argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# Remask, written by `remask serve --dry-run`")
+    return yaml.safe_load(out)
+
+
+def app_of(doc: dict) -> dict:
+    (app,) = doc["applications"]
+    return app
+
+
+def test_serve_tiny_bd_writes_what_serve_config_yaml_means(capsys, no_cuda):
+    from ray.serve.schema import ServeDeploySchema
+
+    ours, make_serve = dry_run(capsys, "tiny-bd"), yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    ServeDeploySchema.model_validate(ours)  # what `serve run FILE` checks first
+    for key in ("proxy_location", "http_options"):
+        assert ours[key] == make_serve[key]
+    ours_app, theirs = app_of(ours), app_of(make_serve)
+    assert {k: v for k, v in ours_app.items() if k != "args"} == {k: v for k, v in theirs.items() if k != "args"}
+    assert AppConfig.model_validate(ours_app["args"]) == AppConfig.model_validate(theirs["args"])
+
+
+def test_vllm_options_land_in_the_config(capsys, no_cuda, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    doc = dry_run(capsys, "tiny-mdm", "--host", "0.0.0.0", "--port", "9001", "--tp", "1", "2,4",
+                  "--served-model-name", "mdm", "--api-key", "k1", "--api-key", "k2", "--chat-template", str(template),
+                  "--max-model-len", "300", "--allowed-origins", '["https://a.example", "https://b.example"]')
+    assert doc["http_options"] == {"host": "0.0.0.0", "port": 9001}
+    cfg = AppConfig.model_validate(app_of(doc)["args"])
+    assert cfg.engine.model == "tiny-mdm" and cfg.name == "mdm" and cfg.resources.tp_degrees == [1, 2, 4]
+    assert [k.secret() for k in cfg.http.api_keys] == ["k1", "k2"]
+    assert cfg.http.chat_template == template.read_text()  # the file's text: the config stands alone
+    assert cfg.http.max_model_len == 300 and cfg.http.max_tokens_limit == 300  # no answer past it
+    assert cfg.http.allowed_origins == ["https://a.example", "https://b.example"]
+    assert cfg.engine.device == "cpu" and cfg.resources.gpus_per_rank == 0
+    doc = dry_run(capsys, "tiny-bd", "--tensor-parallel-size", "2", "--allowed-origins", "*")
+    assert app_of(doc)["args"]["resources"]["tp_degrees"] == [2]
+    assert app_of(doc)["args"]["http"]["allowed_origins"] == ["*"]
+
+
+def test_device_auto_takes_cuda_with_a_gpu_per_rank(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = AppConfig.model_validate(app_of(dry_run(capsys, "tiny-bd", "--tp", "1,2"))["args"])
+    assert cfg.engine.device == "cuda" and cfg.resources.gpus_per_rank == 1
+    cfg = AppConfig.model_validate(app_of(dry_run(capsys, "tiny-bd", "--device", "cpu"))["args"])
+    assert cfg.engine.device == "cpu" and cfg.resources.gpus_per_rank == 0
+
+
+def test_config_file_is_the_start_and_the_options_override_it(capsys, hub, no_cuda):
+    _, checkpoint = hub
+    doc = dry_run(capsys, str(checkpoint), "--config", str(ROOT / "serve_config.checkpoint.yaml"), "--device", "cpu",
+                  "--port", "8123")
+    args = app_of(doc)["args"]
+    assert doc["http_options"]["port"] == 8123 and doc["proxy_location"] == "HeadOnly"
+    assert args["engine"]["model"] == str(checkpoint) and args["engine"]["device"] == "cpu"
+    assert args["resources"]["gpus_per_rank"] == 0
+    assert args["http"] == {"served_model_name": "dream-7b", "max_tokens_limit": 1024, "default_max_tokens": 256}
+    # the GPU config keeps its planner and its app-level autoscaling policy; its device stays without --device
+    doc = dry_run(capsys, "tiny-bd", "--config", str(ROOT / "serve_config.gpu.yaml"))
+    assert app_of(doc)["autoscaling_policy"] == {"policy_function": "app.autoscaling:planner_policy"}
+    cfg = AppConfig.model_validate(app_of(doc)["args"])
+    assert cfg.engine.device == "cuda" and cfg.resources.gpus_per_rank == 1 and cfg.planner.gpus == 8
+
+
+def test_a_hub_id_resolves_from_the_offline_cache_and_stays_a_hub_id(capsys, hub, monkeypatch, no_cuda):
+    home, _ = hub
+    go_offline(monkeypatch, home)
+    assert main(["serve", REPO, "--revision", "main", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert f"resolved to {home / 'hub' / 'models--acme--tiny-sdar' / 'snapshots' / COMMIT}" in out.err
+    engine = app_of(yaml.safe_load(out.out))["args"]["engine"]
+    assert engine["model"] == REPO and engine["revision"] == "main"  # portable: each `serve run` resolves it
+    assert main(["serve", "acme/missing", "--dry-run"]) == 2
+    assert "hub model 'acme/missing' is not in the hub cache" in capsys.readouterr().err
+
+
+def test_mismatches_and_bad_input_are_errors_at_start(capsys, tmp_path, no_cuda):
+    with pytest.raises(ValidationError, match="engine.device cuda with resources.gpus_per_rank 0"):
+        AppConfig(engine={"device": "cuda"})
+    with pytest.raises(ValidationError, match="engine.device cpu with resources.gpus_per_rank 1"):
+        AppConfig(resources={"gpus_per_rank": 1})
+    assert AppConfig(resources={"gpus_per_rank": 0.5}).resources.shares_gpus  # logical GPU shares on a CPU
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"applications": [{"name": "remask", "import_path": "deployments.builder:build_app",
+                                                     "args": {"engine": {"device": "cuda"}}}]}))
+    cases = [(["tiny-bd", "--config", str(bad)], "engine.device cuda with resources.gpus_per_rank 0"),
+             ([], "name a MODEL"),
+             (["tiny-bd", "--chat-template", "no-such-file"], "neither a file nor a Jinja template"),
+             (["tiny-bd", "--allowed-origins", '["*", 3]'], "a JSON list of strings"),
+             (["tiny-bd", "--config", str(ROOT / "pyproject.toml")], "not a serve config"),
+             (["nowhere/at/all"], "unknown model 'nowhere/at/all'")]
+    for argv, message in cases:
+        assert main(["serve", *argv, "--dry-run"]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_a_hub_id_for_real_and_stop_it_with_ctrl_c(hub, tmp_path):
+    """`remask serve org/name` in a process of its own (its own Ray), offline: /health, one completion, then
+    SIGINT: Serve and Ray shut down and the command exits 0."""
+    import httpx
+
+    home, _ = hub
+    port = _free_port()
+    config = tmp_path / "light.yaml"  # the start made light: no profile measurement, no learners
+    config.write_text(yaml.safe_dump({"applications": [{"name": "remask", "route_prefix": "/",
+                                                        "import_path": "deployments.builder:build_app", "args": {
+        "engine": {"slots": 4, "profile_seconds": 0}, "router": {"predictors": "off"},
+        "resources": {"cpus_per_replica": 0.1}}}]}))
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", REPO, "--config", str(config), "--port",
+                             str(port), "--device", "cpu", "--address", "local"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        assert proc.poll() is None, proc.stdout.read()
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"model": REPO, "prompt": "Grüße", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == REPO and body["usage"]["completion_tokens"] > 0
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "remask: stopping" in out and "Traceback" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
