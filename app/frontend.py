@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from app import api, heap, playground
+from app import api, gc_pauses, playground
 from app.auth import Keyring, RateLimits
 from app.completions import CompletionService
 from app.config import AppConfig
@@ -74,8 +74,8 @@ class Frontend:
             on_batch=self.on_batch, on_migration=self.metrics.migration, learning=self.learning)
         self._lag_task: asyncio.Task | None = None  # the event-loop lag probe, started with the first request
         self._planner = None
-        if cfg.planner is not None:  # the TP groups' sizes follow the planner (app.autoscaling)
-            from app.autoscaling import build_service
+        if cfg.planner is not None:  # the TP groups' sizes follow the planner (app.planner_service)
+            from app.planner_service import build_service
 
             planner = build_service(cfg, self.model_cfg)
             # arrivals are queued without a lock; the calls that take the planner's lock (which a solve holds)
@@ -88,9 +88,9 @@ class Frontend:
         self.completions = CompletionService(cfg, self.model_cfg, self.tokenizer, self.dispatcher, self.gate,
                                              self.metrics, self.outcomes, self._planner)
         self.started = time.time()
-        self.gc_pauses = heap.PauseTimer(self.metrics.collected)
+        self.gc_pauses = gc_pauses.PauseTimer(self.metrics.collected)
         if tune_process:
-            heap.settle("ingress")
+            gc_pauses.settle("ingress")
             # the event loop shares the GIL with Serve's replica thread, the tokenizer's and the learners' threads:
             # one of them busy holds it up to the switch interval (Python's default 5 ms) before the loop's turn
             sys.setswitchinterval(GIL_SWITCH_S)

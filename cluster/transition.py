@@ -18,7 +18,7 @@ node would leave it no room.
 The executor carries an issued action out its own way: the simulator starts an instance after a
 load delay and drains one (``sim/reconfig.py``); the live policy turns the issued actions into replica
 counts per TP degree (``targets``) for Ray Serve and reports ``ready``/``stopped`` as replicas join and
-leave (``app/autoscaling.py``).
+leave (``app/planner_service.py``).
 """
 
 from __future__ import annotations

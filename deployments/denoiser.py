@@ -26,7 +26,7 @@ import time
 
 from ray import serve
 
-from app import heap
+from app import gc_pauses
 from app.config import INGRESS, AppConfig, tp_worker_name
 
 log = logging.getLogger("ray.serve")
@@ -65,7 +65,7 @@ class Denoiser:
         self.loop, self.channel = self.server.loop, self.server.channel
         self._stopped = threading.Event()
         self.register_s = 2.0
-        heap.settle(f"denoiser {self.actor_name}")  # before the round loop serves: no full walk of the model
+        gc_pauses.settle(f"denoiser {self.actor_name}")  # before the round loop serves: no full walk of the model
         threading.Thread(target=self._register, name="remask-register", daemon=True).start()
 
     def _measure_profile(self) -> dict | None:

@@ -15,13 +15,13 @@ from app.config import AppConfig
 @ray.remote
 class TPWorker:
     def __init__(self, cfg: AppConfig, rank: int, world: int, init_method: str) -> None:
-        from app import heap
+        from app import gc_pauses
         from deployments.startup import start_engine
         from engine.instance import Follower
 
         self.follower = Follower(start_engine(cfg, rank, world, init_method))
         self.rank = rank
-        heap.settle(f"tensor-parallel rank {rank}")
+        gc_pauses.settle(f"tensor-parallel rank {rank}")
 
     def step(self, commands: list[tuple], plan) -> int:
         return self.follower.step(commands, plan)

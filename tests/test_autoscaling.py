@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.autoscaling import build_service, initial_counts, pack, planner_policy
+from app.autoscaling import initial_counts, planner_policy
 from app.config import INGRESS, AppConfig, EngineArgs, ResourceArgs, denoiser_name, kv_pool_args
+from app.planner_service import build_service, pack
 
 
 class Clock:

@@ -212,10 +212,10 @@ def test_records_without_threshold_or_slo_count_only_where_they_can():
     assert s["finished"]["slo_attainment"] == 1.0 and set(s["finished"]["e2e_s_median"]) == {1, 2}
 
 
-# ---- the live service (app.autoscaling.PlannerService) ------------------------------------------------------
+# ---- the live service (app.planner_service.PlannerService) ---------------------------------------------------
 def _service():
-    from app.autoscaling import build_service
     from app.config import AppConfig
+    from app.planner_service import build_service
 
     class Clock:
         t = 0.0

@@ -1,4 +1,4 @@
-"""The Python heap of a serving process: start-up objects out of the collector's sight, and its pauses timed.
+"""Garbage-collector pauses of a serving process: start-up objects out of the collector's sight, each pause timed.
 
 A process that imports Ray, Serve, FastAPI, torch and a tokenizer, and loads a model, holds some 350,000
 objects before it serves its first request. Python's cyclic collector walks all of them in each full
@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-log = logging.getLogger("remask.heap")
+log = logging.getLogger("remask.gc_pauses")
 
 
 def settle(who: str) -> int:

@@ -1,10 +1,10 @@
-"""app/heap.py: start-up objects frozen out of the collector's walks, and each collection timed."""
+"""app/gc_pauses.py: start-up objects frozen out of the collector's walks, and each collection timed."""
 
 from __future__ import annotations
 
 import gc
 
-from app import heap
+from app import gc_pauses
 from app.metrics import Metrics
 
 
@@ -17,7 +17,7 @@ def test_settle_freezes_what_start_up_left_and_collects_its_garbage():
     ref = id(a)
     del a
     try:
-        frozen = heap.settle("test")
+        frozen = gc_pauses.settle("test")
         assert frozen == gc.get_freeze_count() > 1000  # pytest, prometheus_client... all frozen
         assert all(id(o) != ref for o in gc.get_objects())  # the cycle was collected, not frozen
         assert len(gc.get_objects()) < frozen  # a full collection walks only what came after
@@ -27,7 +27,7 @@ def test_settle_freezes_what_start_up_left_and_collects_its_garbage():
 
 def test_pause_timer_hands_each_collection_to_the_metric_once():
     m = Metrics(model_name="t")
-    timer = heap.PauseTimer(m.collected)
+    timer = gc_pauses.PauseTimer(m.collected)
     try:
         gc.collect(2)
         gc.collect(0)
