@@ -330,6 +330,7 @@ def vllm_metrics(results: list[RequestResult], input_lens: list[int], duration_s
         "generated_texts": [r.text for r in results],
         "errors": [r.error or "" for r in results],
     }
+    out.update(peaks(results, output_lens))
     values = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els}
     for m in metrics:
         arr = np.asarray(values[m] or [0.0], dtype=float)
@@ -339,6 +340,28 @@ def vllm_metrics(results: list[RequestResult], input_lens: list[int], duration_s
         for p in percentiles:
             out[f"{pct_name(p)}_{m}_ms"] = float(np.percentile(arr, p))
     return out
+
+
+def peaks(results: list[RequestResult], output_lens: list[int]) -> dict:
+    """vLLM's ``max_output_tokens_per_s`` (the most output tokens in one whole second from the first send, a
+    request's tokens spread evenly over its streamed chunks: a diffusion model streams a block a chunk) and
+    ``max_concurrent_requests`` (the most successful requests in flight at once, [send, end) intervals)."""
+    ok = [(r, n) for r, n in zip(results, output_lens, strict=True) if r.ok]
+    if not ok:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    t0 = min(r.send_s for r, _ in ok)
+    buckets: dict[int, float] = {}
+    events = []
+    for r, n in ok:
+        for off in r.chunk_offsets_ms:
+            second = int(r.send_s - t0 + off / 1000.0)
+            buckets[second] = buckets.get(second, 0.0) + n / len(r.chunk_offsets_ms)
+        events += [(r.send_s, 1), (r.send_s + r.e2el_ms / 1000.0, -1)]
+    level = top = 0
+    for _, step in sorted(events):  # an end before a start at the same instant
+        level += step
+        top = max(top, level)
+    return {"max_output_tokens_per_s": max(buckets.values(), default=0.0), "max_concurrent_requests": top}
 
 
 def _line(label: str, value, spec: str = "") -> str:
@@ -360,6 +383,8 @@ def format_table(res: dict, metrics: list[str], percentiles: list[float]) -> str
     if res.get("request_goodput") is not None:
         lines.append(_line("Request goodput (req/s):", res["request_goodput"], ".2f"))
     lines += [_line("Output token throughput (tok/s):", res["output_throughput"], ".2f"),
+              _line("Peak output token throughput (tok/s):", res["max_output_tokens_per_s"], ".2f"),
+              _line("Peak concurrent requests:", res["max_concurrent_requests"], ".2f"),
               _line("Total Token throughput (tok/s):", res["total_token_throughput"], ".2f")]
     for m in PERCENTILE_METRICS:
         if m not in metrics:

@@ -27,11 +27,12 @@ VLLM_KEYS = {"date", "endpoint_type", "backend", "label", "model_id", "tokenizer
              "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
              "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
              "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
-             "queue_times", "generated_texts", "errors",
+             "queue_times", "generated_texts", "errors", "max_output_tokens_per_s", "max_concurrent_requests",
              *(f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl"))}
 TABLE = ["============ Serving Benchmark Result ============", "Successful requests:", "Failed requests:",
          "Request rate configured (RPS):", "Benchmark duration (s):", "Total input tokens:", "Total generated tokens:",
          "Request throughput (req/s):", "Request goodput (req/s):", "Output token throughput (tok/s):",
+         "Peak output token throughput (tok/s):", "Peak concurrent requests:",
          "Total Token throughput (tok/s):", "---------------Time to First Token----------------", "Mean TTFT (ms):",
          "Median TTFT (ms):", "P99 TTFT (ms):", "-----Time per Output Token (excl. 1st token)------", "Mean TPOT (ms):",
          "---------------Inter-token Latency----------------", "P99 ITL (ms):", "=" * 50]
@@ -155,6 +156,14 @@ def test_vllm_metrics_on_known_inputs(tok):
     assert m["ttfts"] == [0.1, 0.2, 0.3, 0.0, 0.4] and m["itls"][1] == [0.4] and m["itls"][3] == []
     assert m["errors"] == ["", "", "", "HTTP 500: boom", ""] and m["latencies"][4] == 2.4
     assert vllm_metrics(results, [1] * 5, 4.0, tok, ["e2el"], [99.0], {"e2el": 1000.0})["request_goodput"] == 0.75
+    # peaks: a sent at 0 (chunks at 0.5 s and 1.2 s), b at 0.8 s (one chunk at 1.0 s), e at 0.2 s (chunks at 0.3, 2.5 s)
+    for r, send, offsets in ((results[0], 0.0, [500.0, 1200.0]), (results[1], 0.8, [200.0]),
+                             (results[4], 0.2, [100.0, 2300.0])):
+        r.send_s, r.chunk_offsets_ms = send, offsets
+    results[2].send_s, results[2].chunk_offsets_ms = 5.0, [300.0]
+    p = vllm_metrics(results, [1] * 5, 4.0, tok, ["ttft"], [99.0])
+    # second 0: a 5 + e 5.5; second 1: a 5 + b 5; second 2: e 5.5; second 5: c 1
+    assert p["max_output_tokens_per_s"] == 10.5 and p["max_concurrent_requests"] == 3  # a, b, e overlap at 0.8 s
     none = vllm_metrics(results[3:4], [4], 1.0, tok, ["ttft"], [99.0], None)
     assert none["request_goodput"] is None and none["mean_ttft_ms"] == 0.0 and none["completed"] == 0  # vLLM's 0
 
