@@ -1,4 +1,7 @@
-"""The cluster router core (DiLaServe's Alg. 1-3): pure Python, no torch, no ray."""
+"""The cluster control, pure Python (no torch, no ray): the cluster driver (``driver``: the one door the live
+dispatcher and the simulator both go through), the router core (DiLaServe's Alg. 1-3: ``router``,
+``policies``, ``state``, ``thresholds``), admission, step estimators, the TP latency model, capacity,
+placement, the transition follower and the online learners' wiring (``learning``)."""
 
 from __future__ import annotations
 
