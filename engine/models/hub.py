@@ -46,8 +46,8 @@ def snapshot_ref(path: str | Path) -> tuple[str, str] | None:
 def resolve_hub(repo_id: str, revision: str | None = None) -> Path:
     """The local snapshot directory of hub model ``repo_id`` at ``revision`` (default: the repo's main
     branch), downloaded first when not cached. Errors: ``FileNotFoundError`` (not cached and the hub cannot
-    be reached, or no such repo or revision), ``PermissionError`` (gated or private: ``HF_TOKEN``),
-    ``ValueError`` (not a valid repo id)."""
+    be reached, no such repo or revision, or a gated one without ``HF_TOKEN``), ``ValueError`` (not a valid
+    repo id): the command lines print either as one line."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -69,7 +69,7 @@ def resolve_hub(repo_id: str, revision: str | None = None) -> Path:
             + ("HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached")
             + ": download it where the hub is reachable (the same HF_HOME), or give a local directory") from None
     except GatedRepoError:
-        raise PermissionError(f"{where} is gated: accept its terms on the hub and set HF_TOKEN") from None
+        raise FileNotFoundError(f"{where} is gated: accept its terms on the hub and set HF_TOKEN") from None
     except RevisionNotFoundError:
         raise FileNotFoundError(f"{where}: no such revision on the hub") from None
     except RepositoryNotFoundError:
