@@ -144,7 +144,7 @@ class RouterArgs(_Section):
     default_slo_ms: float = Field(60_000, gt=0, description="SLO of requests that give no slo_ms")
     profile: str | None = Field(None, description="latency profile (profiles/<name>.json) the router predicts "
                                                   "step times with; default cpu-<model> on CPU when measured, "
-                                                  "else h200-llada8b; unset, each replica's measured profile "
+                                                  "else h200-llada8b-measured; unset, each replica's measured profile "
                                                   "replaces it for its TP degree")
     shed_over_capacity: bool = Field(True, description="429 for a new request when load control finds the "
                                                        "cluster over capacity even at the lowest thresholds")
@@ -403,7 +403,7 @@ class AppConfig(BaseModel):
 
     def profile_name(self) -> str:
         """The router's latency profile: ``router.profile``, else the model's measured CPU profile on a CPU,
-        else h200-llada8b."""
+        else h200-llada8b-measured."""
         from engine.latency_profile import PROFILES_DIR
 
         if self.router.profile:
@@ -411,7 +411,7 @@ class AppConfig(BaseModel):
         model, device = self.engine.model, self.engine.device
         if not device.startswith("cuda") and (PROFILES_DIR / f"cpu-{model}.json").exists():
             return f"cpu-{model}"
-        return "h200-llada8b"
+        return "h200-llada8b-measured"
 
 
 CPU_KV_MEMORY_MB = 1024  # the KV pool's budget on a CPU when the config gives none

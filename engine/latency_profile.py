@@ -36,10 +36,27 @@ class LatencyProfile:
                 raise ValueError(f"profile {self.name}: curve {kind!r} needs ascending token counts")
             self.curves[kind] = [(float(t), float(ms)) for t, ms in pts]
 
-    def curve_ms(self, kind: str, tokens: float) -> float:
+    def curve(self, kind: str) -> list[tuple[float, float]]:
+        """The points that price ``kind``. Where the profile lacks that kind's curve, another stands in at
+        the same query tokens, denoise first: the block kinds (prefill, denoise, cached: one block's query
+        tokens over a cache) cost alike per token, a full-sequence model's profile has no prefill curve and
+        a block-causal model's none for cached or recompute steps (which the planner's full-sequence cost
+        model still prices: a recompute then costs its tokens as denoise tokens, without their attention
+        to one another). A profile with no curve that can stand in (none of the block kinds) fails here,
+        naming the kinds it has."""
         pts = self.curves.get(kind)
-        if pts is None:
-            pts = self.curves["denoise"]
+        if pts is not None:
+            return pts
+        if kind not in StepKind._value2member_map_:
+            raise ValueError(f"profile {self.name}: unknown step kind {kind!r}")
+        for stand_in in (StepKind.DENOISE, StepKind.CACHED, StepKind.PREFILL):
+            if stand_in in self.curves:
+                return self.curves[stand_in]
+        raise ValueError(f"profile {self.name} has no {kind!r} curve and no block-step curve to stand in for it "
+                         f"(it has {', '.join(sorted(self.curves)) or 'none'}): measure one with `remask profile`")
+
+    def curve_ms(self, kind: str, tokens: float) -> float:
+        pts = self.curve(kind)
         if tokens <= 0:
             return 0.0
         if len(pts) == 1:  # one measured shape (a short measurement on a busy machine): proportional to tokens
@@ -119,11 +136,15 @@ TP_SPEEDUP = {1: 1.0, 2: 0.75, 4: 0.45}
 
 
 def load_tp_profiles(name: str, degrees: list[int] | tuple[int, ...] = (1, 2, 4)) -> dict[int, LatencyProfile]:
-    """One profile per TP degree: ``{name}-tp{d}.json`` where measured, else ``name`` scaled by TP_SPEEDUP."""
+    """One profile per TP degree: ``{name}-tp{d}.json`` where measured, else ``name`` scaled by TP_SPEEDUP.
+    ``name``: a profile in profiles/, or a JSON file's path (its ``-tp{d}`` siblings beside it)."""
     base = load_profile(name)
+    path = Path(name)
+    folder, stem = (path.parent, path.stem) if path.suffix else (PROFILES_DIR, name)
+    name = stem
     out = {}
     for d in degrees:
-        measured = PROFILES_DIR / f"{name}-tp{d}.json"
+        measured = folder / f"{name}-tp{d}.json"
         if d != 1 and measured.exists():
             out[d] = load_profile(str(measured))
         elif d in TP_SPEEDUP:

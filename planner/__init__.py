@@ -15,7 +15,7 @@ Pieces (each usable alone):
 
 API for an autoscaling policy (Ray Serve ``autoscaling_policy`` or the simulator)::
 
-    planner = Planner(Cluster.uniform(nodes, gpus_per_node), load_tp_profiles("h200-llada8b"),
+    planner = Planner(Cluster.uniform(nodes, gpus_per_node), load_tp_profiles("h200-llada8b-measured"),
                       PlannerConfig(period_s=300), clock=time.monotonic)
     planner.observe(input_tokens, output_tokens)      # per arrival (O(1)), or
     planner.observe_rates([WorkloadClass(...), ...])  # rates measured elsewhere (replica metrics)

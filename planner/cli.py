@@ -44,7 +44,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--rps", type=float, help="requests per second of the default ShareGPT-like mix (2 per GPU)")
     p.add_argument("--workload", help='JSON list of {"name", "rate", "input_tokens", "output_tokens"}')
-    p.add_argument("--profile", default="h200-llada8b")
+    p.add_argument("--profile", default="h200-llada8b-measured")
     p.add_argument("--degrees", type=_ints, default=(1, 2, 4))
     p.add_argument("--utilisation", type=float, default=0.9, help="stability: load <= this x capacity")
     p.add_argument("--slo-scale", type=float, default=5.0, help="SLO = k x TP-1 isolated latency")

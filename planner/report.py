@@ -45,7 +45,7 @@ def capacity_dict(plan: CapacityPlan) -> dict:
     }
 
 
-def plan_report(cluster: Cluster, classes: list[WorkloadClass], profile: str = "h200-llada8b",
+def plan_report(cluster: Cluster, classes: list[WorkloadClass], profile: str = "h200-llada8b-measured",
                 degrees: tuple[int, ...] = (1, 2, 4), stage1: Stage1Config | None = None,
                 steps: StepModel | None = None, solver: str = "auto", reference: bool = False) -> dict:
     """``reference``: Stage 1 with its first formulation (``stage1_reference``), for comparison."""

@@ -134,7 +134,7 @@ def _binom(n: int, p: float) -> np.ndarray:
 
 def _curve(prof: LatencyProfile, kind: str, tokens) -> np.ndarray:
     """``prof.curve_ms`` over an array of token counts (0 for none)."""
-    pts = prof.curves.get(kind) or prof.curves["denoise"]
+    pts = prof.curve(kind)
     x = np.asarray(tokens, dtype=float)
     if len(pts) == 1:
         y = pts[0][1] * x / pts[0][0]

@@ -3,7 +3,7 @@
 Requests are LLaDA-8B-shaped: a 256-token output canvas in 8 blocks of 32
 with the approximate KV cache, prompts of ``prompt_scale`` tokens per
 character of a held-out task-suite prompt (~40-280 tokens), and time from
-the ``h200-llada8b`` profile. Their denoising behaviour is real but scaled:
+the ``h200-llada8b-measured`` profile. Their denoising behaviour is real but scaled:
 the embedded ``tiny-bd`` model decodes each held-out prompt at every
 candidate threshold (``sim/threshold_table.py``); a prompt it finishes in R_t
 rounds at threshold t needs ``blocks + steps_scale * (R_t - 1)`` steps here
@@ -56,7 +56,7 @@ class ClusterScenario:
     name: str
     policies: tuple[str, ...]
     tp_degrees: tuple[int, ...] = (1,) * 16
-    profile: str = "h200-llada8b"
+    profile: str = "h200-llada8b-measured"
     slots: int = 32
     rate: float = 60.0  # requests per second (default of --rate)
     slo_factor: float = 5.0

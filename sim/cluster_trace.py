@@ -5,7 +5,7 @@ DiLaServe §5.2 / Fig. 8: a 2-hour trace whose rate rises and falls (and bursts)
 instance mixes of the same GPUs.
 
 - Requests: those of the other cluster scenarios (``cluster_scenarios``: LLaDA-8B-shaped, 256-token
-  canvas, steps and answers from the embedded model's threshold table, ``h200-llada8b`` TP-1/2/4
+  canvas, steps and answers from the embedded model's threshold table, ``h200-llada8b-measured`` TP-1/2/4
   profiles), arriving by ``loadgen.arrivals``' diurnal process: one sinusoidal "day" over the
   trace, started at its night trough (night -> peak -> night), peak-to-mean ``amplitude``, short
   bursts.

@@ -44,7 +44,7 @@ SCENARIOS = {
 }
 for _m in ("tiny-bd", "tiny-mdm"):
     for _a in ("burst", "burst-poisson"):
-        SCENARIOS[f"{_m}-{_a}"] = Scenario(f"{_m}-{_a}", _m, _a, "h200-llada8b", 32, 1 << 20, block=8,
+        SCENARIOS[f"{_m}-{_a}"] = Scenario(f"{_m}-{_a}", _m, _a, "h200-llada8b-measured", 32, 1 << 20, block=8,
                                            predictors=True)
 
 

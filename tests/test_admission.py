@@ -3,12 +3,29 @@ cannot make their SLO (issue 24: its serial time used to charge each step a roun
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 from cluster import RouterConfig
 from cluster.capacity import step_rounds_ms
 from cluster.latency import StepShape, TpLatencyModel
 from engine.latency_profile import load_tp_profiles
 from sim.cluster import ClusterConfig, ClusterSimulator, summarize
-from tests.test_cluster_sim import TS, synthetic
+from tests.test_cluster_sim import TS
+from tests.test_cluster_sim import synthetic as _synthetic
+
+# the hand-derived H200 table these tests' workloads and SLOs are set against (not the measured default)
+HAND_PROFILE = str(Path(__file__).parent / "profiles" / "h200-llada8b-hand.json")
+
+
+def synthetic(n: int, rate: float, seed: int = 0):
+    """The synthetic workload with each SLO 5x the isolated TP-1 latency on the hand table, which these
+    simulations run on."""
+    prof = load_tp_profiles(HAND_PROFILE, [1])[1]
+    rec, cached = prof.round_ms([("recompute", 396, 0)]), prof.round_ms([("cached", 32, 396)])
+    return [dataclasses.replace(s, slo_s=5.0 * (8 * rec + (s.steps[0] - 8) * cached) / 1000.0)
+            for s in _synthetic(n, rate, seed)]
+
 
 TPS = (1, 1, 1, 1)
 
@@ -17,7 +34,7 @@ def simulate(specs, shed: bool, ask: dict | None = None):
     """remask on four TP-1 instances of 16 slots. ``ask``: filled with Router.admissible's answer for every
     placed arrival (asked as the driver asks it, right after placement, and not acted on)."""
     cfg = ClusterConfig(TPS, slots=16, router=RouterConfig(thresholds=TS), shed=shed)
-    sim = ClusterSimulator(cfg, load_tp_profiles("h200-llada8b", [1]), "remask", seed=1)
+    sim = ClusterSimulator(cfg, load_tp_profiles(HAND_PROFILE, [1]), "remask", seed=1)
     if ask is not None:
         arrive = sim.driver.arrive
 
@@ -32,7 +49,7 @@ def simulate(specs, shed: bool, ask: dict | None = None):
 
 
 def test_a_recompute_step_costs_the_round_it_is_in():
-    lat = TpLatencyModel(load_tp_profiles("h200-llada8b", [1]), 16, StepShape(32, 396))
+    lat = TpLatencyModel(load_tp_profiles(HAND_PROFILE, [1]), 16, StepShape(32, 396))
     heavy, light = step_rounds_ms(lat, 1, 16, 0.0)
     assert heavy == lat.round_ms(1, 1, 15) and light == lat.round_ms(1, 0, 16)
     assert heavy < 0.5 * lat.round_ms(1, 16, 0)  # one recompute step among cached ones, not a round of them
@@ -89,7 +106,7 @@ def test_an_arrival_gets_the_benefit_of_one_typical_estimate_error():
     sampled = sum(abs(math.exp(0.3 * rng.gauss(0, 1)) - 1) for _ in range(100_000)) / 100_000
     est = TableStepEstimator(TS, lambda s: [40.0] * len(TS), sigma=0.3)
     assert abs(est.arrival_error - sampled) < 0.005
-    lat = TpLatencyModel(load_tp_profiles("h200-llada8b", [1]), 16, StepShape(32, 396))
+    lat = TpLatencyModel(load_tp_profiles(HAND_PROFILE, [1]), 16, StepShape(32, 396))
     class Known(TableStepEstimator):  # exact estimates, and an error it is told
         arrival_error = 0.0
 

@@ -13,7 +13,7 @@ from sim.cluster import ClusterConfig, ClusterSimulator
 from sim.reconfig import PlannerController
 from tests.test_cluster_sim import TS, synthetic
 
-PROFILES = load_tp_profiles("h200-llada8b", (1, 2, 4))
+PROFILES = load_tp_profiles("h200-llada8b-measured", (1, 2, 4))
 
 
 def sim_of(tps, slots=16) -> ClusterSimulator:

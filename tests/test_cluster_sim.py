@@ -17,7 +17,7 @@ TS = (0.9, 0.8, 0.7, 0.6, 0.5)
 def synthetic(n: int, rate: float, seed: int = 0, slo_factor: float = 5.0) -> list[ClusterRequestSpec]:
     """Requests whose steps fall with the threshold (x1 .. x0.6); SLO = slo_factor x isolated TP-1 latency."""
     rng = random.Random(seed)
-    prof = load_tp_profiles("h200-llada8b", [1])[1]
+    prof = load_tp_profiles("h200-llada8b-measured", [1])[1]
     specs, t = [], 0.0
     for i in range(n):
         t += rng.expovariate(rate)
@@ -31,7 +31,7 @@ def synthetic(n: int, rate: float, seed: int = 0, slo_factor: float = 5.0) -> li
 
 def run(policy: str, specs, tps=(1, 1, 2, 4)):
     cfg = ClusterConfig(tuple(tps), slots=16, router=RouterConfig(thresholds=TS))
-    sim = ClusterSimulator(cfg, load_tp_profiles("h200-llada8b", sorted(set(tps))), policy, seed=1)
+    sim = ClusterSimulator(cfg, load_tp_profiles("h200-llada8b-measured", sorted(set(tps))), policy, seed=1)
     return sim.run(specs)
 
 
@@ -118,7 +118,7 @@ def test_online_estimator_learns_from_the_run_and_reports_its_curve():
     tps = (1, 1, 1, 1)
     cfg = ClusterConfig(tps, slots=16, router=RouterConfig(thresholds=TS), estimator="online", online_refit_every=50,
                         online_min_requests=100)
-    sim = ClusterSimulator(cfg, load_tp_profiles("h200-llada8b", [1]), "remask", seed=1)
+    sim = ClusterSimulator(cfg, load_tp_profiles("h200-llada8b-measured", [1]), "remask", seed=1)
     res = sim.run(specs)
     assert res.lost == 0 and len(res.finished) == 400
     est = summarize(res, specs, [True] * 400)["estimator"]
@@ -138,7 +138,7 @@ def test_online_estimator_learns_from_the_run_and_reports_its_curve():
 def test_shedding_refuses_arrivals_as_the_ingress_does_and_counts_them_as_misses():
     specs = synthetic(500, rate=40.0, seed=2)  # overloaded
     cfg = ClusterConfig((1, 1, 1, 1), slots=16, router=RouterConfig(thresholds=TS), shed=True)
-    sim = ClusterSimulator(cfg, load_tp_profiles("h200-llada8b", [1]), "remask", seed=1)
+    sim = ClusterSimulator(cfg, load_tp_profiles("h200-llada8b-measured", [1]), "remask", seed=1)
     res = sim.run(specs)
     assert res.shed > 0 and res.lost == 0 and len(res.finished) + res.shed == 500
     assert not sim.router.requests and not sim.truth  # refused ones left the router and the simulator

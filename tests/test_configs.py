@@ -55,7 +55,7 @@ def test_the_shipped_configs_mean_what_they_say():
         ("tiny-bd", 32, 512, [1])
     gpu = AppConfig.model_validate(shipped_args("serve_config.gpu.yaml")[0])
     assert gpu.name == "llada-8b" and gpu.engine.device == "cuda" and gpu.resources.tp_degrees == [1, 2, 4]
-    assert gpu.router.profile == "h200-llada8b" and gpu.profile_name() == "h200-llada8b"
+    assert gpu.router.profile == "h200-llada8b-measured" and gpu.profile_name() == "h200-llada8b-measured"
     assert gpu.planner is not None and gpu.planner.gpus == 8
     assert str(gpu.engine.torch_dtype()) == "torch.bfloat16"
 

@@ -18,7 +18,7 @@ from planner.stage1 import Stage1Config, default_slos
 from planner.stage2 import Cluster
 from planner.workload import ClassGrid, WorkloadClass
 
-PROFILES = load_tp_profiles("h200-llada8b")
+PROFILES = load_tp_profiles("h200-llada8b-measured")
 HIGHS = Stage1Config(solver="highs")
 TRUTH = {0.5: 0.30, 0.6: 0.36, 0.7: 0.45, 0.8: 0.60, 0.9: 0.85}  # steps per output token of "the model"
 

@@ -163,7 +163,7 @@ def _cluster_setup(slo_scale: float = 1.0, n: int = 80, rate: float = 30.0):
                                         (steps9, max(8.0, steps9 * 0.8), max(8.0, steps9 * 0.6)),
                                         (True, True, False), slo_scale * 3.0))
     rcfg = RouterConfig(thresholds=ths)
-    profiles = load_tp_profiles("h200-llada8b", [1, 2])
+    profiles = load_tp_profiles("h200-llada8b-measured", [1, 2])
     cfg = ClusterConfig((2, 1, 1), 32, 32, 396, router=rcfg)
     return ClusterSetup(None, None, rcfg, profiles, specs, cfg, rate, 0)
 

@@ -52,11 +52,17 @@ def test_bench_scheduler_cli(capsys):
 
 
 def test_profiles_interpolate_and_fail_clearly(tmp_path):
-    prof = load_profile("h200-llada8b")
-    assert prof.round_ms([("denoise", 32, 268)]) == pytest.approx(7.1, rel=1e-3)
-    assert prof.round_ms([("denoise", 32, 268)] * 32) == pytest.approx(40.0, rel=1e-3)
-    assert prof.round_ms([("recompute", 396, 0)]) == pytest.approx(11.5, rel=1e-3)
-    assert prof.round_ms([("denoise", 32, 10268)]) > prof.round_ms([("denoise", 32, 268)])
+    prof = load_profile("h200-llada8b-measured")  # measured on an H200 (scripts/h200_check.sh), context 96
+    assert prof.meta["device"] == "NVIDIA H200" and prof.meta["commit"] == "6cd9128"
+    assert prof.round_ms([("denoise", 32, 96)]) == pytest.approx(7.233, rel=1e-3)
+    assert prof.round_ms([("denoise", 32, 96)] * 32) == pytest.approx(37.151, rel=1e-3)
+    assert prof.round_ms([("recompute", 128, 0)] * 16) == pytest.approx(135.897, rel=1e-3)
+    assert prof.round_ms([("denoise", 32, 10096)]) > prof.round_ms([("denoise", 32, 96)])
+    assert prof.curve("prefill") == prof.curves["denoise"]  # a full-sequence model's profile: no prefill curve
+    only_recompute = LatencyProfile("r", {"recompute": [(128, 9.0), (256, 12.0)]})
+    assert only_recompute.round_ms([("recompute", 128, 0)]) == pytest.approx(9.0)
+    with pytest.raises(ValueError, match="no 'denoise' curve and no block-step curve .*it has recompute"):
+        only_recompute.round_ms([("denoise", 32, 0)])
     costs = prof.step_costs(32, 396)
     assert costs.recompute > costs.cached
     with pytest.raises(FileNotFoundError, match="known"):
@@ -81,7 +87,7 @@ def test_model_in_the_loop_runs_the_real_engine(tok):
     model = make_model()
     prompts = ["12+5=", "rev: abc", "story: cat 2", "x", "max: a1 b2 c3 d4"]
     ref = Engine(model, tok).generate(prompts)
-    prof = load_profile("h200-llada8b")
+    prof = load_profile("h200-llada8b-measured")
     results = {}
     for policy in ("fcfs-prefill-first", "dwise"):
         specs = [SimRequestSpec(f"r{i}", "x", 0.0, len(p), [o.rounds], o.rounds, o.rounds, 8.0, 8,

@@ -1,6 +1,6 @@
 """``remask bench router``: the router's own cost per step event (pure Python).
 
-A cluster of ``instances`` TP-1 instances (h200-llada8b profile) holds
+A cluster of ``instances`` TP-1 instances (h200-llada8b-measured profile) holds
 ``requests`` active requests. Each event is one instance finishing a round
 of up to ``slots`` of its requests: the router takes the step results
 (``on_step``: estimates, step kinds, loads, load control on its interval,
@@ -26,7 +26,7 @@ from cluster.state import RequestState
 
 
 def bench_router(instances: int = 16, requests: int = 1000, events: int = 5000, slots: int = 32,
-                 policy: str = "remask", profile: str = "h200-llada8b", seed: int = 0) -> dict:
+                 policy: str = "remask", profile: str = "h200-llada8b-measured", seed: int = 0) -> dict:
     from engine.latency_profile import load_tp_profiles
 
     rng = random.Random(seed)

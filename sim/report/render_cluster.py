@@ -50,7 +50,7 @@ def setup_text(data: dict) -> list[str]:
            "variate); those whose thresholds disagree are replayed. Accuracy cells carry the estimate's 95% "
            f"half-width, e.g. \"{scope}\".")
     return ["## Cluster level (DiLaServe) and the combined policy\n",
-            "Unless noted: 16 TP-1 instances, B = 32 slots each, the `h200-llada8b` profile, LLaDA-8B-shaped "
+            "Unless noted: 16 TP-1 instances, B = 32 slots each, the `h200-llada8b-measured` profile, LLaDA-8B-shaped "
             "requests (256-token canvas in 8 blocks, approximate KV cache) whose rounds and answers are the "
             "embedded tiny-bd model's, scaled (`sim/cluster_scenarios.py`), Poisson arrivals, SLO = 5x the "
             "request's isolated TP-1 latency at threshold 0.9, candidate thresholds "
