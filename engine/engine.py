@@ -26,6 +26,7 @@ import torch
 from engine.batch import run_model
 from engine.decoding import UnmaskRule, make_rule
 from engine.kv_cache import ApproxCache, ExactCache, KVPool
+from engine.memory import forward_bytes
 from engine.models.transformer import DLMTransformer
 from engine.runner import TorchRunner
 from engine.scheduler.types import StepKind
@@ -66,7 +67,8 @@ class Engine:
                  default_gen_length: int | None = None, max_gen_length: int = 1024,
                  kv_slots: int | None = None, kv_slot_tokens: int | None = None,
                  cuda_graphs: bool | None = None, kv_memory_bytes: int | None = None,
-                 kv_memory_fraction: float | None = None, kv_residents_max: int | None = None) -> None:
+                 kv_memory_fraction: float | None = None, kv_residents_max: int | None = None,
+                 round_memory_bytes: int | None = None) -> None:
         """The KV pool (engine/kv_cache.py): ``kv_slots`` x ``kv_slot_tokens`` positions, allocated once on
         ``device``. A slot has room for ``POOL_PROMPT_TOKENS`` of prompt and the default generation
         length (at most the model's context) unless ``kv_slot_tokens`` says otherwise; a longer request's
@@ -76,7 +78,11 @@ class Engine:
         requests as long as the model's context could take; without a budget, one per round slot
         (``max_slots``). ``kv_pool_budget`` says how it was sized. ``cuda_graphs``: replay small
         forwards over the pool from CUDA graphs (engine/graphs.py); by default on CUDA with a pool,
-        unless the model is a tensor-parallel shard."""
+        unless the model is a tensor-parallel shard. ``round_memory_bytes``: what one forward may hold beyond
+        the weights and the pool (engine/memory.py); the runner cuts a larger forward into several. By default
+        on CUDA 90% of the memory free once the pool is allocated, and a pool sized by ``kv_memory_fraction``
+        leaves room for the largest round first (so admission, which counts the pool's KV, counts it too);
+        on a CPU no bound."""
         self.model = model.eval()
         self.cfg = model.config
         self.tokenizer = tokenizer
@@ -98,6 +104,9 @@ class Engine:
         if slots:
             self.runner.pool = KVPool(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, slots, tokens,
                                       self.runner.dtype, self.device)
+        if round_memory_bytes is None and self.device.type == "cuda":
+            round_memory_bytes = int(torch.cuda.mem_get_info(self.device)[0] * 0.9)
+        self.runner.transient_budget = round_memory_bytes
         sharded = any(layer.reduce is not None for layer in model.layers)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and bool(slots) and not sharded
@@ -128,6 +137,15 @@ class Engine:
         """Device bytes of one position of K/V: 2 x layers x kv_heads x head_dim x dtype bytes."""
         return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.runner.dtype.itemsize
 
+    def round_bytes(self, slot_tokens: int) -> int:
+        """Transient bytes of the largest round this engine runs (engine/memory.py): ``max_slots`` rows, each a
+        full-sequence step over a whole slot (a full-sequence model) or a few blocks (a block-causal one),
+        decoding a block each, its K/V written in place."""
+        block = self.cfg.block_size
+        step = slot_tokens if self.cfg.attention != "block_causal" else min(slot_tokens, 4 * block)
+        return forward_bytes(self.cfg, self.runner.dtype.itemsize, self.max_slots, step, slot_tokens - step,
+                             self.max_slots * block, copied=False)
+
     def _size_kv_pool(self, tokens: int, slots: int | None, budget: int | None, fraction: float | None,
                       residents_max: int | None) -> dict:
         """How many slots of ``tokens`` positions the pool gets, and from what (the engine's docstring)."""
@@ -139,8 +157,10 @@ class Engine:
             source = "kv_memory_bytes"
         elif fraction is not None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * fraction)
-            source = f"{fraction:g} of {free / 2**20:.0f} MiB free"
+            reserve = min(self.round_bytes(tokens), free // 2)  # the largest round's transient memory first
+            budget = min(int(free * fraction), free - reserve)
+            out["round_reserve_bytes"] = reserve
+            source = f"{fraction:g} of {free / 2**20:.0f} MiB free, the largest round's {reserve / 2**20:.0f} MiB aside"
         else:
             slots, source = self.max_slots, "max_slots"
         if slots is None:

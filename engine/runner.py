@@ -32,6 +32,7 @@ import torch
 from engine.batch import Batch, Replayer, run_model
 from engine.decoding import confidence, noise_seeds, sample
 from engine.kv_cache import KVPool
+from engine.memory import forward_bytes
 from engine.models.flops import forward_flops, linear_weights
 from engine.models.layouts import emulating
 from engine.models.masks import allowed, attends_all
@@ -87,6 +88,10 @@ class TorchRunner:
             model.fuse_projections()
         self.pool: KVPool | None = None  # set by the engine: caches take slots of it, forwards attend in place
         self.graphs = graphs
+        # device bytes a forward may hold beyond the weights and the pool; a larger one is cut into several
+        # (``_fit``): set by the engine (engine/memory.py); None: no bound
+        self.transient_budget: int | None = None
+        self.split_forwards = 0  # forwards added by cutting a forward to its transient budget
         # FLOPs per byte of memory traffic at which filler rows are worth computing instead of copying
         # contexts (fill_pays): about the H200's bf16 peak over its bandwidth; a CPU core's is far lower
         self.balance = BALANCE.get(self.device.type, BALANCE["cpu"])
@@ -109,17 +114,47 @@ class TorchRunner:
         absolute position it predicts (``Sequence.decode_sampling``); None: every step is greedy."""
         outputs: list[StepOutput | None] = [None] * len(inputs)
         picked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, conf, token) on the device
-        for group in group_by_length(inputs):
-            group.sort(key=lambda i: -1 if inputs[i].slot is None else inputs[i].slot)  # pool slots in order
-            hidden, outs, row_of = self._launch([inputs[i] for i in group])
-            for i, out in zip(group, outs):
-                outputs[i] = out
-            if rows is not None:
-                picked += self._top1(hidden, [rows[i] for i in group], group, row_of,
-                                     None if sampling is None else [sampling[i] for i in group])
+        for whole in group_by_length(inputs):
+            whole.sort(key=lambda i: -1 if inputs[i].slot is None else inputs[i].slot)  # pool slots in order
+            for group in self._fit(inputs, whole, rows):
+                hidden, outs, row_of = self._launch([inputs[i] for i in group])
+                for i, out in zip(group, outs):
+                    outputs[i] = out
+                if rows is not None:
+                    picked += self._top1(hidden, [rows[i] for i in group], group, row_of,
+                                         None if sampling is None else [sampling[i] for i in group])
         if picked:
             self._fetch(outputs, picked)
         return outputs  # type: ignore[return-value]
+
+    def forward_bytes(self, steps: list[StepInput], decoded_rows: int = 0) -> int:
+        """Transient device bytes of one forward over ``steps`` (engine/memory.py): the rows it computes (the
+        slots between the steps' own when it attends to the pool), in place or with its own K/V buffer."""
+        t = max(len(s.ids) for s in steps)
+        c = max(0 if s.ctx_pos is None else len(s.ctx_pos) for s in steps)
+        slots = [s.slot for s in steps]
+        pooled = self.pool is not None and None not in slots
+        n = max(slots) - min(slots) + 1 if pooled else len(steps)
+        return forward_bytes(self.cfg, self.dtype.itemsize, n, t, c, decoded_rows, copied=not pooled,
+                             scores=self.device.type != "cuda")
+
+    def _fit(self, inputs: list[StepInput], group: list[int], rows) -> list[list[int]]:
+        """``group`` (one forward's steps, in slot order) cut into consecutive forwards whose transient memory
+        stays within ``transient_budget`` (a forward takes one step at least); each row attends only to its
+        own keys, so the cut changes no result."""
+        budget = self.transient_budget
+        if budget is None or len(group) == 1:
+            return [group]
+        out: list[list[int]] = [[]]
+        for i in group:
+            trial = out[-1] + [i]
+            decoded = 0 if rows is None else sum(len(r) for k in trial if (r := rows[k]) is not None)
+            if out[-1] and self.forward_bytes([inputs[k] for k in trial], decoded) > budget:
+                out.append([i])
+            else:
+                out[-1] = trial
+        self.split_forwards += len(out) - 1
+        return out
 
     def _top1(self, hidden: torch.Tensor, rows: list[torch.Tensor | None], ids: list[int],
               row_of: list[int], sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None

@@ -14,7 +14,7 @@ from engine.kv_cache import ApproxCache, ExactCache, KVPool
 from engine.models.flops import linear_weights
 from engine.runner import TorchRunner
 from engine.sequence import SamplingParams, StepInput, StepKind
-from tests.conftest import make_model
+from tests.builders import make_model
 
 PROMPTS = ["max: a1 b7 c3 d2", "12+5=", "rev: abcdef", "story: cat 3 and some more words here", "a", "9-4="]
 
@@ -264,7 +264,12 @@ def test_on_cuda_the_pool_takes_a_fraction_of_the_memory_free_after_the_weights(
     out = engine._size_kv_pool(64, None, None, 0.5, None)
     per_slot = 65 * engine.kv_bytes_per_token()
     assert out["budget_bytes"] == 5 * 2**20 and out["slots"] == 5 * 2**20 // per_slot
-    assert out["source"] == "0.5 of 10 MiB free"
+    reserve = out["round_reserve_bytes"]
+    assert reserve == min(engine.round_bytes(64), 5 * 2**20) > 0
+    assert out["source"] == f"0.5 of 10 MiB free, the largest round's {reserve / 2**20:.0f} MiB aside"
+    # a fraction that would leave less than the largest round's transient memory: the round's room comes first
+    tight = engine._size_kv_pool(64, None, None, 1.0, None)
+    assert tight["budget_bytes"] == 10 * 2**20 - tight["round_reserve_bytes"]
     assert engine._size_kv_pool(64, None, 2**20, 0.5, None)["budget_bytes"] == 2**20  # an explicit budget wins
     assert engine._size_kv_pool(64, 7, None, 0.5, None)["slots"] == 7  # and explicit slots over both
 
