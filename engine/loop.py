@@ -1,4 +1,5 @@
-"""The round loop of one instance, in its own thread.
+"""The round loop of one instance, in its own thread: the third of an instance's five layers, over
+``Instance`` and under the replica server (docs/architecture.md).
 
 Control messages (add, abort, thresholds) are queued and take effect at the
 next round boundary, so the loop never waits on its callers (with one bounded
