@@ -101,14 +101,18 @@ class _InstanceRounds:
 
 def profile_engine(engine: Engine, name: str, batch_sizes=(1, 2, 4, 8, 16, 32, 64), rounds: int = 6,
                    progress: bool = False, prompt_lens: tuple[int | None, ...] = (None,),
-                   max_tokens: int | None = None, budget_s: float | None = None) -> LatencyProfile:
+                   max_tokens: int | None = None, budget_s: float | None = None,
+                   warmup: bool | None = None) -> LatencyProfile:
     """Run batches of identical requests and record the median time of rounds whose steps are all of
     one kind, against the tokens in the round. The curves come from the first prompt length; rounds at
     the other (longer) lengths fit the attention term (ms per query token x context token beyond the
     curves' reference context), least squares through the origin. ``budget_s``: stop starting batches
-    after this long (the batches left out are listed in ``meta["skipped"]``)."""
+    after this long (the batches left out are listed in ``meta["skipped"]``). ``warmup`` (default: with
+    CUDA graphs): each batch runs untimed first (twice if the first pass captured a graph), so every kind's
+    rounds are steady when timed (a recompute step comes once a block: without it, a small batch's
+    recompute rounds all met their shape first or captured its graph, and its curve had no point there)."""
     return _profile(_EngineRounds(engine), engine, name, batch_sizes, rounds, progress, prompt_lens, max_tokens,
-                    budget_s)
+                    budget_s, warmup)
 
 
 def profile_instance(instance, name: str, budget_s: float = 3.0, batch_sizes: tuple[int, ...] | None = None,
@@ -127,7 +131,8 @@ def profile_instance(instance, name: str, budget_s: float = 3.0, batch_sizes: tu
 
 
 def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progress: bool,
-             prompt_lens: tuple[int | None, ...], max_tokens: int | None, budget_s: float | None) -> LatencyProfile:
+             prompt_lens: tuple[int | None, ...], max_tokens: int | None, budget_s: float | None,
+             warmup: bool | None = None) -> LatencyProfile:
     samples: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     contexts: list[int] = []
     longer: list[tuple[str, int, float, float]] = []  # (kind, tokens, mean context, ms) at other lengths
@@ -141,19 +146,35 @@ def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progre
     skipped: list[str] = []
     forwards0, pooled0 = engine.runner.forwards, engine.runner.pooled
     graphs = engine.runner.graphs
+    warm = graphs is not None if warmup is None else warmup
     t_start = time.perf_counter()
     for i, (plen, n) in enumerate(iterator):
         if i and budget_s is not None and time.perf_counter() - t_start > budget_s:  # the first batch always runs
             skipped.append(f"batch {n} x prompt {plen}: past the {budget_s:g} s budget")
             continue
+        steps = rounds + (2 if graphs is not None else 0)
+        oom = False
+        # the same batch untimed first, until a pass meets no new shape and captures nothing (at most two
+        # passes: a shape is captured the second time it is met, and a recompute step comes once a block)
+        for _ in range(2 if warm else 0):
+            before = _graph_state(engine)
+            reqs = driver.start(_prompt(engine, plen), params, n)
+            try:
+                for _ in range(steps + driver.prefill_blocks(reqs) + 1):
+                    if driver.step(reqs)[2]:
+                        break
+            except torch.OutOfMemoryError:
+                oom = True
+            driver.stop(reqs)
+            if oom or _graph_state(engine) == before:
+                break
         reqs = driver.start(_prompt(engine, plen), params, n)
-        for _ in range(rounds + driver.prefill_blocks(reqs) + 1 + (2 if graphs is not None else 0)):
+        for _ in range(0 if oom else steps + driver.prefill_blocks(reqs) + 1):
             before = _graph_state(engine)
             try:
                 ms, comp, finished = driver.step(reqs)
             except torch.OutOfMemoryError:  # too large for this device: keep the points measured so far
-                skipped.append(f"batch {n} x prompt {plen}: out of memory")
-                torch.cuda.empty_cache()
+                oom = True
                 break
             kinds = {k for k, _, _ in comp}
             if len(kinds) == 1 and _graph_state(engine) == before:  # a steady round
@@ -166,6 +187,10 @@ def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progre
             if finished:
                 break
         driver.stop(reqs)
+        if oom:
+            skipped.append(f"batch {n} x prompt {plen}: out of memory")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     curves = {}
     for kind, by_tokens in samples.items():
         curves[kind] = [(t, round(statistics.median(v), 3)) for t, v in sorted(by_tokens.items())]
@@ -178,6 +203,8 @@ def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progre
         "batch_sizes": list(batch_sizes), "prompt_lens": list(prompt_lens),
         "method": "median wall time of single-kind rounds (device synchronised)", "skipped": skipped,
         "cuda_graphs": graphs is not None,
+        "warmup": "each batch run untimed before it is timed (once or twice: until it meets no new shape)"
+        if warm else None,
         "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0})
     pairs = [(tokens * max(ctx - ref, 0.0), ms - prof.curve_ms(kind, tokens)) for kind, tokens, ctx, ms in longer]
     denom = sum(x * x for x, _ in pairs)
@@ -257,15 +284,53 @@ def _tp_rank(rank: int, world: int, port: int, model: str, out: str, device: str
 
 
 def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, slots: int = 16, seed: int = 0,
-                  progress: bool = False) -> dict:
+                  progress: bool = False, warmup: bool | None = None) -> dict:
     """A recorded real run against the profile: requests of mixed prompt and answer lengths arrive a few
     per round (so rounds mix step kinds and batch sizes, as served), each round is timed, and the
     profile's prediction for the round's composition (what the simulator charges) is compared.
 
     Returns the total time measured and predicted, their relative error, and the median and 90th
-    percentile of the per-round relative error. With CUDA graphs, the same figures without the rounds
-    that met a shape first or captured its graph (``steady``; ``warming_rounds`` of them: one-off costs
-    per shape, which the profile leaves out too)."""
+    percentile of the per-round relative error, over every round of the run.
+
+    Warm-up is kept out by design (``warmup``; by default on CUDA or with graphs, where there are
+    one-off costs to keep out): the same run (same seed: the same requests
+    arriving at the same rounds) goes once untimed first, so the timed run meets no shape for the first
+    time: its CUDA graphs are captured and the allocator has grown. Those one-off costs are a replica's
+    start, not its serving (a replica measures its profile, and so meets its shapes, before it serves),
+    and the profile leaves them out too: its curves are medians of steady rounds. The warm-up pass's own
+    figures are reported beside (``warmup``: its rounds, time measured and predicted, and how many of its
+    rounds met a shape first or captured its graph), so what the one-off costs come to is seen, not
+    hidden. ``warming_rounds`` counts such rounds in the timed run (none after a warm-up, unless the
+    graph cache dropped one); with CUDA graphs, ``steady`` gives the figures without them."""
+    if warmup is None:
+        warmup = engine.runner.graphs is not None or torch.device(engine.device).type == "cuda"
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=requests * (2 if warmup else 1), desc="check profile", unit="req")
+    forwards0, pooled0 = engine.runner.forwards, engine.runner.pooled
+    warm = _recorded_run(engine, profile, requests, slots, seed, bar) if warmup else None
+    forwards1, pooled1 = engine.runner.forwards, engine.runner.pooled
+    measured, predicted, warming, done = _recorded_run(engine, profile, requests, slots, seed, bar)
+    if bar:
+        bar.close()
+    res = {"profile": profile.name, "model": engine.cfg.extra.get("name", engine.cfg.arch),
+           "device": device_name(engine.device), **_errors(measured, predicted), "requests": done,
+           "forwards": engine.runner.forwards - forwards1, "forwards_in_kv_pool": engine.runner.pooled - pooled1,
+           "warming_rounds": sum(warming), "warmup": None}
+    if warm is not None:
+        res["warmup"] = {**_errors(warm[0], warm[1]), "warming_rounds": sum(warm[2]),
+                         "forwards": forwards1 - forwards0, "forwards_in_kv_pool": pooled1 - pooled0}
+    if engine.runner.graphs is not None:
+        res["steady"] = _errors([m for m, w in zip(measured, warming) if not w],
+                                [p for p, w in zip(predicted, warming) if not w])
+    return res
+
+
+def _recorded_run(engine: Engine, profile: LatencyProfile, requests: int, slots: int, seed: int, bar):
+    """One recorded run: each round's measured and predicted ms, whether it met a shape first or captured
+    its graph, and the requests finished."""
     rng = random.Random(seed)
     block = engine.cfg.block_size
     pending = [(_prompt(engine, rng.randint(block // 2, 4 * block), seed=i),
@@ -273,13 +338,6 @@ def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, s
                for i in range(requests)]
     live: list = []
     measured, predicted, warming = [], [], []
-    forwards0, pooled0 = engine.runner.forwards, engine.runner.pooled
-    graphs = engine.runner.graphs
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=requests, desc="check profile", unit="req")
     done = 0
     while pending or live:
         for _ in range(rng.randint(0, 3)):
@@ -299,16 +357,7 @@ def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, s
         done += len(finished)
         if bar:
             bar.update(len(finished))
-    if bar:
-        bar.close()
-    res = {"profile": profile.name, "model": engine.cfg.extra.get("name", engine.cfg.arch),
-           "device": device_name(engine.device), **_errors(measured, predicted), "requests": done,
-           "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0}
-    if graphs is not None:
-        res["warming_rounds"] = sum(warming)
-        res["steady"] = _errors([m for m, w in zip(measured, warming) if not w],
-                                [p for p, w in zip(predicted, warming) if not w])
-    return res
+    return measured, predicted, warming, done
 
 
 def _errors(measured: list[float], predicted: list[float]) -> dict:

@@ -198,3 +198,35 @@ def test_a_profile_measured_at_one_shape_scales_with_tokens_both_ways():
     assert prof.curve_ms("denoise", 64) == pytest.approx(888.8 * 8)
     assert prof.curve_ms("denoise", 4) == pytest.approx(888.8 / 2)
     assert prof.curve_ms("prefill", 16) == pytest.approx(888.8 * 2)  # a missing kind reads the denoise curve
+
+
+@pytest.mark.slow
+def test_the_check_warms_up_by_design_and_reports_the_warm_up_apart():
+    """Item 7 of issue 34: the whole-run figure is over a run that meets no shape for the first time (the
+    same run went once before, untimed), and the warm-up pass's own figures are reported beside it. CUDA
+    graphs are emulated on the CPU (engine/graphs.py), so first meetings and captures happen here too."""
+    from engine.graphs import ForwardGraphs
+    from tools.profile_cli import format_check
+
+    tiny = "llada-8b-shape:layers=1,vocab=256,hidden=64,heads=2,kv_heads=2,intermediate=128"
+
+    def engine_with_graphs():
+        engine = load_engine(tiny, dtype=torch.float32, max_slots=4)
+        engine.runner.graphs = ForwardGraphs(engine.runner.forward, "cpu", emulate=True)
+        return engine
+
+    engine = engine_with_graphs()
+    prof = profile_engine(engine, "tiny", batch_sizes=(1, 2), rounds=2, max_tokens=64)
+    assert prof.meta["warmup"] and {"recompute", "cached"} <= set(prof.curves)
+    assert [t for t, _ in prof.curves["recompute"]] == [128, 256]  # both batches' recompute rounds were steady
+    warmed = check_profile(engine_with_graphs(), prof, requests=4, slots=2)
+    cold = check_profile(engine_with_graphs(), prof, requests=4, slots=2, warmup=False)
+    w = warmed["warmup"]
+    assert w["rounds"] == warmed["rounds"] == cold["rounds"]  # the same run, twice
+    assert w["warming_rounds"] == cold["warming_rounds"] > 0  # its first meetings fell in the warm-up pass...
+    assert warmed["warming_rounds"] < w["warming_rounds"]  # ...not in the timed run
+    assert cold["warmup"] is None and cold["steady"]["rounds"] == cold["rounds"] - cold["warming_rounds"]
+    text = format_check(warmed)
+    assert "over the whole run" in text and "warm-up (the same run once before" in text
+    assert f"{w['rounds']} rounds, measured {w['measured_s']} s" in text
+    assert "no warm-up pass (--no-warmup" in format_check(cold)
