@@ -3,7 +3,7 @@
 The same MILP as ``stage1`` written with cvxpy expressions over a share ``f[c t, d b]`` of class
 c's steps per (threshold, degree, batch), every batch size kept, canonicalised by cvxpy on every
 call. ``stage1`` aggregates the shares over thresholds, drops batch columns off the convex
-frontier and builds the arrays itself; the optimum is the same (``tests/test_planner_fast.py``),
+frontier and builds the arrays itself; the optimum is the same (``tests/test_planner_reference.py``),
 the solve 5-20x faster. ``remask plan --reference`` runs this one.
 """
 
