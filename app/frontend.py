@@ -104,9 +104,9 @@ class Frontend:
         self._planner = value
         self.completions.planner = value
 
-    def document(self, web) -> None:
-        """The OpenAPI document (``/openapi.json``) with this application's model, max_tokens limit and auth."""
-        doc = web.openapi()
+    def document(self, doc: dict) -> None:
+        """The OpenAPI document (``/openapi.json``) narrowed to this application's model, max_tokens limit and
+        auth (in place)."""
         for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat"),
                            ("/tokenize", "tokenize"), ("/detokenize", "detokenize")):
             doc["paths"][path]["post"].update(api.openapi_body(kind, self.cfg.name, self.cfg.http.max_tokens_limit,

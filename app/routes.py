@@ -16,6 +16,22 @@ def build_web(front: Callable, allowed_origins: Callable) -> FastAPI:
     """The app; ``front()`` is the ``Frontend`` serving a request, ``allowed_origins()`` its CORS origins."""
     web = FastAPI(title="Remask", description="OpenAI-compatible serving of diffusion language models")
     middleware.install(web, allowed_origins)
+    documented: list[bool] = []
+
+    def openapi() -> dict:
+        """The document of the app serving it (Serve serves a copy of ``web``), narrowed by its front once
+        one is there (``Frontend.document``)."""
+        schema = FastAPI.openapi(web)  # built once, then cached on the app
+        if not documented:
+            try:
+                fe = front()
+            except Exception:  # no front yet (a replica still starting): the generic document
+                return schema
+            fe.document(schema)
+            documented.append(True)
+        return schema
+
+    web.openapi = openapi
 
     def guarded(request: Request):
         """The front of a /v1/* or /debug/* request, after its key is checked (401)."""

@@ -26,7 +26,6 @@ web = build_web(_front)  # its middleware is in place before @serve.ingress free
 class Ingress:
     def __init__(self, denoisers: dict[int, DeploymentHandle], cfg: AppConfig) -> None:
         self.front = Frontend(cfg, denoisers, tune_process=True)
-        self.front.document(web)
 
     async def register(self, info: dict) -> int:
         """A Denoiser replica announces its control channel and the latency profile it measured."""
