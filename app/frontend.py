@@ -203,7 +203,7 @@ class Frontend:
     def instances(self) -> dict:
         d = self.dispatcher
         return {"instances": d.describe(), "dispatch": d.stats,
-                "router": {**d.router.stats, "latency_scale": round(d.router.latency.scale, 3),
+                "router": {**d.driver.counters(),
                            "admission_util": round(d.governor.util, 3), "admission_cuts": d.governor.cuts},
                 "live": len(d.live), "parked": len(d.parked)}
 

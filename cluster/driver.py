@@ -112,10 +112,10 @@ class ClusterDriver:
 
     def counters(self) -> dict:
         """The router's policy, its counts (migrations, load-control runs) and the latency model's
-        calibration scale (measured over profiled round time)."""
+        calibration scale (measured over profiled round time, to 3 decimals)."""
         policy = self.router.policy
         return {"policy": getattr(policy, "name", type(policy).__name__), **self.router.stats,
-                "latency_scale": self.router.latency.scale}
+                "latency_scale": round(self.router.latency.scale, 3)}
 
     def use_profile(self, tp: int, prof: LatencyProfile) -> bool:
         """A latency profile measured for TP degree ``tp`` (a replica's own, at its start): the router's from

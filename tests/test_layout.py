@@ -140,12 +140,9 @@ def router_members() -> set[str]:
     return names
 
 
-# outside cluster/, code that still reads the router past the driver, each with its way out; remove an
-# entry once its file goes through the driver (``ClusterDriver.counters()`` has these counters)
-ROUTER_REACH_KNOWN = {
-    "deployments/ingress.py": "/debug/instances reads the router's stats and latency scale (issue 36)",
-    "app/frontend.py": "the same view, moving out of deployments/ingress.py (issue 36)",
-}
+# outside cluster/, files that still read the router past the driver, each with why; remove an entry once its
+# file goes through the driver
+ROUTER_REACH_KNOWN: dict[str, str] = {}
 
 
 def test_only_the_cluster_driver_reaches_the_router():
