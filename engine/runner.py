@@ -34,6 +34,7 @@ from engine.decoding import confidence, noise_seeds, sample
 from engine.kv_cache import KVPool
 from engine.memory import forward_bytes
 from engine.models.flops import forward_flops, linear_weights
+from engine.models.fused import choose as choose_elementwise
 from engine.models.layouts import emulating
 from engine.models.masks import allowed, attends_all
 from engine.models.transformer import DLMTransformer
@@ -86,6 +87,7 @@ class TorchRunner:
         self.device = torch.device(device)
         if fuse if fuse is not None else self.device.type == "cuda" or emulating():  # CUDA's paths where emulated
             model.fuse_projections()
+            model.use_elementwise(choose_elementwise(self.device))  # fused kernels where they pay (CUDA)
         self.pool: KVPool | None = None  # set by the engine: caches take slots of it, forwards attend in place
         self.graphs = graphs
         # device bytes a forward may hold beyond the weights and the pool; a larger one is cut into several

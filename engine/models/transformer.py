@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
+from engine.models.fused import Elementwise
 from engine.models.layouts import attention, emulating
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -100,6 +101,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
         self.qkv_proj: nn.Linear | None = None  # fuse(): q, k and v in one matrix product
+        self.kernels: Elementwise | None = None  # fused elementwise groups (engine/models/fused.py), or None
 
     def fuse(self) -> None:
         """Replace q/k/v_proj by one ``qkv_proj`` (same weights, one larger product). For inference:
@@ -123,7 +125,10 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (self.nkv, self.hd)).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kernels is not None:
+            q, k = self.kernels.rope(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = k, v
         if isinstance(room, tuple):
             index, n_keys = room
@@ -159,6 +164,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
 
         self.gate_up_proj: nn.Linear | None = None  # fuse(): gate and up in one matrix product
+        self.kernels: Elementwise | None = None  # fused elementwise groups (engine/models/fused.py), or None
 
     def fuse(self) -> None:
         """Replace gate/up_proj by one ``gate_up_proj`` (as Attention.fuse)."""
@@ -171,6 +177,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
+            if self.kernels is not None:
+                return self.down_proj(self.kernels.swiglu(self.gate_up_proj(x)))
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -330,13 +338,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
         self.reduce = None  # tensor parallelism: sums the row-parallel partial outputs across ranks
+        self.kernels: Elementwise | None = None  # fused elementwise groups (engine/models/fused.py), or None
 
     def forward(self, x, cos, sin, mask, past: KV | None, room: Room = False) -> tuple[torch.Tensor, KV]:
         h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, room)
         if self.reduce is not None:
             h = self.reduce(h)
-        x = x + h
-        m = self.mlp(self.post_attention_layernorm(x))
+        if self.kernels is not None:  # the residual add and the norm after it in one kernel
+            norm = self.post_attention_layernorm
+            x, normed = self.kernels.add_rms_norm(x, h, norm.weight, norm.eps)
+        else:
+            x = x + h
+            normed = self.post_attention_layernorm(x)
+        m = self.mlp(normed)
         if self.reduce is not None:
             m = self.reduce(m)
         return x + m, kv
@@ -424,3 +438,20 @@ class DLMTransformer(nn.Module):
     @property
     def fused(self) -> bool:
         return bool(len(self.layers)) and self.layers[0].self_attn.qkv_proj is not None
+
+    def use_elementwise(self, kernels: Elementwise | None) -> DLMTransformer:
+        """Run the layers' elementwise groups (residual add + norm, rotary embedding, SwiGLU) through
+        ``kernels`` (engine/models/fused.py), or through the modules' own eager code (None)."""
+        for layer in self.layers:
+            layer.kernels = layer.self_attn.kernels = kernels
+            mlps = [layer.mlp] if isinstance(layer.mlp, MLP) else [layer.mlp.shared_experts]
+            for mlp in mlps:
+                if mlp is not None:
+                    mlp.kernels = kernels
+        return self
+
+    @property
+    def elementwise(self) -> str:
+        """Which elementwise path runs: "eager" (the modules' own) or the fused implementation's name."""
+        k = self.layers[0].kernels if len(self.layers) else None
+        return "eager" if k is None else k.name
