@@ -45,3 +45,7 @@ class Replayer(Protocol):
 
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """The final hidden rows of ``batch``'s forward, or None: run it eagerly."""
+
+    def rows_bucket(self, rows: int, query: int) -> int:
+        """The rows a forward of ``rows`` x ``query`` tokens over the pool should be padded to (filler rows),
+        so that its shape is one this replayer handles again; ``rows`` when it would not handle it."""

@@ -88,6 +88,16 @@ class ForwardGraphs:
         """Whether ``batch`` is a graph's: a forward over the pool in place, small enough to be host-bound."""
         return self.failed is None and batch.write is not None and batch.ids.numel() <= self.max_tokens
 
+    def rows_bucket(self, rows: int, query: int) -> int:
+        """The next power of two of ``rows`` while the padded forward stays within ``max_tokens`` (so a round
+        of 5, 6 or 7 requests replays the graph of 8 rows: the scheduler's batches change every round, and
+        a filler row of a host-bound forward costs the device next to nothing); ``rows`` otherwise, or once
+        graphs are off."""
+        if self.failed is not None or rows * query > self.max_tokens:
+            return rows
+        bucket = 1 << (rows - 1).bit_length()
+        return bucket if bucket * query <= self.max_tokens else rows
+
     def key(self, batch: Batch) -> tuple:
         span = batch.t_max + batch.c_max
         keys = min(-(-span // self.span_step) * self.span_step, batch.buf.shape[4])

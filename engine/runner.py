@@ -318,6 +318,10 @@ class TorchRunner:
         holes = hi - lo - len(slots)
         if holes and not self.fill_pays(holes * t_max, ctx):
             return None
+        if self.graphs is not None:  # rows padded to the replayer's bucket (filler slots): fewer shapes to capture
+            rows = min(self.graphs.rows_bucket(hi - lo, t_max), pool.slots)
+            hi = min(lo + rows, pool.slots)
+            lo = hi - max(rows, hi - lo)
         return lo, hi, starts, ends
 
     def fill_pays(self, filler_tokens: int, context_tokens: int) -> bool:

@@ -177,3 +177,20 @@ def test_cuda_graphs_decode_exactly_the_eager_tokens(model):
         if graphs:
             assert engine.runner.graphs.replays > 0
     assert outs[True] == outs[False]
+
+
+def test_graphed_rounds_pad_their_rows_to_a_power_of_two(tok):
+    """The scheduler's batch changes size from round to round; a graphed forward over the pool is padded with
+    filler rows to the next power of two (within max_tokens), so 5, 6 or 7 requests replay the graph of 8
+    rows, with the very tokens of the eager rounds."""
+    model = make_model(attention="block_causal")
+    plain = Engine(model, tok, max_slots=8, kv_slot_tokens=80, cuda_graphs=False)
+    graphed = Engine(model, tok, max_slots=8, kv_slot_tokens=80, cuda_graphs=False)
+    graphed.runner.graphs = g = ForwardGraphs(graphed.runner.forward, "cpu", emulate=True, span_step=16)
+    prompts = [*PROMPTS, "7*6=", "dog 3 and a cat"]  # 8 requests, finishing at different rounds
+    params = [SamplingParams(max_tokens=8 * (1 + k % 4), threshold=0.5) for k in range(len(prompts))]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == \
+           [o.token_ids for o in plain.generate(prompts, params)]
+    rows = {key[2] for key in g.seen}
+    assert rows and all(r & (r - 1) == 0 for r in rows), rows  # every shape met has 1, 2, 4 or 8 rows
+    assert g.rows_bucket(5, 8) == 8 and g.rows_bucket(3, 200) == 3  # past max_tokens: not padded
