@@ -196,3 +196,30 @@ def test_no_test_module_imports_another():
         bad = {m for m in imports(path) if m.split(".")[0] == "tests" and len(m.split(".")) > 1
                and (m.split(".")[1].startswith("test_") or m.split(".")[1] == "conftest")}
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: move what it needs to a support module"
+
+
+def test_policies_use_only_their_view_of_the_router():
+    """The router policies see the router as ``cluster.policies.RouterView``: every member of ``router`` they
+    use is in the view, and the router has every member of the view (so the view is what ties the two, not
+    an import)."""
+    from cluster.policies import PolicySettings, RouterView
+    from cluster.router import RouterConfig
+
+    def members(proto) -> set[str]:
+        return {n for n in vars(proto) if not n.startswith("_")}
+
+    view, settings = members(RouterView), members(PolicySettings)
+    assert view == {"latency", "instances", "cfg", "now", "move", "migration_cost_ms"}, view
+    assert view <= router_members() and settings <= set(RouterConfig.__dataclass_fields__)
+    used, cfg_used = set(), set()
+    for path in (ROOT / "cluster" / "policies.py", ROOT / "sim" / "report" / "cluster_runs.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "router":
+                used.add(node.attr)
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "cfg" and isinstance(node.value.value, ast.Name)
+                    and node.value.value.id == "router"):
+                cfg_used.add(node.attr)
+    assert used <= view, f"policies use {sorted(used - view)} of the router beyond RouterView"
+    assert cfg_used <= settings, f"policies read {sorted(cfg_used - settings)} of the settings beyond PolicySettings"
+    assert {"move", "instances", "latency"} <= used  # the walk found the policies' uses
