@@ -1,21 +1,27 @@
-"""The device run's figures against issue 10's targets: `python scripts/h200_summary.py OUT_DIR`.
+"""The device run's figures against issue 34's targets: `python scripts/h200_summary.py DIR`.
 
-Reads what scripts/h200_check.sh wrote under OUT_DIR (steps.txt, round*.json, and the JSON lines of
-bench-engine.log and profile-check.log) and prints one line per figure, each with its target where the
-issue sets one, so a session with a device spends its minutes measuring, not reading logs. Missing or
-failed steps are named, not skipped silently.
+Reads what scripts/h200_check.sh wrote in DIR (the folder it packs into h200-check.tar.gz: steps.txt,
+fixtures.json, gpu-tests.log, round*.json, kernels-*.json, the JSON lines of bench-engine.log and
+profile-check.log, the measured profiles) and prints one line per figure, each with its target where the
+issue sets one, so a session with a device spends its minutes measuring, not reading logs. Missing,
+failed and skipped steps are named, not passed over.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
-ROUND_TARGET_MS = 110.0  # LLaDA-8B shape, 128 slots x 32 tokens over ~300 cached
+ROUND_TARGET_MS = 100.0  # LLaDA-8B shape, 128 slots x 32 tokens over 300 cached
+SINGLE_TARGET_MS = 5.0  # the same shape, one request (CUDA graphs)
+MOE_TARGET_MS = 16.0  # LLaDA2-mini shape, 32 x 32 (CUDA graphs)
 THROUGHPUT_TARGET = 10.0  # batched engine / best reference loop
 LATENCY_TARGET = 1.0  # single-request engine / Fast-dLLM loop
-PROFILE_TARGET = 0.10  # the simulator's predicted run time against the recorded one
+PROFILE_TARGET = 0.10  # the profile's predicted run time against the recorded one, over the whole run
+FITS = (128, 512)  # the largest prefill case of the 8B profile: batch x prompt tokens
+GRAPHS = "round, CUDA graphs"  # the variant the engine runs for small rounds, where graphs are on
 
 
 def _json(path: Path) -> dict | None:
@@ -44,16 +50,60 @@ def _mark(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def summarize(out: str | Path) -> list[str]:
-    out = Path(out)
-    lines = []
-    steps = out / "steps.txt"
-    if steps.exists():
-        failed = [line.split()[0] for line in steps.read_text().splitlines() if " rc=0 " not in f"{line} "]
-        lines.append("steps: " + (f"failed or stopped: {', '.join(failed)}" if failed else "all exited 0"))
-    else:
-        lines.append("steps: no steps.txt (the run did not start)")
+def _steps(out: Path) -> list[str]:
+    path = out / "steps.txt"
+    if not path.exists():
+        return ["steps: no steps.txt (the run did not start)"]
+    failed, skipped = [], []
+    for line in path.read_text().splitlines():
+        if m := re.match(r"(\S+) rc=(\d+) ", line + " "):
+            if m[2] != "0":
+                failed.append(f"{m[1]} (rc {m[2]}{', stopped at its limit' if m[2] == '124' else ''})")
+        elif m := re.match(r"(\S+) skipped: (.*)", line):
+            skipped.append(f"{m[1]} ({m[2]})")
+    lines = ["steps: " + (f"failed or stopped: {', '.join(failed)}" if failed else "every step that ran exited 0")]
+    if skipped:
+        lines.append("  skipped: " + ", ".join(skipped))
+    return lines
 
+
+def _fixtures(out: Path) -> list[str]:
+    f = _json(out / "fixtures.json")
+    if f is None:
+        return ["fixtures: no result"]
+    fams = f["families"]
+    ok = [a for a, r in fams.items() if r["ok"]]
+    lines = [f"fixtures on {f['device']}: {len(ok)} of {len(fams)} families decode ("
+             + ", ".join(f"{a} {'ok' if r['ok'] else 'FAILED'}" for a, r in fams.items()) + ")"]
+    for arch, r in fams.items():
+        inst, gen = r["instance"], r["generate"]
+        part = (f"instance error: {inst['error']}" if "error" in inst else
+                f"batched round of {inst['largest_batch']}, {inst['rounds']} rounds, "
+                f"{inst['same_as_alone']}/{len(inst['answer_tokens'])} answers as decoded alone")
+        gen_part = "generate ok" if gen["rc"] == 0 else f"generate rc={gen['rc']}: {gen.get('error', '')[-160:]}"
+        lines.append(f"  {arch}: {gen_part}; {part}")
+    return lines
+
+
+def _gpu_tests(out: Path) -> list[str]:
+    log = out / "gpu-tests.log"
+    if not log.exists():
+        return ["gpu tests: not run (no CUDA, or the run stopped before them)"]
+    counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", log.read_text()))
+    passed, failed = counts.get("passed", 0), counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+    names = re.findall(r"^FAILED (\S+)", log.read_text(), re.M)
+    return [f"gpu tests: {passed} of {passed + failed} pass" + (f"; failed: {', '.join(names)}" if names else "")]
+
+
+def _round_ms(res: dict) -> tuple[str, float]:
+    """The round as the engine runs it: with CUDA graphs where that variant ran, else the plain round."""
+    v = _variants(res)
+    name = GRAPHS if GRAPHS in v else "round"
+    return name, v[name]["median_ms"]
+
+
+def _rounds(out: Path) -> list[str]:
+    lines = []
     if (r := _json(out / "round.json")) is not None:
         v = _variants(r)
         ms, mfu = v["round"]["median_ms"], v["round"]["mfu"]
@@ -64,44 +114,98 @@ def summarize(out: str | Path) -> list[str]:
         lines += [f"  {name}: failed: {err}" for name, err in r.get("errors", {}).items()]
     else:
         lines.append("round: no result")
-    for name, label in (("round-single", "one request"), ("round-gaps", "with gaps"), ("round-moe", "LLaDA2-mini")):
+    for name, label, target in (("round-single", "one request", SINGLE_TARGET_MS),
+                                ("round-moe", "LLaDA2-mini", MOE_TARGET_MS)):
         if (r := _json(out / f"{name}.json")) is not None:
-            parts = ", ".join(f"{k} {x['median_ms']:.2f} ms" for k, x in _variants(r).items())
-            extra = f" (in place: {r['in_place']})" if r.get("gaps") else ""
-            lines.append(f"{name} ({label}){extra}: {parts}")
+            variant, ms = _round_ms(r)
+            lines.append(f"{name} ({label}, {r['slots']}x{r['tokens']}): {variant} {ms:.2f} ms "
+                         f"(target <= {target:g} ms: {_mark(ms <= target)})")
+            lines.append("  " + ", ".join(f"{k} {x['median_ms']:.2f} ms" for k, x in _variants(r).items()))
         else:
             lines.append(f"{name}: no result")
-
-    if (b := _json(out / "bench-engine.log")) is not None:
-        t, lat = b["batched_vs_best_loop_throughput"], b["single_vs_fastdllm_latency"]
-        lines.append(f"bench engine: batched / best loop {t:.2f}x (target >= {THROUGHPUT_TARGET:g}x: "
-                     f"{_mark(t >= THROUGHPUT_TARGET)}); single-request latency / Fast-dLLM loop {lat:.2f} "
-                     f"(target <= {LATENCY_TARGET:g}: {_mark(lat <= LATENCY_TARGET)})")
-        for name, c in b["contenders"].items():
-            lines.append(f"  {name}: {c['tokens_per_s']:.1f} tok/s, mean latency {c['mean_latency_s']:.3f} s, "
-                         f"MFU {c['mfu']:.1%}")
-        if g := b.get("cuda_graphs"):
-            lines.append(f"  engine CUDA graphs: {g['captures']} captured, {g['replays']} replays"
-                         + (f", capture failed: {g['failed']}" if g.get("failed") else ""))
+    if (r := _json(out / "round-gaps.json")) is not None:
+        parts = ", ".join(f"{k} {x['median_ms']:.2f} ms" for k, x in _variants(r).items())
+        lines.append(f"round-gaps (4 held slots, in place: {r['in_place']}): {parts}")
     else:
-        lines.append("bench engine: no result")
-
-    if (c := _json(out / "profile-check.log")) is not None:
-        err = c["total_error"]
-        lines.append(f"profile check: {c['rounds']} rounds, error {err:.1%} (target <= {PROFILE_TARGET:.0%}: "
-                     f"{_mark(err <= PROFILE_TARGET)}), per round median {c['median_round_error']:.1%}")
-        if s := c.get("steady"):
-            err = s["total_error"]
-            lines.append(f"  without the {c['warming_rounds']} warming rounds: error {err:.1%} "
-                         f"({_mark(err <= PROFILE_TARGET)}), per round median {s['median_round_error']:.1%}")
-    else:
-        lines.append("profile check: no result")
-    for name in ("h200-llada8b-measured.json", "h200-llada2mini-measured.json"):
-        lines.append(f"{name}: " + ("written; copy it into profiles/" if (out / name).exists() else "missing"))
+        lines.append("round-gaps: no result")
     return lines
+
+
+def _kernels(out: Path) -> list[str]:
+    lines = []
+    for name in ("kernels-8b", "kernels-moe"):
+        if (k := _json(out / f"{name}.json")) is None:
+            lines.append(f"{name}: no result")
+            continue
+        cats = ", ".join(f"{c} {ms:.2f}" for c, ms in k["by_category_ms"].items())
+        lines.append(f"{name} ({k['model'].split(':')[0]}, {k['slots']}x{k['tokens']} over {k['context']}): "
+                     f"{k['device_ms_per_round']:.2f} ms a round on the device: {cats}")
+    return lines
+
+
+def _engine(out: Path) -> list[str]:
+    if (b := _json(out / "bench-engine.log")) is None:
+        return ["bench engine: no result"]
+    t, lat = b["batched_vs_best_loop_throughput"], b["single_vs_fastdllm_latency"]
+    lines = [f"bench engine: batched / best loop {t:.2f}x (target >= {THROUGHPUT_TARGET:g}x: "
+             f"{_mark(t >= THROUGHPUT_TARGET)}); single-request latency / Fast-dLLM loop {lat:.2f} "
+             f"(target <= {LATENCY_TARGET:g}: {_mark(lat <= LATENCY_TARGET)})"]
+    for name, c in b["contenders"].items():
+        lines.append(f"  {name}: {c['tokens_per_s']:.1f} tok/s, mean latency {c['mean_latency_s']:.3f} s, "
+                     f"MFU {c['mfu']:.1%}")
+    if g := b.get("cuda_graphs"):
+        lines.append(f"  engine CUDA graphs: {g['captures']} captured, {g['replays']} replays"
+                     + (f", capture failed: {g['failed']}" if g.get("failed") else ""))
+    return lines
+
+
+def _check(out: Path) -> list[str]:
+    if (c := _json(out / "profile-check.log")) is None:
+        return ["profile check: no result"]
+    err = c["total_error"]
+    lines = [f"profile check: {c['rounds']} rounds, error {err:.1%} over the whole run (target <= "
+             f"{PROFILE_TARGET:.0%}: {_mark(err <= PROFILE_TARGET)}), per round median {c['median_round_error']:.1%}; "
+             f"{c.get('warming_rounds', 0)} of its rounds met a shape first or captured a graph"]
+    if w := c.get("warmup"):
+        lines.append(f"  warm-up pass (the same run once before, kept out by design): {w['rounds']} rounds, "
+                     f"measured {w['measured_s']} s against {w['predicted_s']} s predicted (error "
+                     f"{w['total_error']:.1%}), {w['warming_rounds']} warming rounds")
+    elif (s := c.get("steady")) and c.get("warming_rounds"):  # a run without the warm-up pass
+        lines.append(f"  without the {c['warming_rounds']} warming rounds: error {s['total_error']:.1%} "
+                     f"({_mark(s['total_error'] <= PROFILE_TARGET)}), per round median {s['median_round_error']:.1%}")
+    return lines
+
+
+def _profiles(out: Path) -> list[str]:
+    lines = []
+    for name in ("h200-llada8b-measured", "h200-llada2mini-measured"):
+        p = _json(out / f"{name}.json")
+        if p is None:
+            lines.append(f"{name}.json: missing")
+            continue
+        meta = p.get("meta", {})
+        skipped = meta.get("skipped", [])
+        line = (f"{name}.json: written (" + ", ".join(f"{k} {len(v)} points" for k, v in p.get("curves", {}).items())
+                + "); copy it into profiles/ with its provenance (docs/engine.md)")
+        if skipped:
+            line += f"; skipped: {'; '.join(skipped)}"
+        lines.append(line)
+        if name == "h200-llada8b-measured":
+            batch, prompt = FITS
+            asked = batch in meta.get("batch_sizes", []) and prompt in meta.get("prompt_lens", [])
+            oom = any(s.startswith(f"batch {batch} x prompt {prompt}:") for s in skipped)
+            lines.append(f"  the {batch} x {prompt} prefill case: " + ("not in this profile's grid" if not asked else
+                         f"{'out of memory' if oom else 'fits'} (target: fits: {_mark(not oom)})"))
+    return lines
+
+
+def summarize(out: str | Path) -> list[str]:
+    out = Path(out)
+    return (_steps(out) + _fixtures(out) + _gpu_tests(out) + _rounds(out) + _kernels(out) + _engine(out)
+            + _check(out) + _profiles(out))
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        sys.exit("usage: python scripts/h200_summary.py OUT_DIR (the folder scripts/h200_check.sh wrote)")
+        sys.exit("usage: python scripts/h200_summary.py DIR (the folder scripts/h200_check.sh packs)")
     print("\n".join(summarize(sys.argv[1])))

@@ -22,32 +22,59 @@ def _round(ms: float, **kw) -> dict:
 
 
 def test_summary_reads_each_step_and_marks_the_targets(tmp_path):
-    (tmp_path / "steps.txt").write_text("facts rc=0 3s\ngpu-tests rc=1 40s\nround rc=0 30s\n")
-    (tmp_path / "round.json").write_text(json.dumps(_round(104.2)))
+    (tmp_path / "steps.txt").write_text("facts rc=0 3s\ngpu-tests rc=1 40s\nround rc=0 30s\nround-moe rc=124 75s\n"
+                                        "profile-moe skipped: out of time (budget 480s)\n")
+    (tmp_path / "round.json").write_text(json.dumps(_round(98.2)))
     (tmp_path / "round-single.json").write_text(json.dumps(_round(6.1, slots=1)))
     contenders = {n: {"tokens_per_s": 10.0, "mean_latency_s": 0.5, "mfu": 0.1}
                   for n in ("remask-batched", "remask-single", "fastdllm-loop", "llada-loop")}
     bench = {"batched_vs_best_loop_throughput": 8.4, "single_vs_fastdllm_latency": 0.62, "contenders": contenders,
              "cuda_graphs": {"captures": 5, "replays": 900, "rounds": 950, "failed": None}}
     (tmp_path / "bench-engine.log").write_text("bench engine: 100%|####|\n" + json.dumps(bench) + "\n")
-    check = {"rounds": 300, "total_error": 0.14, "median_round_error": 0.08, "warming_rounds": 40,
-             "steady": {"total_error": 0.06, "median_round_error": 0.05}}
+    check = {"rounds": 300, "total_error": 0.08, "median_round_error": 0.08, "warming_rounds": 1,
+             "warmup": {"rounds": 300, "measured_s": 9.5, "predicted_s": 6.2, "total_error": 0.35,
+                        "warming_rounds": 60}}
     (tmp_path / "profile-check.log").write_text(json.dumps(check))
-    (tmp_path / "h200-llada8b-measured.json").write_text("{}")
+    (tmp_path / "gpu-tests.log").write_text("FAILED tests/test_runner.py::test_x[a]\n1 failed, 9 passed in 20.1s\n")
+    (tmp_path / "kernels-8b.json").write_text(json.dumps({
+        "model": "llada-8b-shape", "slots": 128, "tokens": 32, "context": 300, "device_ms_per_round": 124.1,
+        "by_category_ms": {"matmul": 81.5, "attention": 9.8, "elementwise/other": 21.1, "copy/index": 11.6}}))
+    fams = {"sdar": {"ok": True, "generate": {"rc": 0, "s": 3.0},
+                     "instance": {"largest_batch": 3, "rounds": 40, "same_as_alone": 3, "answer_tokens": [9, 9, 9]}},
+            "llada2": {"ok": False, "generate": {"rc": 1, "s": 3.0, "error": "RuntimeError: view size"},
+                       "instance": {"error": "RuntimeError: view size"}}}
+    (tmp_path / "fixtures.json").write_text(json.dumps({"device": "cuda", "families": fams}))
+    profile = {"name": "h200-llada8b-measured", "curves": {"cached": [[32, 7.2]], "recompute": [[128, 9.0]]},
+               "meta": {"batch_sizes": [1, 128], "prompt_lens": [64, 512],
+                        "skipped": ["batch 128 x prompt 512: out of memory"]}}
+    (tmp_path / "h200-llada8b-measured.json").write_text(json.dumps(profile))
     text = "\n".join(summarize(tmp_path))
-    assert "failed or stopped: gpu-tests" in text
-    assert "104.2 ms, MFU 70.0%" in text and "(target <= 110 ms: met)" in text
-    assert "round, CUDA graphs: 102.2 ms" in text
+    assert "failed or stopped: gpu-tests (rc 1), round-moe (rc 124, stopped at its limit)" in text
+    assert "skipped: profile-moe (out of time (budget 480s))" in text
+    assert "fixtures on cuda: 1 of 2 families decode (sdar ok, llada2 FAILED)" in text
+    assert "sdar: generate ok; batched round of 3, 40 rounds, 3/3 answers as decoded alone" in text
+    assert "llada2: generate rc=1: RuntimeError: view size; instance error: RuntimeError: view size" in text
+    assert "gpu tests: 9 of 10 pass; failed: tests/test_runner.py::test_x[a]" in text
+    assert "98.2 ms, MFU 70.0%" in text and "(target <= 100 ms: met)" in text
+    assert "round, CUDA graphs: 96.2 ms" in text
+    # one request: the round as the engine runs it, with CUDA graphs (6.1 - 2)
+    assert "round-single (one request, 1x32): round, CUDA graphs 4.10 ms (target <= 5 ms: met)" in text
+    assert "kernels-8b (llada-8b-shape, 128x32 over 300): 124.10 ms a round on the device: matmul 81.50, " \
+           "attention 9.80, elementwise/other 21.10, copy/index 11.60" in text
     assert "batched / best loop 8.40x (target >= 10x: NOT met)" in text
     assert "Fast-dLLM loop 0.62 (target <= 1: met)" in text and "5 captured, 900 replays" in text
-    assert "error 14.0% (target <= 10%: NOT met)" in text and "40 warming rounds: error 6.0% (met)" in text
-    assert "round-gaps: no result" in text and "round-moe: no result" in text
-    assert "h200-llada2mini-measured.json: missing" in text and "llada8b-measured.json: written" in text
+    assert "error 8.0% over the whole run (target <= 10%: met)" in text and "1 of its rounds met a shape first" in text
+    assert "warm-up pass (the same run once before, kept out by design): 300 rounds, measured 9.5 s" in text
+    assert "round-gaps: no result" in text and "round-moe: no result" in text and "kernels-moe: no result" in text
+    assert "h200-llada2mini-measured.json: missing" in text
+    assert "h200-llada8b-measured.json: written (cached 1 points, recompute 1 points)" in text
+    assert "the 128 x 512 prefill case: out of memory (target: fits: NOT met)" in text
 
 
 def test_summary_of_an_empty_folder_names_what_is_missing_and_the_cli_checks_its_argument(tmp_path):
     text = "\n".join(summarize(tmp_path))
     assert "no steps.txt" in text and "round: no result" in text and "bench engine: no result" in text
+    assert "fixtures: no result" in text and "gpu tests: not run" in text
     script = str(ROOT / "scripts" / "h200_summary.py")
     bad = subprocess.run([sys.executable, script, str(tmp_path / "nope")], capture_output=True, text=True)
     assert bad.returncode == 1 and "usage" in bad.stderr

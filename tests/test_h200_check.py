@@ -1,0 +1,61 @@
+"""scripts/h200_check.sh's dry run: the whole device script end to end on the CPU with tiny shapes
+(SIZE=tiny DEV=cpu), into a temporary $OUT. Every step runs and exits 0, the steps that need CUDA say
+so, $OUT holds the three files a device call returns, and the archive holds every step's output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ("facts", "fixtures", "round", "round-single", "round-moe", "kernels-8b", "kernels-moe", "bench-engine",
+         "profile", "profile-check", "profile-moe", "round-gaps")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU's; a GPU machine runs the script itself")
+def test_device_script_dry_run_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "DEV": "cpu", "SIZE": "tiny", "PY": sys.executable, "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path)}
+    done = subprocess.run(["bash", "scripts/h200_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # what a device call returns: three files, whatever the number of steps
+    assert sorted(p.name for p in out.iterdir()) == ["h200-check.tar.gz", "steps.txt", "summary.txt"]
+    steps = (out / "steps.txt").read_text().splitlines()
+    ran = {line.split()[0]: line for line in steps if " rc=" in line}
+    assert set(ran) == set(STEPS), steps
+    assert all(" rc=0 " in line for line in ran.values()), steps
+    assert "gpu-tests skipped: no CUDA" in steps and steps[-1].startswith("total ")
+    assert not list(tmp_path.glob("h200-check.*")), "the work folder is removed"
+
+    with tarfile.open(out / "h200-check.tar.gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+        fixtures = json.load(tar.extractfile("./fixtures.json"))
+        kernels = json.load(tar.extractfile("./kernels-moe.json"))
+        profile = json.load(tar.extractfile("./h200-llada8b-measured.json"))
+    assert {f"{s}.log" for s in STEPS} <= names
+    assert {"round.json", "round-single.json", "round-moe.json", "round-gaps.json", "kernels-8b.json",
+            "kernels-moe.json", "fixtures.json", "h200-llada8b-measured.json", "h200-llada2mini-measured.json",
+            "steps.txt"} <= names
+    assert not any(n in names for n in ("model.safetensors", "tokenizer.json")), "the checkpoints stay out"
+    assert fixtures["families"]["sdar"]["ok"] and fixtures["families"]["sdar"]["instance"]["largest_batch"] == 3
+    assert kernels["device_ms_per_round"] > 0 and kernels["by_category_ms"]["matmul"] > 0
+    assert profile["curves"] and profile["meta"]["device"] == "cpu"
+
+    summary = (out / "summary.txt").read_text()
+    for line in ("steps: every step that ran exited 0", "skipped: gpu-tests (no CUDA)",
+                 "fixtures on cpu: 1 of 1 families decode (sdar ok)", "(target <= 100 ms:",
+                 "round-single (one request, 1x8): round ", "(target <= 16 ms:", "kernels-8b (llada-8b-shape, 4x8",
+                 "kernels-moe (llada2-mini-shape, 4x8", "bench engine: batched / best loop",
+                 "profile check: ", "over the whole run (target <= 10%:", "h200-llada8b-measured.json: written",
+                 "h200-llada2mini-measured.json: written", "the 128 x 512 prefill case: not in this profile's grid"):
+        assert line in summary, (line, summary)
