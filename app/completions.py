@@ -196,6 +196,8 @@ class CompletionService:
                "seed": req.seed, "stop_token_ids": list(req.stop_token_ids)}
         if req.ignore_eos:
             out["ignore_eos"] = True
+        if req.logprobs:
+            out["logprobs"] = True
         if out["temperature"] > 0 and out["seed"] is None:
             out["seed"] = secrets.randbits(63)
         return out
@@ -311,9 +313,26 @@ class CompletionService:
             return self.refused(bad.get("status", 500), bad.get("message", "generation failed"))
         prompt_tokens, completion_tokens = usage_tokens(req, enumerate(dones))
         choices = [(echo + d["text"], d["finish_reason"]) for echo, d in zip(echoes, dones)]
+        logprobs = [self.logprobs(req, d["token_ids"], d["logprobs"], d["text"]) for d in dones] \
+            if req.logprobs else None
         if req.kind == "completion":
-            return api.completion_response(req, choices, prompt_tokens, completion_tokens)
-        return api.chat_choices_response(req, choices, prompt_tokens, completion_tokens)
+            return api.completion_response(req, choices, prompt_tokens, completion_tokens, logprobs)
+        return api.chat_choices_response(req, choices, prompt_tokens, completion_tokens, logprobs)
+
+    def logprobs(self, req: api.GenRequest, ids: list[int], logprobs: list, text: str | None = None,
+                 offset: int = 0) -> dict:
+        """The logprobs object of tokens ``ids``: each token's text (decoded alone) and log-probability; with
+        ``text`` (the choice's whole answer), the tokens past it (after a stop string) left out."""
+        tokens = [self.tokenizer.decode([t]) for t in ids]
+        if text is not None:
+            keep, length = 0, 0
+            while keep < len(tokens) and length + len(tokens[keep]) <= len(text):
+                length += len(tokens[keep])
+                keep += 1
+            tokens, logprobs = tokens[:keep], logprobs[:keep]
+        if req.kind == "chat":
+            return api.chat_logprobs(tokens, logprobs)
+        return api.completion_logprobs(tokens, logprobs, offset)
 
     @staticmethod
     def cancel(streams) -> None:
@@ -348,6 +367,7 @@ class CompletionService:
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         open_, dones, failed = len(streams), {}, False
+        offsets = [len(e) for e in echoes] if echoes else [0] * len(streams)  # each choice's text so far
         gap, errors = self.metrics.gap_timer(), 0
         try:
             for index in range(len(streams)):
@@ -361,8 +381,12 @@ class CompletionService:
                     open_ -= 1
                 elif event["type"] == "delta":
                     gap(index)
-                    yield api.sse(api.chat_chunk(req, event["text"], index=index) if chat
-                                  else api.completion_chunk(req, event["text"], index=index))
+                    lp = None
+                    if req.logprobs and "token_ids" in event:
+                        lp = self.logprobs(req, event["token_ids"], event["logprobs"], offset=offsets[index])
+                        offsets[index] += sum(len(t) for t in lp.get("tokens", ()))
+                    yield api.sse(api.chat_chunk(req, event["text"], index=index, logprobs=lp) if chat
+                                  else api.completion_chunk(req, event["text"], index=index, logprobs=lp))
                 elif event["type"] == "canvas":
                     yield api.sse(api.canvas_chunk(req, event["canvas"], index=index))
                 elif event["type"] == "done":

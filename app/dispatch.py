@@ -88,6 +88,7 @@ class _Live:
     sampling: Sampling = field(default_factory=Sampling)
     canvas: bool = False  # the client asked for each step's canvas (``canvas`` events)
     committed: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of ``committed``, when its sampling asked for them
     first_step: float | None = None  # when its first step's progress arrived (its queue time ends)
     rows: list = field(default_factory=list)  # its StepFeatures after each denoising step (the online learners')
     row_steps: list[int] = field(default_factory=list)  # denoising steps done at each row
@@ -480,7 +481,9 @@ class Dispatcher:
             "migrations": live.state.migrations, "resumes": live.resumes,
             # for the planner's measured inputs: the budget, the SLO, the denoising steps and the TP degree
             "max_tokens": live.max_tokens, "slo_s": live.state.deadline - live.state.arrival,
-            "denoise_steps": max(live.denoise_steps, 1), "tp": inst.tp if inst is not None else None})
+            "denoise_steps": max(live.denoise_steps, 1), "tp": inst.tp if inst is not None else None,
+            **({"token_ids": list(live.committed), "logprobs": list(live.logprobs)} if live.sampling.logprobs
+               else {})})
 
     # ---- progress ----------------------------------------------------------------------------------
     def handle_batch(self, inst_id: int, batch: ProgressBatch) -> None:
@@ -548,7 +551,15 @@ class Dispatcher:
             live.queue.put_nowait({"type": "canvas", "canvas": view})
         if ids:
             live.committed.extend(ids)
-            self._emit(live, live.out.push(ids), now)
+            if live.sampling.logprobs:  # each delta names the tokens it commits, with their log-probabilities
+                logprobs = list(item.logprobs or ()) + [None] * (len(ids) - len(item.logprobs or ()))
+                live.logprobs.extend(logprobs)
+                if live.first_token is None:
+                    live.first_token = now
+                live.queue.put_nowait({"type": "delta", "text": live.out.push(ids), "token_ids": list(ids),
+                                       "logprobs": logprobs})
+            else:
+                self._emit(live, live.out.push(ids), now)
             if live.out.stopped and item.done is None:  # a stop string: the rest is not wanted
                 if st.instance in self.instances:
                     self.instances[st.instance].link.send(Abort(live.req_id))

@@ -93,6 +93,7 @@ class Sampling:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # decode to max_tokens past the model's end of text
+    logprobs: bool = False  # its step items carry the committed tokens' log-probabilities
 
     @classmethod
     def from_dict(cls, d: dict | None) -> Sampling:
@@ -106,7 +107,7 @@ class Sampling:
             return cls(*(None if d.get(k) is None else conv(d[k]) for k, conv in
                          (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int))),
                        stop_token_ids=[int(i) for i in d.get("stop_token_ids", ())],
-                       ignore_eos=bool(d.get("ignore_eos", False)))
+                       ignore_eos=bool(d.get("ignore_eos", False)), logprobs=bool(d.get("logprobs", False)))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad sampling parameters {d}: {exc}") from None
 
@@ -211,6 +212,12 @@ def _numbers(v: dict) -> dict:
     raise _refuse("an object of numbers", v)
 
 
+def _floats(v: list) -> list:
+    if set(map(type, v)) <= _NUMS:
+        return v
+    raise _refuse("a list of numbers", v)
+
+
 def _features(v: list) -> StepFeatures:
     if len(v) == len(STEP_FEATURES) and set(map(type, v)) <= _NUMS:
         return tuple.__new__(StepFeatures, v)  # StepFeatures(*v), less the call
@@ -223,6 +230,7 @@ _FLOAT = _Kind((float, int), "a number")
 _BOOL = _Kind((bool,), "a boolean")
 _OBJECT = _Kind((dict,), "an object")
 _IDS = _Kind((list,), "a list of token ids", _ids)
+_FLOATS = _Kind((list,), "a list of numbers", _floats)
 _NUMBERS = _Kind((dict,), "an object of numbers", _numbers)
 _FEATURES = _Kind((list,), "an array of step features", _features, list)
 
@@ -313,12 +321,14 @@ class _Record:
 
 _DONE = _Record(Done, finish_reason=_STR, rounds=_INT, completion_tokens=_INT)
 _SAMPLING = _Record(Sampling, temperature=_optional(_FLOAT), top_p=_optional(_FLOAT), top_k=_optional(_INT),
-                    seed=_optional(_INT), stop_token_ids=_IDS, ignore_eos=_BOOL)
+                    seed=_optional(_INT), stop_token_ids=_IDS, ignore_eos=_BOOL,
+                    logprobs=_BOOL)
 
 # progress items: their kind (an array's first value) and record
 _ITEMS = {
     "step": _Record(StepItem, req_id=_STR, ids=_IDS, steps=_INT, heavy=_BOOL, features=_optional(_FEATURES),
-                    canvas=_optional(_OBJECT), done=_optional(_DONE.as_kind()), attempt=_INT),
+                    canvas=_optional(_OBJECT), done=_optional(_DONE.as_kind()), attempt=_INT,
+                    logprobs=_optional(_FLOATS)),
     "accepted": _Record(AcceptedItem, req_id=_STR, add_ms=_optional(_FLOAT), prompt_tokens=_INT, attempt=_INT),
     "error": _Record(ErrorItem, req_id=_STR, message=_STR, status=_INT, attempt=_INT),
 }

@@ -169,4 +169,5 @@ def sampling_params(msg: Add) -> SamplingParams:
     extra = {k: v for k, v in (("temperature", s.temperature), ("top_p", s.top_p), ("top_k", s.top_k),
                                 ("seed", s.seed)) if v is not None}
     return SamplingParams(max_tokens=msg.max_tokens, threshold=msg.threshold,
-                          stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, **extra)
+                          stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                          logprobs=s.logprobs, **extra)

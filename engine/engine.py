@@ -59,6 +59,7 @@ class Output:
     rounds: int
     prefill_steps: int
     steps: list[str] = field(default_factory=list)
+    logprobs: list[float] | None = None  # each token's log-probability, when its params asked for them
 
 
 class Engine:
@@ -312,7 +313,7 @@ class Engine:
     def output(self, seq: Sequence) -> Output:
         ids = seq.output_ids()
         return Output(seq.seq_id, self.tokenizer.decode(ids), ids, seq.finish_reason or "", seq.rounds,
-                      seq.prefilled, [k.value for k in seq.history])
+                      seq.prefilled, [k.value for k in seq.history], seq.output_logprobs(len(ids)))
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  on_round: Callable[[EngineRound], None] | None = None, progress: bool = False) -> list[Output]:

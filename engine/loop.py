@@ -449,15 +449,18 @@ class RoundLoop:
             return None
         if finished:
             out = self.instance.outputs.pop(req_id)
-            ids = out.token_ids
+            ids, logprobs = out.token_ids, out.logprobs
             item = StepItem(req_id, ids[tr.sent:], out.rounds, False, attempt=tr.attempt,
                             done=Done("length" if out.finish_reason == "length" else "stop", out.rounds, len(ids)))
             del self._tracked[req_id]
         else:
             seq = self.instance.seqs[req_id]
             ids = seq.output_ids()
+            logprobs = seq.output_logprobs(len(ids))
             item = StepItem(req_id, ids[tr.sent:], seq.rounds, seq.next_kind() in HEAVY, attempt=tr.attempt,
                             features=None if self.describe is None else self.describe(seq, seq.threshold))
+        if logprobs is not None:
+            item.logprobs = logprobs[tr.sent:]
         tr.sent = max(tr.sent, len(ids))
         if tr.seq is not None and (view := tr.seq.canvas_step()) is not None and view["step"] > tr.canvas_step:
             tr.canvas_step = view["step"]

@@ -37,6 +37,7 @@ class StepItem:
     canvas: dict | None = None  # the step's canvas (``Sequence.canvas_step``), for a request sent with ``canvas``
     done: Done | None = None  # set when it finished in this round
     attempt: int = 0
+    logprobs: list[float] | None = None  # of ``ids``, for a request that asked for them
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from engine.kv_cache import ApproxCache, ExactCache
 from engine.models.config import ModelConfig
 from engine.scheduler.types import StepKind
 
+LOGPROB_FLOOR = 1e-45  # the least probability a logprob reports (about -103.3: never -inf)
 
 class Status(enum.IntEnum):
     WAITING = 0
@@ -42,6 +43,7 @@ class SamplingParams:
     seed: int | None = None  # the sampling noise's seed; None: the engine draws one per request
     stop_token_ids: tuple[int, ...] = ()  # ids that end the output as the model's EOS does
     ignore_eos: bool = False  # decode to max_tokens past the model's EOS (and its template's end-of-turn ids)
+    logprobs: bool = False  # keep each committed token's log-probability (``Sequence.output_logprobs``)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(self.stop_token_ids)  # a JSON list is welcome
@@ -140,6 +142,10 @@ class Sequence:
         # the same memory as a NumPy array: a step's bookkeeping over a few dozen positions costs a
         # microsecond or two per operation there, against several for a torch operator call
         self._np = self.tokens.numpy()
+        # with params.logprobs: each output position's log-probability in the round that committed it (NaN:
+        # not committed here, e.g. before a resume)
+        self.logprobs = np.full(self.gen_len, np.nan, dtype=np.float32) \
+            if self.params is not None and self.params.logprobs else None
         if self.cfg.attention == "block_causal":
             if self.cfg.logits_shift:
                 raise ValueError("block-causal models with shifted logits are not supported")
@@ -267,6 +273,9 @@ class Sequence:
         chosen = self.rule.select(conf, self.step_in_block, self.masked_at_start, self.threshold).cpu().numpy()
         positions, tokens = masked.cpu().numpy()[chosen], tok.cpu().numpy()[chosen]
         self._np[positions] = tokens
+        if self.logprobs is not None:  # the committed tokens' probabilities in this round's distribution
+            probs = conf.float().cpu().numpy()[chosen]
+            self.logprobs[positions - self.out_start] = np.log(np.maximum(probs, LOGPROB_FLOOR))
         self.last_commit = (self.rounds, span, positions, tokens)
         self.step_in_block += 1
         committed = int(chosen.sum())
@@ -308,6 +317,10 @@ class Sequence:
         self.cache = None  # release KV
 
     # ---- results --------------------------------------------------------------------
+    def output_logprobs(self, n: int) -> list[float] | None:
+        """The log-probabilities of the first ``n`` output tokens (None unless asked for: ``params.logprobs``)."""
+        return None if self.logprobs is None else [float(v) for v in self.logprobs[:n]]
+
     def output_ids(self) -> list[int]:
         """Committed output tokens so far (up to the first mask, EOS or other stop id)."""
         out = self.tokens[self.out_start : self.out_start + self.max_tokens].tolist()

@@ -250,10 +250,11 @@ VLLM_BAD = {"repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 4, "use_beam
             "json_schema": {"type": "object"}, "ebnf": "root ::= 'a'", "lora_path": "adapter",
             "return_hidden_states": True}
 COMPLETION_BAD = {"best_of": 2, "frequency_penalty": 0.5, "presence_penalty": -1, "add_special_tokens": False,
-                  "logit_bias": {"50": -100}, "logprobs": 0, "suffix": "end", **VLLM_BAD}
-CHAT_BAD = {"best_of": 2, "add_special_tokens": True, "chat_template_kwargs": {"enable_thinking": True},
-            **VLLM_BAD, "frequency_penalty": 0.5, "presence_penalty": 1, "logit_bias": {"50": 5}, "logprobs": True,
-            "top_logprobs": 3, "response_format": {"type": "json_object"},
+                  "logit_bias": {"50": -100}, "suffix": "end", **VLLM_BAD}
+CHAT_BAD = {"best_of": 2, "top_logprobs": 3, "add_special_tokens": True,
+            "chat_template_kwargs": {"enable_thinking": True},
+            **VLLM_BAD, "frequency_penalty": 0.5, "presence_penalty": 1, "logit_bias": {"50": 5},
+            "response_format": {"type": "json_object"},
             "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
             "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
             "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
@@ -293,7 +294,7 @@ def test_numeric_and_empty_defaults_accepted(kind, field, value):
 @pytest.mark.parametrize("kind,field,value", [
     # JSON booleans are not numbers (and numbers are not booleans): not the default, refused
     ("completion", "frequency_penalty", False), ("completion", "best_of", True), ("completion", "min_p", False),
-    ("chat", "logprobs", 0), ("chat", "store", 0), ("completion", "suffix", False),
+    ("chat", "top_logprobs", False), ("chat", "store", 0), ("completion", "suffix", False),
     ("chat", "response_format", {"type": "text", "x": 1}), ("chat", "modalities", "text"),
 ])
 def test_lookalike_defaults_refused(kind, field, value):
@@ -648,10 +649,10 @@ def test_null_optional_fields_are_defaults():
 IMPLEMENTED = {
     "completion": {"model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k",
                    "seed", "stop", "stop_token_ids", "n", "user", "slo_ms", "priority", "threshold", "echo",
-                   "ignore_eos"},
+                   "ignore_eos", "logprobs"},
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature",
              "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "user", "safety_identifier",
-             "add_generation_prompt", "slo_ms", "priority", "threshold", "ignore_eos", "chat_template"},
+             "add_generation_prompt", "slo_ms", "priority", "threshold", "ignore_eos", "chat_template", "logprobs"},
 }
 
 
@@ -690,7 +691,7 @@ BAD_BODIES = {
     "chat": [{"messages": []}, {"messages": [{"role": "tool", "content": "x"}]},
              {"messages": [{"role": "user", "content": None}]},
              {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-             {"messages": USER, "tools": [{"type": "function"}]}, {"messages": USER, "logprobs": True},
+             {"messages": USER, "tools": [{"type": "function"}]}, {"messages": USER, "top_logprobs": 2},
              {"messages": [{"role": "user", "content": "a", "x": 1}]}, {"messages": USER, "prompt": "a"}],
 }
 
@@ -952,8 +953,8 @@ def test_openai_client_types(creq, chreq, multi):
     assert pytest.importorskip("openai").types.ErrorObject.model_validate(
         APIError(404, "m", param="model", code="model_not_found").to_dict()["error"]).param == "model"
     refused = pytest.importorskip("openai").types.ErrorObject.model_validate(
-        pytest.raises(APIError, parse, "chat", body_of("chat", logprobs=True)).value.to_dict()["error"])
-    assert refused.code == "unsupported_parameter" and refused.param == "logprobs"
+        pytest.raises(APIError, parse, "chat", body_of("chat", top_logprobs=2)).value.to_dict()["error"])
+    assert refused.code == "unsupported_parameter" and refused.param == "top_logprobs"
 
 
 def test_openai_client_request_params_are_accepted():

@@ -47,7 +47,8 @@ EXAMPLES = [
     Ready(2),
     Add("r1", [5, 6, 7]),
     Add("r2", [1, 2], max_tokens=64, threshold=0.8, slo_left_s=2.5, sent_at=1700000000.25, committed=[9, 10],
-        sampling=Sampling(temperature=0.7, top_p=0.9, top_k=40, seed=123, stop_token_ids=[2]), canvas=True,
+        sampling=Sampling(temperature=0.7, top_p=0.9, top_k=40, seed=123, stop_token_ids=[2], ignore_eos=True,
+                          logprobs=True), canvas=True,
         est_rounds=41.5, planned=True, attempt=2),
     Abort("r1"),
     Thresholds(),
@@ -63,7 +64,7 @@ EXAMPLES = [
                       StepItem("r2", [11, 12], 5, False, features=FEATURES, attempt=2,
                                canvas={"step": 5, "block": [0, 8], "committed": [[3, 11]], "masked": [4, 5],
                                        "threshold": 0.9, "length": 64}),
-                      StepItem("r4", [13], 9, False, done=Done("stop", 9, 17), attempt=1),
+                      StepItem("r4", [13], 9, False, done=Done("stop", 9, 17), attempt=1, logprobs=[-0.25]),
                       ErrorItem("r5", "server overloaded: 256 requests already waiting", 429),
                       ErrorItem("r6", "round failed: boom", 500, attempt=3)]),
 ]

@@ -229,3 +229,97 @@ def test_ignore_eos_decodes_to_max_tokens_in_the_engine():
     assert short.finish_reason == "stop" and len(short.token_ids) < 48  # the model ends its answer early
     full = engine.generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True))[0]
     assert full.finish_reason == "length" and len(full.token_ids) == 48
+
+
+# ---- logprobs: each generated token's log-probability in the round that committed it ----------------------------
+def test_logprobs_in_the_engine_change_nothing_else():
+    from engine.loading import load_engine
+    from engine.sequence import SamplingParams
+
+    engine = load_engine(MODEL, max_slots=2)
+    plain = engine.generate(["story: owl 8"], SamplingParams(max_tokens=32))[0]
+    out = engine.generate(["story: owl 8"], SamplingParams(max_tokens=32, logprobs=True))[0]
+    assert out.token_ids == plain.token_ids and plain.logprobs is None
+    assert len(out.logprobs) == len(out.token_ids) and all(-104 < lp <= 0 for lp in out.logprobs)
+    assert len(set(out.logprobs)) > 1
+
+
+def test_logprobs_through_the_dispatcher_are_the_committing_rounds():
+    """With greedy threshold decoding (0.9) a step commits every position above the threshold and, when none is,
+    only the most confident one: so among the tokens one step committed, at most one has a probability of 0.9 or
+    less. The canvas events name each step's tokens; the logprobs must agree with that rule."""
+    import math
+
+    from tests.builders import collect, make_dispatcher, make_replica, submit
+
+    rep = make_replica()
+
+    async def main():
+        d = make_dispatcher()
+        await d.connect("lp0", 1, **rep.info())
+        stream = submit(d, "lp", "story: owl 8", 40, threshold=0.9, canvas=True, sampling={"logprobs": True})
+        views, deltas, last = [], [], None
+        async for event in stream:
+            if event["type"] == "canvas":
+                views.append(event["canvas"])
+            elif event["type"] == "delta":
+                deltas.append(event)
+            last = event
+        plain, plain_last = await collect(submit(d, "plain", "story: owl 8", 40, threshold=0.9))
+        return views, deltas, last, plain, plain_last
+
+    try:
+        views, deltas, last, plain, plain_last = asyncio.run(main())
+    finally:
+        rep.close()
+    assert last["type"] == "done" and last["text"] == plain and "logprobs" not in plain_last
+    ids, lps = last["token_ids"], last["logprobs"]
+    assert len(ids) == len(lps) == last["completion_tokens"] and all(lp is not None and lp <= 0 for lp in lps)
+    assert [t for e in deltas for t in e["token_ids"]] == ids and [x for e in deltas for x in e["logprobs"]] == lps
+    by_pos = dict(enumerate(lps))
+    steps_checked = 0
+    for v in views:
+        low = [p for p, _, _ in v["committed"] if p in by_pos and by_pos[p] <= math.log(0.9)]
+        assert len(low) <= 1, v
+        steps_checked += bool(v["committed"])
+    assert steps_checked >= 3 and any(lp <= math.log(0.9) for lp in lps)  # some steps had to take a weak token
+
+
+def test_logprobs_shapes_in_the_api():
+    fe, client = front_of()
+    text = "out0"
+
+    def submit(rid, ids, max_tokens, **kw):
+        fe.submitted.append({"rid": rid, **kw})
+        stream = FakeStream(text, len(ids), max_tokens)
+        tid = [fe.tokenizer.encode(c)[0] for c in text]  # tiny-bd's vocabulary: one character a token
+        for e in stream.events:
+            if e["type"] == "delta":
+                n = len(e["text"])
+                e["token_ids"], e["logprobs"] = tid[:n], [-0.5] * n
+                del tid[:n]
+            if e["type"] == "done":
+                e["token_ids"] = [fe.tokenizer.encode(c)[0] for c in text]
+                e["logprobs"] = [-0.5, -0.25, -1.0, -2.0]
+        return stream
+
+    fe.dispatcher.submit = submit
+    done = client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 4,
+                                                "logprobs": 0}).json()
+    lp = done["choices"][0]["logprobs"]
+    assert lp == {"tokens": ["o", "u", "t", "0"], "token_logprobs": [-0.5, -0.25, -1.0, -2.0], "top_logprobs": None,
+                  "text_offset": [0, 1, 2, 3]}
+    assert fe.submitted[-1]["sampling"]["logprobs"] is True
+    chat = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                                     "logprobs": True, "top_logprobs": 0}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == list("out0") and content[0]["bytes"] == [ord("o")]
+    chunks = events(client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "logprobs": 0,
+                                                         "stream": True}))
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert [t for s in streamed for t in s["tokens"]] == list("out0")
+    assert [o for s in streamed for o in s["text_offset"]] == [0, 1, 2, 3]
+    # alternatives are not available: a 400 naming the field
+    error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "logprobs": 2}), "logprobs")
+    error_of(client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                                       "logprobs": True, "top_logprobs": 3}), "top_logprobs")

@@ -58,6 +58,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)  # at most MAX_STOP non-empty strings
     stop_token_ids: list[int] = field(default_factory=list)
     created: int = 0
+    logprobs: bool = False  # each generated token's log-probability
     n: int = 1  # choices per prompt, each an independent request
     ignore_eos: bool = False  # decode to max_tokens past the model's end of text
     echo: bool = False  # completions: the prompt before each choice's text
@@ -354,7 +355,13 @@ def parse_request(kind: str, body: bytes | str, *, known_models: list[str], max_
         req = _validate(CompletionRequest, data, COMPLETION_NOOPS)
         prompts, messages = _prompts(req.prompt, vocab_size), []
         limit_param, max_tokens, add_generation_prompt = "max_tokens", req.max_tokens, True
-        prefix, extra = "cmpl-", {"echo": bool(req.echo)}
+        prefix, extra = "cmpl-", {"echo": bool(req.echo), "logprobs": req.logprobs is not None}
+        if req.logprobs is not None and req.logprobs != 0:
+            raise invalid(f"Remask returns each generated token's log-probability ('logprobs': 0), not the top "
+                          f"{req.logprobs} alternatives.", param="logprobs", code="unsupported_parameter")
+        if req.logprobs is not None and req.echo:
+            raise invalid("Remask does not return the prompt's log-probabilities: 'logprobs' with 'echo' is not "
+                          "supported.", param="logprobs", code="unsupported_parameter")
     else:
         req = _validate(ChatCompletionRequest, data, CHAT_NOOPS)
         prompts, messages = [], _messages(req.messages)
@@ -362,7 +369,7 @@ def parse_request(kind: str, body: bytes | str, *, known_models: list[str], max_
             else "max_completion_tokens"
         max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
         add_generation_prompt = req.add_generation_prompt is not False
-        prefix, extra = "chatcmpl-", {"chat_template": req.chat_template}
+        prefix, extra = "chatcmpl-", {"chat_template": req.chat_template, "logprobs": bool(req.logprobs)}
     model = _resolve_model(req.model, known_models)
     sampling = _sampling(req, vocab_size, max_n)
     return GenRequest(

@@ -23,13 +23,14 @@ def _envelope(req: GenRequest, obj: str, choices: list[dict]) -> dict:
 
 
 def completion_response(req: GenRequest, choices: list[tuple[str, str]], prompt_tokens: int,
-                        completion_tokens: int) -> dict:
+                        completion_tokens: int, logprobs: list[dict | None] | None = None) -> dict:
     """A non-streamed ``text_completion`` object: ``choices`` are ``(text, finish_reason)`` in prompt order, and
-    the usage is the whole request's (all prompts)."""
+    the usage is the whole request's (all prompts); ``logprobs``: each choice's logprobs object."""
     if isinstance(choices, str):
         raise TypeError("choices is a list of (text, finish_reason) pairs")
-    out = _envelope(req, "text_completion", [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                                             for i, (text, reason) in enumerate(choices)])
+    lps = logprobs or [None] * len(choices)
+    out = _envelope(req, "text_completion", [{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+                                             for i, ((text, reason), lp) in enumerate(zip(choices, lps))])
     out["usage"] = usage_dict(prompt_tokens, completion_tokens)
     return out
 
@@ -41,13 +42,32 @@ def chat_response(req: GenRequest, text: str, finish_reason: str, prompt_tokens:
 
 
 def chat_choices_response(req: GenRequest, choices: list[tuple[str, str]], prompt_tokens: int,
-                          completion_tokens: int) -> dict:
-    """A non-streamed ``chat.completion`` object: ``choices`` are ``(text, finish_reason)`` by index."""
+                          completion_tokens: int, logprobs: list[dict | None] | None = None) -> dict:
+    """A non-streamed ``chat.completion`` object: ``choices`` are ``(text, finish_reason)`` by index;
+    ``logprobs``: each choice's logprobs object."""
+    lps = logprobs or [None] * len(choices)
     out = _envelope(req, "chat.completion", [
-        {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
-        for i, (text, reason) in enumerate(choices)])
+        {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}
+        for i, ((text, reason), lp) in enumerate(zip(choices, lps))])
     out["usage"] = usage_dict(prompt_tokens, completion_tokens)
     return out
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], offset: int = 0) -> dict:
+    """A completion choice's ``logprobs`` object (OpenAI's legacy shape): each generated token's text and
+    log-probability, its character offset in the text (from ``offset``); no alternatives (``top_logprobs``
+    null)."""
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": list(tokens), "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float | None]) -> dict:
+    """A chat choice's ``logprobs`` object: per generated token its text, log-probability and UTF-8 bytes."""
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "surrogatepass")),
+                         "top_logprobs": []} for t, lp in zip(tokens, logprobs)]}
 
 
 def _with_null_usage(req: GenRequest, chunk: dict) -> dict:
@@ -57,22 +77,23 @@ def _with_null_usage(req: GenRequest, chunk: dict) -> dict:
     return chunk
 
 
-def completion_chunk(req: GenRequest, text_delta: str, finish_reason: str | None = None, index: int = 0) -> dict:
+def completion_chunk(req: GenRequest, text_delta: str, finish_reason: str | None = None, index: int = 0,
+                     logprobs: dict | None = None) -> dict:
     """One streamed ``text_completion`` chunk of choice ``index`` (the prompt's position; same object as the
     non-streamed response, without usage)."""
-    choice = {"index": index, "text": text_delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "text": text_delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _with_null_usage(req, _envelope(req, "text_completion", [choice]))
 
 
 def chat_chunk(req: GenRequest, delta_text: str | None = None, finish_reason: str | None = None,
-               role: bool = False, index: int = 0) -> dict:
+               role: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
     """One ``chat.completion.chunk``; the first carries ``delta.role == "assistant"`` (``role=True``)."""
     delta: dict[str, Any] = {}
     if role:
         delta["role"] = "assistant"
     if delta_text is not None or role:
         delta["content"] = delta_text if delta_text is not None else ""
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _with_null_usage(req, _envelope(req, "chat.completion.chunk", [choice]))
 
 

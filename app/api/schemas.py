@@ -37,12 +37,12 @@ VLLM_NOOPS: dict[str, tuple] = {
 }
 COMPLETION_NOOPS: dict[str, tuple] = {
     "best_of": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-    "logit_bias": (None, {}), "logprobs": (None,), "suffix": (None, ""), "add_special_tokens": (None, True),
+    "logit_bias": (None, {}), "suffix": (None, ""), "add_special_tokens": (None, True),
     **VLLM_NOOPS,
 }
 CHAT_NOOPS: dict[str, tuple] = {
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "add_special_tokens": (None, False),
+    "top_logprobs": (None, 0), "add_special_tokens": (None, False),
     "chat_template_kwargs": (None, {}), **VLLM_NOOPS, "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "functions": (None,),
     "function_call": (None,), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
@@ -165,6 +165,9 @@ class _CompletionFields(_CommonRequest):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"required": ["prompt"]})
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = None
     echo: bool | None = Field(False, description="the prompt before each choice's text")
+    logprobs: int | None = Field(None, description="0: each generated token's log-probability (in the round that "
+                                                   "committed it); alternatives (above 0) are not available",
+                                 json_schema_extra={"minimum": 0, "maximum": 0})
 
 
 class _ChatFields(_CommonRequest):
@@ -175,6 +178,8 @@ class _ChatFields(_CommonRequest):
     add_generation_prompt: bool | None = Field(True, description="vLLM's extension: end the rendered chat with the "
                                                                  "assistant's turn")
     safety_identifier: str | None = Field(None, description="an end-user id (metadata)")
+    logprobs: bool | None = Field(False, description="each generated token's log-probability (in the round that "
+                                                     "committed it); top_logprobs (alternatives) only 0")
     chat_template: str | None = Field(None, description="vLLM's extension: a Jinja chat template for this request "
                                                         "instead of the server's", json_schema_extra={"minLength": 1})
 
