@@ -80,3 +80,37 @@ def test_summary_of_an_empty_folder_names_what_is_missing_and_the_cli_checks_its
     assert bad.returncode == 1 and "usage" in bad.stderr
     ok = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True)
     assert ok.returncode == 0 and "profile check: no result" in ok.stdout
+
+
+def test_kernel_categories_file_attention_first():
+    """tools/kernel_profile.py's categories on kernel names of the first H200 run: cuDNN's flash kernel
+    (its name holds "sm90", as the matrix products' do) is attention, copies inside elementwise kernels
+    are copies, the softmax of the confidences is neither attention nor a product."""
+    from tools.kernel_profile import breakdown, categorize
+
+    names = {
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1": "attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "matmul",
+        "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13Ge": "matmul",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16": "matmul",
+        "aten::mm": "matmul",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespa": "copy/index",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::Tenso": "copy/index",
+        "void at::native::_scatter_gather_elementwise_kernel<128, 8, at::native::_cuda_scatter_gath": "copy/index",
+        "Memcpy DtoD (Device -> Device)": "copy/index",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float": "elementwise/other",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFl": "elementwise/other",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10": "elementwise/other",
+    }
+    assert {n: categorize(n) for n in names} == names
+
+    class Evt:  # what key_averages() yields on a CPU
+        def __init__(self, key, us, count):
+            self.key, self.self_cpu_time_total, self.count = key, us, count
+
+    res = breakdown([Evt("aten::mm", 6000.0, 10), Evt("aten::cat", 1000.0, 4), Evt("aten::add", 1000.0, 2),
+                     Evt("ProfilerStep#1", 9e9, 1)], rounds=2, cuda=False)
+    assert res["device_ms_per_round"] == 4.0 and res["by_category_ms"] == {
+        "matmul": 3.0, "attention": 0.0, "elementwise/other": 0.5, "copy/index": 0.5}
+    assert res["top"][0] == ["aten::mm", 3.0, 5, "matmul"]
