@@ -122,6 +122,10 @@ class CompletionService:
                                 or int(self.model_cfg.extra.get("gen_length", 128)),
                                 vocab_size=self.model_cfg.vocab_size, max_n=http.max_n, request_id=rid)
         key.check_priority(req.priority)
+        if req.chat_template is not None and not http.trust_request_chat_template:
+            raise api.invalid("This server does not accept a request's own 'chat_template' (its operator may allow "
+                              "it: http.trust_request_chat_template).", param="chat_template",
+                              code="unsupported_parameter")
         self.check_lengths(req, key)
         return req
 

@@ -83,6 +83,9 @@ class HttpArgs(_Section):
                                                         "/debug/* need `Authorization: Bearer <key>`")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; larger ones get 413")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    trust_request_chat_template: bool = Field(False, description="accept a request's own `chat_template` (a "
+                                                                 "Jinja template run, sandboxed, on this server: "
+                                                                 "trusted clients only; else 400)")
     max_n: int = Field(4, ge=1, le=64, description="largest `n` (choices per prompt, each an independent request) "
                                                  "a request may ask for")
     default_max_tokens: int | None = Field(None, description="max_tokens when a request gives none")

@@ -110,7 +110,8 @@ class Frontend:
         for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat"),
                            ("/tokenize", "tokenize"), ("/detokenize", "detokenize")):
             doc["paths"][path]["post"].update(api.openapi_body(kind, self.cfg.name, self.cfg.http.max_tokens_limit,
-                                                               vocab_size=self.model_cfg.vocab_size))
+                                                               vocab_size=self.model_cfg.vocab_size,
+                                                               max_n=self.cfg.http.max_n))
         if self.keys.enabled:
             doc.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             for path, ops in doc["paths"].items():

@@ -140,6 +140,8 @@ def test_the_openai_sdk_with_neutral_extras():
     with pytest.raises(openai.BadRequestError) as info:
         sdk.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"min_p": 0.2})
     assert info.value.body["param"] == "min_p"
+    assert client.get("/openapi.json").json()["paths"]["/v1/completions"]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]["properties"]["n"]["maximum"] == fe.cfg.http.max_n
     models = sdk.models.list().data
     assert models[0].id == MODEL and models[0].model_extra["max_model_len"] == fe.model_cfg.max_position_embeddings
 
@@ -205,12 +207,16 @@ def test_cors_is_off_by_default_and_follows_allowed_origins():
 
 
 def test_chat_template_override_per_request_and_server_wide():
-    fe, client = front_of()
     msgs = [{"role": "user", "content": "q"}]
+    template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    fe, client = front_of()  # a request's own template runs on the server: only when the operator trusts them
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "chat_template": template})
+    assert "trust_request_chat_template" in error_of(r, "chat_template")["message"] and not fe.submitted
+    fe, client = front_of(trust_request_chat_template=True)
     client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 4})
     own = fe.submitted[-1]["ids"]
     client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 4,
-                                              "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"})
+                                              "chat_template": template})
     assert fe.submitted[-1]["ids"] == fe.tokenizer.prompt_ids("[q]", fe.model_cfg.block_size) != own
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "chat_template": "{% if %}"})
     assert error_of(r, "chat_template", "invalid_chat_template") and len(fe.submitted) == 2

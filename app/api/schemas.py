@@ -256,7 +256,7 @@ def _narrow_token_ids(node: Any, vocab_size: int) -> None:
 
 
 def _model_schema(cls: type[BaseModel], model: str | None, max_tokens_limit: int | None,
-                  vocab_size: int | None) -> dict:
+                  vocab_size: int | None, max_n: int | None = None) -> dict:
     raw = cls.model_json_schema()
     schema = _inline(raw, raw.get("$defs", {}))
     props = schema["properties"]
@@ -269,23 +269,25 @@ def _model_schema(cls: type[BaseModel], model: str | None, max_tokens_limit: int
                 props[name]["maximum"] = max_tokens_limit
     if vocab_size is not None:
         _narrow_token_ids(schema, vocab_size)
+    if max_n is not None and "n" in props:
+        props["n"]["maximum"] = max_n
     return schema
 
 
 def request_schema(kind: str, model: str | None = None, max_tokens_limit: int | None = None,
-                   vocab_size: int | None = None) -> dict:
+                   vocab_size: int | None = None, max_n: int | None = None) -> dict:
     """The JSON schema of a ``kind`` body (``"completion"``, ``"chat"``, ``"tokenize"``, ``"detokenize"``), without
-    ``$ref``s (it sits inline in the OpenAPI document); ``model``, ``max_tokens_limit`` and ``vocab_size`` narrow it
-    to one application's values."""
+    ``$ref``s (it sits inline in the OpenAPI document); ``model``, ``max_tokens_limit``, ``vocab_size`` and
+    ``max_n`` narrow it to one application's values."""
     if kind not in _SCHEMA_MODELS:
         raise ValueError(f"unknown request kind {kind!r}")
-    schemas = [_model_schema(cls, model, max_tokens_limit, vocab_size) for cls in _SCHEMA_MODELS[kind]]
+    schemas = [_model_schema(cls, model, max_tokens_limit, vocab_size, max_n) for cls in _SCHEMA_MODELS[kind]]
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
 def openapi_body(kind: str, model: str | None = None, max_tokens_limit: int | None = None,
-                 vocab_size: int | None = None) -> dict:
+                 vocab_size: int | None = None, max_n: int | None = None) -> dict:
     """The ``openapi_extra`` of a POST route whose handler reads the raw body: its documented request body."""
     return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": request_schema(kind, model, max_tokens_limit, vocab_size)}}}}
+        "schema": request_schema(kind, model, max_tokens_limit, vocab_size, max_n)}}}}
 
