@@ -33,8 +33,8 @@ test: $(STAMP) lint deps
 	bash scripts/ensure_chromium.sh || echo "chromium unavailable: the playground's browser test will be skipped"
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q
 
-# The unit tier for the edit loop (under 2 minutes on 2 cores): all but the Ray service tests (marker `ray`) and
-# the tests over ~3 s (marker `slow`); tests/conftest.py sets both.
+# The unit tier for the edit loop (under 2 minutes on 2 cores): all but the Ray service tests (marker `ray`, set by
+# tests/conftest.py on the tests of the shared Ray cluster) and the tests over ~3 s (`@pytest.mark.slow` at the test).
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -m "not ray and not slow"
 

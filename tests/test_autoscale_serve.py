@@ -14,38 +14,34 @@ import time
 
 import pytest
 
+from tests.serving import BASE, delete_apps, wait_until
+
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
-PORT = 8767
-URL = f"http://127.0.0.1:{PORT}"
+URL = BASE  # the shared Ray cluster's Serve (tests/serving.py: 2 logical GPUs)
 PROMPTS = ["rev: abcde", "rev: xyz", "max: a3 b9 c1 d2", "rev: hello"]
 
 
 @pytest.fixture(scope="module")
-def app():
-    import os
-
+def app(ray_serve):
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-    # its own cluster, never one another process on this machine started
-    ray.init(address="local", num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {"engine": {"model": "tiny-bd", "slots": 8}, "http": {"max_tokens_limit": 256},
             "resources": {"tp_degrees": [1, 2], "gpus_per_rank": 0.5},  # make-before-break by default
             "planner": {"nodes": 1, "gpus_per_node": 2, "period_s": 4, "window_s": 4, "profile": "cpu-tiny-bd",
                         "min_gain": 0.05, "check_s": 0.5, "step_timeout_s": 120}}
-    # the app-level policy is part of the app's config, as `serve run` of a config file sets it
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [{
-        "name": "auto", "route_prefix": "/", "import_path": "deployments.builder:build_app", "args": args,
-        "autoscaling_policy": {"policy_function": "app.autoscaling:planner_policy"}}]}))
-    wait_for(lambda: planner().get("live") == {"1": 2, "2": 0}, 240)
-    yield URL
-    serve.shutdown()
-    ray.shutdown()
+    try:  # deleted however the module ends, set-up included
+        # the app-level policy is part of the app's config, as `serve run` of a config file sets it
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [{
+            "name": "auto", "route_prefix": "/", "import_path": "deployments.builder:build_app", "args": args,
+            "autoscaling_policy": {"policy_function": "app.autoscaling:planner_policy"}}]}))
+        wait_for(lambda: planner().get("live") == {"1": 2, "2": 0}, 240)
+        yield URL
+    finally:
+        delete_apps("auto")
 
 
 def planner() -> dict:
@@ -56,8 +52,6 @@ def planner() -> dict:
 
 
 def wait_for(cond, limit_s: float) -> None:
-    from tests.conftest import wait_until
-
     if wait_until(cond, limit_s):
         return
     apps = {name: (a.status, a.message) for name, a in serve.status().applications.items()}

@@ -12,7 +12,7 @@ from engine.loading import load_engine
 from engine.models.flops import forward_flops
 from engine.sequence import SamplingParams
 from tasksuite import heldout_set
-from tests.conftest import make_model
+from tests.builders import make_model
 from tools.bench_engine import bench_engine, format_report, measure_peak
 from tools.cli import main
 from tools.reference import fastdllm_generate, llada_generate
@@ -29,6 +29,7 @@ def mdm():
     return engine.model, engine.tokenizer, examples, ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", [3, 8])
 def test_llada_loop_gives_the_engine_low_confidence_tokens(mdm, steps):
     model, tok, _, ids = mdm
@@ -42,6 +43,7 @@ def test_llada_loop_gives_the_engine_low_confidence_tokens(mdm, steps):
         assert r.flops == r.forwards * forward_flops(model.config, 1, len(p) + 40)
 
 
+@pytest.mark.slow
 def test_fastdllm_loop_is_the_engine_with_a_prefix_cache_and_needs_fewer_forwards(mdm):
     model, tok, examples, ids = mdm
     engine = Engine(model, tok, rule=make_rule("threshold", threshold=0.9), cache="prefix")
@@ -110,6 +112,7 @@ def test_measure_peak_and_dtypes():
         parse_dtype("int8")
 
 
+@pytest.mark.slow
 def test_bench_engine_on_a_tiny_preset():
     res = bench_engine(PRESET, requests=3, prompt_len=16, gen_length=32, threshold=0.9, steps_per_block=8)
     c = res["contenders"]

@@ -17,6 +17,7 @@ needs_models = pytest.mark.skipif(not (DEFAULTS_DIR / "tiny-bd" / "config.json")
                                   reason="embedded models not present")
 
 
+@pytest.mark.slow
 @needs_models
 @pytest.mark.parametrize("model", ["tiny-bd", "tiny-mdm"])
 def test_eval_prints_the_json_of_the_issue(capsys, model):

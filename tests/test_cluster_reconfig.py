@@ -11,7 +11,7 @@ from engine.latency_profile import load_tp_profiles
 from planner import Cluster, Instance, Planner, PlannerConfig, Stage1Config, WorkloadClass
 from sim.cluster import ClusterConfig, ClusterSimulator
 from sim.reconfig import PlannerController
-from tests.test_cluster_sim import TS, synthetic
+from tests.builders import TS, synthetic
 
 PROFILES = load_tp_profiles("h200-llada8b-measured", (1, 2, 4))
 
@@ -25,6 +25,7 @@ def _ids(res):
     return sorted(s.req_id for s, _, _ in res.finished)
 
 
+@pytest.mark.slow
 def test_draining_instances_mid_run_moves_their_requests_and_loses_none():
     specs = synthetic(600, rate=30.0, seed=3)
     sim = sim_of((1, 1, 1, 1))
@@ -82,6 +83,7 @@ def test_request_travelling_to_an_instance_that_starts_draining_is_redirected():
     assert res.lost == 0 and _ids(res) == sorted(s.req_id for s in specs)
 
 
+@pytest.mark.slow
 def test_planner_controller_follows_the_plan_and_keeps_every_request():
     specs = synthetic(900, rate=20.0, seed=6, slo_factor=2.0)
     sim = sim_of((), slots=32)
@@ -129,6 +131,7 @@ def synthetic_table(n: int = 60, seed: int = 0):
                           tuple((True,) * 5 for _ in range(n)))
 
 
+@pytest.mark.slow
 def test_dilaserve_trace_short_run_reconfigures_with_the_load_and_loses_nothing(tmp_path):
     from sim.cluster_trace import TraceScenario, plot_trace, run_trace
 

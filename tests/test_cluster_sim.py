@@ -1,32 +1,15 @@
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import replace
 
 import pytest
 
 from cluster import RouterConfig
 from engine.latency_profile import load_tp_profiles
-from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterSimulator, summarize
+from sim.cluster import ClusterConfig, ClusterSimulator, summarize
+from tests.builders import TS, synthetic
 from tools.cli import main
-
-TS = (0.9, 0.8, 0.7, 0.6, 0.5)
-
-
-def synthetic(n: int, rate: float, seed: int = 0, slo_factor: float = 5.0) -> list[ClusterRequestSpec]:
-    """Requests whose steps fall with the threshold (x1 .. x0.6); SLO = slo_factor x isolated TP-1 latency."""
-    rng = random.Random(seed)
-    prof = load_tp_profiles("h200-llada8b-measured", [1])[1]
-    specs, t = [], 0.0
-    for i in range(n):
-        t += rng.expovariate(rate)
-        s = rng.choice([8.0, 8.0, 40.0, 120.0, 200.0])
-        steps = tuple(max(8.0, round(s * f)) for f in (1.0, 0.9, 0.8, 0.7, 0.6))
-        iso = 8 * prof.round_ms([("recompute", 396, 0)]) + (steps[0] - 8) * prof.round_ms([("cached", 32, 396)])
-        specs.append(ClusterRequestSpec(f"r{i}", 0, "prose", t, 140, 256, steps, (True,) * 5,
-                                        slo_factor * iso / 1000.0))
-    return specs
 
 
 def run(policy: str, specs, tps=(1, 1, 2, 4)):
@@ -51,6 +34,7 @@ def test_cluster_sim_conserves_requests_and_obeys_littles_law(policy):
         assert out["step_share_by_threshold"] == {"0.9": 1.0}
 
 
+@pytest.mark.slow
 def test_dynamic_thresholds_beat_fixed_under_overload_and_load_control_caps():
     specs = synthetic(500, rate=27.0, seed=2)
     got = {p: summarize(run(p, specs, (1, 1, 1, 1)), specs, [True] * len(specs))
@@ -113,6 +97,7 @@ def test_simulate_cli_runs_a_cluster_scenario(small_table, monkeypatch, capsys):
                  "--quiet"]) == 2
 
 
+@pytest.mark.slow
 def test_online_estimator_learns_from_the_run_and_reports_its_curve():
     specs = synthetic(400, rate=25.0, seed=3)
     tps = (1, 1, 1, 1)
@@ -152,6 +137,7 @@ def test_shedding_refuses_arrivals_as_the_ingress_does_and_counts_them_as_misses
     assert off.shed == 0 and len(off.finished) == 500
 
 
+@pytest.mark.slow
 def test_simulate_cli_online_estimator_and_learning_curve_plot(small_table, monkeypatch, capsys, tmp_path):
     import sim.cluster_scenarios as cs
 

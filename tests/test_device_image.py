@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # in the project's dependencies, absent from the device image (.library/device/KINDS.md's package list)
@@ -48,6 +50,7 @@ def _without_service_stack(modules: list[str], commands: list[list[str]], timeou
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_device_run_commands_need_only_the_device_image(tmp_path):
     modules = ["tests.test_runner", "tests.test_bench_engine", "tests.test_graphs"]
     profile = tmp_path / "p.json"

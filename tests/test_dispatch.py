@@ -21,54 +21,8 @@ from engine.instance import Instance
 from engine.loading import load_engine
 from predictors.bundle import load_predictors
 from predictors.features import state_row
+from tests.builders import collect, examples, make_dispatcher, make_replica, submit, tiny_bd_tokenizer
 from tests.fakes import RecordingLink
-
-
-def make_replica(slots: int = 8, max_waiting: int = 64, mirror=None) -> ReplicaServer:
-    engine = load_engine("tiny-bd", max_slots=slots, max_gen_length=256)
-    inst = Instance(engine, slots=slots, mirror=mirror)
-    load_predictors("tiny-bd").attach(inst)
-    return ReplicaServer(inst, max_waiting=max_waiting, describe=state_row, tick_s=0.2)
-
-
-TOKENIZER = None
-
-
-def ids(prompt: str) -> list[int]:
-    """The prompt's token ids, as the ingress sends them (tiny-bd's own format)."""
-    global TOKENIZER
-    if TOKENIZER is None:
-        from engine.loading import resolve_model
-        from engine.tokenizer import load_tokenizer
-
-        TOKENIZER = load_tokenizer(resolve_model("tiny-bd"))
-    return TOKENIZER.completion_ids(prompt, 8)
-
-
-def submit(d: Dispatcher, req_id: str, prompt: str, max_tokens: int, **kw):
-    return d.submit(req_id, ids(prompt), max_tokens, prompt_text=prompt, **kw)
-
-
-def make_dispatcher(**kw) -> Dispatcher:
-    from engine.loading import resolve_model
-    from engine.models.loader import load_config
-    from engine.tokenizer import load_tokenizer
-
-    cfg = AppConfig(engine={"model": "tiny-bd", "slots": 8}, **kw)
-    path = resolve_model("tiny-bd")
-    mcfg = load_config(path)
-    return Dispatcher(build_router(cfg, mcfg), load_tokenizer(path).decode, block_tokens=mcfg.block_size,
-                      full_sequence=False, per_instance_limit=cfg.engine.slots * 8 + cfg.engine.max_waiting,
-                      dead_after_s=2.0)
-
-
-async def collect(stream) -> tuple[str, dict]:
-    text, last = "", None
-    async for event in stream:
-        if event["type"] == "delta":
-            text += event["text"]
-        last = event
-    return text, last
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +31,6 @@ def replicas():
     yield reps
     for r in reps:
         r.close()
-
-
-def examples(n: int):
-    return [e for e in tasks.heldout_set(400) if e.category in ("reverse", "choice", "arith")][:n]
 
 
 def test_requests_spread_over_instances_and_stream_correct_answers(replicas):
@@ -262,10 +212,10 @@ def test_canvas_events_replay_the_answer_step_by_step(replicas):
 
 
 def ids_of_answer(text: str) -> list[int]:
-    ids(text)  # loads the tokenizer
-    return TOKENIZER.encode(text)
+    return tiny_bd_tokenizer().encode(text)
 
 
+@pytest.mark.slow
 def test_online_learners_train_on_the_requests_served(replicas):
     """With the online learners (no shipped predictor), every finished request's step rows and rounds reach
     them, a refit runs off the event loop, and the router estimates with the learnt model."""
@@ -312,8 +262,7 @@ def test_online_learners_train_on_the_requests_served(replicas):
 
 
 def ids_decode():
-    ids("x")  # loads the tokenizer
-    return TOKENIZER.decode
+    return tiny_bd_tokenizer().decode
 
 
 def test_channel_refuses_a_wrong_secret_and_oversized_frames(replicas):
@@ -331,6 +280,7 @@ def test_channel_refuses_a_wrong_secret_and_oversized_frames(replicas):
     assert len(frame(Tick(0.0))) < 64
 
 
+@pytest.mark.slow
 def test_router_migrates_requests_to_a_new_instance():
     """tiny-mdm (full-sequence, approximate cache): requests piled on one instance move to a second one
     that joins, at block boundaries (their next step recomputes anyway), and still finish correctly."""

@@ -7,7 +7,7 @@ from engine.decoding import DynamicRule, LowConfidenceRule, ThresholdRule, make_
 from engine.engine import Engine
 from engine.models.masks import full_mask
 from engine.sequence import SamplingParams, StepKind
-from tests.conftest import make_model
+from tests.builders import make_model
 
 PROMPTS = ["max: a1 b7 c3 d2", "12+5=", "rev: abcdef", "story: cat 3 and some more words here"]
 

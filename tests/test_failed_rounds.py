@@ -13,7 +13,7 @@ from engine.instance import Instance
 from engine.loop import RoundLoop
 from engine.progress import ErrorItem, StepItem
 from engine.sequence import SamplingParams
-from tests.conftest import make_model
+from tests.builders import make_model
 
 PROMPTS = {f"r{i}": p for i, p in enumerate(["abc", "12+5=", "story: cat 2", "hello", "x y z", "7*6=", "dog 3"])}
 PARAMS = dict(max_tokens=40, threshold=0.7)
@@ -310,7 +310,7 @@ def _serve(culprit: str | None, **loop_kwargs):
     {id: instance it was first placed on})."""
     import asyncio
 
-    from tests.test_dispatch import collect, examples, make_dispatcher, submit
+    from tests.builders import collect, examples, make_dispatcher, submit
 
     async def main():
         reps = [_replica(culprit, **loop_kwargs), _replica(None if culprit == "*" else culprit)]
@@ -377,8 +377,8 @@ def test_a_request_given_up_goes_to_another_instance_or_again_to_its_only_one():
     import asyncio
 
     from app.protocol import Add, ProgressBatch
+    from tests.builders import make_dispatcher
     from tests.fakes import RecordingLink
-    from tests.test_dispatch import make_dispatcher
 
     def gave_up(d, inst, attempt, status=503):
         d.handle_batch(inst, ProgressBatch(0.0, 1, 1.0, items=[ErrorItem("q", "rounds failed", status, attempt)]))

@@ -5,7 +5,7 @@ import pytest
 from engine.engine import Engine
 from engine.instance import Instance
 from engine.sequence import SamplingParams
-from tests.conftest import make_model
+from tests.builders import make_model
 
 PROMPTS = ["max: a1 b7 c3 d2", "12+5=", "rev: abcdef", "story: cat 3", "x", "hello there friend"]
 

@@ -199,6 +199,7 @@ def test_replay_is_open_loop(server):
     assert doc["summary"]["duration"] < 2.5
 
 
+@pytest.mark.slow
 def test_replay_ctrl_c_writes_partial_results(server, tmp_path):
     url = server("--reply", "42")
     write_trace([arith(i, 40, 2, 0.1 * i) for i in range(100)], tmp_path / "t.jsonl")
@@ -229,6 +230,7 @@ def test_overhead_measurement(tmp_path):
 # ---- plots, chat, CLI ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plot_writes_pngs(server, tmp_path):
     from loadgen.plot import plot_results
 
@@ -480,6 +482,7 @@ def test_prompts_file_is_parsed_and_bad_lines_are_refused(tmp_path):
             read_prompts(tmp_path / "p.jsonl")
 
 
+@pytest.mark.slow
 def test_synth_from_prompts_file_and_replay(server, tmp_path, capsys):
     from tools.cli import main
 

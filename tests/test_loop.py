@@ -11,7 +11,7 @@ from engine.instance import Instance
 from engine.loop import Overloaded, RoundLoop
 from engine.progress import AcceptedItem, ErrorItem, ProgressBatch, StepItem
 from engine.sequence import SamplingParams
-from tests.conftest import make_model
+from tests.builders import make_model
 
 
 class Collector:

@@ -19,7 +19,7 @@ from engine.models.presets import IdTokenizer, preset_config, random_prompt
 from engine.models.tensor_parallel import shard_config
 from engine.models.transformer import DLMTransformer, SparseMoE, apply_rope, grouped_mm_works, rope_cos_sin
 from engine.sequence import SamplingParams
-from tests.conftest import MOE, make_config
+from tests.builders import MOE, make_config
 
 SMALL = ("llada2-mini-shape:layers=2,hidden=128,heads=4,kv_heads=2,head_dim=32,intermediate=256,vocab=512,"
          "experts=16,moe_intermediate=32")

@@ -139,6 +139,7 @@ def test_a_shipped_model_serves_until_an_online_one_beats_it():
     assert learner.source == ("online" if rec["swapped"] else "shipped")
 
 
+@pytest.mark.slow
 def test_window_is_bounded_and_memory_stays_flat():
     rng = np.random.default_rng(4)
     reqs = [(np.asarray(r), np.asarray(d), t) for r, d, t in (request(rng) for _ in range(50))]
@@ -231,6 +232,7 @@ def wait_for(cond, limit_s: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_refit_worker_fits_in_another_process_and_swaps_as_refit_does():
     rng = np.random.default_rng(7)
     reqs = [request(rng) for _ in range(60)]
@@ -299,6 +301,7 @@ def test_admission_models_cross_the_pipe_intact():
     assert np.array_equal(copy.predict(rows), model.predict(rows))
 
 
+@pytest.mark.slow
 def test_refit_worker_scores_a_shipped_admission_model_as_refit_does():
     from predictors.admission import AdmissionPredictor
 
@@ -345,6 +348,7 @@ def test_refit_worker_logs_a_failing_fit_and_keeps_the_model(caplog):
         worker.stop()
 
 
+@pytest.mark.slow
 def test_refit_worker_restarts_a_dead_process():
     rng = np.random.default_rng(10)
     learner = OnlineStepLearner(TS, min_requests=20, refit_every=20)
@@ -398,6 +402,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_the_worker_process_exits_with_its_parent():
     import subprocess
     import sys

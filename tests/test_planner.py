@@ -282,6 +282,7 @@ def test_planner_uses_its_monitor_and_falls_back_when_overloaded():
     assert plan.counts() == {1: 8, 2: 0, 4: 0}
 
 
+@pytest.mark.slow
 def test_cli_plan_json_stdout_is_only_json():
     import subprocess
     import sys

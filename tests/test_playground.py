@@ -356,6 +356,7 @@ def test_the_script_adds_up():
     assert "caf\u00e9." in ANSWER
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not chromium_available(), reason=missing_reason() or "chromium unavailable")
 def test_page_in_a_real_browser_with_a_scripted_stream(tmp_path):
     shot = Path(os.environ.get("REMASK_PLAYGROUND_SCREENSHOT") or tmp_path / "playground.png")

@@ -54,6 +54,7 @@ def test_survival_mean_and_loss():
     assert survival_nll(logits, t).item() < survival_nll(torch.zeros(1, k), t).item()
 
 
+@pytest.mark.slow
 def test_refiner_learns_hidden_signal_and_round_trips(tmp_path):
     rng = np.random.default_rng(1)
     n, h = 600, 16
@@ -200,6 +201,7 @@ def test_a_failing_refine_hook_does_not_fail_rounds():
     assert engine.refine_hook is None
 
 
+@pytest.mark.slow
 def test_collect_train_eval_cli(tmp_path, capsys):
     from tools.cli import main
 

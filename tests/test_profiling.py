@@ -39,6 +39,7 @@ def test_profile_of_a_preset_has_curves_by_kind_and_an_attention_term(measured):
     assert again.curves == prof.curves
 
 
+@pytest.mark.slow
 def test_check_profile_compares_predicted_with_measured_rounds(measured):
     engine, prof = measured
     res = check_profile(engine, prof, requests=12, slots=8)
@@ -51,6 +52,7 @@ def test_check_profile_compares_predicted_with_measured_rounds(measured):
     assert slow["total_error"] > res["total_error"]
 
 
+@pytest.mark.slow
 def test_profile_cli_writes_and_checks(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(["profile", "--model", SMALL, "--out", str(out), "--batch-sizes", "1,4", "--rounds", "3",
@@ -139,6 +141,7 @@ def test_profile_keeps_the_points_measured_before_running_out_of_memory(monkeypa
     assert max(t for t, _ in prof.curves["recompute"]) < 16 * 64 and not engine.sequences  # aborted, none left
 
 
+@pytest.mark.slow
 def test_tp2_profile_runs_one_process_per_rank(tmp_path):
     out = tmp_path / "small-tp2.json"
     assert main(["profile", "--model", SMALL, "--tp", "2", "--out", str(out), "--batch-sizes", "1,4", "--rounds", "3",

@@ -272,7 +272,7 @@ def test_the_replica_and_its_tensor_parallel_ranks_receive_ids_and_never_tokeniz
     """An add carries the prompt's token ids: the replica serves it without its tokenizer's encoders, and
     the commands a tensor-parallel instance sends its follower ranks carry the same ids."""
     from app.channel import Link
-    from tests.test_dispatch import ids, make_replica
+    from tests.builders import ids, make_replica
 
     mirrored: list[tuple] = []
 
@@ -316,7 +316,7 @@ def test_a_malformed_add_is_refused_by_its_id():
     """A frame that is no message: the replica logs it; a malformed add gets an error item for its id, so its
     sender does not wait for it forever."""
     from app.channel import HEADER, Link
-    from tests.test_dispatch import make_replica
+    from tests.builders import make_replica
 
     replica = make_replica(slots=2)
 

@@ -67,6 +67,7 @@ def _rank_main(rank: int, world: int, init_method: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_every_tp_rank_starts_its_shard_as_rank_0_and_decodes_as_one_engine(tmp_path):
     """Rank 0 (the Denoiser) and rank 1 (a TPWorker) both start through ``start_engine`` from the one config:
     each holds half the heads, sizes its KV pool from the same budget, and together they decode what the

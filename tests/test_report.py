@@ -199,6 +199,7 @@ def test_combined_verdicts():
     assert v["rate 90 req/s"]["verdict"] == "wins on SLO and mean latency"
 
 
+@pytest.mark.slow
 def test_tiny_report_instance_sections(tmp_path):
     from sim.report.experiments import run_all
     from sim.report.render import all_checks, write_report

@@ -439,6 +439,7 @@ def _churn(policy: str, n: int, marks: tuple[int, ...]) -> tuple[Router, dict[in
     return router, seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", sorted(ROUTER_POLICIES))
 def test_router_memory_stays_flat_under_every_policy(policy):
     tracemalloc.start()

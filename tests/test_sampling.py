@@ -206,6 +206,7 @@ def resumed(name: str, prompt: str, params: SamplingParams, committed: list[int]
     return engine.output(seq).token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,cache,where", [
     ("tiny-bd", "dual", "any"),  # exact cache: any round whose committed tokens are all kept
     ("tiny-mdm", "none", "any"),  # no cache: the canvas is the whole state

@@ -1,4 +1,5 @@
-"""The Ray Serve application end to end (one app for the module; Ray start-up costs seconds)."""
+"""The Ray Serve application end to end (three applications for the module, on the session's shared Ray
+cluster: tests/serving.py)."""
 
 from __future__ import annotations
 
@@ -7,53 +8,47 @@ import threading
 
 import pytest
 
+from tests.serving import BASE, delete_apps, wait_until
+
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
-
-PORT = 8765
-BASE = f"http://127.0.0.1:{PORT}"
-
 
 HF = "/hf"  # a Dream-format checkpoint with a byte-level BPE tokenizer and a ChatML template (tests/checkpoints.py)
 HF_MODEL = "dream-tiny"
 
 
-@pytest.fixture(scope="module")
-def app_url(hf_checkpoints):
-    import os
+APPS = ("remask", "remask-tp2", "remask-hf")
 
+
+@pytest.fixture(scope="module")
+def app_url(ray_serve, hf_checkpoints):
     from deployments.builder import build_app
 
-    # a busy 2-core machine can take longer than Serve's 5 s to start the HTTP proxy
-    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    # two TP-1 replicas: the router spreads requests, and one can be killed
-    serve.run(build_app({"engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
-                         "http": {"max_tokens_limit": 256}, "resources": {"replicas": {1: 2}}}),
-              name="remask", route_prefix="/", blocking=False)
-    # the same model with tensor parallelism 2 (gloo on CPU), as a second application
-    # (small queues: the overload test fills them)
-    # (its one replica is replaced when a TP worker is killed: its requests wait for the replacement,
-    # which can take over 30 s on a loaded 2-core machine)
-    serve.run(build_app({"engine": {"model": "tiny-bd", "slots": 2, "max_waiting": 2},
-                         "http": {"max_tokens_limit": 256}, "router": {"park_s": 150},
-                         "resources": {"tp_degrees": [2]}}),
-              name="remask-tp2", route_prefix="/tp2", blocking=False)
-    # a real-format checkpoint (random weights): its own tokenizer, chat template and generation_config.json
-    serve.run(build_app({"engine": {"model": str(hf_checkpoints["dream"]), "slots": 4, "max_waiting": 16},
-                         "http": {"served_model_name": HF_MODEL, "max_tokens_limit": 64},
-                         "resources": {"cpus_per_replica": 0.25}}),
-              name="remask-hf", route_prefix=HF, blocking=False)
-    # wait for the app to answer
-    from tests.conftest import wait_until
-
-    wait_until(lambda: all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200 for p in ("", "/tp2", HF))
-               and len(httpx.get(f"{BASE}/debug/instances", timeout=2).json()["instances"]) == 2)
-    yield BASE
-    serve.shutdown()
-    ray.shutdown()
+    try:  # the apps are deleted however the module ends, set-up included: the next module finds Serve empty
+        # two TP-1 replicas: the router spreads requests, and one can be killed
+        serve.run(build_app({"engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
+                             "http": {"max_tokens_limit": 256}, "resources": {"replicas": {1: 2}}}),
+                  name="remask", route_prefix="/", blocking=False)
+        # the same model with tensor parallelism 2 (gloo on CPU), as a second application
+        # (small queues: the overload test fills them)
+        # (its one replica is replaced when a TP worker is killed: its requests wait for the replacement,
+        # which can take over 30 s on a loaded 2-core machine)
+        serve.run(build_app({"engine": {"model": "tiny-bd", "slots": 2, "max_waiting": 2},
+                             "http": {"max_tokens_limit": 256}, "router": {"park_s": 150},
+                             "resources": {"tp_degrees": [2]}}),
+                  name="remask-tp2", route_prefix="/tp2", blocking=False)
+        # a real-format checkpoint (random weights): its own tokenizer, chat template and generation_config.json
+        serve.run(build_app({"engine": {"model": str(hf_checkpoints["dream"]), "slots": 4, "max_waiting": 16},
+                             "http": {"served_model_name": HF_MODEL, "max_tokens_limit": 64},
+                             "resources": {"cpus_per_replica": 0.25}}),
+                  name="remask-hf", route_prefix=HF, blocking=False)
+        # wait for the app to answer
+        wait_until(lambda: all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200 for p in ("", "/tp2", HF))
+                   and len(httpx.get(f"{BASE}/debug/instances", timeout=2).json()["instances"]) == 2)
+        yield BASE
+    finally:
+        delete_apps(*APPS)
 
 
 def post(url, path, body, **kw):
@@ -359,8 +354,6 @@ def test_redeploy_with_a_changed_config_drains_in_flight_requests(app_url):
         t.join(300)
     assert all(r is not None and r[0] == 200 and r[2] == "stop" for r in results), results
     assert all(tasks_check(p, r[1]) for p, r in zip(prompts, results)), results
-    from tests.conftest import wait_until
-
     assert wait_until(lambda: httpx.get(app_url + "/v1/models", timeout=5).json()["data"][0]["id"] == "tiny-bd-v2"
                       and len(httpx.get(app_url + "/debug/instances", timeout=5).json()["instances"]) == 2)
     r = post(app_url, "/v1/completions", {"prompt": "rev: abc", "max_tokens": 8})

@@ -1,9 +1,9 @@
 """The live app under abuse: API keys and their limits, hand-written bad input, and a schema fuzz run.
 
-One Ray Serve app for the module (Ray start-up costs seconds) with three API keys: ``main`` (from an
-environment variable of the replica, no limits of its own), ``tight`` (from a file; 1 request at a
-time, 48 prompt tokens, max_tokens 4) and ``metered`` (one request per 2 s, priority up to 3); bodies
-must arrive within 6 s. The app's max_tokens limit is 8 to keep generation short. Every
+One Ray Serve app for the module (on the session's shared Ray cluster, tests/serving.py) with three API
+keys: ``main`` (from an environment variable of the replica, no limits of its own), ``tight`` (from a
+file; 1 request at a time, 48 prompt tokens, max_tokens 4) and ``metered`` (one request per 2 s, priority
+up to 3); bodies must arrive within 6 s. The app's max_tokens limit is 8 to keep generation short. Every
 answer must be < 500, arrive within the client timeout, and carry an OpenAI-style error body when it is
 a 4xx; normal requests keep working throughout.
 
@@ -23,15 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.serving import BASE, PORT, REPLICA_ENV, delete_apps, wait_until
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
-PORT = 8791
-BASE = f"http://127.0.0.1:{PORT}"
-KEY = "sk-remask-guard-main-3f9c1a"
+KEY = REPLICA_ENV["REMASK_GUARD_KEY"]  # set before the shared Ray cluster starts (tests/serving.py)
 TIGHT = "sk-remask-guard-tight-77b20e"
 WRONG = "sk-remask-guard-wrong-d41d8c"
 METERED = "sk-remask-guard-metered-5e0a44"
@@ -41,30 +39,26 @@ TIMEOUT = 60  # a hang fails the test
 
 
 @pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
+def app_url(ray_serve, tmp_path_factory):
     from deployments.builder import build_app
 
-    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     key_file = tmp_path_factory.mktemp("keys") / "tight.key"
     key_file.write_text(TIGHT + "\n")
-    # the replica inherits the key from the environment that starts Ray (Ray's runtime_env would log it)
-    os.environ["REMASK_GUARD_KEY"] = KEY
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app({
-        "engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
-        "http": {"max_tokens_limit": 8, "max_body_bytes": BODY_LIMIT, "body_timeout_s": BODY_TIMEOUT_S,
-                 "api_keys": [{"name": "main", "key_env": "REMASK_GUARD_KEY"},
-                              {"name": "tight", "key_file": str(key_file), "max_concurrent": 1,
-                               "max_prompt_tokens": 48, "max_tokens": 4},
-                              {"name": "metered", "key": METERED, "requests_per_second": 0.5,
-                               "max_priority": 3}]}}),
-        name="remask-guard", route_prefix="/", blocking=False)
-    wait_until(lambda: httpx.get(f"{BASE}/health", timeout=2).status_code == 200)
-    yield BASE
-    serve.shutdown()
-    ray.shutdown()
-    os.environ.pop("REMASK_GUARD_KEY", None)
+    try:  # deleted however the module ends, set-up included
+        # the replica inherits the key from the environment that starts Ray (Ray's runtime_env would log it)
+        serve.run(build_app({
+            "engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
+            "http": {"max_tokens_limit": 8, "max_body_bytes": BODY_LIMIT, "body_timeout_s": BODY_TIMEOUT_S,
+                     "api_keys": [{"name": "main", "key_env": "REMASK_GUARD_KEY"},
+                                  {"name": "tight", "key_file": str(key_file), "max_concurrent": 1,
+                                   "max_prompt_tokens": 48, "max_tokens": 4},
+                                  {"name": "metered", "key": METERED, "requests_per_second": 0.5,
+                                   "max_priority": 3}]}}),
+            name="remask-guard", route_prefix="/", blocking=False)
+        wait_until(lambda: httpx.get(f"{BASE}/health", timeout=2).status_code == 200)
+        yield BASE
+    finally:
+        delete_apps("remask-guard")
 
 
 def auth(key: str | None = KEY) -> dict:
@@ -588,3 +582,22 @@ def test_loadgen_replay_with_an_api_key(app_url, tmp_path):
     main(["loadgen", "replay", "--url", app_url, "--trace", str(trace), "--out", str(out), "--api-key", "",
           "--quiet"])
     assert json.loads(out.read_text())["summary"]["completed"] == 0
+
+
+def test_vllm_bench_bodies_through_the_proxy(app_url):
+    """The body vLLM's benchmark client sends with --ignore-eos decodes to max_tokens through the real instances;
+    the response id is the request id Serve's proxy returns; a chat with logprobs gets one per token."""
+    body = {"model": "tiny-bd", "prompt": "rev: abc", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+    r = post("/v1/completions", body)
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert chunks[-1]["usage"]["completion_tokens"] == 8  # past the model's end of text, to max_tokens
+    assert {c["id"] for c in chunks} == {r.headers["x-request-id"]}
+    r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "max: a3 b9 c1 d2"}],
+                                      "logprobs": True, "max_completion_tokens": 8})
+    body = r.json()
+    assert r.status_code == 200 and body["id"] == r.headers["x-request-id"]
+    content = body["choices"][0]["logprobs"]["content"]
+    assert "".join(c["token"] for c in content) == body["choices"][0]["message"]["content"]
+    assert content and all(c["logprob"] <= 0 for c in content)

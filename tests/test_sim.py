@@ -75,6 +75,7 @@ def test_profiles_interpolate_and_fail_clearly(tmp_path):
         LatencyProfile("x", {"warp": [(1, 1)]})
 
 
+@pytest.mark.slow
 def test_model_in_the_loop_runs_the_real_engine(tok):
     from engine.clock import VirtualClock
     from engine.engine import Engine
@@ -82,7 +83,7 @@ def test_model_in_the_loop_runs_the_real_engine(tok):
     from sim.model_runner import ModelInTheLoopRunner
     from sim.simulator import simulate
     from sim.workload import SimRequestSpec
-    from tests.conftest import make_model
+    from tests.builders import make_model
 
     model = make_model()
     prompts = ["12+5=", "rev: abc", "story: cat 2", "x", "max: a1 b2 c3 d4"]

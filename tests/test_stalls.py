@@ -140,7 +140,7 @@ def test_the_round_loop_keeps_serving_one_ingress_while_another_stops_reading(to
     from app.replica import ReplicaServer
     from engine.engine import Engine
     from engine.instance import Instance
-    from tests.conftest import make_model
+    from tests.builders import make_model
 
     inst = Instance(Engine(make_model(), tok, max_slots=4), slots=4)
     rep = ReplicaServer(inst, tick_s=0.05, send_timeout_s=0.5, queue_frames=100_000)
@@ -184,8 +184,8 @@ def test_the_watchdog_survives_a_failing_pass_and_restarts_when_its_task_ends(mo
     """One pass raises: logged, and the next passes still drop a silent instance. The task itself ends
     (cancelled): it starts again and goes on detecting."""
     import app.dispatch as dispatch
+    from tests.builders import make_dispatcher
     from tests.fakes import RecordingLink
-    from tests.test_dispatch import make_dispatcher
 
     monkeypatch.setattr(dispatch, "WATCHDOG_RESTART_S", 0.05)
 

@@ -13,7 +13,7 @@ from engine.engine import Engine
 from engine.models.tensor_parallel import all_reduce_sum, shard_config, shard_model
 from engine.sequence import SamplingParams
 from engine.tokenizer import CharTokenizer
-from tests.conftest import MOE, make_config, make_model
+from tests.builders import MOE, make_config, make_model
 
 PROMPTS = ["rev: abcdef", "12+5=", "story: cat 3", "x"]
 
@@ -51,6 +51,7 @@ def _rank_main(rank: int, world: int, port: int, kind: str, out_path: str) -> No
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_tp2_gives_the_same_tokens_as_tp1(tmp_path, kind):
     ref = Engine(_full(kind), CharTokenizer.default()).generate(PROMPTS, SamplingParams(max_tokens=24, threshold=0.6))

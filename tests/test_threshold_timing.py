@@ -23,12 +23,7 @@ import pytest
 import tasksuite as tasks
 from app.dispatch import Dispatcher
 from app.protocol import Abort, Add, ProgressBatch, StepItem, Thresholds
-from app.replica import ReplicaServer
-from engine.instance import Instance
-from engine.loading import load_engine
-from predictors.bundle import load_predictors
-from predictors.features import state_row
-from tests.test_dispatch import collect, ids, make_dispatcher
+from tests.builders import collect, ids, make_dispatcher, make_replica
 
 
 class ProtocolDispatcher:
@@ -74,11 +69,8 @@ class ProtocolDispatcher:
         link.send = wrapped
 
 
-def make_replica(**loop_kwargs) -> ReplicaServer:
-    engine = load_engine("tiny-bd", max_slots=8, max_gen_length=256, kv_slots=64)
-    inst = Instance(engine, slots=8)
-    load_predictors("tiny-bd").attach(inst)
-    return ReplicaServer(inst, max_waiting=128, describe=state_row, tick_s=0.2, **loop_kwargs)
+# the replica of the figures: a deep queue (all requests are sent at once), a fixed KV pool
+REPLICA = dict(max_waiting=128, kv_slots=64)
 
 
 def _cpus() -> list[int]:
@@ -92,7 +84,7 @@ def _serve(conn, loop_kwargs: dict, cpu: int | None) -> None:
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
-    replica = make_replica(**loop_kwargs)
+    replica = make_replica(**REPLICA, **loop_kwargs)
     try:
         conn.send(replica.info())
         conn.recv()  # served
@@ -123,7 +115,7 @@ def measure(answer_all: bool, planned: bool, n: int = 64, slo_ms: tuple[float, f
             raise RuntimeError("the replica process did not start")
         info = parent.recv()
     else:
-        replica = make_replica(**loop_kwargs)
+        replica = make_replica(**REPLICA, **loop_kwargs)
         info = replica.info()
 
     async def main():
@@ -198,7 +190,7 @@ def test_the_replica_takes_est_rounds_planned_estimates_and_after_round_from_its
     time when it answers the batch of the round just run."""
     from app.channel import Link
 
-    replica = make_replica(threshold_wait_s=5.0, threshold_wait_frac=1e6)
+    replica = make_replica(**REPLICA, threshold_wait_s=5.0, threshold_wait_frac=1e6)
     sched = replica.loop.instance.scheduler
 
     async def batch_of(link: Link) -> ProgressBatch:

@@ -29,6 +29,7 @@ def test_batches_match_the_decoding_conditions(name):
             assert idx.max() < real and real - idx.min() <= training.BLOCK
 
 
+@pytest.mark.slow
 def test_short_training_lowers_the_loss_and_saves_a_loadable_checkpoint(tmp_path):
     log = tmp_path / "log.jsonl"
     out = training.train("tiny-bd", tmp_path / "m", steps=80, batch_size=8, progress=False, log_path=log,

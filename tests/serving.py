@@ -1,0 +1,74 @@
+"""The one Ray cluster and Serve instance that the service test modules share (fixture ``ray_serve`` in
+tests/conftest.py): started by the first test that needs it, stopped at the end of the session. Each module
+deploys its applications on it (``serve.run`` or the declarative API) and deletes them when it ends, so the
+next module finds Serve empty; Ray's start-up (seconds on a busy 2-core machine) is paid once."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+
+def _free_port() -> int:
+    """A port nothing listens on now (two sessions on one machine never meet on one port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PORT = int(os.environ.get("REMASK_TEST_PORT") or _free_port())
+BASE = f"http://127.0.0.1:{PORT}"
+# the cluster's logical resources: 8 CPUs (replicas, TP ranks and ingresses of the largest module) and
+# 2 GPUs (the planner test resizes TP groups on them; no device is used)
+NUM_CPUS, NUM_GPUS = 8, 2
+# what the replicas read from their environment, set before Ray starts (its workers inherit it; a secret in
+# Ray's runtime_env would be written to its logs): tests/test_serve_guard.py's key from an environment variable
+REPLICA_ENV = {"REMASK_GUARD_KEY": "sk-remask-guard-main-3f9c1a"}
+
+
+def start() -> str:
+    """Start Ray (a cluster of its own, never one another process on this machine started) and Serve's HTTP
+    proxy on ``PORT``: the base URL."""
+    import ray
+    from ray import serve
+
+    # a busy 2-core machine can take longer than Serve's 5 s to start the HTTP proxy
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.update(REPLICA_ENV)
+    ray.init(address="local", num_cpus=NUM_CPUS, num_gpus=NUM_GPUS, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    return BASE
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+    for name in REPLICA_ENV:
+        os.environ.pop(name, None)
+
+
+def delete_apps(*names: str) -> None:
+    """Delete a module's applications (waits until they are gone and their resources free)."""
+    from ray import serve
+
+    for name in names:
+        serve.delete(name)
+
+
+def wait_until(cond, limit_s: float = 120.0, step_s: float = 0.5) -> bool:
+    """Poll ``cond()`` until it holds (True) or ``limit_s`` passes (False); HTTP errors count as not yet."""
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        try:
+            if cond():
+                return True
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(step_s)
+    return False
