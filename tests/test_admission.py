@@ -11,8 +11,8 @@ from cluster.capacity import step_rounds_ms
 from cluster.latency import StepShape, TpLatencyModel
 from engine.latency_profile import load_tp_profiles
 from sim.cluster import ClusterConfig, ClusterSimulator, summarize
-from tests.test_cluster_sim import TS
-from tests.test_cluster_sim import synthetic as _synthetic
+from tests.builders import TS
+from tests.builders import synthetic as _synthetic
 
 # the hand-derived H200 table these tests' workloads and SLOs are set against (not the measured default)
 HAND_PROFILE = str(Path(__file__).parent / "profiles" / "h200-llada8b-hand.json")
