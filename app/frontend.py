@@ -22,6 +22,7 @@ from app.control_timer import ControlTimer
 from app.gate import Gate
 from app.metrics import Metrics
 from app.protocol import ProgressBatch, StepItem
+from app.routes import build_web as _build_web
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.001  # the ingress process's GIL switch interval (Python's default: 0.005)
@@ -243,6 +244,4 @@ def build_web(frontend: Callable[[], Frontend], allowed_origins: Callable[[], li
     """The FastAPI app of the API: every route asks ``frontend()`` for the front serving it (the Ingress
     replica's, or a test's); the middleware of ``app.middleware`` (CORS from ``allowed_origins()``, by default
     the front's ``http.allowed_origins``)."""
-    from app.routes import build_web as build
-
-    return build(frontend, allowed_origins or (lambda: frontend().cfg.http.allowed_origins))
+    return _build_web(frontend, allowed_origins or (lambda: frontend().cfg.http.allowed_origins))
