@@ -120,7 +120,8 @@ def _rounds(out: Path) -> list[str]:
             variant, ms = _round_ms(r)
             lines.append(f"{name} ({label}, {r['slots']}x{r['tokens']}): {variant} {ms:.2f} ms "
                          f"(target <= {target:g} ms: {_mark(ms <= target)})")
-            lines.append("  " + ", ".join(f"{k} {x['median_ms']:.2f} ms" for k, x in _variants(r).items()))
+            lines.append("  " + ", ".join(f"{k} {x['median_ms']:.2f} ms" for k, x in _variants(r).items())
+                         + (f"; {GRAPHS}: skipped: no CUDA" if r["device"] == "cpu" else ""))
         else:
             lines.append(f"{name}: no result")
     if (r := _json(out / "round-gaps.json")) is not None:

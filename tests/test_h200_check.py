@@ -54,7 +54,8 @@ def test_device_script_dry_run_on_the_cpu(tmp_path):
     summary = (out / "summary.txt").read_text()
     for line in ("steps: every step that ran exited 0", "skipped: gpu-tests (no CUDA)",
                  "fixtures on cpu: 1 of 1 families decode (sdar ok)", "(target <= 100 ms:",
-                 "round-single (one request, 1x8): round ", "(target <= 16 ms:", "kernels-8b (llada-8b-shape, 4x8",
+                 "round-single (one request, 1x8): round ",
+                 "round, CUDA graphs: skipped: no CUDA", "(target <= 16 ms:", "kernels-8b (llada-8b-shape, 4x8",
                  "kernels-moe (llada2-mini-shape, 4x8", "bench engine: batched / best loop",
                  "profile check: ", "over the whole run (target <= 10%:", "h200-llada8b-measured.json: written",
                  "h200-llada2mini-measured.json: written", "the 128 x 512 prefill case: not in this profile's grid"):
