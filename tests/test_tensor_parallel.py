@@ -32,34 +32,45 @@ def _full(kind: str):
     return make_model(num_heads=4, num_kv_heads=2, intermediate_size=64, **MODELS[kind])
 
 
-def _rank_main(rank: int, world: int, port: int, kind: str, out_path: str) -> None:
+def _rank_main(rank: int, world: int, port: int, kinds: list[str], out_path: str) -> None:
+    """One TP rank: each of ``kinds``' models sharded and decoded in turn; rank 0 writes {kind: outputs}."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        full = _full(kind)
-        if kind == "moe":  # as an LLaDA2 checkpoint loads: q/k/v fused
-            for layer in full.layers:
-                layer.self_attn.fuse()
-        shard = shard_model(full, rank, world, all_reduce_sum())
-        outs = Engine(shard, CharTokenizer.default()).generate(PROMPTS, SamplingParams(max_tokens=24, threshold=0.6))
+        got = {}
+        for kind in kinds:
+            full = _full(kind)
+            if kind == "moe":  # as an LLaDA2 checkpoint loads: q/k/v fused
+                for layer in full.layers:
+                    layer.self_attn.fuse()
+            shard = shard_model(full, rank, world, all_reduce_sum())
+            outs = Engine(shard, CharTokenizer.default()).generate(PROMPTS,
+                                                                   SamplingParams(max_tokens=24, threshold=0.6))
+            got[kind] = [[o.token_ids, o.rounds] for o in outs]
         if rank == 0:
             with open(out_path, "w") as f:
-                json.dump([[o.token_ids, o.rounds] for o in outs], f)
+                json.dump(got, f)
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def tp2_outputs(tmp_path_factory) -> dict:
+    """Every model kind decoded by two TP ranks (one pair of spawned processes for all kinds: starting them
+    costs more than the decoding)."""
+    out = tmp_path_factory.mktemp("tp2") / "tp2.json"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_rank_main, args=(2, _free_port(), list(MODELS), str(out)), nprocs=2, join=True)
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_tp2_gives_the_same_tokens_as_tp1(tmp_path, kind):
+def test_tp2_gives_the_same_tokens_as_tp1(tp2_outputs, kind):
     ref = Engine(_full(kind), CharTokenizer.default()).generate(PROMPTS, SamplingParams(max_tokens=24, threshold=0.6))
-    out = tmp_path / "tp2.json"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_rank_main, args=(2, _free_port(), kind, str(out)), nprocs=2, join=True)
-    got = json.loads(out.read_text())
-    assert got == [[o.token_ids, o.rounds] for o in ref]
+    assert tp2_outputs[kind] == [[o.token_ids, o.rounds] for o in ref]
 
 
 def test_shard_shapes_and_errors():
