@@ -231,10 +231,10 @@ def test_ignore_eos_decodes_to_max_tokens_in_the_engine():
 
     engine = load_engine(MODEL, max_slots=2)
     prompt = "2+3="
-    short = engine.generate([prompt], SamplingParams(max_tokens=48))[0]
-    assert short.finish_reason == "stop" and len(short.token_ids) < 48  # the model ends its answer early
-    full = engine.generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True))[0]
-    assert full.finish_reason == "length" and len(full.token_ids) == 48
+    short = engine.generate([prompt], SamplingParams(max_tokens=24))[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 24  # the model ends its answer early
+    full = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 24
 
 
 # ---- logprobs: each generated token's log-probability in the round that committed it ----------------------------
@@ -263,7 +263,7 @@ def test_logprobs_through_the_dispatcher_are_the_committing_rounds():
     async def main():
         d = make_dispatcher()
         await d.connect("lp0", 1, **rep.info())
-        stream = submit(d, "lp", "story: owl 8", 40, threshold=0.9, canvas=True, sampling={"logprobs": True})
+        stream = submit(d, "lp", "story: owl 8", 24, threshold=0.9, canvas=True, sampling={"logprobs": True})
         views, deltas, last = [], [], None
         async for event in stream:
             if event["type"] == "canvas":
@@ -271,7 +271,7 @@ def test_logprobs_through_the_dispatcher_are_the_committing_rounds():
             elif event["type"] == "delta":
                 deltas.append(event)
             last = event
-        plain, plain_last = await collect(submit(d, "plain", "story: owl 8", 40, threshold=0.9))
+        plain, plain_last = await collect(submit(d, "plain", "story: owl 8", 24, threshold=0.9))
         return views, deltas, last, plain, plain_last
 
     try:
