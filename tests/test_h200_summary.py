@@ -114,3 +114,21 @@ def test_kernel_categories_file_attention_first():
     assert res["device_ms_per_round"] == 4.0 and res["by_category_ms"] == {
         "matmul": 3.0, "attention": 0.0, "elementwise/other": 0.5, "copy/index": 0.5}
     assert res["top"][0] == ["aten::mm", 3.0, 5, "matmul"]
+
+
+def test_kernel_breakdown_on_cuda_counts_the_kernels_own_device_time():
+    from torch.autograd import DeviceType
+
+    from tools.kernel_profile import breakdown
+
+    class Evt:  # what key_averages() yields with the CUDA activity: operators (CPU) and their kernels (CUDA)
+        def __init__(self, key, device_type, device_us, count=2):
+            self.key, self.device_type, self.self_device_time_total, self.count = key, device_type, device_us, count
+            self.self_cpu_time_total = 500.0
+
+    res = breakdown([Evt("aten::mm", DeviceType.CPU, 0.0), Evt("aten::copy_", DeviceType.CPU, 0.0),
+                     Evt("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", DeviceType.CUDA, 8000.0),
+                     Evt("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", DeviceType.CUDA, 1000.0),
+                     Evt("Memcpy DtoD (Device -> Device)", DeviceType.CUDA, 1000.0)], rounds=2, cuda=True)
+    assert res["device_ms_per_round"] == 5.0
+    assert res["by_category_ms"] == {"matmul": 4.0, "attention": 0.5, "elementwise/other": 0.0, "copy/index": 0.5}

@@ -60,9 +60,12 @@ def breakdown(events, rounds: int, cuda: bool, top: int = 12) -> dict:
 
     by_cat: dict[str, float] = defaultdict(float)
     kernels = []
+    events = list(events)
+    # the kernels are the CUDA-typed entries; a torch that files them otherwise: any entry with device time
+    by_type = cuda and any(getattr(e, "device_type", None) == DeviceType.CUDA for e in events)
     for evt in events:
         if cuda:
-            if evt.device_type != DeviceType.CUDA:
+            if by_type and evt.device_type != DeviceType.CUDA:
                 continue
             us = _self_device_us(evt)
         else:
