@@ -32,7 +32,7 @@ COUNTERS = {"remask:prompt_tokens_total", "remask:generation_tokens_total", "rem
             "remask:request_failure_total", "remask:migrations_total", "remask:resumes_total",
             "remask:slo_met_total", "remask:slo_missed_total", "remask:requests_shed_total"}
 GAUGES = {"remask:num_requests_running", "remask:num_requests_waiting", "remask:kv_cache_usage_perc",
-          "remask:requests_in_flight"}
+          "remask:requests_in_flight", "remask:cuda_graph_capture_failures", "remask:cuda_graphs_off_instances"}
 
 
 def samples(m: Metrics) -> dict[tuple, float]:
