@@ -136,15 +136,15 @@ def _num(stats: dict, key: str) -> float | int:
 def cluster_view(dispatcher, planner=None, now: float | None = None, outcomes: RecentOutcomes | None = None, *,
                  slots: int | None = None, window_s: float = 60.0) -> dict:
     """The JSON of ``/debug/cluster``, from the ingress's ``Dispatcher`` (its instances' last reported
-    stats, the router's requests per instance, the live requests' thresholds), the planner service
-    (``describe()``; ``None`` when the planner is off), and ``outcomes`` (SLO attainment over the last
+    stats; through its cluster driver, the router's requests per instance; the live requests' thresholds), the
+    planner service (``describe()``; ``None`` when the planner is off), and ``outcomes`` (SLO attainment over the last
     ``window_s`` seconds at ``now``). ``slots``: the batch slots of an instance (the app's config), to show
     how full each is."""
-    router = dispatcher.router
+    driver = dispatcher.driver  # the one door into the cluster core (cluster/driver.py)
     instances, by_tp = [], {}
     for inst in sorted(dispatcher.instances.values(), key=lambda i: i.inst_id):
         st = inst.stats or {}
-        rinst = router.by_id.get(inst.inst_id)
+        rinst = driver.instance(inst.inst_id)
         rounds, filled = _num(st, "rounds"), _num(st, "filled_slots")
         row = {
             "id": inst.inst_id, "replica": inst.replica, "tp": inst.tp,
@@ -187,12 +187,11 @@ def cluster_view(dispatcher, planner=None, now: float | None = None, outcomes: R
         "live": len(dispatcher.live),
         "parked": len(getattr(dispatcher, "parked", ())),
         # requests that ever waited for an instance (arrivals and moves while none could take them)
-        "parked_total": getattr(getattr(dispatcher, "driver", None), "stats", {}).get("held"),
+        "parked_total": getattr(driver, "stats", {}).get("held"),
         "thresholds": {"in_use": dict(sorted(in_use.items(), reverse=True)), "fixed_by_client": fixed,
-                       "candidates": list(getattr(getattr(router, "cfg", None), "thresholds", ()))},
+                       "candidates": list(driver.candidate_thresholds())},
         "slo": slo,
-        "router": {"policy": getattr(router.policy, "name", type(router.policy).__name__), **router.stats,
-                   "admission_util": None if governor is None else round(governor.util, 3)},
+        "router": {**driver.counters(), "admission_util": None if governor is None else round(governor.util, 3)},
         "dispatch": dict(dispatcher.stats),
         "planner": {"enabled": False} if plan is None else {"enabled": True, **plan},
     })

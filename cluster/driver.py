@@ -110,6 +110,10 @@ class ClusterDriver:
         the fixed cost (the simulator delays a move's arrival by it)."""
         return self.router.migration_cost_ms(state)
 
+    def candidate_thresholds(self) -> tuple[float, ...]:
+        """The thresholds the policy chooses among (the router's configuration)."""
+        return tuple(self.router.cfg.thresholds)
+
     def counters(self) -> dict:
         """The router's policy, its counts (migrations, load-control runs) and the latency model's
         calibration scale (measured over profiled round time, to 3 decimals)."""

@@ -172,10 +172,11 @@ def fake_dispatcher():
     for k, t in enumerate([0.9, 0.9, 0.8, 0.7, 0.7, 0.7, 0.5]):
         lives[f"r{k}"] = SimpleNamespace(sent_threshold=t, state=SimpleNamespace(
             thresholds_used=[0.9, t], fixed_threshold=0.5 if t == 0.5 else None))
-    router = SimpleNamespace(by_id={i: SimpleNamespace(n=s["running"] + s["waiting"]) for i, s in enumerate(stats)},
-                             stats={"migrations": 4, "load_control_runs": 120}, policy=SimpleNamespace(name="remask"),
-                             cfg=SimpleNamespace(thresholds=(0.9, 0.8, 0.7, 0.6, 0.5)))
-    return SimpleNamespace(instances=instances, router=router, live=lives, parked=[],
+    by_id = {i: SimpleNamespace(n=s["running"] + s["waiting"]) for i, s in enumerate(stats)}
+    driver = SimpleNamespace(instance=by_id.get, stats={"held": 3},
+                             counters=lambda: {"policy": "remask", "migrations": 4, "load_control_runs": 120},
+                             candidate_thresholds=lambda: (0.9, 0.8, 0.7, 0.6, 0.5))
+    return SimpleNamespace(instances=instances, driver=driver, live=lives, parked=[],
                            governor=SimpleNamespace(util=0.8),
                            stats={"resumed": 0, "migrated": 4, "failed_over": 0, "instances_lost": 0, "shed": 2,
                                   "drained": 0})
