@@ -130,6 +130,19 @@ def profile_instance(instance, name: str, budget_s: float = 3.0, batch_sizes: tu
     return prof
 
 
+def _held(engine: Engine) -> str:
+    """What the device held when a round ran out of memory: allocated and reserved memory, the KV pool and the
+    round's transient budget (engine/memory.py), so a profile's skipped case says where the memory went."""
+    pool = engine.runner.pool
+    budget = engine.runner.transient_budget
+    parts = [f"KV pool {0 if pool is None else pool.kv.numel() * pool.kv.element_size() / 2**30:.1f} GiB",
+             "round budget " + ("none" if budget is None else f"{budget / 2**30:.1f} GiB")]
+    if engine.device.type == "cuda":
+        parts = [f"allocated {torch.cuda.memory_allocated(engine.device) / 2**30:.1f} GiB",
+                 f"reserved {torch.cuda.memory_reserved(engine.device) / 2**30:.1f} GiB", *parts]
+    return ", ".join(parts)
+
+
 def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progress: bool,
              prompt_lens: tuple[int | None, ...], max_tokens: int | None, budget_s: float | None,
              warmup: bool | None = None) -> LatencyProfile:
@@ -164,7 +177,7 @@ def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progre
                     if driver.step(reqs)[2]:
                         break
             except torch.OutOfMemoryError:
-                oom = True
+                oom = _held(engine)
             driver.stop(reqs)
             if oom or _graph_state(engine) == before:
                 break
@@ -174,7 +187,7 @@ def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progre
             try:
                 ms, comp, finished = driver.step(reqs)
             except torch.OutOfMemoryError:  # too large for this device: keep the points measured so far
-                oom = True
+                oom = _held(engine)
                 break
             kinds = {k for k, _, _ in comp}
             if len(kinds) == 1 and _graph_state(engine) == before:  # a steady round
@@ -188,7 +201,7 @@ def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progre
                 break
         driver.stop(reqs)
         if oom:
-            skipped.append(f"batch {n} x prompt {plen}: out of memory")
+            skipped.append(f"batch {n} x prompt {plen}: out of memory ({oom})")
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     curves = {}
@@ -202,7 +215,7 @@ def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progre
         "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
         "batch_sizes": list(batch_sizes), "prompt_lens": list(prompt_lens),
         "method": "median wall time of single-kind rounds (device synchronised)", "skipped": skipped,
-        "cuda_graphs": graphs is not None,
+        "cuda_graphs": graphs is not None, "elementwise": engine.runner.model.elementwise,
         "warmup": "each batch run untimed before it is timed (once or twice: until it meets no new shape)"
         if warm else None,
         "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0})

@@ -137,7 +137,10 @@ def test_profile_keeps_the_points_measured_before_running_out_of_memory(monkeypa
 
     monkeypatch.setattr(engine, "step", step)
     prof = profile_engine(engine, "small", batch_sizes=(1, 4, 16), rounds=3, max_tokens=64)
-    assert prof.meta["skipped"] == ["batch 16 x prompt None: out of memory"]
+    pool_gib = engine.runner.pool.kv.numel() * engine.runner.pool.kv.element_size() / 2**30
+    # what the device held then: here (a CPU) the pool and the round's budget
+    assert prof.meta["skipped"] == [f"batch 16 x prompt None: out of memory (KV pool {pool_gib:.1f} GiB, "
+                                    "round budget none)"]
     assert max(t for t, _ in prof.curves["recompute"]) < 16 * 64 and not engine.sequences  # aborted, none left
 
 
