@@ -29,7 +29,8 @@ token ids (``engine.tokenizer.OutputText``: pieces that never split a
 character, and ``stop`` strings: the text ends before one, and the request is
 cancelled on its instance at once); the instance only sends ids. A request's
 events (``RequestStream``): ``accepted`` once, then ``delta`` text, then
-``done`` or ``error``.
+``done`` or ``error``. The records it keeps per instance and per request, and
+how a step item updates a request, are in app/live.py.
 """
 
 from __future__ import annotations
@@ -39,90 +40,23 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from app.channel import Link
+from app.live import DispatchError, InstanceLink, LiveRequest, RequestStream
 from app.protocol import Abort, Add, Done, Draining, ErrorItem, ProgressBatch, Sampling, StepItem, Thresholds, Tick
 from cluster import RequestState, Router
 from cluster.driver import ClusterDriver, Move
+from engine.tokenizer import OutputText
 
 if TYPE_CHECKING:
     from cluster.learning import LiveLearning
     from engine.latency_profile import LatencyProfile
-from engine.tokenizer import OutputText
+
+__all__ = ["DispatchError", "Dispatcher", "InstanceLink", "LiveRequest", "RequestStream"]
 
 log = logging.getLogger(__name__)
 WATCHDOG_RESTART_S = 1.0  # a watchdog task that ended starts again after this
-
-
-class DispatchError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
-class InstanceLink:
-    inst_id: int
-    replica: str
-    tp: int
-    link: Link
-    last_seen: float
-    stats: dict = field(default_factory=dict)
-    task: asyncio.Task | None = None
-    meta: dict = field(default_factory=dict)  # what the replica told about itself (e.g. its Ray actor name)
-    draining: bool = False  # shutting down: it finishes what it holds only while no other instance can take it
-    last_round: tuple | None = None  # (round number, emission time) of its last progress batch
-
-
-@dataclass(eq=False)
-class _Live:
-    req_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    state: RequestState
-    queue: asyncio.Queue
-    arrival: float
-    out: OutputText
-    sampling: Sampling = field(default_factory=Sampling)
-    canvas: bool = False  # the client asked for each step's canvas (``canvas`` events)
-    committed: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # of ``committed``, when its sampling asked for them
-    first_step: float | None = None  # when its first step's progress arrived (its queue time ends)
-    rows: list = field(default_factory=list)  # its StepFeatures after each denoising step (the online learners')
-    row_steps: list[int] = field(default_factory=list)  # denoising steps done at each row
-    denoise_steps: int = 0
-    first_token: float | None = None
-    accepted: bool = False
-    sent_threshold: float | None = None
-    resumes: int = 0
-    parked_at: float = 0.0
-
-
-class RequestStream:
-    """One request's events, for the HTTP handler."""
-
-    def __init__(self, dispatcher: Dispatcher, live: _Live) -> None:
-        self._d, self._live = dispatcher, live
-        self.ended = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> dict:
-        if self.ended:
-            raise StopAsyncIteration
-        event = await self._live.queue.get()
-        if event["type"] in ("done", "error"):
-            self.ended = True
-        return event
-
-    def cancel(self) -> None:
-        """The client went away: free the request's slot and KV on its instance."""
-        if not self.ended:
-            self.ended = True
-            self._d.cancel(self._live.req_id)
 
 
 class Dispatcher:
@@ -158,7 +92,7 @@ class Dispatcher:
         self.learning = learning
         self.instances: dict[int, InstanceLink] = {}
         self.by_replica: dict[str, int] = {}
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, LiveRequest] = {}
         self._ids = itertools.count()
         self.stats = {"resumed": 0, "migrated": 0, "failed_over": 0, "instances_lost": 0, "shed": 0, "drained": 0,
                       "watchdog_errors": 0, "watchdog_restarts": 0}
@@ -186,7 +120,7 @@ class Dispatcher:
         self.driver.calibrate = on
 
     @property
-    def parked(self) -> list[_Live]:
+    def parked(self) -> list[LiveRequest]:
         """Requests waiting for an instance to join."""
         return [self.live[s.req_id] for s in self.driver.held if s.req_id in self.live]
 
@@ -372,7 +306,7 @@ class Dispatcher:
         # the governor counts a request whose SLO the client set; a client-fixed threshold is never the router's
         state = RequestState(req_id, now, now + slo_s, prompt_tokens, canvas_tokens, self.block_tokens, priority,
                              self.full_sequence, fixed_threshold=threshold, counted=slo_ms is not None)
-        live = _Live(req_id, list(prompt_ids), max_tokens, state, asyncio.Queue(), now,
+        live = LiveRequest(req_id, list(prompt_ids), max_tokens, state, asyncio.Queue(), now,
                      OutputText(self.decode, stop), params, canvas)
         if threshold is not None:
             state.threshold = threshold
@@ -392,9 +326,9 @@ class Dispatcher:
                                      "within its SLO even at the lowest threshold; retry later")
         else:  # no instance serves yet (starting, between a reconfiguration's stops and starts, a redeploy)
             self._park(live)
-        return RequestStream(self, live)
+        return RequestStream(self.cancel, live)
 
-    def _park(self, live: _Live) -> None:
+    def _park(self, live: LiveRequest) -> None:
         """A request the driver holds until an instance joins (``park_s`` at most, then 503)."""
         live.parked_at = self.clock()
         self._ensure_watchdog()
@@ -425,7 +359,7 @@ class Dispatcher:
         if inst_id is not None and inst_id in self.instances:
             self.instances[inst_id].link.send(Abort(req_id))
 
-    def _send_add(self, live: _Live, move: Move) -> None:
+    def _send_add(self, live: LiveRequest, move: Move) -> None:
         now = self.clock()
         t = self.driver.threshold_for(live.state, now)
         live.sent_threshold = t
@@ -438,7 +372,7 @@ class Dispatcher:
         if not ok:  # its channel just broke: the reader's drop resumes it, or do it now
             self.drop(move.dst, "unreachable")
 
-    def _resume(self, live: _Live, exclude: int | None, why: str) -> None:
+    def _resume(self, live: LiveRequest, exclude: int | None, why: str) -> None:
         """Send an active request (unplaced in the router) to another instance from its committed tokens."""
         live.resumes += 1
         if live.resumes > self.max_resumes:
@@ -454,18 +388,18 @@ class Dispatcher:
         self.stats["resumed"] += 1
         self._send_add(live, move)
 
-    def _fail(self, live: _Live, status: int, message: str) -> None:
+    def _fail(self, live: LiveRequest, status: int, message: str) -> None:
         self.live.pop(live.req_id, None)
         self.driver.cancelled(live.state)
         live.queue.put_nowait({"type": "error", "status": status, "message": message,
                                "accepted": live.accepted})
 
-    def _finish(self, live: _Live, done: Done) -> None:
+    def _finish(self, live: LiveRequest, done: Done) -> None:
         self.live.pop(live.req_id, None)
         inst = self.driver.instance(live.state.instance)
         now = self.clock()
         self.driver.finished(live.state, now)
-        self._emit(live, live.out.finish(), now)  # held-back text: an unfinished character, a stop's prefix
+        live.emit(live.out.finish(), now)  # held-back text: an unfinished character, a stop's prefix
         if self.learning is not None and done.finish_reason in ("stop", "length") and live.denoise_steps:
             st = live.state
             self.learning.finished(live.rows, live.row_steps, live.denoise_steps,
@@ -513,73 +447,19 @@ class Dispatcher:
             return
         # the router's step event (the profile calibrated under this deployment's real load), the policy's
         # migrations, and the admission governor told at once of a request past its deadline
-        moves = self.driver.on_round(inst_id, stepped, now, self._effective_round_ms(inst, batch), batch.kinds)
+        moves = self.driver.on_round(inst_id, stepped, now, inst.effective_round_ms(batch), batch.kinds)
         for live, done in finished:
             self._finish(live, done)
         self._execute(moves)
         self._plan(inst_id, now, batch.round)
 
-    @staticmethod
-    def _effective_round_ms(inst: InstanceLink, batch: ProgressBatch) -> float:
-        """What a round really takes on this instance: from the previous round's batch to this one's when
-        the two are consecutive (the loop's own overhead, commands and whatever shares the CPU or GPU are
-        in it: throughput is what admission needs), else the round's own time."""
-        round_ms, n, t = batch.round_ms, batch.round, batch.t
-        prev, inst.last_round = inst.last_round, (n, t)
-        if prev is not None and prev[0] == n - 1:
-            gap_ms = (t - prev[1]) * 1e3
-            if round_ms <= gap_ms <= 3.0 * round_ms:  # longer: the loop was idle in between
-                return gap_ms
-        return round_ms
+    def _item_step(self, live: LiveRequest, item: StepItem, now: float, inst: InstanceLink) -> Done | None:
+        done, cut = live.take_step(item, now, inst, self.decode, self.full_sequence, self.block_tokens)
+        if cut and live.state.instance in self.instances:  # a stop string ended the text: the rest is not wanted
+            self.instances[live.state.instance].link.send(Abort(live.req_id))
+        return done
 
-    @staticmethod
-    def _emit(live: _Live, piece: str, now: float) -> None:
-        if piece:
-            if live.first_token is None:
-                live.first_token = now
-            live.queue.put_nowait({"type": "delta", "text": piece})
-
-    def _item_step(self, live: _Live, item: StepItem, now: float, inst: InstanceLink) -> Done | None:
-        ids = item.ids
-        st = live.state
-        if live.first_step is None:
-            live.first_step = now
-        view = item.canvas
-        if view is not None and live.canvas:
-            view = {**view, "committed": [[p, t, self.decode([t])] for p, t in view["committed"]],
-                    "instance": inst.inst_id, "tp": inst.tp}
-            live.queue.put_nowait({"type": "canvas", "canvas": view})
-        if ids:
-            live.committed.extend(ids)
-            if live.sampling.logprobs:  # each delta names the tokens it commits, with their log-probabilities
-                logprobs = list(item.logprobs or ()) + [None] * (len(ids) - len(item.logprobs or ()))
-                live.logprobs.extend(logprobs)
-                if live.first_token is None:
-                    live.first_token = now
-                live.queue.put_nowait({"type": "delta", "text": live.out.push(ids), "token_ids": list(ids),
-                                       "logprobs": logprobs})
-            else:
-                self._emit(live, live.out.push(ids), now)
-            if live.out.stopped and item.done is None:  # a stop string: the rest is not wanted
-                if st.instance in self.instances:
-                    self.instances[st.instance].link.send(Abort(live.req_id))
-                return Done("stop", st.steps_done, len(live.committed))
-        # a block-causal model's prefill steps denoise nothing (the step that ran was heavy)
-        f = item.features
-        if self.full_sequence or not st.next_heavy:
-            live.denoise_steps += 1
-            if f is not None and item.done is None:
-                live.rows.append(f)
-                live.row_steps.append(live.denoise_steps)
-        if f is not None:  # the replica's step features
-            st.progress, st.block_progress, st.conf_stats = f.progress, f.block_progress, f.conf_stats
-            st.blocks_left, st.step_in_block = max(int(f.blocks_left), 1), int(f.step_in_block)
-        else:
-            st.progress = len(live.committed) / max(st.output_tokens, 1)
-            st.blocks_left = max(1, -(-(st.output_tokens - len(live.committed)) // self.block_tokens))
-        return item.done
-
-    def _item_error(self, live: _Live, inst_id: int, item: ErrorItem) -> None:
+    def _item_error(self, live: LiveRequest, inst_id: int, item: ErrorItem) -> None:
         if item.status == 429:  # that instance's queue is full: another one, else shed
             if len(self.driver.serving()) > 1 and live.resumes < self.max_resumes:
                 return self._resume(live, inst_id, "its instance was full")
@@ -590,7 +470,7 @@ class Dispatcher:
             return self._resume(live, None if alone else inst_id, f"its instance gave it up ({item.message})")
         self._fail(live, item.status, item.message)
 
-    def _planned(self, live: _Live) -> bool:
+    def _planned(self, live: LiveRequest) -> bool:
         """Whether the router chooses the request's thresholds: then every batch carrying it is answered
         (``_plan``), and its instance waits a little for the answer before its next round."""
         return self.driver.chooses_thresholds and live.state.fixed_threshold is None

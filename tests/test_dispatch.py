@@ -454,7 +454,7 @@ def test_effective_round_time_includes_the_gaps_between_consecutive_rounds():
     inst = InstanceLink(0, "r", 1, None, 0.0)
 
     def eff(n: int, t: float, round_ms: float) -> float:
-        return Dispatcher._effective_round_ms(inst, ProgressBatch(t, n, round_ms))
+        return inst.effective_round_ms(ProgressBatch(t, n, round_ms))
 
     assert eff(5, 100.0, 10.0) == 10.0  # no previous round: its own time
     assert eff(6, 100.025, 10.0) == pytest.approx(25.0)  # CPU shared
