@@ -49,10 +49,16 @@ def _test_imports() -> set[str]:
     return found
 
 
+# pytest options a plugin provides, and the plugin's import name (`make test` runs two pytest-xdist workers)
+PYTEST_PLUGIN_OPTIONS = {"--dist": "xdist"}
+
+
 def _makefile_tools() -> set[str]:
-    """Programs the Makefile runs from the virtualenv (``$(VENV)/bin/x``) or as modules (``-m x``)."""
+    """Programs the Makefile runs from the virtualenv (``$(VENV)/bin/x``) or as modules (``-m x``), and the
+    pytest plugins its pytest options need."""
     text = (ROOT / "Makefile").read_text()
-    return set(re.findall(r"\$\(VENV\)/bin/([A-Za-z0-9_-]+)", text)) | set(re.findall(r"-m ([A-Za-z0-9_]+)", text))
+    return (set(re.findall(r"\$\(VENV\)/bin/([A-Za-z0-9_-]+)", text)) | set(re.findall(r"-m ([A-Za-z0-9_]+)", text))
+            | {plugin for option, plugin in PYTEST_PLUGIN_OPTIONS.items() if option in text})
 
 
 def test_requirement_names_parse():
