@@ -436,7 +436,7 @@ def test_hf_seeded_sampling_is_reproducible_and_temperature_changes_the_answer(h
     assert a != greedy and a != c
 
 
-@pytest.mark.parametrize("extra,param", [({"logprobs": True}, "logprobs"),
+@pytest.mark.parametrize("extra,param", [({"logit_bias": {"5": 10}}, "logit_bias"),
                                          ({"response_format": {"type": "json_object"}}, "response_format"),
                                          ({"presence_penalty": 0.5}, "presence_penalty"),
                                          ({"extra_body": {"guided_json": {}}}, "guided_json")])
