@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,10 @@ import torch
 
 from engine.loading import load_engine
 from engine.models import layouts
-from engine.progress import ErrorItem, StepItem
+from engine.progress import ErrorItem
 from engine.sequence import SamplingParams
 from tests.checkpoints import ARCHS, MULTILINGUAL
+from tests.fakes import Sink
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ("Grüße", "x = f(42) + 3.14; 日本語のテキスト", MULTILINGUAL)  # three lengths: one padded batch
@@ -60,25 +60,6 @@ def test_each_family_decodes_a_batched_round_in_cudas_layouts(hf_checkpoints, ar
     assert (cfg.num_heads > cfg.num_kv_heads) == (arch != "llada")  # LLaDA is the one family without GQA
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.items: dict[str, list] = {}
-        self.cond = threading.Condition()
-
-    def __call__(self, batch) -> None:
-        with self.cond:
-            for item in batch.items:
-                self.items.setdefault(item.req_id, []).append(item)
-            self.cond.notify_all()
-
-    def ended(self, rid: str) -> bool:
-        return any(isinstance(i, ErrorItem) or isinstance(i, StepItem) and i.done for i in self.items.get(rid, ()))
-
-    def ids(self, rid: str) -> list[int]:
-        assert not any(isinstance(i, ErrorItem) for i in self.items[rid]), self.items[rid]
-        return [t for i in self.items[rid] if isinstance(i, StepItem) for t in i.ids]
-
-
 @pytest.mark.parametrize("arch", ["dream", "llada2"])
 def test_the_round_loop_serves_a_batch_in_cudas_layouts(hf_checkpoints, arch):
     """The serving path (Instance under its RoundLoop, KV pool, mixed prefill and denoise rounds) with CUDA's
@@ -89,18 +70,18 @@ def test_the_round_loop_serves_a_batch_in_cudas_layouts(hf_checkpoints, arch):
     reference = _decode(load_engine(str(hf_checkpoints[arch]), max_slots=4))
     with layouts.cuda_layouts():
         engine = load_engine(str(hf_checkpoints[arch]), max_slots=4)
-        sink = _Sink()
+        sink = Sink()
         loop = RoundLoop(Instance(engine, slots=4), sink)
         try:
             tok = engine.tokenizer
             for k, p in enumerate(PROMPTS):
                 loop.submit(f"r{k}", tok.chat_ids([{"role": "user", "content": p}], engine.cfg.block_size),
                             SamplingParams(max_tokens=16))
-            with sink.cond:
-                assert sink.cond.wait_for(lambda: all(sink.ended(f"r{k}") for k in range(len(PROMPTS))), 60)
+            sink.wait([f"r{k}" for k in range(len(PROMPTS))])
         finally:
             loop.stop()
     assert loop.broken is None and loop.stats()["rounds_failed"] == 0
+    assert not any(isinstance(sink.ended(f"r{k}"), ErrorItem) for k in range(len(PROMPTS)))
     assert [sink.ids(f"r{k}") for k in range(len(PROMPTS))] == reference
 
 

@@ -3,7 +3,6 @@ other requests go on as they would have, and the instance keeps serving."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -11,38 +10,13 @@ import pytest
 from engine.engine import Engine
 from engine.instance import Instance
 from engine.loop import RoundLoop
-from engine.progress import ErrorItem, StepItem
+from engine.progress import ErrorItem
 from engine.sequence import SamplingParams
 from tests.builders import make_model
+from tests.fakes import Sink
 
 PROMPTS = {f"r{i}": p for i, p in enumerate(["abc", "12+5=", "story: cat 2", "hello", "x y z", "7*6=", "dog 3"])}
 PARAMS = dict(max_tokens=40, threshold=0.7)
-
-
-class Sink:
-    """A loop's items per request; ``wait`` until ``n`` requests have ended."""
-
-    def __init__(self) -> None:
-        self.items: dict[str, list] = {}
-        self.cond = threading.Condition()
-
-    def __call__(self, batch) -> None:
-        with self.cond:
-            for item in batch.items:
-                self.items.setdefault(item.req_id, []).append(item)
-            self.cond.notify_all()
-
-    def ended(self, req_id: str):
-        items = self.items.get(req_id, ())
-        return next((i for i in items if isinstance(i, ErrorItem) or isinstance(i, StepItem) and i.done), None)
-
-    def wait(self, req_ids, timeout: float = 60.0) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: all(self.ended(r) for r in req_ids), timeout), \
-                {r: self.ended(r) for r in req_ids}
-
-    def ids(self, req_id: str) -> list[int]:
-        return [t for i in self.items[req_id] if isinstance(i, StepItem) for t in i.ids]
 
 
 class Faulty:
