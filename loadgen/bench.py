@@ -448,19 +448,53 @@ def endpoint_path(args) -> str:
     return path
 
 
-def first_model(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> str:
-    """The first model of the server's ``/v1/models`` (vLLM's default for ``--model``)."""
+RANDOM_INPUT_LEN, RANDOM_OUTPUT_LEN = 1024, 128  # vLLM's defaults for the random dataset
+
+
+def served_models(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> list[dict]:
+    """The server's ``/v1/models`` entries (``id``, and ``max_model_len`` where the server says it)."""
     import httpx
 
     from loadgen.client import auth_headers
 
+    resp = httpx.get(f"{base_url}/v1/models", headers=auth_headers(api_key), timeout=timeout_s)
+    resp.raise_for_status()
+    data = resp.json()["data"]
+    if not isinstance(data, list):
+        raise TypeError("data is not a list")
+    return data
+
+
+def first_model(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> str:
+    """The first model of the server's ``/v1/models`` (vLLM's default for ``--model``)."""
+    import httpx
+
     try:
-        resp = httpx.get(f"{base_url}/v1/models", headers=auth_headers(api_key), timeout=timeout_s)
-        resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
+        return served_models(base_url, api_key, timeout_s)[0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise ValueError(f"no --model given and none read from {base_url}/v1/models ({type(exc).__name__}: {exc}); "
                          "is the server running? pass --model NAME") from None
+
+
+def random_lengths(args, max_model_len: int | None) -> tuple[int, int, str | None]:
+    """(input, output) lengths of the random dataset and a note when they were fitted: the flags' values when
+    given; else vLLM's defaults (1024, 128), or, when those do not fit the served model's context
+    (``max_model_len``, with a sixteenth of it left for the chat template and block padding), the output
+    at most a quarter of the context and the input what is left."""
+    given_in, given_out = args.random_input_len, args.random_output_len
+    n_in, n_out = given_in or RANDOM_INPUT_LEN, given_out or RANDOM_OUTPUT_LEN
+    if max_model_len is None or (given_in and given_out) or n_in + n_out + max_model_len // 16 <= max_model_len:
+        return n_in, n_out, None
+    room = max_model_len - max_model_len // 16
+    if not given_out:
+        n_out = min(n_out, max(room // 4, 1), room - (given_in or 1))
+    if not given_in:
+        n_in = room - n_out
+    if min(n_in, n_out) < 1:
+        return (given_in or RANDOM_INPUT_LEN), (given_out or RANDOM_OUTPUT_LEN), None  # the server will say why
+    return n_in, n_out, (f"the served model's context is {max_model_len} tokens: --random-input-len {n_in} "
+                         f"--random-output-len {n_out} (vLLM's defaults, {RANDOM_INPUT_LEN} and {RANDOM_OUTPUT_LEN}, "
+                         "do not fit; pass both to choose)")
 
 
 def validate(args) -> None:
@@ -525,6 +559,14 @@ def run(args, out=None) -> tuple[dict, bool]:
     base = base_url_of(args)
     key = resolve_api_key(args.api_key)
     model_id = args.model or first_model(base, key)
+    if args.dataset_name == "random":
+        try:
+            entry = next((m for m in served_models(base, key) if m.get("id") == model_id), {})
+        except Exception:  # noqa: BLE001 - a server without /v1/models: the flags' lengths as they are
+            entry = {}
+        args.random_input_len, args.random_output_len, note = random_lengths(args, entry.get("max_model_len"))
+        if note:
+            print(f"Note: {note}", file=out)
     model_name = args.served_model_name or model_id
     tokenizer_id = args.tokenizer or model_id
     tok = load_tokenizer(tokenizer_id)
@@ -613,8 +655,11 @@ def add_parser(sub) -> None:
     b.add_argument("--dataset-name", default="random", choices=DATASETS,
                    help="random; sharegpt or jsonl (custom) from --dataset-path; remask: checked task prompts")
     b.add_argument("--dataset-path", help="local ShareGPT JSON or JSONL file (nothing is downloaded)")
-    b.add_argument("--random-input-len", type=int, default=1024)
-    b.add_argument("--random-output-len", type=int, default=128)
+    b.add_argument("--random-input-len", type=int, default=None,
+                   help=f"prompt tokens (default {RANDOM_INPUT_LEN}, or less when the served model's "
+                        "max_model_len is smaller)")
+    b.add_argument("--random-output-len", type=int, default=None,
+                   help=f"output tokens (default {RANDOM_OUTPUT_LEN}, or less as above)")
     b.add_argument("--random-range-ratio", type=float, default=0.0)
     b.add_argument("--random-prefix-len", type=int, default=0)
     b.add_argument("--sharegpt-output-len", type=int, help="fixed output length instead of the second turn's")

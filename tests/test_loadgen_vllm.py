@@ -268,3 +268,20 @@ def test_unreachable_server_and_refused_requests_are_clear_errors(noop, capsys):
     assert "Initial test run failed" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: an unknown backend
         main(["loadgen", "bench", "--backend", "tgi"])
+
+
+def test_random_lengths_fit_the_served_context_unless_given():
+    from types import SimpleNamespace
+
+    from loadgen.bench import random_lengths
+
+    def fit(n_in, n_out, ctx):
+        return random_lengths(SimpleNamespace(random_input_len=n_in, random_output_len=n_out), ctx)
+
+    assert fit(None, None, None) == (1024, 128, None)  # vLLM's defaults where the server says no context
+    assert fit(None, None, 4096) == (1024, 128, None)  # they fit
+    n_in, n_out, note = fit(None, None, 512)  # tiny-bd: 512 tokens, a sixteenth left for template and padding
+    assert (n_in, n_out) == (360, 120) and "--random-input-len 360" in note
+    assert fit(None, 64, 512)[:2] == (416, 64)  # the output given: the input takes what is left
+    assert fit(100, None, 512) == (100, 128, None)  # the input given and the default output fit
+    assert fit(1024, 128, 512) == (1024, 128, None)  # both given: as given (the server refuses what does not fit)
