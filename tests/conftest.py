@@ -58,6 +58,25 @@ def pytest_xdist_make_scheduler(config, log):
     return RayTogether(config, log)
 
 
+@pytest.fixture
+def noop_server():
+    """Starts loadgen's no-op OpenAI-style server with the given options (``noop_server("--reply", "42")``: its
+    base URL), each in a process of its own, stopped when the test ends."""
+    from loadgen.noop_server import spawn
+
+    procs = []
+
+    def start(*args: str) -> str:
+        proc, url = spawn(*args)
+        procs.append(proc)
+        return url
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 @pytest.fixture(scope="session")
 def ray_serve():
     """One Ray cluster and Serve instance for the session (tests/serving.py): its base URL. Modules deploy

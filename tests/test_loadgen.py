@@ -24,27 +24,11 @@ from loadgen.arrivals import ArrivalParams, arrivals
 from loadgen.client import RequestResult
 from loadgen.lengths import LENGTHS, answer_need, max_tokens_for, sample_lengths
 from loadgen.metrics import summarize
-from loadgen.noop_server import spawn
 from loadgen.replay import ReplayConfig, replay
 from loadgen.trace import SynthConfig, TraceRequest, read_trace, synth, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-
-
-@pytest.fixture
-def server(request):
-    procs = []
-
-    def start(*args: str) -> str:
-        proc, url = spawn(*args)
-        procs.append(proc)
-        return url
-
-    yield start
-    for proc in procs:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def arith(i: int, a: int, b: int, at: float, endpoint: str = "completion") -> TraceRequest:
@@ -162,8 +146,8 @@ SUMMARY_KEYS = {f"{k}_{m}_ms" for k in ("mean", "median", "std", "p99") for m in
 
 
 @pytest.mark.parametrize("transport", ["raw", "httpx"])
-def test_replay_records_timings_and_checks_answers(server, transport):
-    url = server("--reply", "42", "--chunks", "2", "--gap-ms", "20")
+def test_replay_records_timings_and_checks_answers(noop_server, transport):
+    url = noop_server("--reply", "42", "--chunks", "2", "--gap-ms", "20")
     trace = [arith(0, 40, 2, 0.0), arith(1, 41, 1, 0.05, "chat"), arith(2, 1, 1, 0.1)]
     trace[0].slo_ms, trace[2].slo_ms = 10_000.0, 1.0
     doc = replay(trace, ReplayConfig(url=url, progress=False, transport=transport))
@@ -178,18 +162,18 @@ def test_replay_records_timings_and_checks_answers(server, transport):
         assert 0 < r["ttft_ms"] < r["e2el_ms"] and len(r["itl_ms"]) == 1 and r["itl_ms"][0] >= 15.0
 
 
-def test_replay_counts_http_errors(server):
-    url = server("--reply", "42", "--fail-every", "3", "--fail-status", "503")
+def test_replay_counts_http_errors(noop_server):
+    url = noop_server("--reply", "42", "--fail-every", "3", "--fail-status", "503")
     trace = [arith(i, 40, 2, 0.01 * i) for i in range(9)]
     s = replay(trace, ReplayConfig(url=url, progress=False))["summary"]
     assert (s["completed"], s["errors"], s["errors_by_kind"]) == (6, 3, {"503": 3})
-    url = server("--fail-every", "1", "--fail-status", "400")
+    url = noop_server("--fail-every", "1", "--fail-status", "400")
     assert replay(trace[:2], ReplayConfig(url=url, progress=False))["summary"]["errors_by_kind"] == {"400": 2}
 
 
-def test_replay_is_open_loop(server):
+def test_replay_is_open_loop(noop_server):
     """Every response takes 1 s; the 10 requests must still go out at their arrival times."""
-    url = server("--reply", "42", "--first-delay-ms", "1000")
+    url = noop_server("--reply", "42", "--first-delay-ms", "1000")
     trace = [arith(i, 40, 2, 0.05 * i, "chat" if i % 2 else "completion") for i in range(10)]
     doc = replay(trace, ReplayConfig(url=url, progress=False))
     reqs = doc["requests"]
@@ -200,8 +184,8 @@ def test_replay_is_open_loop(server):
 
 
 @pytest.mark.slow
-def test_replay_ctrl_c_writes_partial_results(server, tmp_path):
-    url = server("--reply", "42")
+def test_replay_ctrl_c_writes_partial_results(noop_server, tmp_path):
+    url = noop_server("--reply", "42")
     write_trace([arith(i, 40, 2, 0.1 * i) for i in range(100)], tmp_path / "t.jsonl")
     out = tmp_path / "r.json"
     proc = subprocess.Popen([sys.executable, "-m", "loadgen.cli", "loadgen", "replay", "--url", url, "--trace",
@@ -231,10 +215,10 @@ def test_overhead_measurement(tmp_path):
 
 
 @pytest.mark.slow
-def test_plot_writes_pngs(server, tmp_path):
+def test_plot_writes_pngs(noop_server, tmp_path):
     from loadgen.plot import plot_results
 
-    url = server("--reply", "42", "--fail-every", "4")
+    url = noop_server("--reply", "42", "--fail-every", "4")
     trace = [arith(i, 40, 2 + i % 2, 0.02 * i) for i in range(12)]
     for r in trace:
         r.slo_ms = 1000.0
@@ -245,10 +229,10 @@ def test_plot_writes_pngs(server, tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
 
 
-def test_chat_client_streams_and_keeps_history(server):
+def test_chat_client_streams_and_keeps_history(noop_server):
     from loadgen.chat import chat
 
-    url = server("--reply", "hello there", "--chunks", "3")
+    url = noop_server("--reply", "hello there", "--chunks", "3")
     out = io.StringIO()
     assert chat(url, inp=io.StringIO("hi\n\nagain\n"), out=out, interactive=False) == 0
     assert out.getvalue() == "hello there\nhello there\n"
@@ -285,8 +269,8 @@ def _locust(url: str, tmp_path: Path, *args: str, env: dict | None = None) -> di
 
 
 @pytest.mark.slow
-def test_locust_streaming_user_and_trace_shape(server, tmp_path):
-    url = server("--reply", "42", "--chunks", "2")
+def test_locust_streaming_user_and_trace_shape(noop_server, tmp_path):
+    url = noop_server("--reply", "42", "--chunks", "2")
     stats = _locust(url, tmp_path, "-u", "3", "-r", "3", "-t", "3s")
     assert int(stats[("TTFT", "completion")][2]) > 0 and int(stats[("E2E", "completion")][2]) > 0
     assert int(stats[("POST", "/v1/completions (headers)")][3]) == 0
@@ -307,8 +291,8 @@ def _stats(url: str) -> dict:
 
 
 @pytest.mark.parametrize("transport", ["raw", "httpx"])
-def test_replay_sends_the_api_key(server, transport):
-    url = server("--reply", "42", "--api-key", KEY)
+def test_replay_sends_the_api_key(noop_server, transport):
+    url = noop_server("--reply", "42", "--api-key", KEY)
     trace = [arith(i, 40, 2, 0.01 * i, "chat" if i % 2 else "completion") for i in range(4)]
     cfg = ReplayConfig(url=url, progress=False, transport=transport, api_key=KEY)
     assert KEY not in repr(cfg)
@@ -318,12 +302,12 @@ def test_replay_sends_the_api_key(server, transport):
     assert _stats(url)["authorization"] == {f"Bearer {KEY}": 4}
 
 
-def test_chat_and_bench_control_send_the_api_key(server, monkeypatch, capsys):
+def test_chat_and_bench_control_send_the_api_key(noop_server, monkeypatch, capsys):
     from loadgen.chat import chat
     from tools.bench_control import bench_control
     from tools.cli import main
 
-    url = server("--reply", "hi", "--api-key", KEY)
+    url = noop_server("--reply", "hi", "--api-key", KEY)
     out = io.StringIO()
     assert chat(url, inp=io.StringIO("a\nb\n"), out=out, interactive=False, api_key=KEY) == 0
     assert out.getvalue() == "hi\nhi\n"
@@ -338,14 +322,14 @@ def test_chat_and_bench_control_send_the_api_key(server, monkeypatch, capsys):
     assert _stats(url)["authorization"] == {f"Bearer {KEY}": 3 + 6 + 5}
 
 
-def test_401_is_reported_clearly(server, tmp_path, monkeypatch, capsys):
+def test_401_is_reported_clearly(noop_server, tmp_path, monkeypatch, capsys):
     from loadgen.chat import chat
     from loadgen.client import Unauthorized
     from tools.bench_control import bench_control
     from tools.cli import main
 
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    url = server("--reply", "42", "--api-key", KEY)
+    url = noop_server("--reply", "42", "--api-key", KEY)
     write_trace([arith(i, 40, 2, 0.01 * i) for i in range(3)], tmp_path / "t.jsonl")
     args = ["loadgen", "replay", "--url", url, "--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "r.json"),
             "--quiet"]
@@ -419,8 +403,8 @@ def test_percentiles_option():
             parse_percentiles(bad)
 
 
-def test_max_concurrency_is_honoured(server):
-    url = server("--reply", "42", "--first-delay-ms", "150")
+def test_max_concurrency_is_honoured(noop_server):
+    url = noop_server("--reply", "42", "--first-delay-ms", "150")
     trace = [arith(i, 40, 2, 0.0) for i in range(9)]  # all at once
     doc = replay(trace, ReplayConfig(url=url, progress=False, max_concurrency=3))
     s, reqs = doc["summary"], doc["requests"]
@@ -435,10 +419,10 @@ def test_max_concurrency_is_honoured(server):
         ReplayConfig(url=url, max_concurrency=0)
 
 
-def test_replay_cli_with_benchmark_options(server, tmp_path, capsys):
+def test_replay_cli_with_benchmark_options(noop_server, tmp_path, capsys):
     from tools.cli import main
 
-    url = server("--reply", "42", "--chunks", "2", "--first-delay-ms", "20")
+    url = noop_server("--reply", "42", "--chunks", "2", "--first-delay-ms", "20")
     write_trace([arith(i, 40, 2, 0.0) for i in range(6)], tmp_path / "t.jsonl")
     base = ["loadgen", "replay", "--url", url, "--trace", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "r.json"),
             "--quiet", "--max-concurrency", "2", "--percentiles", "50,95"]
@@ -483,7 +467,7 @@ def test_prompts_file_is_parsed_and_bad_lines_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_synth_from_prompts_file_and_replay(server, tmp_path, capsys):
+def test_synth_from_prompts_file_and_replay(noop_server, tmp_path, capsys):
     from tools.cli import main
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "Once upon a time", "max_tokens": 32}\n'
@@ -502,7 +486,7 @@ def test_synth_from_prompts_file_and_replay(server, tmp_path, capsys):
     trace = read_trace(out)
     assert len(trace) == 7 and {r.endpoint for r in trace} == {"chat"} and trace[3].text == "Once upon a time"
     capsys.readouterr()
-    url = server("--reply", "42")
+    url = noop_server("--reply", "42")
     s = replay(trace, ReplayConfig(url=url, progress=False))["summary"]
     assert s["completed"] == 7 and s["accuracy"] is None and s["accuracy_by_category"] == {}
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": ""}\n')
@@ -535,8 +519,8 @@ def test_render_canvas():
 
 
 @pytest.mark.slow
-def test_locust_sends_the_api_key(server, tmp_path):
-    url = server("--reply", "42", "--api-key", KEY)
+def test_locust_sends_the_api_key(noop_server, tmp_path):
+    url = noop_server("--reply", "42", "--api-key", KEY)
     write_trace([arith(i, 40, 2, 0.1 * i) for i in range(3)], tmp_path / "t.jsonl")
     env = {"REMASK_TRACE": str(tmp_path / "t.jsonl"), "OPENAI_API_KEY": ""}
     stats = _locust(url, tmp_path, "--api-key", KEY, env=env)  # Locust's own option

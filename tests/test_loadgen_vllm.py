@@ -19,7 +19,6 @@ from loadgen.bench import (
     vllm_metrics,
 )
 from loadgen.client import RequestResult
-from loadgen.noop_server import spawn
 from tools.cli import main
 
 # the keys of vLLM's saved result (vllm/benchmarks/serve.py) for the default --percentile-metrics
@@ -36,21 +35,6 @@ TABLE = ["============ Serving Benchmark Result ============", "Successful reque
          "Total Token throughput (tok/s):", "---------------Time to First Token----------------", "Mean TTFT (ms):",
          "Median TTFT (ms):", "P99 TTFT (ms):", "-----Time per Output Token (excl. 1st token)------", "Mean TPOT (ms):",
          "---------------Inter-token Latency----------------", "P99 ITL (ms):", "=" * 50]
-
-
-@pytest.fixture
-def noop():
-    procs = []
-
-    def start(*args: str) -> str:
-        proc, url = spawn(*args)
-        procs.append(proc)
-        return url
-
-    yield start
-    for proc in procs:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +155,8 @@ def test_vllm_metrics_on_known_inputs(tok):
 # ---- the command against a server ------------------------------------------------------------------------------
 
 
-def test_bench_random_prints_vllms_table_and_saves_its_keys(noop, tmp_path, capsys):
-    url = noop("--reply", "hello world", "--chunks", "3")
+def test_bench_random_prints_vllms_table_and_saves_its_keys(noop_server, tmp_path, capsys):
+    url = noop_server("--reply", "hello world", "--chunks", "3")
     args = ["loadgen", "bench", "--base-url", url, "--tokenizer", "tiny-bd", "--dataset-name", "random",
             "--num-prompts", "40", "--request-rate", "20", "--random-input-len", "32", "--random-output-len", "16",
             "--goodput", "ttft:5000", "--save-result", "--result-dir", str(tmp_path / "res"), "--disable-tqdm"]
@@ -193,8 +177,8 @@ def test_bench_random_prints_vllms_table_and_saves_its_keys(noop, tmp_path, caps
     assert httpx.get(url + "/noop/stats").json()["count"] == 41  # the initial test request, then 40
 
 
-def test_bench_chat_remask_dataset_and_options(noop, tmp_path, capsys):
-    url = noop("--reply", "4", "--chunks", "1")
+def test_bench_chat_remask_dataset_and_options(noop_server, tmp_path, capsys):
+    url = noop_server("--reply", "4", "--chunks", "1")
     port = url.rsplit(":", 1)[1]
     assert main(["loadgen", "bench", "--port", port, "--backend", "openai-chat", "--dataset-name", "remask",
                  "--tokenizer", "tiny-bd", "--num-prompts", "6", "--max-concurrency", "2", "--disable-tqdm",
@@ -210,8 +194,8 @@ def test_bench_chat_remask_dataset_and_options(noop, tmp_path, capsys):
     assert res["remask"]["ignore_eos"] is False and httpx.get(url + "/noop/stats").json()["max_inflight"] <= 2
 
 
-def test_bench_jsonl_file_with_completion_and_chat_lines(noop, tmp_path, capsys):
-    url = noop("--reply", "fine")
+def test_bench_jsonl_file_with_completion_and_chat_lines(noop_server, tmp_path, capsys):
+    url = noop_server("--reply", "fine")
     lines = [{"prompt": "tell me", "max_tokens": 5}, {"messages": [{"role": "user", "content": "and you"}],
                                                      "max_tokens": 3}]
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
@@ -223,8 +207,8 @@ def test_bench_jsonl_file_with_completion_and_chat_lines(noop, tmp_path, capsys)
     assert res["input_lens"] == [7] * 4 and res["output_lens"] == [4] * 4  # the no-op's usage: its reply
 
 
-def test_random_dataset_goes_without_ignore_eos_when_the_server_refuses_it(noop, capsys):
-    url = noop("--refuse", "ignore_eos")
+def test_random_dataset_goes_without_ignore_eos_when_the_server_refuses_it(noop_server, capsys):
+    url = noop_server("--refuse", "ignore_eos")
     base = ["loadgen", "bench", "--base-url", url, "--tokenizer", "tiny-bd", "--num-prompts", "4", "--disable-tqdm",
             "--random-input-len", "8"]
     assert main(base) == 0
@@ -259,10 +243,10 @@ def test_bad_flag_values_are_clear_errors(extra, message, capsys, tmp_path):
     assert message in capsys.readouterr().err
 
 
-def test_unreachable_server_and_refused_requests_are_clear_errors(noop, capsys):
+def test_unreachable_server_and_refused_requests_are_clear_errors(noop_server, capsys):
     assert main(["loadgen", "bench", "--port", "9", "--tokenizer", "tiny-bd", "--num-prompts", "2"]) == 2
     assert "none read from http://127.0.0.1:9/v1/models" in capsys.readouterr().err
-    url = noop("--fail-every", "1", "--fail-status", "400")
+    url = noop_server("--fail-every", "1", "--fail-status", "400")
     assert main(["loadgen", "bench", "--base-url", url, "--tokenizer", "tiny-bd", "--num-prompts", "2",
                  "--disable-tqdm"]) == 2
     assert "Initial test run failed" in capsys.readouterr().err
