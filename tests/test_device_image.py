@@ -6,31 +6,14 @@ any of those fails, as it would there."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.device_image import without_service_stack
 
-# in the project's dependencies, absent from the device image (.library/device/KINDS.md's package list)
-ABSENT = ("ray", "pydantic", "fastapi", "starlette", "uvicorn", "cvxpy", "highspy", "lightgbm", "locust",
-          "gurobipy")
 SHAPE = "llada-8b-shape:layers=1,vocab=128,hidden=64,heads=2,kv_heads=2,intermediate=128"
 
-_RUNNER = textwrap.dedent("""
-    import importlib.abc, json, sys
-    ABSENT = set(json.loads(sys.argv[1]))
-
-    class Absent(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ABSENT:
-                raise ModuleNotFoundError(f"No module named {name!r} (absent on the device image)", name=name)
-            return None
-
-    sys.meta_path.insert(0, Absent())
+_RUNNER = """
     for module in json.loads(sys.argv[2]):  # what the gpu-tests step collects
         __import__(module)
     from tools.cli import main
@@ -38,16 +21,13 @@ _RUNNER = textwrap.dedent("""
         rc = main(argv)
         if rc:
             sys.exit(f"{argv[:2]} exited {rc}")
-    leaked = sorted(m for m in sys.modules if m.split(".")[0] in ABSENT)
-    sys.exit(f"imported {leaked}" if leaked else 0)
-""")
+    sys.exit(f"imported {leaked()}" if leaked() else 0)
+"""
 
 
 def _without_service_stack(modules: list[str], commands: list[list[str]], timeout: float):
     """Import ``modules``, then run each ``remask`` command, in a Python where ABSENT cannot be imported."""
-    return subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(ABSENT), json.dumps(modules),
-                           json.dumps(commands)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    return without_service_stack(_RUNNER, json.dumps(modules), json.dumps(commands), timeout=timeout)
 
 
 @pytest.mark.slow

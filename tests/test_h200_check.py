@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import tarfile
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.device_image import without_service_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("facts", "fixtures", "round", "round-single", "round-moe", "kernels-8b", "kernels-moe", "bench-engine",
@@ -63,28 +64,16 @@ def test_device_script_dry_run_on_the_cpu(tmp_path):
         assert line in summary, (line, summary)
 
 
-_BLOCKED = textwrap.dedent("""
-    import importlib.abc, sys
-    ABSENT = {"ray", "pydantic", "fastapi", "starlette", "uvicorn", "cvxpy", "highspy", "lightgbm", "locust",
-              "gurobipy"}
-
-    class Absent(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ABSENT:
-                raise ModuleNotFoundError(f"No module named {name!r} (absent on the device image)", name=name)
-            return None
-
-    sys.meta_path.insert(0, Absent())
+_BLOCKED = """
     sys.path.insert(0, "scripts")
     import fixtures_check, h200_summary  # noqa: E401
     from engine.instance import Instance  # what fixtures_check imports when it runs
     from tests.checkpoints import build_checkpoint
     from tools.kernel_profile import main
-    rc = main(["--model", sys.argv[1], "--slots", "2", "--tokens", "4", "--context", "8", "--rounds", "1",
+    rc = main(["--model", sys.argv[2], "--slots", "2", "--tokens", "4", "--context", "8", "--rounds", "1",
                "--warmup", "0", "--json"])
-    leaked = sorted(m for m in sys.modules if m.split(".")[0] in ABSENT)
-    sys.exit(rc or (f"imported {leaked}" if leaked else 0))
-""")
+    sys.exit(rc or (f"imported {leaked()}" if leaked() else 0))
+"""
 
 
 @pytest.mark.slow
@@ -93,8 +82,7 @@ def test_the_new_steps_need_only_the_device_image():
     (tests/test_device_image.py checks the older steps): the kernel breakdown, the fixtures step and the
     summary import none of it."""
     shape = "llada-8b-shape:layers=1,vocab=128,hidden=64,heads=2,kv_heads=2,intermediate=128"
-    done = subprocess.run([sys.executable, "-c", _BLOCKED, shape], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    done = without_service_stack(_BLOCKED, shape, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads(done.stdout.strip().splitlines()[-1])
     assert res["slots"] == 2 and set(res["by_category_ms"]) == {"matmul", "attention", "elementwise/other",
