@@ -45,6 +45,17 @@ def lay_out(checkpoint: str | Path, hf_home: str | Path, repo_id: str, *, commit
     return snapshot
 
 
+def build_hub(root: Path, arch: str, repo_id: str, revisions: tuple[str, ...] = ("main",)) -> tuple[Path, Path]:
+    """(an HF_HOME under ``root`` holding ``repo_id``, each of ``revisions`` naming the snapshot; the checkpoint
+    directory of family ``arch`` it was laid out from, tests/checkpoints.py)."""
+    from tests.checkpoints import build_checkpoint
+
+    checkpoint = build_checkpoint(arch, root / "checkpoint")
+    for revision in revisions:
+        lay_out(checkpoint, root / "home", repo_id, revision=revision)
+    return root / "home", checkpoint
+
+
 def go_offline(monkeypatch, hf_home: str | Path) -> None:
     """huggingface_hub offline with its cache under ``hf_home``, in this process (its constants are read at
     import: patched) and in the processes it starts (the environment)."""

@@ -11,7 +11,7 @@ import pytest
 
 from engine.loading import resolve_model
 from engine.models.hub import ALLOW_PATTERNS, is_hub_id, local_model, snapshot_ref
-from tests.hubcache import COMMIT, go_offline, lay_out
+from tests.hubcache import COMMIT, build_hub, go_offline
 from tools.cli import main
 
 REPO = "acme/tiny-dream"
@@ -20,13 +20,7 @@ REPO = "acme/tiny-dream"
 @pytest.fixture(scope="module")
 def hub_home(tmp_path_factory):
     """HF_HOME holding acme/tiny-dream (refs main and v1) and the directory it was laid out from."""
-    from tests.checkpoints import build_checkpoint
-
-    root = tmp_path_factory.mktemp("hub")
-    checkpoint = build_checkpoint("dream", root / "checkpoint")
-    lay_out(checkpoint, root / "home", REPO)
-    lay_out(checkpoint, root / "home", REPO, revision="v1")
-    return root / "home", checkpoint
+    return build_hub(tmp_path_factory.mktemp("hub"), "dream", REPO, ("main", "v1"))
 
 
 @pytest.fixture

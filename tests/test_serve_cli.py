@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from app.config import AppConfig
-from tests.hubcache import COMMIT, go_offline, lay_out
+from tests.hubcache import COMMIT, build_hub, go_offline
 from tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,12 +28,7 @@ REPO = "acme/tiny-sdar"
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """HF_HOME holding acme/tiny-sdar, and the checkpoint directory it was laid out from."""
-    from tests.checkpoints import build_checkpoint
-
-    root = tmp_path_factory.mktemp("serve_hub")
-    checkpoint = build_checkpoint("sdar", root / "checkpoint")
-    lay_out(checkpoint, root / "home", REPO)
-    return root / "home", checkpoint
+    return build_hub(tmp_path_factory.mktemp("serve_hub"), "sdar", REPO)
 
 
 @pytest.fixture
