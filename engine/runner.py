@@ -78,10 +78,7 @@ def group_by_length(inputs: list[StepInput]) -> list[list[int]]:
 
 
 class TorchRunner:
-    def __init__(self, model: DLMTransformer, device: str | torch.device = "cpu", fuse: bool | None = None,
-                 graphs: Replayer | None = None) -> None:
-        """``graphs``: replays the small forwards over the pool it takes (on CUDA, the engine's ``ForwardGraphs``
-        over this runner's model, engine/graphs.py); None: every forward runs eagerly."""
+    def __init__(self, model: DLMTransformer, device: str | torch.device = "cpu", fuse: bool | None = None) -> None:
         self.model = model
         self.cfg = model.config
         self.device = torch.device(device)
@@ -89,7 +86,9 @@ class TorchRunner:
             model.fuse_projections()
             model.use_elementwise(choose_elementwise(self.device))  # fused kernels where they pay (CUDA)
         self.pool: KVPool | None = None  # set by the engine: caches take slots of it, forwards attend in place
-        self.graphs = graphs
+        # replays the small forwards over the pool it takes: on CUDA the engine's ForwardGraphs over this runner's
+        # model (engine/graphs.py), set with the pool; None: every forward runs eagerly
+        self.graphs: Replayer | None = None
         # device bytes a forward may hold beyond the weights and the pool; a larger one is cut into several
         # (``_fit``): set by the engine (engine/memory.py); None: no bound
         self.transient_budget: int | None = None
@@ -129,32 +128,31 @@ class TorchRunner:
             self._fetch(outputs, picked)
         return outputs  # type: ignore[return-value]
 
-    def forward_bytes(self, steps: list[StepInput], decoded_rows: int = 0) -> int:
-        """Transient device bytes of one forward over ``steps`` (engine/memory.py): the rows it computes (the
-        slots between the steps' own when it attends to the pool), in place or with its own K/V buffer."""
-        t = max(len(s.ids) for s in steps)
-        c = max(0 if s.ctx_pos is None else len(s.ctx_pos) for s in steps)
-        slots = [s.slot for s in steps]
-        pooled = self.pool is not None and None not in slots
-        n = max(slots) - min(slots) + 1 if pooled else len(steps)
-        return forward_bytes(self.cfg, self.dtype.itemsize, n, t, c, decoded_rows, copied=not pooled,
-                             scores=self.device.type != "cuda")
-
     def _fit(self, inputs: list[StepInput], group: list[int], rows) -> list[list[int]]:
         """``group`` (one forward's steps, in slot order) cut into consecutive forwards whose transient memory
-        stays within ``transient_budget`` (a forward takes one step at least); each row attends only to its
-        own keys, so the cut changes no result."""
+        (engine/memory.py: the rows it computes, the slots between the steps' own when it attends to the pool,
+        in place or with its own K/V buffer) stays within ``transient_budget``; a forward takes one step at
+        least. Each row attends only to its own keys, so the cut changes no result. One pass over the steps."""
         budget = self.transient_budget
         if budget is None or len(group) == 1:
             return [group]
-        out: list[list[int]] = [[]]
+        pooled = self.pool is not None and all(inputs[i].slot is not None for i in group)
+        itemsize, scores = self.dtype.itemsize, self.device.type != "cuda"
+        out: list[list[int]] = []
+        chunk: list[int] = []
+        t = c = decoded = 0
         for i in group:
-            trial = out[-1] + [i]
-            decoded = 0 if rows is None else sum(len(r) for k in trial if (r := rows[k]) is not None)
-            if out[-1] and self.forward_bytes([inputs[k] for k in trial], decoded) > budget:
-                out.append([i])
-            else:
-                out[-1] = trial
+            s = inputs[i]
+            t2, c2 = max(t, len(s.ids)), max(c, 0 if s.ctx_pos is None else len(s.ctx_pos))
+            d2 = decoded + (0 if rows is None or rows[i] is None else len(rows[i]))
+            n = s.slot - inputs[chunk[0]].slot + 1 if pooled and chunk else len(chunk) + 1
+            if chunk and forward_bytes(self.cfg, itemsize, n, t2, c2, d2, copied=not pooled, scores=scores) > budget:
+                out.append(chunk)
+                chunk, t2, c2 = [], len(s.ids), 0 if s.ctx_pos is None else len(s.ctx_pos)
+                d2 = 0 if rows is None or rows[i] is None else len(rows[i])
+            chunk.append(i)
+            t, c, decoded = t2, c2, d2
+        out.append(chunk)
         self.split_forwards += len(out) - 1
         return out
 
