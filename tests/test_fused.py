@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from engine.models import fused
+from engine.models.fused import apply_rope
 from engine.models.presets import build_preset
-from engine.models.transformer import apply_rope, rope_cos_sin
+from engine.models.transformer import rope_cos_sin
 from engine.runner import TorchRunner
 from engine.sequence import StepInput, StepKind
 

@@ -14,10 +14,11 @@ from engine.engine import Engine
 from engine.loading import load_engine
 from engine.models.config import ModelConfig
 from engine.models.flops import forward_flops, linear_weights
+from engine.models.fused import apply_rope
 from engine.models.loader import load_config, load_model
 from engine.models.presets import IdTokenizer, preset_config, random_prompt
 from engine.models.tensor_parallel import shard_config
-from engine.models.transformer import DLMTransformer, SparseMoE, apply_rope, grouped_mm_works, rope_cos_sin
+from engine.models.transformer import DLMTransformer, SparseMoE, grouped_mm_works, rope_cos_sin
 from engine.sequence import SamplingParams
 from tests.builders import MOE, make_config
 

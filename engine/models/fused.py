@@ -5,10 +5,11 @@ the rotary embedding of q and k, SwiGLU's activation and product. Eagerly each i
 each kernel reads and writes whole activations: on the first H200 run a fifth of the LLaDA-8B round
 (21 of 124 ms) was such kernels. Fused, each group is one kernel that reads its inputs once.
 
-``EAGER`` runs them as plain torch operations (the reference, and a CPU's path). ``compiled()`` runs the
-same functions compiled by torch.compile (inductor: one generated kernel per group, shapes dynamic so a
-round's changing batch does not recompile); ``choose(device)`` picks it where it pays, on CUDA with Triton
-present, unless ``REMASK_FUSE=0`` (or ``=1`` to force it, e.g. to test the compiled path on a CPU). A model
+The functions below are the groups' eager code, which the model's modules also run (the reference, and a
+CPU's path). ``compiled()`` runs the same functions compiled by torch.compile (inductor: one generated
+kernel per group, shapes dynamic so a round's changing batch does not recompile); ``choose(device)`` picks
+it where it pays, on CUDA with Triton present, unless ``REMASK_FUSE=0`` (or ``=1`` to force it, e.g. to
+test the compiled path on a CPU). A model
 records which ran (``DLMTransformer.elementwise``) and the profile stores it, as it does fusion and graphs.
 Both paths compute the same function: the compiled one equals the eager one within float rounding.
 """
@@ -27,30 +28,41 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x``'s last dimension: float32 inside, rounded to ``x``'s dtype before the weight multiplies
+    it (the model's RMSNorm off CUDA)."""
+    f = x.float()
+    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + h, RMSNorm(x + h)): the residual add and the norm after it; the norm in float32, rounded to the
-    model's dtype before the weight multiplies it (as the eager RMSNorm)."""
+    """(x + h, RMSNorm(x + h)): the residual add and the norm after it."""
     s = x + h
-    f = s.float()
-    normed = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
-    return s, weight * normed
+    return s, rms_norm(s, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dimensions of each head (all of them unless the model uses
+    partial rotary embeddings); the rest pass through. With halves (x1, x2) that is x * cos + (-x2, x1) *
+    sin, computed as x * cos + (x2, x1) * signed sin (``transformer.rope_cos_sin``): three passes over x,
+    not five."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return torch.addcmul(x * cos, _swap_halves(x), sin)
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat((torch.addcmul(rot * cos, _swap_halves(rot), sin), rest), dim=-1)
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)  # one pass, whatever x's strides (roll copies first)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary embedding of q and k (their first ``cos.shape[-1]`` dimensions; the rest pass through):
-    x * cos + (x2, x1) * signed sin, as ``transformer.apply_rope``."""
-    return _rope_one(q, cos, sin), _rope_one(k, cos, sin)
-
-
-def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    r = cos.shape[-1]
-    rot = x[..., :r]
-    half = r // 2
-    swapped = torch.cat((rot[..., half:], rot[..., :half]), dim=-1)
-    out = rot * cos + swapped * sin
-    return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
+    """The rotary embedding of q and k (``apply_rope``), as one group."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

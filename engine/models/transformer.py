@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.fused import Elementwise
+from engine.models.fused import Elementwise, rms_norm, rope, swiglu
 from engine.models.layouts import attention, emulating
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -37,12 +37,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype == self.weight.dtype:
             # one fused kernel (torch >= 2.8) instead of seven passes over x; float32 inside, the product
-            # with the weight rounded once (the composite below rounds before it: at most an ulp apart)
+            # with the weight rounded once (the composite rounds before it: at most an ulp apart)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
@@ -52,28 +49,12 @@ def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype,
                  inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin tables of shape [N, 1, T, head_dim] for integer positions [N, T]: the sin table's
-    first half is negated (what ``apply_rope`` multiplies the half-swapped head by)."""
+    first half is negated (what ``apply_rope``, engine/models/fused.py, multiplies the half-swapped head by)."""
     if inv_freq is None:
         inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions.float()[..., None] * inv_freq
     sin = freqs.sin()
     return torch.cat((freqs, freqs), dim=-1)[:, None].cos().to(dtype), torch.cat((-sin, sin), dim=-1)[:, None].to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` dimensions of each head (all of them unless the model uses
-    partial rotary embeddings); the rest pass through. With halves (x1, x2) that is x * cos + (-x2, x1) *
-    sin, computed as x * cos + (x2, x1) * signed sin (``rope_cos_sin``): three passes over x, not five."""
-    r = cos.shape[-1]
-    if r == x.shape[-1]:
-        return torch.addcmul(x * cos, _swap_halves(x), sin)
-    rot, rest = x[..., :r], x[..., r:]
-    return torch.cat((torch.addcmul(rot * cos, _swap_halves(rot), sin), rest), dim=-1)
-
-
-def _swap_halves(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((x[..., half:], x[..., :half]), dim=-1)  # one pass, whatever x's strides (roll copies first)
 
 
 def stacked_linear(*parts: nn.Linear) -> nn.Linear:
@@ -125,10 +106,7 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (self.nkv, self.hd)).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.kernels is not None:
-            q, k = self.kernels.rope(q, k, cos, sin)
-        else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = (rope if self.kernels is None else self.kernels.rope)(q, k, cos, sin)
         keys, values = k, v
         if isinstance(room, tuple):
             index, n_keys = room
@@ -177,10 +155,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            if self.kernels is not None:
-                return self.down_proj(self.kernels.swiglu(self.gate_up_proj(x)))
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj((swiglu if self.kernels is None else self.kernels.swiglu)(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
