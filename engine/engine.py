@@ -26,7 +26,7 @@ import torch
 from engine.batch import run_model
 from engine.decoding import UnmaskRule, make_rule
 from engine.kv_cache import ApproxCache, ExactCache, KVPool
-from engine.memory import forward_bytes
+from engine.memory import forward_bytes, kv_bytes_per_token
 from engine.models.transformer import DLMTransformer
 from engine.runner import TorchRunner
 from engine.scheduler.types import StepKind
@@ -136,7 +136,7 @@ class Engine:
 
     def kv_bytes_per_token(self) -> int:
         """Device bytes of one position of K/V: 2 x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.runner.dtype.itemsize
+        return kv_bytes_per_token(self.cfg, self.runner.dtype.itemsize)
 
     def round_bytes(self, slot_tokens: int) -> int:
         """Transient bytes of the largest round this engine runs (engine/memory.py): ``max_slots`` rows, each a

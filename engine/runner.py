@@ -32,7 +32,7 @@ import torch
 from engine.batch import Batch, Replayer, run_model
 from engine.decoding import confidence, noise_seeds, sample
 from engine.kv_cache import KVPool
-from engine.memory import forward_bytes
+from engine.memory import forward_bytes, kv_bytes_per_token
 from engine.models.flops import forward_flops, linear_weights
 from engine.models.fused import choose as choose_elementwise
 from engine.models.layouts import emulating
@@ -326,10 +326,9 @@ class TorchRunner:
         """Whether computing ``filler_tokens`` query tokens of filler rows (the layers' matrix products)
         costs less than copying ``context_tokens`` of K/V (read and written), at ``balance`` FLOPs per
         byte of memory traffic (the device's roofline ridge)."""
-        cfg = self.cfg
-        flops = 2 * filler_tokens * linear_weights(cfg)
-        kv_bytes = 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        return flops < self.balance * context_tokens * kv_bytes
+        flops = 2 * filler_tokens * linear_weights(self.cfg)
+        traffic = 2 * kv_bytes_per_token(self.cfg, self.dtype.itemsize)  # each position read and written
+        return flops < self.balance * context_tokens * traffic
 
     def _prepare_pooled(self, inputs, lens, t_max, mode, lo, hi, starts, ends) -> Batch:
         """The forward's K/V buffer is the pool's slots lo..hi-1 themselves: contexts are already in
