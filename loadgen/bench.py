@@ -451,27 +451,24 @@ def endpoint_path(args) -> str:
 RANDOM_INPUT_LEN, RANDOM_OUTPUT_LEN = 1024, 128  # vLLM's defaults for the random dataset
 
 
-def served_models(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> list[dict]:
-    """The server's ``/v1/models`` entries (``id``, and ``max_model_len`` where the server says it)."""
+def served_model(base_url: str, api_key: str | None, model: str | None, timeout_s: float = 30.0) -> dict:
+    """The server's ``/v1/models`` entry of ``model`` (``id``, and ``max_model_len`` where the server says it),
+    or of its first model when ``model`` is None (vLLM's default for ``--model``): read once per run. A model
+    the list lacks, or a server without the list, is ``{"id": model}``; without ``model`` that is an error."""
     import httpx
 
     from loadgen.client import auth_headers
 
-    resp = httpx.get(f"{base_url}/v1/models", headers=auth_headers(api_key), timeout=timeout_s)
-    resp.raise_for_status()
-    data = resp.json()["data"]
-    if not isinstance(data, list):
-        raise TypeError("data is not a list")
-    return data
-
-
-def first_model(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> str:
-    """The first model of the server's ``/v1/models`` (vLLM's default for ``--model``)."""
-    import httpx
-
     try:
-        return served_models(base_url, api_key, timeout_s)[0]["id"]
+        resp = httpx.get(f"{base_url}/v1/models", headers=auth_headers(api_key), timeout=timeout_s)
+        resp.raise_for_status()
+        data = resp.json()["data"]
+        if model is None:
+            return {**data[0], "id": data[0]["id"]}  # a KeyError when the entry names no model
+        return next((m for m in data if isinstance(m, dict) and m.get("id") == model), {"id": model})
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        if model is not None:
+            return {"id": model}
         raise ValueError(f"no --model given and none read from {base_url}/v1/models ({type(exc).__name__}: {exc}); "
                          "is the server running? pass --model NAME") from None
 
@@ -558,12 +555,9 @@ def run(args, out=None) -> tuple[dict, bool]:
     path = endpoint_path(args)
     base = base_url_of(args)
     key = resolve_api_key(args.api_key)
-    model_id = args.model or first_model(base, key)
+    entry = served_model(base, key, args.model)
+    model_id = entry["id"]
     if args.dataset_name == "random":
-        try:
-            entry = next((m for m in served_models(base, key) if m.get("id") == model_id), {})
-        except Exception:  # noqa: BLE001 - a server without /v1/models: the flags' lengths as they are
-            entry = {}
         args.random_input_len, args.random_output_len, note = random_lengths(args, entry.get("max_model_len"))
         if note:
             print(f"Note: {note}", file=out)
