@@ -141,7 +141,28 @@ class RoundModel:
         return out
 
     def forward_ms_of(self, kind: str, steps: float, query: float, context: float) -> float:
-        return sum(self.terms(kind, steps, query, context).values())
+        """The sum of ``terms`` (written out: the simulator prices every round through it)."""
+        tokens = steps * query
+        if tokens <= 0:
+            return 0.0
+        pairs = tokens * ((context if context > 0.0 else 0.0) + query)
+        k = self.stand_in.get(kind, kind)
+        if self.proportional is not None:
+            return _interpolate(self.proportional[k], tokens) + self.pair_ms * pairs
+        ms = (self.forward_ms + self.product_ms * (tokens if tokens > self.ridge_tokens else self.ridge_tokens)
+              + self.token_ms * tokens + self.step_ms * steps + self.pair_ms * pairs)
+        if kind != "prefill":
+            ms += self.decode_ms * steps
+        if self.eager_ms and tokens > self.graph_tokens:
+            ms += self.eager_ms
+        extra = self.kind_token_ms.get(k)
+        if extra:
+            ms += extra * tokens
+        excess = self.kind_excess_ms.get(k)
+        if excess:
+            s = self.kind_excess_tokens[k]
+            ms += excess * (tokens if tokens < s else s) / s
+        return ms
 
     def forward_ms_array(self, kind: str, steps, query, context):
         """``forward_ms_of`` over NumPy arrays (broadcast); 0 where there are no tokens."""
