@@ -37,7 +37,7 @@ from engine.models.flops import forward_flops, linear_weights
 from engine.models.fused import choose as choose_elementwise
 from engine.models.layouts import emulating
 from engine.models.masks import allowed, attends_all
-from engine.models.transformer import DLMTransformer
+from engine.models.transformer import DLMTransformer, Slots
 from engine.sequence import SamplingParams, StepInput
 
 BALANCE = {"cuda": 150.0, "cpu": 10.0}  # FLOPs per byte of memory traffic (see TorchRunner.fill_pays)
@@ -63,6 +63,11 @@ class StepOutput:
 
     def logits_rows(self, lo: int, hi: int) -> torch.Tensor:
         return self._logits[lo:hi] if self._logits is not None else self.head(self.hidden[lo:hi])
+
+
+def _context_free(step: StepInput) -> bool:
+    """Whether ``step`` attends to no context: its keys are its own queries."""
+    return step.ctx_pos is None or step.ctx_pos.shape[0] == 0
 
 
 def group_by_length(inputs: list[StepInput]) -> list[list[int]]:
@@ -93,6 +98,10 @@ class TorchRunner:
         # (``_fit``): set by the engine (engine/memory.py); None: no bound
         self.transient_budget: int | None = None
         self.split_forwards = 0  # forwards added by cutting a forward to its transient budget
+        # steps with no context whose slots are not consecutive write their K/V into their slots in place
+        # (``_prepare_in_slots``); off: such a forward has a K/V buffer of its own, which their caches copy (the
+        # path before; `remask bench round --recompute` times both)
+        self.in_slots = True
         # FLOPs per byte of memory traffic at which filler rows are worth computing instead of copying
         # contexts (fill_pays): about the H200's bf16 peak over its bandwidth; a CPU core's is far lower
         self.balance = BALANCE.get(self.device.type, BALANCE["cpu"])
@@ -137,6 +146,8 @@ class TorchRunner:
         if budget is None or len(group) == 1:
             return [group]
         pooled = self.pool is not None and all(inputs[i].slot is not None for i in group)
+        # steps with no context need no filler rows between their slots (``_prepare_in_slots``)
+        spans_slots = pooled and not all(_context_free(inputs[i]) for i in group)
         itemsize, scores = self.dtype.itemsize, self.device.type != "cuda"
         out: list[list[int]] = []
         chunk: list[int] = []
@@ -145,7 +156,7 @@ class TorchRunner:
             s = inputs[i]
             t2, c2 = max(t, len(s.ids)), max(c, 0 if s.ctx_pos is None else len(s.ctx_pos))
             d2 = decoded + (0 if rows is None or rows[i] is None else len(rows[i]))
-            n = s.slot - inputs[chunk[0]].slot + 1 if pooled and chunk else len(chunk) + 1
+            n = s.slot - inputs[chunk[0]].slot + 1 if spans_slots and chunk else len(chunk) + 1
             if chunk and forward_bytes(self.cfg, itemsize, n, t2, c2, d2, copied=not pooled, scores=scores) > budget:
                 out.append(chunk)
                 chunk, t2, c2 = [], len(s.ids), 0 if s.ctx_pos is None else len(s.ctx_pos)
@@ -246,12 +257,13 @@ class TorchRunner:
         if hidden is None:
             hidden = self.forward(batch)
         self.forwards += 1
-        self.pooled += batch.write is not None
+        self.pooled += batch.write is not None or batch.in_slots is not None
         rows = batch.ids.shape[0]  # filler rows included: they are computed too
         self.flops += forward_flops(self.cfg, rows, batch.t_max, batch.c_max, lm_rows=0)  # head: where it runs
         buf = batch.buf
-        return hidden, [StepOutput(hidden[r, :len(s.ids)], buf[:, :, r, :, o : o + len(s.ids)], self.head)
-                        for s, r, o in zip(inputs, batch.row_of, batch.q_off)], batch.row_of
+        kv_rows = batch.row_of if batch.kv_rows is None else batch.kv_rows
+        return hidden, [StepOutput(hidden[r, :len(s.ids)], buf[:, :, b, :, o : o + len(s.ids)], self.head)
+                        for s, r, b, o in zip(inputs, batch.row_of, kv_rows, batch.q_off)], batch.row_of
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """The model over a prepared batch, eagerly (``engine.batch.run_model``)."""
@@ -268,6 +280,9 @@ class TorchRunner:
         plan = self._pool_plan(inputs, lens, t_max)
         if plan is not None:
             return self._prepare_pooled(inputs, lens, t_max, mode, *plan)
+        starts = self._in_slots_plan(inputs, lens) if self.in_slots else None
+        if starts is not None:
+            return self._prepare_in_slots(inputs, lens, t_max, mode, starts)
         ids, pos, q_valid = self._query_rows(inputs, lens, t_max, list(range(len(inputs))), len(inputs))
         return self._prepare_copied(inputs, ids, pos, lens, mode, q_valid is not None)
 
@@ -321,6 +336,45 @@ class TorchRunner:
             hi = min(lo + rows, pool.slots)
             lo = hi - max(rows, hi - lo)
         return lo, hi, starts, ends
+
+    def _in_slots_plan(self, inputs: list[StepInput], lens: list[int]) -> list[int] | None:
+        """Each step's first query position when the forward can write every step's fresh K/V into its own
+        pool slot in place without attending to the pool: no step has context (its keys are its own queries:
+        a full-sequence recompute, a first prefill block), each holds one slot of its own and its query sits
+        at consecutive positions within the slot. Otherwise None."""
+        pool = self.pool
+        if pool is None or not all(s.slot is not None and _context_free(s) for s in inputs):
+            return None
+        if len({s.slot for s in inputs}) != len(inputs):
+            return None
+        starts = []
+        for s, t in zip(inputs, lens):
+            p = s.pos.numpy()
+            q_lo = int(p[0])
+            if int(p[-1]) != q_lo + t - 1 or q_lo + t > pool.capacity:
+                return None
+            starts.append(q_lo)
+        return starts
+
+    def _prepare_in_slots(self, inputs, lens, t_max, mode, starts) -> Batch:
+        """Steps with no context whose slots are not consecutive (others' slots between them: a recompute
+        beside cached steps, which run in a forward of their own): the batch holds the steps' rows only, each
+        writes its fresh K/V straight into its own slot (padding rows into the slot's scratch position) and
+        attends to them as they are. No K/V buffer of the forward's own, nothing copied into the cache
+        afterwards (the step's fresh K/V are views of its slot), no filler rows; a mask only where rows are
+        padded or the mode hides some of a step's own keys."""
+        n = len(inputs)
+        ids, pos, q_valid = self._query_rows(inputs, lens, t_max, list(range(n)), n)
+        write = pos if q_valid is None else pos.masked_fill(~q_valid, self.pool.capacity)
+        bias = None
+        if q_valid is not None or not all(attends_all(mode, q, q + t, self.cfg.block_size)
+                                          for q, t in zip(starts, lens)):
+            none = torch.zeros((n, 0), dtype=torch.long)
+            bias = self._bias(self._mask(mode, pos, torch.tensor(lens), none, torch.zeros(n, dtype=torch.long)))
+        slots = [s.slot for s in inputs]
+        rows = self._to_device(torch.tensor(slots)[:, None])
+        return Batch(self._to_device(ids), self._to_device(pos), bias, self.pool.kv, t_max, 0, list(range(n)), starts,
+                     in_slots=Slots(rows, self._to_device(write)), kv_rows=slots)
 
     def fill_pays(self, filler_tokens: int, context_tokens: int) -> bool:
         """Whether computing ``filler_tokens`` query tokens of filler rows (the layers' matrix products)
