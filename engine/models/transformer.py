@@ -133,7 +133,9 @@ class Attention(nn.Module):
         writes them into rows ``rows`` of ``past`` ([S, kv_heads, P, head_dim] each: the KV pool's slots, in any
         order) at their positions and attends to the fresh K/V alone: steps with no context, whose keys are their
         own queries (a full-sequence recompute), written in place with no buffer or copy of their own.
-        Otherwise ``past`` is the C context positions only."""
+        Otherwise ``past`` is the C context positions only. Returns the output and the fresh K/V, or with an
+        in-place ``room`` the views of ``past`` they were written into: a forward's layers must not each hold
+        their fresh K/V (and, through v, their whole q/k/v product) until its end."""
         n, t, _ = x.shape
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split((self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd), -1)
@@ -150,6 +152,7 @@ class Attention(nn.Module):
         if isinstance(room, Slots):  # written in place wherever their rows are; attended as they are
             past[0][room.rows, :, room.positions] = k.transpose(1, 2)  # [N, T, kv heads, D] both sides
             past[1][room.rows, :, room.positions] = v.transpose(1, 2)
+            kv = past  # handed back: where they now live (the fresh tensors, and v's projection output, go)
         elif isinstance(room, tuple):
             index, n_keys = room
             keys, values = past
@@ -157,12 +160,15 @@ class Attention(nn.Module):
             keys.scatter_(2, where, k)
             values.scatter_(2, where, v)
             keys, values = keys[:, :, :n_keys], values[:, :, :n_keys]
+            kv = keys, values
         elif room:
             keys, values = past
             keys[:, :, -t:], values[:, :, -t:] = k, v
-            k, v = keys[:, :, -t:], values[:, :, -t:]
-        elif past is not None and past[0].shape[2]:
-            keys, values = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
+            kv = keys[:, :, -t:], values[:, :, -t:]
+        else:
+            kv = k, v
+            if past is not None and past[0].shape[2]:
+                keys, values = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
         group = self.nh // self.nkv
         # the attention kernel's output may come back in any strides (CUDA's fused kernels hand back a
         # transposed [N, T, heads, D] buffer; engine/models/layouts.py): split with unflatten, which is a view
@@ -172,7 +178,7 @@ class Attention(nn.Module):
             out = out.unflatten(2, (group, t)).permute(0, 3, 1, 2, 4)  # [N, T, kv heads, group, D]
         else:
             out = attention(q, keys, values, attn_mask=mask, enable_gqa=group > 1).transpose(1, 2)
-        return self.o_proj(out.reshape(n, t, -1)), (k, v)
+        return self.o_proj(out.reshape(n, t, -1)), kv
 
 
 class MLP(nn.Module):
@@ -419,7 +425,9 @@ class DLMTransformer(nn.Module):
         the mask is then [N, 1, T, n_keys]). The mask may be float (added to
         the scores).
         Returns (logits [N, T, V], hidden [N, T, H], fresh per-layer (K, V) of
-        the T input tokens; views of ``past`` when ``room`` is True). ``head=False``
+        the T input tokens; views of ``past`` when ``room`` is True, the views
+        of ``past`` they were written into for the other in-place rooms, so no
+        layer's fresh tensors outlive it). ``head=False``
         skips the LM head (logits None): the runner applies ``lm_head`` to the
         rows it needs only.
         """
