@@ -30,6 +30,7 @@ class Batch:
     # attended as they are (``TorchRunner._prepare_in_slots``); None otherwise
     in_slots: Slots | None = None
     kv_rows: list[int] | None = None  # per step, its row of ``buf`` when that is not its row of the batch
+    h_off: list[int] | None = None  # per step, where its tokens start along its row (packed steps); None: 0
 
 
 @torch.inference_mode()

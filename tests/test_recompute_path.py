@@ -79,23 +79,31 @@ def test_an_equal_length_recompute_attends_unmasked_and_writes_its_kv_in_place(m
             assert runner.pooled == 3 and runner.forwards == 5
 
 
-def test_rows_of_different_lengths_are_masked_apart_and_agree_with_the_buffered_path():
-    """Padded rows need a mask (their keys differ); in slots apart, the in-place forward's hidden rows and K/V
-    equal those of the path with its own buffer."""
+@pytest.mark.parametrize("apart", [False, True], ids=["consecutive slots", "slots apart"])
+def test_rows_of_different_lengths_are_packed_unpadded_and_unmasked(monkeypatch, apart):
+    """Recompute steps of different lengths: packed into one row (their tokens only, no padding), each attending
+    to its own tokens with no mask, K/V written into their slots; hidden rows, K/V and top-1 rows equal the
+    padded, masked forward with its own buffer (the path before)."""
     cfg, runner = _runner()
-    steps = round_inputs(cfg, ROWS, CANVAS, 0, "cpu", torch.float32, pool=runner.pool, gaps=ROWS)
+    steps = round_inputs(cfg, ROWS, CANVAS, 0, "cpu", torch.float32, pool=runner.pool, gaps=ROWS if apart else 0)
     steps[1] = type(steps[1])(steps[1].kind, steps[1].ids[:40], steps[1].pos[:40], None, None, steps[1].mode,
                               steps[1].slot)
+    rows = [torch.arange(8, 40)] * ROWS
     batch = runner.prepare(steps)
-    assert batch.in_slots is not None and batch.bias is not None and batch.bias.shape == (ROWS, 1, CANVAS, CANVAS)
+    assert batch.ids.shape == (1, 2 * CANVAS + 40) and batch.bias is None
+    masks = _masks(monkeypatch)
     with torch.inference_mode():
-        fresh = [(o.hidden.clone(), o.fresh.clone()) for o in runner.run(steps)]
+        fresh = [(o.hidden.clone(), o.fresh.clone(), o.top1) for o in runner.run(steps, rows)]
+        assert len(masks) == ROWS * cfg.num_layers and all(m is None for m in masks)
+        for s, o in zip(steps, runner.run(steps)):
+            assert o.fresh.data_ptr() == runner.pool.kv[:, :, s.slot].data_ptr()
         runner.in_slots = False
-        before = [(o.hidden, o.fresh) for o in runner.run(steps)]
-    assert runner.pooled == 1 and runner.forwards == 2
-    for (h, kv), (h0, kv0) in zip(fresh, before):
+        before = [(o.hidden, o.fresh, o.top1) for o in runner.run(steps, rows)]
+    assert masks[-1] is not None  # the padded forward needed one
+    for (h, kv, top), (h0, kv0, top0) in zip(fresh, before):
         torch.testing.assert_close(h, h0, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(kv, kv0, rtol=1e-5, atol=1e-5)
+        assert torch.equal(top[1], top0[1])
 
 
 def test_a_mixed_round_decodes_the_same_tokens_with_recompute_written_in_place():

@@ -174,6 +174,21 @@ RECOMPUTE_TARGET = 1.2  # a recompute of N tokens within this multiple of a cach
 COPY_OPS = {"aten::copy_": 0, "aten::index_put_": 2, "aten::scatter_": 3, "aten::index_copy_": 3, "aten::cat": 0}
 
 
+VARIANTS = ("recompute", "recompute, slots apart", "recompute, slots apart, copied", "recompute, lengths varied",
+            "recompute, lengths varied, padded", "cached")
+
+
+def _varied(cfg, requests: int, canvas: int, device, dtype, pool: KVPool) -> list[StepInput]:
+    """``requests`` recompute steps of canvases 3/4 and 5/4 of ``canvas`` in turn (the last of an odd number
+    ``canvas``): as many tokens as ``requests`` x ``canvas``, in consecutive pool slots."""
+    lens = [canvas * 3 // 4 if i % 2 == 0 else canvas * 5 // 4 for i in range(requests)]
+    if requests % 2:
+        lens[-1] = canvas
+    gen = torch.Generator().manual_seed(1)
+    return [StepInput(StepKind.RECOMPUTE, torch.randint(0, cfg.mask_token_id, (t,), generator=gen), torch.arange(t),
+                      None, None, cfg.attention, slot) for slot, t in enumerate(lens)]
+
+
 def _held_copy(fresh: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """What a cache does with a step's fresh K/V after the forward (``ApproxCache.refresh``): copy them into its
     slot unless the forward wrote them there already."""
@@ -225,7 +240,8 @@ def bench_recompute(model: str = "llada-8b-shape", device: str = "cpu", dtype: s
     Variants: the recompute with its requests' slots apart (every other slot held by a request not in the
     forward, as when cached steps of the same round run in another forward), written into them in place and,
     as before that path (``TorchRunner.in_slots`` off), through a K/V buffer of its own copied into the slots
-    afterwards; the attention kernel orders
+    afterwards; the recompute of canvases of 3/4 and 5/4 of ``canvas`` in turn (as many tokens), packed into one
+    row and, as before, padded to the longest under a mask; the attention kernel orders
     ``orders`` (DLMTransformer.attention_order; default: "flash" and, on CUDA, "cudnn"). Per size and variant:
     the median ms of ``repeats`` rounds after ``warmup``, the first round's ms (its shape met for the first
     time: on CUDA a cuDNN plan is built then), the recompute/cached ratio against ``RECOMPUTE_TARGET``, and
@@ -244,7 +260,8 @@ def bench_recompute(model: str = "llada-8b-shape", device: str = "cpu", dtype: s
     net = build_preset(model, device=dev, dtype=dt)
     runner = TorchRunner(net, dev, fuse=True)
     most = max(sizes) // block  # the cached round's requests at the largest size: the most slots any round takes
-    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max(most, 2 * max(sizes) // canvas), canvas, dt, dev)
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max(most, 2 * max(sizes) // canvas),
+                  canvas + canvas // 4, dt, dev)  # room for the varied lengths' longest
     runner.pool = pool
     rows_re = torch.arange(canvas - block, canvas)  # the block a recompute decodes: its canvas's last
     rows_ca = torch.arange(block)
@@ -269,11 +286,16 @@ def bench_recompute(model: str = "llada-8b-shape", device: str = "cpu", dtype: s
                     "recompute": case(round_inputs(cfg, requests, canvas, 0, dev, dt, pool=pool), rows_re),
                     "recompute, slots apart": case(apart, rows_re),
                     "recompute, slots apart, copied": case(apart, rows_re),
-                    "cached": case(round_inputs(cfg, n // block, block, canvas - block, dev, dt, pool=pool), rows_ca),
                 }
+                if requests > 1:  # canvases of 3/4 and 5/4 of the size, as many tokens: packed, and padded as before
+                    varied = _varied(cfg, requests, canvas, dev, dt, pool)
+                    cases["recompute, lengths varied"] = case(varied, torch.arange(canvas // 2 - block, canvas // 2))
+                    cases["recompute, lengths varied, padded"] = cases["recompute, lengths varied"]
+                cached = round_inputs(cfg, n // block, block, canvas - block, dev, dt, pool=pool)
+                cases["cached"] = case(cached, rows_ca)
                 row = {"order": order, "tokens": n, "canvas": canvas}
                 for name, run in cases.items():
-                    runner.in_slots = not name.endswith("copied")  # the path before steps with no context had theirs
+                    runner.in_slots = not name.endswith(("copied", "padded"))  # the path before (in_slots)
                     pooled, forwards = runner.pooled, runner.forwards
                     first = _time(run, dev, 0, 1)[0]
                     in_place = runner.pooled - pooled == runner.forwards - forwards
@@ -281,7 +303,9 @@ def bench_recompute(model: str = "llada-8b-shape", device: str = "cpu", dtype: s
                     row[name] = {"median_ms": round(statistics.median(times), 3), "first_ms": round(first, 3),
                                  "in_place": in_place, **(_op_counts(run, dev, dt.itemsize) if counts else {})}
                 runner.in_slots = True
-                for name in ("recompute", "recompute, slots apart", "recompute, slots apart, copied"):
+                for name in VARIANTS[:-1]:
+                    if name not in row:
+                        continue
                     row[name]["ratio"] = round(row[name]["median_ms"] / row["cached"]["median_ms"], 3)
                 results.append(row)
     return {"model": model, "device": device_name(dev), "dtype": str(dt).removeprefix("torch."), "canvas": canvas,
@@ -293,16 +317,16 @@ def format_recompute(res: dict) -> str:
              f"({res['canvas']}-token canvases, no context) against a cached round of N tokens "
              f"({res['block']}-token blocks over {res['canvas'] - res['block']} cached), "
              f"target ratio <= {res['target_ratio']}",
-             f"{'order':<6} {'N':>5} {'variant':<30} {'median ms':>9} {'first ms':>9} {'ratio':>6} {'ops':>6} "
+             f"{'order':<6} {'N':>5} {'variant':<33} {'median ms':>9} {'first ms':>9} {'ratio':>6} {'ops':>6} "
              f"{'copies':>6} {'copy MB':>8} {'alloc MB':>9} {'peak MB':>8}  attention"]
     for row in res["rows"]:
-        for name in ("recompute", "recompute, slots apart", "recompute, slots apart, copied", "cached"):
+        for name in (v for v in VARIANTS if v in row):
             r = row[name]
             ratio = f"{r['ratio']:.2f}" if "ratio" in r else ""
             att = ", ".join(f"{k} x{v}" for k, v in r.get("attention", {}).items())
             if r.get("masked"):
                 att += f" ({r['masked']} with a mask)"
-            lines.append(f"{row['order']:<6} {row['tokens']:>5} {name:<30} {r['median_ms']:>9.2f} "
+            lines.append(f"{row['order']:<6} {row['tokens']:>5} {name:<33} {r['median_ms']:>9.2f} "
                          f"{r['first_ms']:>9.2f} {ratio:>6} {r.get('ops', ''):>6} {r.get('copies', ''):>6} "
                          f"{r.get('copy_mb', ''):>8} {r.get('allocated_mb', ''):>9} {r.get('peak_mb', ''):>8}  {att}"
                          + ("" if r["in_place"] else "  (not in the pool in place)"))

@@ -32,8 +32,11 @@ class Slots(NamedTuple):
     """Where a forward of steps with no context writes its fresh K/V (``Attention.forward``): row n's into
     ``past``'s row ``rows[n]`` (the KV pool's slot) at positions ``positions[n]``, wherever those rows are."""
 
-    rows: torch.Tensor  # [N, 1]
+    rows: torch.Tensor  # [N, 1], or [1, T] for packed steps (each token's slot)
     positions: torch.Tensor  # [N, T]
+    # packed steps (one row of N steps' tokens one after another): each step's (first token, tokens) along the
+    # row; each attends to its own tokens only, one unmasked attention call per step. None: a batch of rows
+    segments: tuple[tuple[int, int], ...] | None = None
 
 
 Room = bool | tuple[torch.Tensor, int] | Slots  # where fresh K/V go in ``past`` (Attention.forward)
@@ -132,7 +135,8 @@ class Attention(nn.Module):
         to positions ``index`` [N, T] along ``past`` and attends to its first ``n_keys`` positions; ``Slots``
         writes them into rows ``rows`` of ``past`` ([S, kv_heads, P, head_dim] each: the KV pool's slots, in any
         order) at their positions and attends to the fresh K/V alone: steps with no context, whose keys are their
-        own queries (a full-sequence recompute), written in place with no buffer or copy of their own.
+        own queries (a full-sequence recompute), written in place with no buffer or copy of their own (with
+        ``segments``, steps packed one after another in one row, each attending to its own segment).
         Otherwise ``past`` is the C context positions only. Returns the output and the fresh K/V, or with an
         in-place ``room`` the views of ``past`` they were written into: a forward's layers must not each hold
         their fresh K/V (and, through v, their whole q/k/v product) until its end."""
@@ -170,6 +174,10 @@ class Attention(nn.Module):
             if past is not None and past[0].shape[2]:
                 keys, values = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
         group = self.nh // self.nkv
+        if isinstance(room, Slots) and room.segments is not None:  # packed steps: each over its own tokens
+            out = torch.cat([attention(q[:, :, o : o + m], k[:, :, o : o + m], v[:, :, o : o + m],
+                                       enable_gqa=group > 1) for o, m in room.segments], 2)
+            return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), kv
         # the attention kernel's output may come back in any strides (CUDA's fused kernels hand back a
         # transposed [N, T, heads, D] buffer; engine/models/layouts.py): split with unflatten, which is a view
         # whatever the strides, and laid out [N, T, heads x D] for o_proj by one reshape (one copy at most)
