@@ -205,8 +205,9 @@ def _op_counts(fn, device: torch.device, itemsize: int) -> dict:
 
     from engine.memory import peak_bytes
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts, record_shapes=True, profile_memory=True) as prof:
+    # the host's operators only: they name the attention backend chosen on CUDA too, and a device trace of a
+    # few thousand kernels would cost the device script seconds per call
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
         fn()
     ops = copies = copy_bytes = masked = 0
     attention: dict[str, int] = {}
@@ -245,7 +246,7 @@ def bench_recompute(model: str = "llada-8b-shape", device: str = "cpu", dtype: s
     ``orders`` (DLMTransformer.attention_order; default: "flash" and, on CUDA, "cudnn"). Per size and variant:
     the median ms of ``repeats`` rounds after ``warmup``, the first round's ms (its shape met for the first
     time: on CUDA a cuDNN plan is built then), the recompute/cached ratio against ``RECOMPUTE_TARGET``, and
-    with ``counts`` one more round under the profiler (``_op_counts``)."""
+    with ``counts`` (for the first order) one more round under the profiler (``_op_counts``)."""
     dev = torch.device(device)
     dt = parse_dtype(dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
     cfg = preset_config(model)
@@ -301,7 +302,8 @@ def bench_recompute(model: str = "llada-8b-shape", device: str = "cpu", dtype: s
                     in_place = runner.pooled - pooled == runner.forwards - forwards
                     times = _time(run, dev, warmup, repeats)
                     row[name] = {"median_ms": round(statistics.median(times), 3), "first_ms": round(first, 3),
-                                 "in_place": in_place, **(_op_counts(run, dev, dt.itemsize) if counts else {})}
+                                 "in_place": in_place,
+                                 **(_op_counts(run, dev, dt.itemsize) if counts and order == orders[0] else {})}
                 runner.in_slots = True
                 for name in VARIANTS[:-1]:
                     if name not in row:
