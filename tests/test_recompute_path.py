@@ -27,9 +27,12 @@ NAME = "llada-8b-shape:layers=8,vocab=256,hidden=64,heads=4,kv_heads=4,intermedi
 ROWS, CANVAS = 3, 64
 
 
-def _runner(**kw):
-    cfg = preset_config(NAME)
-    runner = TorchRunner(build_preset(NAME, dtype=torch.float32), "cpu", **kw)
+GQA = "dream-7b-shape:layers=2,vocab=256,hidden=64,heads=4,kv_heads=2,intermediate=128"  # grouped-query heads
+
+
+def _runner(name: str = NAME, **kw):
+    cfg = preset_config(name)
+    runner = TorchRunner(build_preset(name, dtype=torch.float32), "cpu", **kw)
     runner.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2 * ROWS, CANVAS, torch.float32, "cpu")
     return cfg, runner
 
@@ -79,12 +82,13 @@ def test_an_equal_length_recompute_attends_unmasked_and_writes_its_kv_in_place(m
             assert runner.pooled == 3 and runner.forwards == 5
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["consecutive slots", "slots apart"])
-def test_rows_of_different_lengths_are_packed_unpadded_and_unmasked(monkeypatch, apart):
+@pytest.mark.parametrize("name,apart", [(NAME, False), (NAME, True), (GQA, True)],
+                         ids=["consecutive slots", "slots apart", "grouped-query heads"])
+def test_rows_of_different_lengths_are_packed_unpadded_and_unmasked(monkeypatch, name, apart):
     """Recompute steps of different lengths: packed into one row (their tokens only, no padding), each attending
     to its own tokens with no mask, K/V written into their slots; hidden rows, K/V and top-1 rows equal the
     padded, masked forward with its own buffer (the path before)."""
-    cfg, runner = _runner()
+    cfg, runner = _runner(name)
     steps = round_inputs(cfg, ROWS, CANVAS, 0, "cpu", torch.float32, pool=runner.pool, gaps=ROWS if apart else 0)
     steps[1] = type(steps[1])(steps[1].kind, steps[1].ids[:40], steps[1].pos[:40], None, None, steps[1].mode,
                               steps[1].slot)
