@@ -136,7 +136,8 @@ def _rounds(out: Path) -> list[str]:
 def _recompute(out: Path) -> list[str]:
     """Per attention kernel order and size: the recompute round against the cached round of as many tokens (steady
     rounds), the ratio against the target, the first round of each shape (cuDNN builds its plan then), and the
-    recompute with its slots apart (written into them in place, and through its own buffer as before)."""
+    recompute with its slots apart (written into them in place, and through its own buffer as before) and with
+    canvases of different lengths (packed, and padded as before)."""
     if (r := _json(out / "recompute.json")) is None:
         return ["recompute: no result"]
     lines = [f"recompute vs cached ({r['model'].split(':')[0]} on {r['device']}, {r['dtype']}, {r['canvas']}-token "
@@ -153,7 +154,10 @@ def _recompute(out: Path) -> list[str]:
                          f"{ca['median_ms']:.2f} ms, ratio {ratio:.2f} ({_mark(ratio <= RECOMPUTE_TARGET)}); "
                          f"first round of the shape {re_['first_ms']:.1f} / {ca['first_ms']:.1f} ms; "
                          f"slots apart {apart['median_ms']:.2f} ms in place"
-                         + (f", {copied['median_ms']:.2f} ms copied" if copied else ""))
+                         + (f", {copied['median_ms']:.2f} ms copied" if copied else "")
+                         + (f"; lengths varied {varied['median_ms']:.2f} ms packed, {padded['median_ms']:.2f} ms "
+                            f"padded" if (varied := row.get("recompute, lengths varied")) and
+                            (padded := row.get("recompute, lengths varied, padded")) else ""))
     return lines
 
 

@@ -77,6 +77,8 @@ def test_summary_reports_recompute_against_cached_per_size_and_order(tmp_path):
                 "recompute": {"median_ms": re_ms, "first_ms": first, "ratio": round(re_ms / ca_ms, 3)},
                 "recompute, slots apart": {"median_ms": re_ms + 1, "first_ms": first, "ratio": 1.0},
                 "recompute, slots apart, copied": {"median_ms": re_ms + 3, "first_ms": first, "ratio": 1.0},
+                "recompute, lengths varied": {"median_ms": re_ms - 1, "first_ms": first, "ratio": 1.0},
+                "recompute, lengths varied, padded": {"median_ms": re_ms + 4, "first_ms": first, "ratio": 1.0},
                 "cached": {"median_ms": ca_ms, "first_ms": 20.0}}
     rows = [row("flash", 128, 9.0, 8.0), row("flash", 2048, 90.0, 70.0), row("cudnn", 128, 9.5, 8.0, first=70.0)]
     (tmp_path / "recompute.json").write_text(json.dumps({"model": "llada-8b-shape", "device": "NVIDIA H200",
@@ -86,7 +88,8 @@ def test_summary_reports_recompute_against_cached_per_size_and_order(tmp_path):
            "recompute <= 1.2x cached of as many tokens)" in text
     assert "attention flash first: 1 of 2 sizes within 1.2x" in text and "attention cudnn first: 1 of 1" in text
     assert "  128 tokens: recompute 9.00 ms, cached 8.00 ms, ratio 1.12 (met); first round of the shape 80.0 / " \
-           "20.0 ms; slots apart 10.00 ms in place, 12.00 ms copied" in text
+           "20.0 ms; slots apart 10.00 ms in place, 12.00 ms copied; lengths varied 8.00 ms packed, " \
+           "13.00 ms padded" in text
     assert " 2048 tokens: recompute 90.00 ms, cached 70.00 ms, ratio 1.29 (NOT met)" in text
 
 
