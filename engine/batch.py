@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from engine.models.transformer import DLMTransformer
+from engine.models.transformer import DLMTransformer, Slots
 
 
 @dataclass
@@ -26,6 +26,11 @@ class Batch:
     row_of: list[int]  # per step, its row of the batch
     q_off: list[int]  # per step, where its query's K/V start along ``buf``'s positions
     write: torch.Tensor | None = None  # [N, T] where each query row's K/V go, when not at the end (the pool)
+    # steps with no context over the whole pool (``buf``): each row's fresh K/V written into its slot in place,
+    # attended as they are (``TorchRunner._prepare_in_slots``); None otherwise
+    in_slots: Slots | None = None
+    kv_rows: list[int] | None = None  # per step, its row of ``buf`` when that is not its row of the batch
+    h_off: list[int] | None = None  # per step, where its tokens start along its row (packed steps); None: 0
 
 
 @torch.inference_mode()
@@ -33,7 +38,10 @@ def run_model(model: DLMTransformer, batch: Batch) -> torch.Tensor:
     """The model over a prepared batch: final hidden rows [N, T, H]; fresh K/V land in ``batch.buf``. Only
     device work on the batch's tensors, so it can be captured in a CUDA graph."""
     layers_past = [(batch.buf[layer, 0], batch.buf[layer, 1]) for layer in range(model.config.num_layers)]
-    room = True if batch.write is None else (batch.write, batch.t_max + batch.c_max)
+    if batch.in_slots is not None:
+        room = batch.in_slots
+    else:
+        room = True if batch.write is None else (batch.write, batch.t_max + batch.c_max)
     return model(batch.ids, batch.pos, batch.bias, layers_past, room=room, head=False)[1]
 
 

@@ -37,7 +37,7 @@ from engine.models.flops import forward_flops, linear_weights
 from engine.models.fused import choose as choose_elementwise
 from engine.models.layouts import emulating
 from engine.models.masks import allowed, attends_all
-from engine.models.transformer import DLMTransformer
+from engine.models.transformer import DLMTransformer, Slots
 from engine.sequence import SamplingParams, StepInput
 
 BALANCE = {"cuda": 150.0, "cpu": 10.0}  # FLOPs per byte of memory traffic (see TorchRunner.fill_pays)
@@ -63,6 +63,11 @@ class StepOutput:
 
     def logits_rows(self, lo: int, hi: int) -> torch.Tensor:
         return self._logits[lo:hi] if self._logits is not None else self.head(self.hidden[lo:hi])
+
+
+def _context_free(step: StepInput) -> bool:
+    """Whether ``step`` attends to no context: its keys are its own queries."""
+    return step.ctx_pos is None or step.ctx_pos.shape[0] == 0
 
 
 def group_by_length(inputs: list[StepInput]) -> list[list[int]]:
@@ -93,6 +98,10 @@ class TorchRunner:
         # (``_fit``): set by the engine (engine/memory.py); None: no bound
         self.transient_budget: int | None = None
         self.split_forwards = 0  # forwards added by cutting a forward to its transient budget
+        # steps with no context whose slots are not consecutive write their K/V into their slots in place
+        # (``_prepare_in_slots``); off: such a forward has a K/V buffer of its own, which their caches copy (the
+        # path before; `remask bench round --recompute` times both)
+        self.in_slots = True
         # FLOPs per byte of memory traffic at which filler rows are worth computing instead of copying
         # contexts (fill_pays): about the H200's bf16 peak over its bandwidth; a CPU core's is far lower
         self.balance = BALANCE.get(self.device.type, BALANCE["cpu"])
@@ -115,7 +124,7 @@ class TorchRunner:
         absolute position it predicts (``Sequence.decode_sampling``); None: every step is greedy."""
         outputs: list[StepOutput | None] = [None] * len(inputs)
         picked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, conf, token) on the device
-        for whole in group_by_length(inputs):
+        for whole in self._groups(inputs):
             whole.sort(key=lambda i: -1 if inputs[i].slot is None else inputs[i].slot)  # pool slots in order
             for group in self._fit(inputs, whole, rows):
                 hidden, outs, row_of = self._launch([inputs[i] for i in group])
@@ -128,6 +137,26 @@ class TorchRunner:
             self._fetch(outputs, picked)
         return outputs  # type: ignore[return-value]
 
+    def _packable(self, s: StepInput) -> bool:
+        """Whether ``s`` may be packed with other steps into one row (``_prepare_packed``): no context, its own
+        pool slot, consecutive positions within it, and every one of its queries sees every one of its keys."""
+        if self.pool is None or not self.in_slots or s.slot is None or not _context_free(s):
+            return False
+        p = s.pos.numpy()
+        q_lo, t = int(p[0]), len(p)
+        return int(p[-1]) == q_lo + t - 1 and q_lo + t <= self.pool.capacity and attends_all(
+            s.mode, q_lo, q_lo + t, self.cfg.block_size)
+
+    def _groups(self, inputs: list[StepInput]) -> list[list[int]]:
+        """The round's forwards before ``_fit``: steps grouped by length (``group_by_length``), except that the
+        steps that can be packed (``_packable``: a full-sequence recompute over the pool) all go in one forward
+        whatever their lengths, when they differ: packed, no row is padded."""
+        packed = [i for i, s in enumerate(inputs) if self._packable(s)]
+        if len(packed) < 2 or len({len(inputs[i].ids) for i in packed}) == 1:
+            return group_by_length(inputs)
+        rest = [i for i in range(len(inputs)) if i not in set(packed)]
+        return [packed] + [[rest[j] for j in g] for g in group_by_length([inputs[i] for i in rest])]
+
     def _fit(self, inputs: list[StepInput], group: list[int], rows) -> list[list[int]]:
         """``group`` (one forward's steps, in slot order) cut into consecutive forwards whose transient memory
         (engine/memory.py: the rows it computes, the slots between the steps' own when it attends to the pool,
@@ -137,6 +166,10 @@ class TorchRunner:
         if budget is None or len(group) == 1:
             return [group]
         pooled = self.pool is not None and all(inputs[i].slot is not None for i in group)
+        # steps with no context need no filler rows between their slots (``_prepare_in_slots``)
+        spans_slots = pooled and not all(_context_free(inputs[i]) for i in group)
+        if len({len(inputs[i].ids) for i in group}) > 1 and all(self._packable(inputs[i]) for i in group):
+            return self._fit_packed(inputs, group, rows, budget)
         itemsize, scores = self.dtype.itemsize, self.device.type != "cuda"
         out: list[list[int]] = []
         chunk: list[int] = []
@@ -145,7 +178,7 @@ class TorchRunner:
             s = inputs[i]
             t2, c2 = max(t, len(s.ids)), max(c, 0 if s.ctx_pos is None else len(s.ctx_pos))
             d2 = decoded + (0 if rows is None or rows[i] is None else len(rows[i]))
-            n = s.slot - inputs[chunk[0]].slot + 1 if pooled and chunk else len(chunk) + 1
+            n = s.slot - inputs[chunk[0]].slot + 1 if spans_slots and chunk else len(chunk) + 1
             if chunk and forward_bytes(self.cfg, itemsize, n, t2, c2, d2, copied=not pooled, scores=scores) > budget:
                 out.append(chunk)
                 chunk, t2, c2 = [], len(s.ids), 0 if s.ctx_pos is None else len(s.ctx_pos)
@@ -156,18 +189,39 @@ class TorchRunner:
         self.split_forwards += len(out) - 1
         return out
 
+    def _fit_packed(self, inputs: list[StepInput], group: list[int], rows, budget: int) -> list[list[int]]:
+        """``_fit`` for packed steps: their tokens one after another in one row (no padding), each attending to
+        its own (a CPU's kernel materialising each step's scores apart)."""
+        itemsize, scores = self.dtype.itemsize, self.device.type != "cuda"
+        out: list[list[int]] = []
+        chunk: list[int] = []
+        tokens = pairs = decoded = 0
+        for i in group:
+            t = len(inputs[i].ids)
+            d = 0 if rows is None or rows[i] is None else len(rows[i])
+            size = forward_bytes(self.cfg, itemsize, 1, tokens + t, 0, decoded + d, copied=False)
+            size += 2 * self.cfg.num_heads * (pairs + t * t) * max(itemsize, 4) if scores else 0
+            if chunk and size > budget:
+                out.append(chunk)
+                chunk, tokens, pairs, decoded = [], 0, 0, 0
+            chunk.append(i)
+            tokens, pairs, decoded = tokens + t, pairs + t * t, decoded + d
+        out.append(chunk)
+        self.split_forwards += len(out) - 1
+        return out
+
     def _top1(self, hidden: torch.Tensor, rows: list[torch.Tensor | None], ids: list[int],
               row_of: list[int], sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None
               ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(confidence, token) of the requested rows of one forward (``hidden`` [R, T, H]; ``rows[k]``: step
         k's rows, or None; ``row_of[k]``: its row of the batch), computed together: one index copy to the
-        device, one LM head. Tagged ``ids``. ``sampling[k]``: step k's (params, positions) when it samples
+        device, one LM head. Tagged ``ids``. ``row_of[k]``: where step k's first row lies in ``hidden``'s rows
+        flattened to [R x T, H] (``_launch``). ``sampling[k]``: step k's (params, positions) when it samples
         (see ``run``); its rows' argmax is replaced by a sample (``_sample``)."""
         want = [(k, r) for k, r in enumerate(rows) if r is not None]
         if not want:
             return []
-        t_max = hidden.shape[1]
-        flat = torch.cat([r + row_of[k] * t_max for k, r in want])  # rows of hidden flattened to [R * T, H]
+        flat = torch.cat([r + row_of[k] for k, r in want])  # rows of hidden flattened to [R * T, H]
         sel = hidden.reshape(-1, hidden.shape[-1])[self._to_device(flat)]
         logits = self.head(sel)
         conf, tok = confidence(logits, self.cfg.mask_token_id, overwrite=True)
@@ -246,12 +300,20 @@ class TorchRunner:
         if hidden is None:
             hidden = self.forward(batch)
         self.forwards += 1
-        self.pooled += batch.write is not None
+        self.pooled += batch.write is not None or batch.in_slots is not None
         rows = batch.ids.shape[0]  # filler rows included: they are computed too
-        self.flops += forward_flops(self.cfg, rows, batch.t_max, batch.c_max, lm_rows=0)  # head: where it runs
+        segments = None if batch.in_slots is None else batch.in_slots.segments
+        if segments is None:
+            self.flops += forward_flops(self.cfg, rows, batch.t_max, batch.c_max, lm_rows=0)  # head: where it runs
+        else:  # packed: each step attends to its own tokens
+            self.flops += sum(forward_flops(self.cfg, 1, m, 0, lm_rows=0) for _, m in segments)
         buf = batch.buf
-        return hidden, [StepOutput(hidden[r, :len(s.ids)], buf[:, :, r, :, o : o + len(s.ids)], self.head)
-                        for s, r, o in zip(inputs, batch.row_of, batch.q_off)], batch.row_of
+        kv_rows = batch.row_of if batch.kv_rows is None else batch.kv_rows
+        h_off = [0] * len(inputs) if batch.h_off is None else batch.h_off
+        t = hidden.shape[1]
+        return hidden, [StepOutput(hidden[r, h : h + len(s.ids)], buf[:, :, b, :, o : o + len(s.ids)], self.head)
+                        for s, r, b, o, h in zip(inputs, batch.row_of, kv_rows, batch.q_off, h_off)], \
+            [r * t + h for r, h in zip(batch.row_of, h_off)]
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """The model over a prepared batch, eagerly (``engine.batch.run_model``)."""
@@ -265,9 +327,14 @@ class TorchRunner:
         if len(modes) != 1:
             raise ValueError(f"one forward takes one attention mode, got {sorted(modes)}")
         mode = modes.pop()
+        if len(set(lens)) > 1 and all(self._packable(s) for s in inputs):
+            return self._prepare_packed(inputs, lens)
         plan = self._pool_plan(inputs, lens, t_max)
         if plan is not None:
             return self._prepare_pooled(inputs, lens, t_max, mode, *plan)
+        starts = self._in_slots_plan(inputs, lens) if self.in_slots else None
+        if starts is not None:
+            return self._prepare_in_slots(inputs, lens, t_max, mode, starts)
         ids, pos, q_valid = self._query_rows(inputs, lens, t_max, list(range(len(inputs))), len(inputs))
         return self._prepare_copied(inputs, ids, pos, lens, mode, q_valid is not None)
 
@@ -321,6 +388,61 @@ class TorchRunner:
             hi = min(lo + rows, pool.slots)
             lo = hi - max(rows, hi - lo)
         return lo, hi, starts, ends
+
+    def _in_slots_plan(self, inputs: list[StepInput], lens: list[int]) -> list[int] | None:
+        """Each step's first query position when the forward can write every step's fresh K/V into its own
+        pool slot in place without attending to the pool: no step has context (its keys are its own queries:
+        a full-sequence recompute, a first prefill block), each holds one slot of its own and its query sits
+        at consecutive positions within the slot. Otherwise None."""
+        pool = self.pool
+        if pool is None or not all(s.slot is not None and _context_free(s) for s in inputs):
+            return None
+        if len({s.slot for s in inputs}) != len(inputs):
+            return None
+        starts = []
+        for s, t in zip(inputs, lens):
+            p = s.pos.numpy()
+            q_lo = int(p[0])
+            if int(p[-1]) != q_lo + t - 1 or q_lo + t > pool.capacity:
+                return None
+            starts.append(q_lo)
+        return starts
+
+    def _prepare_in_slots(self, inputs, lens, t_max, mode, starts) -> Batch:
+        """Steps with no context whose slots are not consecutive (others' slots between them: a recompute
+        beside cached steps, which run in a forward of their own): the batch holds the steps' rows only, each
+        writes its fresh K/V straight into its own slot (padding rows into the slot's scratch position) and
+        attends to them as they are. No K/V buffer of the forward's own, nothing copied into the cache
+        afterwards (the step's fresh K/V are views of its slot), no filler rows; a mask only where rows are
+        padded or the mode hides some of a step's own keys."""
+        n = len(inputs)
+        ids, pos, q_valid = self._query_rows(inputs, lens, t_max, list(range(n)), n)
+        write = pos if q_valid is None else pos.masked_fill(~q_valid, self.pool.capacity)
+        bias = None
+        if q_valid is not None or not all(attends_all(mode, q, q + t, self.cfg.block_size)
+                                          for q, t in zip(starts, lens)):
+            none = torch.zeros((n, 0), dtype=torch.long)
+            bias = self._bias(self._mask(mode, pos, torch.tensor(lens), none, torch.zeros(n, dtype=torch.long)))
+        slots = [s.slot for s in inputs]
+        rows = self._to_device(torch.tensor(slots)[:, None])
+        return Batch(self._to_device(ids), self._to_device(pos), bias, self.pool.kv, t_max, 0, list(range(n)), starts,
+                     in_slots=Slots(rows, self._to_device(write)), kv_rows=slots)
+
+    def _prepare_packed(self, inputs: list[StepInput], lens: list[int]) -> Batch:
+        """Steps with no context of different lengths (a round's full-sequence recomputes) packed one after
+        another in a single row: the products run over their tokens only (no padding to the longest), each
+        step attends to its own tokens (one unmasked attention call each: no mask, so CUDA may use a flash
+        kernel) and writes its fresh K/V into its own pool slot in place, as ``_prepare_in_slots``."""
+        offsets = np.cumsum([0, *lens[:-1]]).tolist()
+        ids = torch.cat([s.ids for s in inputs])[None]
+        pos = torch.cat([s.pos for s in inputs])[None]
+        slots = [s.slot for s in inputs]
+        rows = torch.from_numpy(np.repeat(np.array(slots, dtype=np.int64), lens))[None]
+        segments = tuple(zip(offsets, lens))
+        return Batch(self._to_device(ids), self._to_device(pos), None, self.pool.kv, sum(lens), 0, [0] * len(inputs),
+                     [int(s.pos[0]) for s in inputs],
+                     in_slots=Slots(self._to_device(rows), self._to_device(pos), segments), kv_rows=slots,
+                     h_off=offsets)
 
     def fill_pays(self, filler_tokens: int, context_tokens: int) -> bool:
         """Whether computing ``filler_tokens`` query tokens of filler rows (the layers' matrix products)

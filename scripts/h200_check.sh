@@ -11,7 +11,8 @@
 # profiles/ as docs/engine.md says).
 #
 # Steps: facts; fixtures (the four checkpoint families through `remask generate` and a batched instance
-# round); gpu-tests (pytest -m gpu); round, round-single, round-moe (`remask bench round`); kernels-8b,
+# round); gpu-tests (pytest -m gpu); round, round-single, round-moe (`remask bench round`); recompute (`remask bench
+# round --recompute`: a recompute round against a cached round of as many tokens, 128 to 2,048); kernels-8b,
 # kernels-moe (tools/kernel_profile.py: device ms per round by kernel category); bench-engine; profile,
 # profile-check (with its warm-up pass), profile-moe; round-gaps.
 #
@@ -31,17 +32,18 @@ T0=$SECONDS
 if [ "${SIZE:-full}" = tiny ]; then
     M=${M:-"llada-8b-shape:layers=1,vocab=256,hidden=64,heads=2,kv_heads=2,intermediate=128"}
     M2=${M2:-"llada2-mini-shape:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128,vocab=256,experts=16"}
-    SLOTS=4 SLOTS_MOE=4 TOKENS=8 CONTEXT=16 REPEATS=1 KROUNDS=1
+    SLOTS=4 SLOTS_MOE=4 TOKENS=8 CONTEXT=16 REPEATS=1 KROUNDS=1 CANVAS=64 RECOMPUTE_SIZES=64,128
     ENGINE_ARGS="--requests 2 --prompt-len 16 --gen-length 8"
     PROFILE_ARGS="--batch-sizes 1,2 --prompt-lens 16,32 --max-tokens 16 --rounds 1"
     PROFILE_MOE_ARGS=$PROFILE_ARGS CHECK_ARGS="--requests 3 --slots 2"
     FIX_ARCHS=${FIX_ARCHS:-sdar} FIX_TIMEOUT=60 DTYPE=${DTYPE:-float32}
 else
     M=${M:-llada-8b-shape} M2=${M2:-llada2-mini-shape}
-    SLOTS=128 SLOTS_MOE=32 TOKENS=32 CONTEXT=300 REPEATS=10 KROUNDS=5
+    SLOTS=128 SLOTS_MOE=32 TOKENS=32 CONTEXT=300 REPEATS=10 KROUNDS=5 CANVAS=128 RECOMPUTE_SIZES=128,256,512,1024,2048
     ENGINE_ARGS="--requests 16 --prompt-len 256 --gen-length 64"
     # 128 x 512 is the issue's "fits" target: the profile lists it under meta.skipped when it runs out of memory
-    PROFILE_ARGS="--batch-sizes 1,4,16,32,64,128 --prompt-lens 64,512 --max-tokens 64 --rounds 4"
+    # batches 1-16 of 64 + 64 tokens: recompute rounds of 128 to 2,048 tokens measured, not modelled (issue 39)
+    PROFILE_ARGS="--batch-sizes 1,2,4,8,16,32,64,128 --prompt-lens 64,512 --max-tokens 64 --rounds 4"
     PROFILE_MOE_ARGS="--batch-sizes 1,8,32,128 --prompt-lens 64,512 --max-tokens 64 --rounds 3"
     CHECK_ARGS="--requests 64 --slots 32"
     FIX_ARCHS=${FIX_ARCHS:-llada,dream,sdar,llada2} FIX_TIMEOUT=60
@@ -97,6 +99,10 @@ step round-single 60 $PY -m tools.cli bench round --model "$M" --device "$DEV" -
     --context $CONTEXT --repeats $REPEATS --json --out "$WORK/round-single.json"
 step round-moe 75 $PY -m tools.cli bench round --model "$M2" --device "$DEV" --slots $SLOTS_MOE --tokens $TOKENS \
     --context $CONTEXT --repeats $REPEATS --json --out "$WORK/round-moe.json"
+# 3b. a recompute round of N tokens against a cached round of N tokens (target: within 1.2x), N = 128 .. 2,048,
+# with the attention kernels flash-first (the engine's default) and cuDNN-first (torch's own on Hopper)
+step recompute 75 $PY -m tools.cli bench round --recompute $RECOMPUTE_SIZES --canvas $CANVAS --model "$M" \
+    --device "$DEV" --repeats 5 --json --out "$WORK/recompute.json"
 # 4. where the round's device time goes, by kernel category (attention tested before matmul)
 step kernels-8b 75 $PY -m tools.kernel_profile --model "$M" --device "$DEV" --slots $SLOTS --tokens $TOKENS \
     --context $CONTEXT --rounds $KROUNDS --out "$WORK/kernels-8b.json"

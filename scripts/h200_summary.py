@@ -1,7 +1,7 @@
 """The device run's figures against issue 34's targets: `python scripts/h200_summary.py DIR`.
 
 Reads what scripts/h200_check.sh wrote in DIR (the folder it packs into h200-check.tar.gz: steps.txt,
-fixtures.json, gpu-tests.log, round*.json, kernels-*.json, the JSON lines of bench-engine.log and
+fixtures.json, gpu-tests.log, round*.json, recompute.json, kernels-*.json, the JSON lines of bench-engine.log and
 profile-check.log, the measured profiles) and prints one line per figure, each with its target where the
 issue sets one, so a session with a device spends its minutes measuring, not reading logs. Missing,
 failed and skipped steps are named, not passed over.
@@ -22,6 +22,7 @@ LATENCY_TARGET = 1.0  # single-request engine / Fast-dLLM loop
 PROFILE_TARGET = 0.10  # the profile's predicted run time against the recorded one, over the whole run
 FITS = (128, 512)  # the largest prefill case of the 8B profile: batch x prompt tokens
 GRAPHS = "round, CUDA graphs"  # the variant the engine runs for small rounds, where graphs are on
+RECOMPUTE_TARGET = 1.2  # a recompute round of N tokens against a cached round of N tokens (issue 39)
 
 
 def _json(path: Path) -> dict | None:
@@ -132,6 +133,34 @@ def _rounds(out: Path) -> list[str]:
     return lines
 
 
+def _recompute(out: Path) -> list[str]:
+    """Per attention kernel order and size: the recompute round against the cached round of as many tokens (steady
+    rounds), the ratio against the target, the first round of each shape (cuDNN builds its plan then), and the
+    recompute with its slots apart (written into them in place, and through its own buffer as before) and with
+    canvases of different lengths (packed, and padded as before)."""
+    if (r := _json(out / "recompute.json")) is None:
+        return ["recompute: no result"]
+    lines = [f"recompute vs cached ({r['model'].split(':')[0]} on {r['device']}, {r['dtype']}, {r['canvas']}-token "
+             f"canvases; target: recompute <= {RECOMPUTE_TARGET:g}x cached of as many tokens)"]
+    for order in dict.fromkeys(row["order"] for row in r["rows"]):
+        rows = [row for row in r["rows"] if row["order"] == order]
+        met = sum(row["recompute"]["ratio"] <= RECOMPUTE_TARGET for row in rows)
+        lines.append(f"  attention {order} first: {met} of {len(rows)} sizes within {RECOMPUTE_TARGET:g}x")
+        for row in rows:
+            re_, ca, apart = row["recompute"], row["cached"], row["recompute, slots apart"]
+            copied = row.get("recompute, slots apart, copied")
+            ratio = re_["ratio"]
+            lines.append(f"    {row['tokens']:>5} tokens: recompute {re_['median_ms']:.2f} ms, cached "
+                         f"{ca['median_ms']:.2f} ms, ratio {ratio:.2f} ({_mark(ratio <= RECOMPUTE_TARGET)}); "
+                         f"first round of the shape {re_['first_ms']:.1f} / {ca['first_ms']:.1f} ms; "
+                         f"slots apart {apart['median_ms']:.2f} ms in place"
+                         + (f", {copied['median_ms']:.2f} ms copied" if copied else "")
+                         + (f"; lengths varied {varied['median_ms']:.2f} ms packed, {padded['median_ms']:.2f} ms "
+                            f"padded" if (varied := row.get("recompute, lengths varied")) and
+                            (padded := row.get("recompute, lengths varied, padded")) else ""))
+    return lines
+
+
 def _kernels(out: Path) -> list[str]:
     lines = []
     for name in ("kernels-8b", "kernels-moe"):
@@ -202,8 +231,8 @@ def _profiles(out: Path) -> list[str]:
 
 def summarize(out: str | Path) -> list[str]:
     out = Path(out)
-    return (_steps(out) + _fixtures(out) + _gpu_tests(out) + _rounds(out) + _kernels(out) + _engine(out)
-            + _check(out) + _profiles(out))
+    return (_steps(out) + _fixtures(out) + _gpu_tests(out) + _rounds(out) + _recompute(out) + _kernels(out)
+            + _engine(out) + _check(out) + _profiles(out))
 
 
 if __name__ == "__main__":

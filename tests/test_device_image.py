@@ -37,6 +37,8 @@ def test_device_run_commands_need_only_the_device_image(tmp_path):
     commands = [
         ["bench", "round", "--model", SHAPE, "--slots", "2", "--tokens", "8", "--context", "16", "--repeats", "1",
          "--json", "--out", str(tmp_path / "round.json")],
+        ["bench", "round", "--recompute", "64", "--canvas", "64", "--model", SHAPE, "--repeats", "1", "--json",
+         "--out", str(tmp_path / "recompute.json")],
         ["bench", "engine", "--model", SHAPE, "--requests", "2", "--prompt-len", "16", "--gen-length", "8",
          "--quiet", "--json"],
         ["profile", "--model", SHAPE, "--batch-sizes", "1,2", "--prompt-lens", "16", "--max-tokens", "8",
@@ -46,6 +48,7 @@ def test_device_run_commands_need_only_the_device_image(tmp_path):
     done = _without_service_stack(modules, commands, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "round.json").read_text())["variants"]
+    assert json.loads((tmp_path / "recompute.json").read_text())["rows"][0]["recompute"]["in_place"]
     assert json.loads(profile.read_text())["curves"]
 
 

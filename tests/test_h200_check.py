@@ -17,8 +17,8 @@ import torch
 from tests.device_image import without_service_stack
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("facts", "fixtures", "round", "round-single", "round-moe", "kernels-8b", "kernels-moe", "bench-engine",
-         "profile", "profile-check", "profile-moe", "round-gaps")
+STEPS = ("facts", "fixtures", "round", "round-single", "round-moe", "recompute", "kernels-8b", "kernels-moe",
+         "bench-engine", "profile", "profile-check", "profile-moe", "round-gaps")
 
 
 @pytest.mark.slow
@@ -45,7 +45,7 @@ def test_device_script_dry_run_on_the_cpu(tmp_path):
         kernels = json.load(tar.extractfile("./kernels-moe.json"))
         profile = json.load(tar.extractfile("./h200-llada8b-measured.json"))
     assert {f"{s}.log" for s in STEPS} <= names
-    assert {"round.json", "round-single.json", "round-moe.json", "round-gaps.json", "kernels-8b.json",
+    assert {"round.json", "round-single.json", "round-moe.json", "round-gaps.json", "recompute.json", "kernels-8b.json",
             "kernels-moe.json", "fixtures.json", "h200-llada8b-measured.json", "h200-llada2mini-measured.json",
             "steps.txt"} <= names
     assert not any(n in names for n in ("model.safetensors", "tokenizer.json")), "the checkpoints stay out"
@@ -57,7 +57,9 @@ def test_device_script_dry_run_on_the_cpu(tmp_path):
     for line in ("steps: every step that ran exited 0", "skipped: gpu-tests (no CUDA)",
                  "fixtures on cpu: 1 of 1 families decode (sdar ok)", "(target <= 100 ms:",
                  "round-single (one request, 1x8): round ",
-                 "round, CUDA graphs: skipped: no CUDA", "(target <= 16 ms:", "kernels-8b (llada-8b-shape, 4x8",
+                 "round, CUDA graphs: skipped: no CUDA", "(target <= 16 ms:",
+                 "recompute vs cached (llada-8b-shape on cpu", "attention flash first: ", "   128 tokens: recompute ",
+                 "kernels-8b (llada-8b-shape, 4x8",
                  "kernels-moe (llada2-mini-shape, 4x8", "bench engine: batched / best loop",
                  "profile check: ", "over the whole run (target <= 10%:", "h200-llada8b-measured.json: written",
                  "h200-llada2mini-measured.json: written", "the 128 x 512 prefill case: not in this profile's grid"):

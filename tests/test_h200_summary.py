@@ -71,8 +71,31 @@ def test_summary_reads_each_step_and_marks_the_targets(tmp_path):
     assert "the 128 x 512 prefill case: out of memory (target: fits: NOT met)" in text
 
 
+def test_summary_reports_recompute_against_cached_per_size_and_order(tmp_path):
+    def row(order, n, re_ms, ca_ms, first=80.0):
+        return {"order": order, "tokens": n, "canvas": 128,
+                "recompute": {"median_ms": re_ms, "first_ms": first, "ratio": round(re_ms / ca_ms, 3)},
+                "recompute, slots apart": {"median_ms": re_ms + 1, "first_ms": first, "ratio": 1.0},
+                "recompute, slots apart, copied": {"median_ms": re_ms + 3, "first_ms": first, "ratio": 1.0},
+                "recompute, lengths varied": {"median_ms": re_ms - 1, "first_ms": first, "ratio": 1.0},
+                "recompute, lengths varied, padded": {"median_ms": re_ms + 4, "first_ms": first, "ratio": 1.0},
+                "cached": {"median_ms": ca_ms, "first_ms": 20.0}}
+    rows = [row("flash", 128, 9.0, 8.0), row("flash", 2048, 90.0, 70.0), row("cudnn", 128, 9.5, 8.0, first=70.0)]
+    (tmp_path / "recompute.json").write_text(json.dumps({"model": "llada-8b-shape", "device": "NVIDIA H200",
+                                                         "dtype": "bfloat16", "canvas": 128, "rows": rows}))
+    text = "\n".join(summarize(tmp_path))
+    assert "recompute vs cached (llada-8b-shape on NVIDIA H200, bfloat16, 128-token canvases; target: " \
+           "recompute <= 1.2x cached of as many tokens)" in text
+    assert "attention flash first: 1 of 2 sizes within 1.2x" in text and "attention cudnn first: 1 of 1" in text
+    assert "  128 tokens: recompute 9.00 ms, cached 8.00 ms, ratio 1.12 (met); first round of the shape 80.0 / " \
+           "20.0 ms; slots apart 10.00 ms in place, 12.00 ms copied; lengths varied 8.00 ms packed, " \
+           "13.00 ms padded" in text
+    assert " 2048 tokens: recompute 90.00 ms, cached 70.00 ms, ratio 1.29 (NOT met)" in text
+
+
 def test_summary_of_an_empty_folder_names_what_is_missing_and_the_cli_checks_its_argument(tmp_path):
     text = "\n".join(summarize(tmp_path))
+    assert "recompute: no result" in text
     assert "no steps.txt" in text and "round: no result" in text and "bench engine: no result" in text
     assert "fixtures: no result" in text and "gpu tests: not run" in text
     script = str(ROOT / "scripts" / "h200_summary.py")

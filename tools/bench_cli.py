@@ -10,6 +10,16 @@ from pathlib import Path
 def cmd_bench(args) -> int:
     from tools.bench_scheduler import bench_scheduler
 
+    if args.what == "round" and args.recompute:
+        from tools.bench_round import bench_recompute, format_recompute
+
+        sizes = tuple(int(n) for n in args.recompute.split(","))
+        res = bench_recompute(args.model or "llada-8b-shape", device=args.device, dtype=args.dtype, sizes=sizes,
+                              canvas=args.canvas, repeats=args.repeats)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1))
+        print(json.dumps(res) if args.json else format_recompute(res))
+        return 0
     if args.what == "round":
         from tools.bench_round import bench_round, format_round
 
@@ -96,6 +106,11 @@ def add_parsers(sub) -> None:
     b.add_argument("--gaps", type=int, default=0, help="round: KV pool slots among the round's held by requests "
                                                        "not in it (filler rows, or contexts copied)")
     b.add_argument("--repeats", type=int, default=10, help="round: timed rounds per variant (median)")
+    b.add_argument("--recompute", metavar="SIZES",
+                   help="round: instead, a recompute round of N tokens against a cached round of N tokens at each "
+                        "of these N (comma-separated, multiples of --canvas), with ops, copies and memory")
+    b.add_argument("--canvas", type=int, default=128,
+                   help="round --recompute: tokens of each recompute request (its cached rounds' keys too)")
     b.add_argument("--out", help="round: also write the JSON result here")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)

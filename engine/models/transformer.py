@@ -9,20 +9,59 @@ same code trains, recomputes full sequences and decodes one block over a cache.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.models.config import ModelConfig
 from engine.models.fused import Elementwise, rms_norm, rope, swiglu
 from engine.models.layouts import attention, emulating
 
 KV = tuple[torch.Tensor, torch.Tensor]
-Room = bool | tuple[torch.Tensor, int]  # where fresh K/V go in ``past`` (Attention.forward)
+
+
+class Slots(NamedTuple):
+    """Where a forward of steps with no context writes its fresh K/V (``Attention.forward``): row n's into
+    ``past``'s row ``rows[n]`` (the KV pool's slot) at positions ``positions[n]``, wherever those rows are."""
+
+    rows: torch.Tensor  # [N, 1], or [1, T] for packed steps (each token's slot)
+    positions: torch.Tensor  # [N, T]
+    # packed steps (one row of N steps' tokens one after another): each step's (first token, tokens) along the
+    # row; each attends to its own tokens only, one unmasked attention call per step. None: a batch of rows
+    segments: tuple[tuple[int, int], ...] | None = None
+
+
+Room = bool | tuple[torch.Tensor, int] | Slots  # where fresh K/V go in ``past`` (Attention.forward)
+# the order in which a CUDA forward asks scaled_dot_product_attention for its kernels (DLMTransformer.attention_order):
+# "flash" (the default): FlashAttention-2, then the memory-efficient kernel, cuDNN's, the unfused math. torch
+# on Hopper and Blackwell puts cuDNN's first, and cuDNN builds an execution plan for every new (batch, query,
+# keys) shape it meets (tens of ms each: the first H200 run's recompute rounds, each the first of its shape,
+# took ~65 ms more than cached rounds of as many tokens), where the flash kernels need none; the engine's
+# forwards change shape every round. "cudnn": cuDNN's first (torch's own choice there); "torch": whatever
+# torch's global order is (no override). REMASK_SDPA in the environment sets the default.
+ATTENTION_ORDERS: dict[str, tuple[SDPBackend, ...] | None] = {
+    "flash": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+              SDPBackend.MATH),
+    "cudnn": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+              SDPBackend.MATH),
+    "torch": None,
+}
+
+
+def attention_order_default() -> str:
+    """The attention kernel order named by REMASK_SDPA (default "flash"); an unknown name is an error."""
+    name = os.environ.get("REMASK_SDPA", "").strip().lower() or "flash"
+    if name not in ATTENTION_ORDERS:
+        raise ValueError(f"REMASK_SDPA={name!r} is not an attention order; known: {sorted(ATTENTION_ORDERS)}")
+    return name
 # one product per group of rows, each group against its own matrix, group ends on the device (torch >= 2.9;
 # the public name from 2.10): fused experts in one launch per projection with no host sync
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -93,8 +132,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, past: KV | None, room: Room = False) -> tuple[torch.Tensor, KV]:
         """``room``: ``past`` holds C + T positions and this call writes its T fresh K/V into the last T in
         place (no concatenation per layer); ``(index, n_keys)`` instead scatters each row's T fresh K/V
-        to positions ``index`` [N, T] along ``past`` and attends to its first ``n_keys`` positions.
-        Otherwise ``past`` is the C context positions only."""
+        to positions ``index`` [N, T] along ``past`` and attends to its first ``n_keys`` positions; ``Slots``
+        writes them into rows ``rows`` of ``past`` ([S, kv_heads, P, head_dim] each: the KV pool's slots, in any
+        order) at their positions and attends to the fresh K/V alone: steps with no context, whose keys are their
+        own queries (a full-sequence recompute), written in place with no buffer or copy of their own (with
+        ``segments``, steps packed one after another in one row, each attending to its own segment).
+        Otherwise ``past`` is the C context positions only. Returns the output and the fresh K/V, or with an
+        in-place ``room`` the views of ``past`` they were written into: a forward's layers must not each hold
+        their fresh K/V (and, through v, their whole q/k/v product) until its end."""
         n, t, _ = x.shape
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split((self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd), -1)
@@ -108,20 +153,31 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = (rope if self.kernels is None else self.kernels.rope)(q, k, cos, sin)
         keys, values = k, v
-        if isinstance(room, tuple):
+        if isinstance(room, Slots):  # written in place wherever their rows are; attended as they are
+            past[0][room.rows, :, room.positions] = k.transpose(1, 2)  # [N, T, kv heads, D] both sides
+            past[1][room.rows, :, room.positions] = v.transpose(1, 2)
+            kv = past  # handed back: where they now live (the fresh tensors, and v's projection output, go)
+        elif isinstance(room, tuple):
             index, n_keys = room
             keys, values = past
             where = index[:, None, :, None].expand(n, self.nkv, t, self.hd)
             keys.scatter_(2, where, k)
             values.scatter_(2, where, v)
             keys, values = keys[:, :, :n_keys], values[:, :, :n_keys]
+            kv = keys, values
         elif room:
             keys, values = past
             keys[:, :, -t:], values[:, :, -t:] = k, v
-            k, v = keys[:, :, -t:], values[:, :, -t:]
-        elif past is not None and past[0].shape[2]:
-            keys, values = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
+            kv = keys[:, :, -t:], values[:, :, -t:]
+        else:
+            kv = k, v
+            if past is not None and past[0].shape[2]:
+                keys, values = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
         group = self.nh // self.nkv
+        if isinstance(room, Slots) and room.segments is not None:  # packed steps: each over its own tokens
+            out = torch.cat([attention(q[:, :, o : o + m], k[:, :, o : o + m], v[:, :, o : o + m],
+                                       enable_gqa=group > 1) for o, m in room.segments], 2)
+            return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), kv
         # the attention kernel's output may come back in any strides (CUDA's fused kernels hand back a
         # transposed [N, T, heads, D] buffer; engine/models/layouts.py): split with unflatten, which is a view
         # whatever the strides, and laid out [N, T, heads x D] for o_proj by one reshape (one copy at most)
@@ -130,7 +186,7 @@ class Attention(nn.Module):
             out = out.unflatten(2, (group, t)).permute(0, 3, 1, 2, 4)  # [N, T, kv heads, group, D]
         else:
             out = attention(q, keys, values, attn_mask=mask, enable_gqa=group > 1).transpose(1, 2)
-        return self.o_proj(out.reshape(n, t, -1)), (k, v)
+        return self.o_proj(out.reshape(n, t, -1)), kv
 
 
 class MLP(nn.Module):
@@ -349,6 +405,9 @@ class DLMTransformer(nn.Module):
         # heads is folded into its query rows and the mask repeated to match, once per forward. None: on
         # CUDA only (on a CPU the math kernel is the one anyway), and where CUDA's layouts are emulated.
         self.fold_gqa: bool | None = None
+        # which attention kernels a CUDA forward (or one where CUDA is emulated) asks for first: a name of
+        # ATTENTION_ORDERS; the default from REMASK_SDPA
+        self.attention_order = attention_order_default()
 
     def forward(
         self,
@@ -374,7 +433,9 @@ class DLMTransformer(nn.Module):
         the mask is then [N, 1, T, n_keys]). The mask may be float (added to
         the scores).
         Returns (logits [N, T, V], hidden [N, T, H], fresh per-layer (K, V) of
-        the T input tokens; views of ``past`` when ``room`` is True). ``head=False``
+        the T input tokens; views of ``past`` when ``room`` is True, the views
+        of ``past`` they were written into for the other in-place rooms, so no
+        layer's fresh tensors outlive it). ``head=False``
         skips the LM head (logits None): the runner applies ``lm_head`` to the
         rows it needs only.
         """
@@ -389,11 +450,23 @@ class DLMTransformer(nn.Module):
         if self.folds_gqa(x.device) and group > 1 and mask is not None and mask.shape[-2] == input_ids.shape[1]:
             mask = mask.repeat(1, 1, group, 1)  # rows ordered (query head within its group, position), as q's
         fresh: list[KV] = []
-        for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, mask, None if past is None else past[i], room)
-            fresh.append(kv)
+        with self.attention_kernels(x.device):
+            for i, layer in enumerate(self.layers):
+                x, kv = layer(x, cos, sin, mask, None if past is None else past[i], room)
+                fresh.append(kv)
         hidden = self.norm(x)
         return (self.lm_head(hidden) if head else None), hidden, fresh
+
+    def attention_kernels(self, device: torch.device):
+        """The context a forward on ``device`` runs its layers in: scaled_dot_product_attention's kernels in
+        ``attention_order`` on CUDA (and where CUDA is emulated, so the CPU's tests see the same order);
+        nothing on a CPU otherwise, nor for "torch"."""
+        order = ATTENTION_ORDERS.get(self.attention_order, ())
+        if order == ():
+            raise ValueError(f"attention_order {self.attention_order!r} is not one of {sorted(ATTENTION_ORDERS)}")
+        if order is None or not (device.type == "cuda" or emulating()):
+            return contextlib.nullcontext()
+        return sdpa_kernel(list(order), set_priority=True)
 
     def folds_gqa(self, device: torch.device) -> bool:
         """Whether a masked forward on ``device`` folds grouped query heads into rows (``fold_gqa``)."""
