@@ -6,6 +6,7 @@ and a step model learns steps as a function of (rule, knob)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -112,3 +113,22 @@ def test_step_model_learns_steps_per_rule_and_knob():
     assert all(a > b for a, b in zip(thr, thr[1:])) and all(a > b for a, b in zip(eb, eb[1:]))
     # the blind model answers the 13-column rows (the same for both rules: it cannot tell them apart)
     assert np.allclose(blind.predict(probe, TS, rule="threshold"), blind.predict(probe, TS, rule="entropy_bound"))
+
+
+@pytest.mark.slow  # loads the embedded model and decodes a few prompts (about 5 s on a busy core)
+def test_threshold_tables_are_per_rule(tmp_path, monkeypatch):
+    """A rule's table holds its rounds at the knob of each level; the threshold rule's key is today's."""
+    from sim import threshold_table as tt
+
+    monkeypatch.setenv("REMASK_CACHE_DIR", str(tmp_path))
+    ts = (0.9, 0.5)
+    assert tt._key("tiny-bd", 4, 1, ts) == tt._key("tiny-bd", 4, 1, ts, "threshold", None)
+    assert tt._key("tiny-bd", 4, 1, ts, "low_confidence") != tt._key("tiny-bd", 4, 1, ts)
+    table = tt.load_table("tiny-bd", n=4, seed=1, thresholds=ts, rule="low_confidence")
+    assert table.decoding == "low_confidence" and table.knobs() == (1, 4)
+    # k = 1 commits one token per round, k = 4 up to four: fewer rounds at the lower level
+    assert all(r[0] > r[1] for r in table.rounds)
+    again = tt.ThresholdTable.from_dict(json.loads(json.dumps(table.to_dict())))
+    assert again == table and tt.load_table("tiny-bd", n=4, seed=1, thresholds=ts, rule="low_confidence") == table
+    with pytest.raises(ValueError, match="unknown unmasking rule"):
+        tt.load_table("tiny-bd", n=4, seed=1, thresholds=ts, rule="nope")
