@@ -21,15 +21,28 @@ from engine.sequence import SamplingParams
 
 # each rule's default knob sweep (the knob's own units), slowest first
 KNOB_SWEEPS: dict[str, tuple[float, ...]] = {
-    "threshold": (0.95, 0.9, 0.8, 0.7, 0.5, 0.3),
-    "dynamic": (0.95, 0.9, 0.8, 0.7, 0.5, 0.3),
-    "low_confidence": (1, 2, 3, 4, 6, 8),
-    "joint_threshold": (0.95, 0.9, 0.8, 0.7, 0.5, 0.3),
-    "entropy_bound": (0.01, 0.05, 0.15, 0.4, 1.0, 3.0),
-    "hierarchical": (0.95, 0.9, 0.8, 0.7, 0.5, 0.3),
-    "credit": (0.95, 0.9, 0.8, 0.7, 0.5, 0.3),
+    "threshold": (0.95, 0.9, 0.7, 0.5, 0.3),
+    "dynamic": (0.95, 0.9, 0.7, 0.5, 0.3),
+    "low_confidence": (1, 2, 3, 4, 8),
+    "joint_threshold": (0.95, 0.9, 0.7, 0.5, 0.3),
+    "entropy_bound": (0.01, 0.05, 0.15, 0.5, 1.5),
+    "hierarchical": (0.95, 0.9, 0.7, 0.5, 0.3),
+    "credit": (0.95, 0.9, 0.7, 0.5, 0.3),
 }
 ROUTER_LEVELS = (0.9, 0.8, 0.7, 0.6, 0.5)  # a rule without a sweep of its own: its knob at the router's levels
+# what ``--decoding all`` sweeps: (label, rule, config). joint_threshold twice: at SGLang's defaults (edit any
+# disagreement, 16 post-edit steps) and conservatively; hierarchical with sub-blocks of 4 (the embedded
+# models' blocks are 8 tokens: with its default of 8 it would be the threshold rule)
+REPORT_SWEEPS: tuple[tuple[str, str, dict], ...] = (
+    ("threshold", "threshold", {}),
+    ("dynamic", "dynamic", {}),
+    ("low_confidence", "low_confidence", {}),
+    ("joint_threshold", "joint_threshold", {}),
+    ("joint_threshold edit>0.9", "joint_threshold", {"edit_threshold": 0.9, "max_post_edit_steps": 2}),
+    ("entropy_bound", "entropy_bound", {}),
+    ("hierarchical sub-block 4", "hierarchical", {"sub_block_size": 4}),
+    ("credit", "credit", {}),
+)
 
 
 def _percentile(values: list[int], q: float) -> float:
@@ -108,10 +121,13 @@ def sweep_rule(engine: Engine, rule: str, config: dict | None = None, knobs: Seq
     return results
 
 
-def sweep_all(engine: Engine, rules: Sequence[str] | None = None, n: int = 300, seed: int = 2026,
-              progress: bool = False) -> dict[str, list[dict]]:
-    """``sweep_rule`` of every rule (default: every registered one), each at its default sweep."""
-    return {r: sweep_rule(engine, r, n=n, seed=seed, progress=progress) for r in (rules or sorted(RULES))}
+def sweep_all(engine: Engine, n: int = 300, seed: int = 2026, progress: bool = False,
+              sweeps: Sequence[tuple[str, str, dict]] = REPORT_SWEEPS) -> dict[str, list[dict]]:
+    """``sweep_rule`` of each (label, rule, config) of ``sweeps`` at the rule's default knob sweep, by label;
+    with every registered rule not in ``sweeps`` after them."""
+    todo = list(sweeps) + [(r, r, {}) for r in sorted(RULES) if r not in {rule for _, rule, _ in sweeps}]
+    return {label: sweep_rule(engine, rule, config, n=n, seed=seed, progress=progress)
+            for label, rule, config in todo}
 
 
 # ---- frontiers -------------------------------------------------------------------------------------
@@ -163,6 +179,11 @@ def matched_speedup(sweeps: dict[str, list[dict]], base: str = "threshold") -> d
     return out
 
 
+def _span(pts: Sequence[dict]) -> str:
+    vals = [p["value"] for p in pts]
+    return f"{min(vals):g}-{max(vals):g}"
+
+
 def plot_frontiers(sweeps: dict[str, list[dict]], title: str, path: str) -> str:
     """Accuracy against forwards per generated token: every rule's sweep (points, in knob order) and its
     frontier (line), one colour per rule; written to ``path`` (PNG)."""
@@ -173,13 +194,14 @@ def plot_frontiers(sweeps: dict[str, list[dict]], title: str, path: str) -> str:
 
     fig, ax = plt.subplots(figsize=(7.5, 5.0))
     markers = "os^vDP*Xh"
-    for i, (rule, pts) in enumerate(sorted(sweeps.items())):
+    for i, (rule, pts) in enumerate(sweeps.items()):
         colour = f"C{i}"
         ax.scatter([p["forwards_per_token"] for p in pts], [p["accuracy"] for p in pts], color=colour,
                    marker=markers[i % len(markers)], s=28, alpha=0.55)
         f = frontier(pts)
         ax.plot([p["forwards_per_token"] for p in f], [p["accuracy"] for p in f], color=colour,
-                lw=2.4 if rule == "threshold" else 1.5, label=f"{rule} ({pts[0]['knob']})")
+                lw=2.6 if rule == "threshold" else 1.4, ls="-" if rule == "threshold" else ("--", "-.", ":")[i % 3],
+                label=f"{rule} ({pts[0]['knob']} {_span(pts)})")
     ax.set_xlabel("forwards per generated token (lower is faster)")
     ax.set_ylabel("accuracy (held-out task suite)")
     ax.set_title(title)

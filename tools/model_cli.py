@@ -54,19 +54,22 @@ def _decoding_config(text: str | None) -> dict:
 
 
 def _eval_decoding(args) -> int:
-    from engine.decoding import RULES, make_rule
+    from engine.decoding import make_rule
     from engine.loading import load_engine
-    from tools.evaluate import matched_speedup, plot_frontiers, sweep_rule
+    from tools.evaluate import matched_speedup, plot_frontiers, sweep_all, sweep_rule
 
-    rules = sorted(RULES) if args.decoding == "all" else [args.decoding]
     config = _decoding_config(args.decoding_config)
     if args.decoding != "all":
         make_rule(args.decoding, **config)  # an unknown rule or a bad value fails before the model loads
     elif config or args.knobs:
         raise ValueError("--decoding all sweeps each rule's default knobs: no --decoding-config or --knobs")
     engine = load_engine(args.model, device=args.device, cache=args.cache, max_slots=args.slots)
-    sweeps = {r: sweep_rule(engine, r, config, args.knobs, n=args.n, seed=args.seed, progress=not args.quiet)
-              for r in rules}
+    progress = not args.quiet
+    if args.decoding == "all":
+        sweeps = sweep_all(engine, n=args.n, seed=args.seed, progress=progress)
+    else:
+        sweeps = {args.decoding: sweep_rule(engine, args.decoding, config, args.knobs, n=args.n, seed=args.seed,
+                                            progress=progress)}
     if args.plot:
         plot_frontiers(sweeps, f"{args.model}: accuracy against forwards per token, per decoding rule", args.plot)
     if args.json:
@@ -75,9 +78,9 @@ def _eval_decoding(args) -> int:
             out["matched_speedup"] = matched_speedup(sweeps)
         print(json.dumps(out))
     else:
-        for rule, results in sweeps.items():
+        for label, results in sweeps.items():
             for r in results:
-                print(f"{rule:16s} {r['knob']} {r['value']:<6g}: accuracy {r['accuracy']:.3f}  mean rounds "
+                print(f"{label:26s} {r['knob']} {r['value']:<6g}: accuracy {r['accuracy']:.3f}  mean rounds "
                       f"{r['mean_rounds']:.2f}  forwards/token {r['forwards_per_token']:.3f}")
     return 0
 
