@@ -211,3 +211,15 @@ def plot_frontiers(sweeps: dict[str, list[dict]], title: str, path: str) -> str:
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
+
+
+def markdown_rows(model: str, sweeps: dict[str, list[dict]]) -> list[str]:
+    """The report's table rows of one model's sweeps: label, knob value, accuracy, mean rounds, forwards
+    per generated token (and its inverse, tokens per forward)."""
+    rows = []
+    for label, pts in sweeps.items():
+        for p in pts:
+            rows.append(f"| {model} | {label} | {p['knob']} = {p['value']:g} | {p['accuracy']:.3f} | "
+                        f"{p['mean_rounds']:.2f} | {p['forwards_per_token']:.3f} | "
+                        f"{1.0 / p['forwards_per_token']:.2f} |")
+    return rows
