@@ -186,30 +186,50 @@ def _span(pts: Sequence[dict]) -> str:
 
 
 def plot_frontiers(sweeps: dict[str, list[dict]], title: str, path: str) -> str:
-    """Accuracy against forwards per generated token: every rule's sweep (points, in knob order) and its
-    frontier (line), one colour per rule; written to ``path`` (PNG)."""
+    """Accuracy against forwards per generated token: every rule's sweep (points) and its frontier (line), one
+    colour per rule; left the whole range (log scale), right the region around the ``threshold`` rule's
+    sweep. Written to ``path`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    fig, axes = plt.subplots(1, 2, figsize=(13.0, 5.2), gridspec_kw={"width_ratios": [1, 1.25]})
     markers = "os^vDP*Xh"
-    for i, (rule, pts) in enumerate(sweeps.items()):
-        colour = f"C{i}"
-        ax.scatter([p["forwards_per_token"] for p in pts], [p["accuracy"] for p in pts], color=colour,
-                   marker=markers[i % len(markers)], s=28, alpha=0.55)
-        f = frontier(pts)
-        ax.plot([p["forwards_per_token"] for p in f], [p["accuracy"] for p in f], color=colour,
-                lw=2.6 if rule == "threshold" else 1.4, ls="-" if rule == "threshold" else ("--", "-.", ":")[i % 3],
-                label=f"{rule} ({pts[0]['knob']} {_span(pts)})")
-    ax.set_xlabel("forwards per generated token (lower is faster)")
-    ax.set_ylabel("accuracy (held-out task suite)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ref = sweeps.get("threshold") or next(iter(sweeps.values()))
+    x_hi = 1.35 * max(p["forwards_per_token"] for p in ref)
+    x_lo = 0.85 * min(p["forwards_per_token"] for p in ref)
+    y_lo = min(p["accuracy"] for p in ref) - 0.04
+    for ax, zoom in zip(axes, (False, True)):
+        for i, (rule, pts) in enumerate(sweeps.items()):
+            colour, main = f"C{i}", rule == "threshold"
+            ax.scatter([p["forwards_per_token"] for p in pts], [p["accuracy"] for p in pts], color=colour,
+                       marker=markers[i % len(markers)], s=30, alpha=0.6, zorder=3)
+            f = frontier(pts)
+            ax.plot([p["forwards_per_token"] for p in f], [p["accuracy"] for p in f], color=colour,
+                    lw=2.8 if main else 1.5, ls="-" if main else ("--", "-.", ":")[i % 3], zorder=4 if main else 2,
+                    label=f"{rule} ({pts[0]['knob']} {_span(pts)})")
+        ax.set_xlabel("forwards per generated token (lower is faster)")
+        ax.grid(alpha=0.3, which="both")
+        if zoom:
+            ax.set_xlim(x_lo, x_hi)
+            ax.set_ylim(y_lo, max(p["accuracy"] for pts in sweeps.values() for p in pts) + 0.01)
+            ax.set_title("around the threshold rule's sweep")
+            ax.legend(fontsize=7.5, loc="lower right")
+        else:
+            from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+
+            ax.set_xscale("log")
+            xs = [p["forwards_per_token"] for pts in sweeps.values() for p in pts]
+            ticks = [t for t in (0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0) if min(xs) * 0.8 <= t <= max(xs) * 1.25]
+            ax.xaxis.set_major_locator(FixedLocator(ticks))
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_ylabel("accuracy (held-out task suite, 300 requests)")
+            ax.set_title("every point (log scale)")
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
