@@ -63,3 +63,17 @@ def test_eval_cli_rejects_bad_rules_before_loading_a_model():
         cmd_eval(_args(decoding="credit", decoding_config='{"bogus": 1}'))
     with pytest.raises(ValueError, match="go with --decoding"):
         cmd_eval(_args(knobs=[0.5]))
+
+
+@pytest.mark.slow  # loads tiny-bd and decodes 10 requests twice (a few seconds)
+def test_eval_cli_sweeps_a_rules_knob(capsys):
+    import json
+
+    from tools.cli import main
+
+    assert main(["eval", "--model", "tiny-bd", "--decoding", "entropy_bound", "--knobs", "0.05,1.5", "--n", "10",
+                 "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    slow, fast = out["sweeps"]["entropy_bound"]
+    assert (slow["knob"], slow["value"], fast["value"]) == ("gamma", 0.05, 1.5) and slow["requests"] == 10
+    assert fast["forwards_per_token"] < slow["forwards_per_token"]  # a bigger entropy budget commits more a step
