@@ -132,3 +132,22 @@ def test_threshold_tables_are_per_rule(tmp_path, monkeypatch):
     assert again == table and tt.load_table("tiny-bd", n=4, seed=1, thresholds=ts, rule="low_confidence") == table
     with pytest.raises(ValueError, match="unknown unmasking rule"):
         tt.load_table("tiny-bd", n=4, seed=1, thresholds=ts, rule="nope")
+
+
+@pytest.mark.slow  # loads tiny-bd and decodes 4 prompts at 2 levels (a few seconds)
+def test_collected_step_rows_carry_the_rule_and_its_knob():
+    """Training data for a step model of (rule, knob): the engine's rule decodes at its knob for each level,
+    and each step row records the rule's code and that knob after the eleven features."""
+    import tasksuite as tasks
+    from engine.loading import load_engine
+    from predictors.collect import collect
+
+    engine = load_engine("tiny-bd", max_slots=8, rule=make_rule("entropy_bound"))
+    examples = tasks.heldout_set(5, 3)[:4]
+    arrays = collect(engine, examples, thresholds=(0.9, 0.5), progress=False, rule_features=True).arrays()
+    rows = arrays["step_rows"]
+    assert rows.shape[1] == 13 and len(rows) > 0
+    assert (rows[:, 11] == RULE_CODES.index("entropy_bound")).all()
+    assert np.allclose(rows[:, 12], -np.log(rows[:, 0]))  # gamma = -ln(level) on every row
+    plain = collect(engine, examples, thresholds=(0.9,), progress=False).arrays()["step_rows"]
+    assert plain.shape[1] == 11
