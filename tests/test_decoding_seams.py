@@ -149,6 +149,7 @@ async def _front_and_replica(engine, model: str = "tiny-bd"):
     fe = Frontend(AppConfig(engine={"model": model, "slots": 4}, router={"predictors": "off"}))
     await fe.dispatcher.connect("r0", 1, **rep.info())
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_web(lambda: fe)), base_url="http://front")
+    client.front = fe
     return client, rep
 
 
@@ -290,6 +291,7 @@ def test_the_llada21_fixture_is_served_with_joint_threshold_end_to_end(llada21):
 
     async def main():
         client, rep = await _front_and_replica(engine, str(llada21))
+        assert client.front.dispatcher.default_decoding == "joint_threshold"  # the rule whose knob the router moves
         try:
             # a threshold near 0 commits a block in one step (random weights are never confident), then edits
             chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16, "temperature": 0,
@@ -344,6 +346,7 @@ def test_a_failover_carries_the_block_state_and_ends_as_the_uninterrupted_run(ti
             "temperature": 1.0, "seed": p.seed, "decoding": rule, "decoding_config": p.decoding_config})
         task = asyncio.ensure_future(collect(stream))
         live = d.live["q"]
+        assert live.state.decoding == rule  # the router moves this rule's knob
         deadline = clock.monotonic() + 30
         while not (live.resume is not None and live.committed and live.resume.step_in_block >= 1
                    and any(t >= 0 for t in live.resume.tail)):
