@@ -58,6 +58,47 @@ def run(engine, seqs) -> list[list[int]]:
     return out
 
 
+# ---- the engine's seams -----------------------------------------------------------------------------------
+
+def test_commands_are_typed_and_the_observer_sees_every_round():
+    """The round loop and a tensor-parallel follower take the command records (engine/commands.py) and nothing
+    else; Engine.step calls its observer through step_input/round_done, once per step and once per round."""
+    from engine.engine import Engine
+    from engine.instance import Follower, Instance
+    from engine.loop import RoundLoop
+    from engine.observer import PredictorObserver
+    from engine.scheduler.types import RoundPlan
+    from tests.builders import make_model, tiny_bd_tokenizer
+
+    engine = Engine(make_model(), tiny_bd_tokenizer(), max_slots=2)
+    loop = RoundLoop(Instance(engine, slots=2), lambda batch: None)
+    try:
+        with pytest.raises(TypeError, match="a round loop takes Add, Abort or Thresholds, not tuple"):
+            loop.put(("add", "r", [1, 2]))
+    finally:
+        loop.stop()
+    with pytest.raises(TypeError, match="a follower takes Add, Thresholds, Lookahead or Abort, not tuple"):
+        Follower(engine).step([("abort", "r")], RoundPlan(0, []))
+
+    class Watch(PredictorObserver):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.inputs, self.rounds = 0, []
+
+        def step_input(self, seq, step):
+            self.inputs += 1
+            return super().step_input(seq, step)
+
+        def round_done(self, steps):
+            self.rounds.append([s.report.kind.value for s in steps])
+            super().round_done(steps)
+
+    engine.observer = watch = Watch(engine.cfg)
+    out = engine.generate(["rev: ab", "rev: abc"], SamplingParams(max_tokens=8))
+    assert len(watch.rounds) == engine.rounds and watch.inputs == sum(map(len, watch.rounds))
+    assert sum(len(o.steps) for o in out) == watch.inputs
+
+
 # ---- chosen three ways ----------------------------------------------------------------------------------
 
 def test_the_rule_is_the_request_s_over_the_server_s_over_the_checkpoint_s(llada21, hf_checkpoints, tiny_bd):
