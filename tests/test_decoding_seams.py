@@ -201,7 +201,6 @@ def _stream_text(r: httpx.Response, kind: str) -> str:
     return "".join(key(c["choices"][0]) for c in chunks if c["choices"])
 
 
-@pytest.mark.slow
 def test_streamed_deltas_equal_the_plain_answer_for_every_rule(tiny_bd):
     """Every registered rule, greedy and seeded, through both endpoints: the streamed deltas joined are the
     non-streamed answer and the engine's own (offline) answer for the same prompt and sampling."""
@@ -269,7 +268,6 @@ def test_an_editing_rule_publishes_only_blocks_whose_edits_are_over(tiny_bd):
     assert any(i.canvas.get("edited") for i in steps if i.canvas)  # it did rewrite tokens, and says which
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-bd", "tiny-mdm"])
 def test_a_resumed_request_ends_as_the_uninterrupted_one_for_every_rule(model, tiny_bd):
     """For every rule, greedy and seeded: the request's committed tokens and its block's state (canvas,
@@ -313,7 +311,6 @@ def test_a_resume_state_is_checked():
 
 # ---- the LLaDA2.1-format fixture ----------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_the_llada21_fixture_is_served_with_joint_threshold_end_to_end(llada21):
     """Its generation config names joint_threshold: the engine the replica starts decodes with it (the card's
     configuration), the router's threshold reaches it as its knob, and through the HTTP front a streamed chat
@@ -352,7 +349,6 @@ def test_the_llada21_fixture_is_served_with_joint_threshold_end_to_end(llada21):
     asyncio.run(main())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["joint_threshold", "credit"])
 def test_a_failover_carries_the_block_state_and_ends_as_the_uninterrupted_run(tiny_bd, rule):
     """Through the ingress: a request whose instance is lost in the middle of a block is resumed on the other
