@@ -99,6 +99,7 @@ class LiveRequest:
         view = item.canvas
         if view is not None and self.canvas:
             view = {**view, "committed": [[p, t, decode([t])] for p, t in view["committed"]],
+                    **({"edited": [[p, t, decode([t])] for p, t in view["edited"]]} if "edited" in view else {}),
                     "instance": inst.inst_id, "tp": inst.tp}
             self.queue.put_nowait({"type": "canvas", "canvas": view})
         if ids:
