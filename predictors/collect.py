@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from predictors.bundle import LOOKAHEAD_BLOCKS
-from predictors.features import admission_row, confidence_stats, state_row
+from predictors.features import STEP_FEATURES, admission_row, confidence_stats, decoding_columns, state_row
 
 DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -62,7 +62,9 @@ class Dataset:
             "block_rounds": blocks, "correct": np.array(self.correct, dtype=bool),
             "hidden": np.stack(self.hidden).astype(np.float32) if self.hidden else np.zeros((0, 0), np.float32),
             "first_conf": np.array(self.first_conf, dtype=np.float64).reshape(-1, 5),
-            "step_rows": np.array(self.step_rows, dtype=np.float64).reshape(-1, 11),
+            # the 11 step features, and the decoding rule's 2 after them when collected with ``rule_features``
+            "step_rows": np.array(self.step_rows, dtype=np.float64).reshape(
+                -1, len(self.step_rows[0]) if self.step_rows else len(STEP_FEATURES)),
             "step_remaining": np.array(self.step_remaining, dtype=np.int32),
             "step_done": np.array(self.step_done, dtype=np.int32),
             "step_req": np.array(self.step_req, dtype=np.int32),
@@ -83,8 +85,11 @@ def load_dataset(path: str | Path) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
-def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", progress: bool = True) -> Dataset:
-    """Decode every example at every threshold (batched, the engine's own rounds)."""
+def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", progress: bool = True,
+            rule_features: bool = False) -> Dataset:
+    """Decode every example at every threshold (batched, the engine's own rounds; the engine's decoding rule
+    decodes at its knob for each threshold, a level: ``knob_at``). ``rule_features``: each step row also
+    carries the rule's code and knob (``features.RULE_FEATURES``), for a step model of (rule, knob)."""
     from tqdm import tqdm
 
     from engine.sequence import SamplingParams
@@ -93,6 +98,7 @@ def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", pr
     engine.lookahead = LOOKAHEAD_BLOCKS  # P(EOS) past the first block for longer answers, as served
     bar = tqdm(total=len(examples) * len(thresholds), desc=f"collect {model}", unit="req", disable=not progress)
     for t in thresholds:
+        extra = decoding_columns(engine.rule.name, t) if rule_features else []
         seqs = [engine.add_request(ex.prompt, SamplingParams(threshold=t)) for ex in examples]
         steps: dict[int, list[tuple[list[float], int]]] = {s.seq_id: [] for s in seqs}
         blocks: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
@@ -109,7 +115,7 @@ def collect(engine, examples, thresholds=DEFAULT_THRESHOLDS, model: str = "", pr
                     blocks[seq.seq_id].append(in_block[seq.seq_id])
                     in_block[seq.seq_id] = 0
                 if not rep.finished:
-                    steps[seq.seq_id].append((state_row(seq, t), seq.rounds))
+                    steps[seq.seq_id].append((list(state_row(seq, t)) + extra, seq.rounds))
             finished = sum(s.finished for s in live)
             live = [s for s in live if not s.finished]
             bar.update(finished)

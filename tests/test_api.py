@@ -654,6 +654,8 @@ IMPLEMENTED = {
              "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "user", "safety_identifier",
              "add_generation_prompt", "slo_ms", "priority", "threshold", "ignore_eos", "chat_template", "logprobs"},
 }
+DECODING = {"decoding", "decoding_config"}  # Remask's decoding rule per request (engine/decoding/)
+IMPLEMENTED = {kind: fields | DECODING for kind, fields in IMPLEMENTED.items()}
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
