@@ -1,0 +1,623 @@
+"""DiffusionGemma (``DiffusionGemmaForBlockDiffusion``): uniform-state block diffusion over Gemma-4 layers.
+
+One set of layers runs two ways:
+
+* **encoder** (``encode``): the prompt, then each finished canvas, causally, appending each layer's K/V to a
+  cache (``DGCache``). Exact and reusable, as an autoregressive model's prefill. Sliding-window layers keep only
+  their last ``sliding_window - 1`` positions (what the next tokens can still see).
+* **decoder** (``decode``): a canvas of ``canvas_length`` tokens bidirectionally over itself and over the cache
+  (read only), its input embeddings mixed with the previous step's logits (self-conditioning); out come
+  soft-capped float32 logits for every canvas position.
+
+The layers, as transformers' ``modeling_diffusion_gemma`` defines them (this is an own implementation, checked
+against it by tests/test_diffusion_gemma.py within 1e-5 in float32): Gemma-4 RMSNorm (float32 inside, the
+weight multiplied unshifted), q/k norms and an unscaled v norm, attention scores unscaled (the norms make the
+factor 1), sliding layers (``sliding_window``) with their own head size and K/V heads beside full layers
+(``global_head_dim``, K = V: full layers have no v_proj), RoPE per layer type (full layers "proportional":
+a fraction of each head's frequencies, the rest zero), four norms around attention and the feed-forward, a dense
+GELU-tanh MLP beside top-k routed experts (a softmax router with per-expert scales) summed after their own norms,
+a per-layer scalar (the encoder's and the decoder's are separate buffers), embeddings scaled by sqrt(hidden),
+tied LM head, logits soft-capped by ``final_logit_softcapping``.
+
+Not served: images. The vision tower's weights are skipped at load time and a prompt holding the image token
+is refused (``check_text_only``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.config import ModelConfig
+from engine.models.layouts import attention
+
+ARCH = "DiffusionGemmaForBlockDiffusion"
+KV = tuple[torch.Tensor, torch.Tensor]
+SLIDING, FULL = "sliding_attention", "full_attention"
+VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+# transformers' generation defaults (DiffusionGemmaGenerationConfig._get_default_generation_params)
+GENERATION_DEFAULTS = {"max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
+                       "stability_threshold": 1, "confidence_threshold": 0.005}
+
+
+# ---------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One layer type's rotary embedding: ``kind`` "default" (every dimension) or "proportional" (the first
+    ``fraction`` of each head's frequencies rotate, the rest are zero: those dimensions pass through)."""
+
+    theta: float
+    kind: str = "default"
+    fraction: float = 1.0
+    factor: float = 1.0
+
+    def inv_freq(self, head_dim: int, device=None) -> torch.Tensor:
+        """Frequencies [head_dim / 2] (as transformers computes them for this RoPE type)."""
+        if self.kind == "proportional":
+            angles = int(self.fraction * head_dim // 2)
+            rotated = 1.0 / (self.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64, device=device)
+                                            .float() / head_dim))
+            zeros = torch.zeros(head_dim // 2 - angles, dtype=torch.float32, device=device)
+            return torch.cat((rotated, zeros)) / self.factor
+        dim = int(head_dim * self.fraction)
+        if dim != head_dim:
+            raise ValueError(f"default RoPE with partial_rotary_factor {self.fraction} is not supported")
+        return 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+@dataclass(frozen=True)
+class DiffusionGemmaConfig:
+    """The text model of a DiffusionGemma checkpoint, per layer where layers differ."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    layer_types: tuple[str, ...]
+    head_dims: tuple[int, ...]  # per layer
+    kv_heads: tuple[int, ...]  # per layer
+    sliding_window: int
+    num_experts: int
+    top_k_experts: int
+    moe_intermediate_size: int
+    ropes: dict = field(default_factory=dict)  # layer type -> Rope
+    rms_norm_eps: float = 1e-6
+    final_logit_softcapping: float | None = 30.0
+    hidden_activation: str = "gelu_pytorch_tanh"
+    canvas_length: int = 256
+    pad_token_id: int = 0
+    eos_token_ids: tuple[int, ...] = (1,)
+    bos_token_id: int = 2
+    image_token_id: int | None = None
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = True
+    generation: dict = field(default_factory=lambda: dict(GENERATION_DEFAULTS))
+
+    def __post_init__(self) -> None:
+        n = len(self.layer_types)
+        if not n or len(self.head_dims) != n or len(self.kv_heads) != n:
+            raise ValueError("layer_types, head_dims and kv_heads must name every layer")
+        if bad := sorted(set(self.layer_types) - {SLIDING, FULL}):
+            raise ValueError(f"unknown layer_types {bad} (known: {SLIDING}, {FULL})")
+        for i, kv in enumerate(self.kv_heads):
+            if kv <= 0 or self.num_heads % kv:
+                raise ValueError(f"layer {i}: num_attention_heads ({self.num_heads}) must be a multiple of its "
+                                 f"num_key_value_heads ({kv})")
+        if not self.num_experts or not 0 < self.top_k_experts <= self.num_experts or self.moe_intermediate_size <= 0:
+            raise ValueError(f"DiffusionGemma layers always route to experts: num_experts {self.num_experts}, "
+                             f"top_k_experts {self.top_k_experts}, moe_intermediate_size {self.moe_intermediate_size}")
+        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"hidden_activation {self.hidden_activation!r} is not supported")
+        if self.sliding_window <= 1:
+            raise ValueError(f"sliding_window must be > 1, got {self.sliding_window}")
+        for kind in set(self.layer_types):
+            if kind not in self.ropes:
+                raise ValueError(f"rope_parameters has no entry for {kind}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    def sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING
+
+    def kept(self, layer: int) -> int | None:
+        """How many past positions a layer's cache keeps: ``sliding_window - 1`` for sliding layers (as
+        transformers' DynamicCache), None (all) for full ones."""
+        return self.sliding_window - 1 if self.sliding(layer) else None
+
+    def replace(self, **changes) -> DiffusionGemmaConfig:
+        data = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        data.update(changes)
+        return DiffusionGemmaConfig(**data)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """K and V bytes one cached position takes in a full layer (sliding layers hold a bounded window)."""
+        return sum(2 * self.kv_heads[i] * self.head_dims[i] * dtype_bytes for i in range(self.num_layers))
+
+    def to_model_config(self) -> ModelConfig:
+        """A summary in the shape the rest of Remask reads (context length, vocabulary, token ids, the canvas
+        as the block): the sliding layers' heads; ``extra`` holds this config (``diffusion_gemma``)."""
+        first = self.layer_types.index(SLIDING) if SLIDING in self.layer_types else 0
+        return ModelConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+            num_heads=self.num_heads, num_kv_heads=self.kv_heads[first], head_dim=self.head_dims[first],
+            intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps, qk_norm=True,
+            tie_word_embeddings=self.tie_word_embeddings, attention="block_causal", block_size=self.canvas_length,
+            mask_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids[0], pad_token_id=self.pad_token_id,
+            max_position_embeddings=self.max_position_embeddings, num_experts=self.num_experts,
+            experts_per_token=self.top_k_experts, moe_intermediate_size=self.moe_intermediate_size,
+            arch="diffusion_gemma", extra={"diffusion_gemma": self.to_dict()})
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["ropes"] = {k: asdict(v) for k, v in self.ropes.items()}
+        return data
+
+
+def _ids(value, default: int) -> tuple[int, ...]:
+    if value is None:
+        return (default,)
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def config_from_hf(data: dict, generation: dict | None = None) -> DiffusionGemmaConfig:
+    """A DiffusionGemma config.json (``text_config`` inside it; transformers 5.25's spelling, or the released
+    checkpoints' ``global_head_dim`` / ``num_global_key_value_heads``) -> DiffusionGemmaConfig. ``generation``:
+    its generation_config.json, whose diffusion fields override transformers' defaults."""
+    text = data.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("a DiffusionGemma config.json needs a text_config object")
+    if text.get("use_bidirectional_attention") == "all":
+        raise ValueError("use_bidirectional_attention 'all' (a bidirectional encoder) is not supported")
+    n = int(text.get("num_hidden_layers", 30))
+    types = list(text.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(n)])
+    if len(types) != n:
+        raise ValueError(f"layer_types names {len(types)} layers, num_hidden_layers is {n}")
+    types[-1] = FULL  # as transformers forces it
+    head_dim, kv = int(text.get("head_dim", 256)), int(text.get("num_key_value_heads", 4))
+    per_layer = text.get("per_layer_config")
+    if per_layer is None:
+        glob_kv = text.get("num_global_key_value_heads")
+        per_layer = {str(i): {"head_dim": int(text.get("global_head_dim", 512)),
+                              **({"num_key_value_heads": int(glob_kv)} if glob_kv is not None else {})}
+                     for i, t in enumerate(types) if t == FULL}
+    head_dims, kv_heads = [], []
+    for i in range(n):
+        over = per_layer.get(str(i)) or per_layer.get(i) or {}
+        head_dims.append(int(over.get("head_dim", head_dim)))
+        kv_heads.append(int(over.get("num_key_value_heads", kv)))
+    rope_params = text.get("rope_parameters") or {
+        SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+    ropes = {}
+    for kind in set(types):
+        p = rope_params.get(kind)
+        if p is None:
+            raise ValueError(f"rope_parameters has no entry for {kind}")
+        rtype = p.get("rope_type", "default")
+        if rtype not in ("default", "proportional"):
+            raise ValueError(f"rope_parameters[{kind!r}]: RoPE type {rtype!r} is not supported")
+        ropes[kind] = Rope(float(p["rope_theta"]), rtype, float(p.get("partial_rotary_factor", 1.0)),
+                           float(p.get("factor", 1.0)))
+    gen = dict(GENERATION_DEFAULTS)
+    for key, value in (generation or {}).items():
+        if key == "sampler_config" and isinstance(value, dict) and value.get("entropy_bound") is not None:
+            gen["entropy_bound"] = float(value["entropy_bound"])
+        elif key in gen and value is not None:
+            gen[key] = value
+    cap = text.get("final_logit_softcapping", 30.0)
+    return DiffusionGemmaConfig(
+        vocab_size=int(text.get("vocab_size", 262_144)), hidden_size=int(text.get("hidden_size", 2304)),
+        intermediate_size=int(text.get("intermediate_size", 9216)),
+        num_heads=int(text.get("num_attention_heads", 8)), layer_types=tuple(types), head_dims=tuple(head_dims),
+        kv_heads=tuple(kv_heads), sliding_window=int(text.get("sliding_window", 512)),
+        num_experts=int(text.get("num_experts") or 0), top_k_experts=int(text.get("top_k_experts") or 0),
+        moe_intermediate_size=int(text.get("moe_intermediate_size") or 0), ropes=ropes,
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        final_logit_softcapping=None if cap is None else float(cap),
+        hidden_activation=text.get("hidden_activation", "gelu_pytorch_tanh"),
+        canvas_length=int(data.get("canvas_length") or 256), pad_token_id=int(text.get("pad_token_id") or 0),
+        eos_token_ids=_ids((generation or {}).get("eos_token_id", text.get("eos_token_id")), 1),
+        bos_token_id=int(text.get("bos_token_id") or 2), image_token_id=data.get("image_token_id"),
+        max_position_embeddings=int(text.get("max_position_embeddings", 131_072)),
+        tie_word_embeddings=bool(data.get("tie_word_embeddings", True)), generation=gen)
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma-4's RMSNorm: float32 inside (the mean square's power -1/2), times the weight in float32 (unshifted),
+    rounded once to ``x``'s dtype; no weight: the unscaled norm."""
+    f = x.float()
+    out = f * torch.pow(f.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight.float()
+    return out.type_as(x)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float, scale: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _act(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return (lambda x: F.gelu(x, approximate="tanh")) if name == "gelu_pytorch_tanh" else F.gelu
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin over the whole head (zero frequencies leave their dimensions as they are)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = _act(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Softmax over experts of the unscaled-normed hidden state times ``scale`` / sqrt(hidden); the top k
+    renormalised to sum to one, each times its expert's ``per_expert_scale``."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        self.root = cfg.hidden_size ** -0.5
+        self.eps, self.k = cfg.rms_norm_eps, cfg.top_k_experts
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, k] float32, expert ids [N, k])."""
+        h = rms_norm(x, None, self.eps) * self.scale * self.root
+        probs = F.softmax(self.proj(h), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, k=self.k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[ids], ids
+
+
+class Experts(nn.Module):
+    """The routed experts, stacked: ``gate_up_proj`` [E, 2 x I, H] and ``down_proj`` [E, H, I] (the checkpoint's
+    layout). Each expert with tokens runs once on them (the host reads which experts are hit)."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act = _act(cfg.hidden_activation)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        k = ids.shape[1]
+        flat = ids.flatten()
+        for expert in torch.unique(flat).tolist():
+            where = (flat == expert).nonzero().squeeze(1)
+            tokens, slot = where // k, where % k
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down_proj[expert]) * weights[tokens, slot, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DiffusionGemmaConfig, layer: int) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.kv_heads[layer], cfg.head_dims[layer]
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        # full layers: V is K's projection (before K's norm and rotation)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False) if cfg.sliding(layer) else None
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+        self.q_norm = Norm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = Norm(self.hd, cfg.rms_norm_eps)
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, x, cos, sin, mask, past: KV | None) -> tuple[torch.Tensor, KV]:
+        """x [N, T, H]; past: (K, V) [N, kv heads, C, D] or None. Returns (output, all K/V: past + fresh)."""
+        n, t, _ = x.shape
+        q = rotate(self.q_norm(self.q_proj(x).unflatten(-1, (self.nh, self.hd))), cos, sin).transpose(1, 2)
+        raw = self.k_proj(x).unflatten(-1, (self.nkv, self.hd))
+        v = raw if self.v_proj is None else self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
+        k = rotate(self.k_norm(raw), cos, sin).transpose(1, 2)
+        v = rms_norm(v, None, self.eps).transpose(1, 2)
+        if past is not None and past[0].shape[2]:
+            k, v = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
+        # the kernel's output may come back in any strides (engine/models/layouts.py): transposed, then one reshape
+        out = attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv, scale=1.0).transpose(1, 2)
+        return self.o_proj(out.reshape(n, t, -1)), (k, v)
+
+
+class Layer(nn.Module):
+    """One Gemma-4 layer; the encoder and the decoder share its weights but not their per-layer scalars."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig, index: int) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, index)
+        self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_activation)
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                     "pre_feedforward_layernorm_2"):
+            setattr(self, name, Norm(h, eps))
+        self.register_buffer("layer_scalar", torch.ones(1))  # the decoder's
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallelism: sums partials
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.reduce is None else self.reduce(x)
+
+    def forward(self, x, cos, sin, mask, past: KV | None, encoder: bool) -> tuple[torch.Tensor, KV]:
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        x = x + self.post_attention_layernorm(self._sum(h))
+        dense = self.post_feedforward_layernorm_1(self._sum(self.mlp(self.pre_feedforward_layernorm(x))))
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.router(flat)
+        routed = self._sum(self.experts(self.pre_feedforward_layernorm_2(flat), ids, weights)).reshape(x.shape)
+        ff = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(routed))
+        return (x + ff) * (self.encoder_layer_scalar if encoder else self.layer_scalar), kv
+
+
+class SelfConditioning(MLP):
+    """The previous step's logits as soft embeddings through a gated MLP (a normed input), added to the canvas's
+    embeddings, the sum normed (unscaled)."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation)
+        self.pre_norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eps = cfg.rms_norm_eps
+
+    def condition(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
+        if soft is not None:  # none (the first step): a zero signal, whose MLP output is exactly zero
+            embeds = embeds + super().forward(self.pre_norm(soft))
+        return rms_norm(embeds, None, self.eps)
+
+
+# ---------------------------------------------------------------- the cache
+
+
+class DGCache:
+    """The encoder's K/V per layer, [N, kv heads, kept positions, head dim] (the layer's own heads and head
+    size), for N rows of equal length. Sliding-window layers keep only their last ``sliding_window - 1``
+    positions; full layers keep all. ``length``: positions encoded so far (the next token's position)."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+        self.cfg = cfg
+        self.layers: list[KV | None] = [None] * cfg.num_layers
+        self.length = 0
+
+    def store(self, layer: int, kv: KV) -> None:
+        keep = self.cfg.kept(layer)
+        k, v = kv
+        if keep is not None and k.shape[2] > keep:
+            k, v = k[:, :, -keep:].contiguous(), v[:, :, -keep:].contiguous()
+        self.layers[layer] = (k, v)
+
+    def kept(self, layer: int) -> int:
+        kv = self.layers[layer]
+        return 0 if kv is None else kv[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for kv in self.layers if kv is not None for k, v in [kv])
+
+    def state(self) -> dict:
+        """The cache's tensors and length (e.g. to move it)."""
+        return {"length": self.length, "layers": self.layers}
+
+
+# ---------------------------------------------------------------- the model
+
+
+class DiffusionGemma(nn.Module):
+    """Module names are the checkpoint's decoder names (``model.decoder.`` stripped), plus each layer's
+    ``encoder_layer_scalar``."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._inv_freq: dict[tuple, torch.Tensor] = {}
+
+    # -- inputs
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight
+        return F.embedding(ids, w) * torch.tensor(self.config.hidden_size ** 0.5, dtype=w.dtype, device=w.device)
+
+    def rope_tables(self, positions: torch.Tensor, dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer index: cos, sin [N, T, 1, head dim] for positions [N, T] (one table per layer type)."""
+        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        out = {}
+        for i, kind in enumerate(self.config.layer_types):
+            key = (kind, self.config.head_dims[i])
+            if key not in tables:
+                cache_key = (*key, positions.device)
+                inv = self._inv_freq.get(cache_key)
+                if inv is None:
+                    inv = self._inv_freq[cache_key] = self.config.ropes[kind].inv_freq(key[1], positions.device)
+                freqs = positions.float()[..., None] * inv
+                emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
+                tables[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+            out[i] = tables[key]
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    # -- the two passes
+
+    def encode(self, input_ids: torch.Tensor, cache: DGCache) -> torch.Tensor:
+        """Append ``input_ids`` [N, T] (at positions cache.length onward) to ``cache``, causally. Returns the
+        final normed hidden states [N, T, H] (transformers' ``encoder_last_hidden_state``)."""
+        n, t = input_ids.shape
+        x = self.embed(input_ids)
+        start = cache.length
+        qpos = torch.arange(start, start + t, device=x.device)
+        tables = self.rope_tables(qpos.expand(n, t), x.dtype)
+        masks: dict[tuple[bool, int], torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            kept = cache.kept(i)
+            sliding = self.config.sliding(i)
+            mkey = (sliding, kept)
+            if mkey not in masks:
+                kpos = torch.arange(start - kept, start + t, device=x.device)
+                allowed = kpos[None, :] <= qpos[:, None]
+                if sliding:
+                    allowed &= kpos[None, :] > qpos[:, None] - self.config.sliding_window
+                masks[mkey] = allowed[None, None]
+            cos, sin = tables[i]
+            x, kv = layer(x, cos, sin, masks[mkey], cache.layers[i], encoder=True)
+            cache.store(i, kv)
+        cache.length = start + t
+        return self.norm(x)
+
+    def decode(self, canvas: torch.Tensor, cache: DGCache,
+               self_conditioning: torch.Tensor | None = None) -> torch.Tensor:
+        """One denoising forward: ``canvas`` [N, L] at positions cache.length onward, bidirectionally over itself
+        and the cache (read only), ``self_conditioning`` the previous step's (processed) logits [N, L, V] or None.
+        Returns soft-capped float32 logits [N, L, V]."""
+        n, t = canvas.shape
+        x = self.embed(canvas)
+        soft = None
+        if self_conditioning is not None:
+            w = self.embed_tokens.weight
+            probs = self_conditioning.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
+            soft = torch.matmul(probs, w) * torch.tensor(self.config.hidden_size ** 0.5, dtype=w.dtype,
+                                                         device=w.device).to(x.dtype)
+        x = self.self_conditioning.condition(x, soft)
+        pos = torch.arange(cache.length, cache.length + t, device=x.device).expand(n, t)
+        tables = self.rope_tables(pos, x.dtype)
+        for i, layer in enumerate(self.layers):
+            cos, sin = tables[i]
+            x, _ = layer(x, cos, sin, None, cache.layers[i], encoder=False)
+        return self.logits(self.norm(x))
+
+
+# ---------------------------------------------------------------- loading
+
+
+def checkpoint_name(name: str) -> str | None:
+    """A checkpoint tensor's name here; None for tensors not loaded (the vision tower, the encoder's copies of
+    tied weights, a tied lm_head)."""
+    if name.startswith(VISION_PREFIXES):
+        return None
+    if name.startswith("model.decoder."):
+        return name.removeprefix("model.decoder.")
+    if name.startswith("model.encoder.language_model.layers.") and name.endswith(".layer_scalar"):
+        return name.removeprefix("model.encoder.language_model.").removesuffix("layer_scalar") + "encoder_layer_scalar"
+    if name == "lm_head.weight":
+        return name
+    if name.startswith("model.encoder.language_model."):
+        return None  # tied to the decoder's (transformers writes them only when they are not tied)
+    return ""  # unknown
+
+
+def read_config(directory: str | Path) -> DiffusionGemmaConfig:
+    directory = Path(directory)
+    data = json.loads((directory / "config.json").read_text())
+    gen_file = directory / "generation_config.json"
+    generation = json.loads(gen_file.read_text()) if gen_file.is_file() else None
+    return config_from_hf(data, generation)
+
+
+def load(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+         ) -> DiffusionGemma:
+    """Load a DiffusionGemma checkpoint directory (the vision tower's weights skipped) into an eval-mode model."""
+    from safetensors import safe_open
+
+    from engine.models.loader import weight_files
+
+    directory = Path(path)
+    cfg = read_config(directory)
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    seen: set[str] = set()
+    unknown: list[str] = []
+    for file in weight_files(directory):
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            part = {}
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                ours = checkpoint_name(key)
+                if ours is None or (ours == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue
+                if ours not in expected or ours in seen:
+                    unknown.append(key)
+                    continue
+                seen.add(ours)
+                part[ours] = f.get_tensor(key).to(dtype=dtype)
+        model.load_state_dict(part, strict=False, assign=True)
+    if unknown:
+        raise ValueError(f"unexpected or duplicate tensors in checkpoint: {sorted(unknown)[:5]}")
+    missing = expected - seen - {n for n in expected if n.endswith("encoder_layer_scalar")}
+    if missing:
+        raise ValueError(f"tensors missing from checkpoint: {sorted(missing)[:5]} ({len(missing)} in all)")
+    for layer in model.layers:  # an encoder scalar the checkpoint leaves out is one (transformers' init)
+        if layer.encoder_layer_scalar.is_meta:
+            layer.encoder_layer_scalar = torch.ones(1, dtype=dtype, device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    still = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still:
+        raise RuntimeError(f"parameters not loaded (still on the meta device): {still[:5]}")
+    return model.eval()
+
+
+def check_text_only(token_ids, cfg: DiffusionGemmaConfig) -> None:
+    """Refuse a prompt that holds the image token: images are not served."""
+    if cfg.image_token_id is not None and int(cfg.image_token_id) in set(int(t) for t in token_ids):
+        raise ValueError("images are not served for DiffusionGemma: the prompt holds the image token "
+                         f"({cfg.image_token_id})")
+
+
+def num_params(cfg: DiffusionGemmaConfig, active: bool = False) -> int:
+    """Weights of the text model (tied embeddings once); ``active``: the experts one token uses."""
+    h = cfg.hidden_size
+    total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + 3 * h * cfg.intermediate_size + 2 * h
+    experts = cfg.top_k_experts if active else cfg.num_experts
+    for i in range(cfg.num_layers):
+        d, kv = cfg.head_dims[i], cfg.kv_heads[i]
+        attn = h * d * (2 * cfg.num_heads + (2 if cfg.sliding(i) else 1) * kv)
+        total += attn + 3 * h * cfg.intermediate_size + 3 * h * cfg.moe_intermediate_size * experts
+        total += h * cfg.num_experts + 9 * h
+    return total
+
+
+__all__ = ["ARCH", "DGCache", "DiffusionGemma", "DiffusionGemmaConfig", "check_text_only", "config_from_hf",
+           "load", "read_config"]
