@@ -158,9 +158,10 @@ class DiffusionGemmaConfig:
             arch="diffusion_gemma", extra={"diffusion_gemma": self.to_dict()})
 
     def to_dict(self) -> dict:
+        """JSON-ready (tuples as lists)."""
         data = asdict(self)
         data["ropes"] = {k: asdict(v) for k, v in self.ropes.items()}
-        return data
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
 
 
 def _ids(value, default: int) -> tuple[int, ...]:
@@ -300,7 +301,9 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts, stacked: ``gate_up_proj`` [E, 2 x I, H] and ``down_proj`` [E, H, I] (the checkpoint's
-    layout). Each expert with tokens runs once on them (the host reads which experts are hit)."""
+    layout). The (token, choice) pairs are sorted by expert and each expert with pairs runs once on them (the host
+    reads the counts); each pair's output is weighted in float32 and a token's k outputs are summed in float32,
+    then rounded once (as transformers' grouped experts do)."""
 
     def __init__(self, cfg: DiffusionGemmaConfig) -> None:
         super().__init__()
@@ -310,16 +313,19 @@ class Experts(nn.Module):
         self.act = _act(cfg.hidden_activation)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
         k = ids.shape[1]
         flat = ids.flatten()
-        for expert in torch.unique(flat).tolist():
-            where = (flat == expert).nonzero().squeeze(1)
-            tokens, slot = where // k, where % k
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[expert]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+        order = flat.argsort(stable=True)
+        rows = x[order // k]
+        out = torch.empty(len(rows), x.shape[-1], dtype=x.dtype, device=x.device)
+        start = 0
+        for expert, n in enumerate(torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()):
+            if n:
+                gate, up = F.linear(rows[start:start + n], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                out[start:start + n] = F.linear(self.act(gate) * up, self.down_proj[expert])
+                start += n
+        routed = torch.empty_like(out).index_copy_(0, order, out).unflatten(0, (len(x), k))
+        return (routed * weights[..., None]).sum(1).to(x.dtype)
 
 
 class Attention(nn.Module):

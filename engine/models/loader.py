@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.models import checkpoint
+from engine.models import checkpoint, diffusion_gemma
 from engine.models.config import ModelConfig
 from engine.models.transformer import DLMTransformer
 
@@ -279,6 +279,9 @@ ARCHITECTURES: dict[str, Callable[[dict], Architecture]] = {
     "LlamaForCausalLM": lambda data: Architecture(llama_config, hf_name),
     "Qwen2ForCausalLM": lambda data: Architecture(qwen2_config, hf_name),
     "Qwen3ForCausalLM": lambda data: Architecture(qwen3_config, hf_name),
+    # its own model class (engine/models/diffusion_gemma.py): load_config summarises it, load_model refuses it
+    diffusion_gemma.ARCH: lambda data: Architecture(
+        lambda d: diffusion_gemma.config_from_hf(d).to_model_config(), diffusion_gemma.checkpoint_name),
 }
 
 
@@ -376,6 +379,10 @@ def load_model(
     """Load the checkpoint directory at ``path`` into an eval-mode DLMTransformer."""
     directory, data = _read_config(path)
     arch = _architecture(data, directory)
+    if (data.get("architectures") or [None])[0] == diffusion_gemma.ARCH:
+        raise ValueError(f"{directory} is a DiffusionGemma checkpoint: it runs as encoder passes and canvas "
+                         "denoising steps (engine.models.diffusion_gemma.load, engine.canvas), not as a masked "
+                         "diffusion model")
     with torch.device("meta"):
         model = DLMTransformer(arch.config(data))
         if arch.prepare is not None:
