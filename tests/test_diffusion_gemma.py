@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,127 @@ def test_loader_reads_the_family(dg_dir):
     cfg = load_config(dg_dir)
     assert cfg.arch == "diffusion_gemma" and cfg.block_size == DG_CANVAS
     assert cfg.extra["diffusion_gemma"]["layer_types"] == ["sliding_attention", "full_attention"] * 2
+
+
+# ---------------------------------------------------------------- the renoise rule against transformers' sampler
+
+
+def _hf_sampler_parts(hf_model, rule, length):
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        EntropyBoundSampler,
+        EntropyBoundSamplerConfig,
+        LinearTemperatureScheduleLogitsProcessor,
+        StableAndConfidentStoppingCriteria,
+    )
+
+    sampler = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=rule.entropy_bound), length,
+                                  hf_model.config.text_config.vocab_size, rule.max_denoising_steps)
+    processors = [LinearTemperatureScheduleLogitsProcessor(rule.t_min, rule.t_max, rule.max_denoising_steps)]
+    stopper = StableAndConfidentStoppingCriteria(rule.stability_threshold, rule.confidence_threshold)
+    return sampler, processors, stopper
+
+
+@pytest.mark.parametrize("bound", [0.1, 3.0])
+@torch.no_grad()
+def test_renoise_rule_matches_transformers_sampler_step_by_step(hf_model, ours, bound):
+    """The same raw logits and the same draws (transformers' global generator seeded as the rule's per-step
+    generator): the same processed logits, next canvas, argmax and stop, step by step, until both stop."""
+    from transformers import LogitsProcessorList
+
+    from engine.canvas import CanvasEngine, CanvasParams
+    from engine.decoding import renoise
+
+    rule = renoise.RenoiseRule(entropy_bound=bound, max_denoising_steps=10, stability_threshold=2,
+                               confidence_threshold=0.05)
+    engine = CanvasEngine(ours, None, rule=rule)
+    seq = engine.add_request([5, 6, 7], CanvasParams(seed=11))
+    cfg, length = ours.config, DG_CANVAS
+    sampler, processors, stopper = _hf_sampler_parts(hf_model, rule, length)
+    g = torch.Generator().manual_seed(0)
+    sharp = torch.randn(length, cfg.vocab_size, generator=g) * 30  # from step 4 on: confident and stable
+    current = renoise.noise(length, cfg.vocab_size, renoise.canvas_generator(seq.seed, 0, -1))
+    seq.canvas, argmax, sc, finished = current.clone(), current[None].clone(), None, torch.zeros(1, dtype=torch.bool)
+    stopped_at = None
+    for step in range(rule.max_denoising_steps):
+        raw = sharp if step >= 4 else torch.randn(length, cfg.vocab_size, generator=g) * (1 + step)
+
+        def forward(_raw=raw, **_):
+            return type("Out", (), {"logits": _raw[None].clone()})()
+
+        torch.manual_seed(renoise.draw_seed(seq.seed, 0, step + 1))  # the rule's draws for this step
+        hf_canvas, argmax, sc, finished = hf_model._denoising_step(
+            decoder_forward=forward, current_canvas=current[None], argmax_canvas=argmax, input_ids=None,
+            decoder_position_ids=None, self_conditioning_logits=sc, mask_mapping=None, cache=None,
+            finished_denoising=finished, cur_step=rule.max_denoising_steps - step, sampler=sampler,
+            logits_processor=LogitsProcessorList(processors), diffusion_stopping_criteria=stopper)
+        decision, processed = engine.denoise_logits(seq, raw)
+        assert _close(processed, sc[0]) == 0.0
+        assert decision.canvas.tolist() == hf_canvas[0].tolist()
+        assert decision.output.tolist() == argmax[0].tolist()
+        assert decision.done == bool(finished[0]) or step + 1 == rule.max_denoising_steps
+        kept = int((~decision.edit).sum())
+        assert kept == int(sampler.accepted_token_mask.sum())
+        seq.canvas, current = torch.as_tensor(decision.canvas), hf_canvas[0]
+        seq.step_in_canvas += 1
+        if decision.done:
+            stopped_at = step
+            break
+    # the sharp canvas (steps 4 on) turns stable at step 6 and confident as the temperature falls: both stop
+    # on the criterion before the step cap
+    assert stopped_at is not None and 6 <= stopped_at < rule.max_denoising_steps - 1, stopped_at
+
+
+def test_renoise_rule_config_and_errors():
+    from engine.decoding import make_rule, renoise
+
+    rule = make_rule("renoise", entropy_bound=0.5, max_denoising_steps=4)
+    assert rule.temperature(0) == pytest.approx(0.8) and rule.temperature(3) == pytest.approx(0.5)
+    assert rule.knob_at(0.7) == pytest.approx(0.5) and rule.knob_at(0.5) > rule.knob_at(0.9)
+    # sorted 0.01, 0.02, 0.5, 3.0: the sums without the largest are 0, 0.01, 0.03, 0.53
+    assert renoise.eb_accept([0.5, 0.01, 0.02, 3.0], 0.1).tolist() == [True, True, True, False]
+    assert renoise.eb_accept([5.0, 6.0], 0.1).tolist() == [True, False]  # the lowest one always
+    for bad, field in [({"entropy_bound": 0}, "entropy_bound"), ({"t_min": 0.9}, "t_max"),
+                       ({"max_denoising_steps": 0}, "max_denoising_steps"),
+                       ({"confidence_threshold": 0}, "confidence_threshold")]:
+        with pytest.raises(ValueError, match=field):
+            make_rule("renoise", **bad)
+    from engine.decoding import BlockStep
+
+    with pytest.raises(ValueError, match="whole canvases"):
+        rule.decide(BlockStep(np.ones(2, bool), np.zeros(2, bool), np.zeros(2, np.int64), np.ones(2, np.float32)))
+    # the draws depend on (seed, canvas, step) only
+    assert renoise.draw_seed(1, 0, 1) == renoise.draw_seed(1, 0, 1) != renoise.draw_seed(1, 1, 1)
+    a = renoise.noise(6, 100, renoise.canvas_generator(9, 2, 3))
+    torch.randint(0, 10, (50,))  # the process-wide generator moves: no effect
+    assert torch.equal(a, renoise.noise(6, 100, renoise.canvas_generator(9, 2, 3)))
+
+
+# ---------------------------------------------------------------- the canvas engine, end to end
+
+
+def test_canvas_engine_generates_deterministically_and_resumes(dg_dir, ours):
+    from engine.canvas import CanvasEngine, CanvasParams
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(dg_dir)
+    engine = CanvasEngine(ours, tok)
+    ids = tok.prompt_ids("What is 2+2?", 0)
+    first, other = engine.generate([ids, tok.prompt_ids("Name a colour.", 0)], CanvasParams(max_tokens=20, seed=7))
+    again = engine.generate([ids], CanvasParams(max_tokens=20, seed=7))[0]  # alone: the same text
+    assert again.token_ids == first.token_ids and first.finish_reason in ("stop", "length")
+    assert all(1 <= s <= engine.rule.max_denoising_steps for s in first.steps_per_canvas)
+    assert len(first.token_ids) <= 20 and not set(first.token_ids) & engine.stop_ids
+    # paused in its second canvas, resumed on a fresh engine from the snapshot's JSON
+    seq = engine.add_request(ids, CanvasParams(max_tokens=20, seed=7))
+    while not seq.finished and not (seq.canvas_index == 1 and seq.step_in_canvas == 2):
+        engine.step([seq])
+    snap = json.loads(json.dumps(seq.snapshot()))
+    resumed = CanvasEngine(ours, tok)
+    seq2 = resumed.restore(snap)
+    while not seq2.finished:
+        resumed.step([seq2])
+    assert resumed.output(seq2).token_ids == first.token_ids
+    with pytest.raises(ValueError, match="images are not served"):
+        engine.add_request([*ids, ours.config.image_token_id])
+    with pytest.raises(ValueError, match="entropy_bound"):
+        engine.add_request(ids, CanvasParams(entropy_bound=-1.0))

@@ -28,6 +28,7 @@ from engine.decoding.base import (
     register,
 )
 from engine.decoding.low_confidence import LowConfidenceRule
+from engine.decoding.renoise import CanvasDecision, CanvasStep, RenoiseRule
 from engine.decoding.threshold import DynamicRule, ThresholdRule
 
 UnmaskRule = DecodingRule  # the old name of the interface (its select() lives on in RuleBase)
@@ -45,7 +46,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine.decoding' has no attribute {name!r}")
 
 __all__ = [
-    "KNOWN_NEEDS", "NEEDS_ALL_ROWS", "NEEDS_CURRENT_PROB", "NEEDS_ENTROPY", "RULES", "BlockStep", "Decision",
+    "KNOWN_NEEDS", "NEEDS_ALL_ROWS", "NEEDS_CURRENT_PROB", "NEEDS_ENTROPY", "RULES", "BlockStep", "CanvasDecision",
+    "CanvasStep", "Decision", "RenoiseRule",
     "DecodingRule", "DynamicRule", "LowConfidenceRule", "Registry", "RuleBase", "ThresholdRule", "UnmaskRule",
     "apply_decision", "confidence", "entropy", "filter_logits", "gumbel_noise", "make_rule", "noise_seeds",
     "register", "sample", "token_prob",

@@ -1,0 +1,272 @@
+"""Canvas requests: DiffusionGemma's uniform-state block diffusion as the engine's two step kinds.
+
+A request's life, one step at a time (``CanvasEngine.step``):
+
+- **prefill** (an encoder pass): the prompt, then each finished canvas, encoded causally into the request's
+  K/V cache (``engine.models.diffusion_gemma.DGCache``: sliding-window layers keep only their window);
+- **denoise** (one canvas denoising step): the decoder over the current canvas and the cache, then the
+  ``renoise`` decoding rule (engine/decoding/renoise.py) keeps the low-entropy sampled tokens and renoises the
+  rest; the step's processed logits are the next step's self-conditioning. When the rule says the canvas is
+  done, its argmax is appended to the output (cut at an EOS or stop id, a stop string or ``max_tokens``) and,
+  unless the request finished, encoded by the next prefill step.
+
+Every draw comes from a generator seeded by (request seed, canvas index, step) (``renoise.canvas_generator``):
+a request with a seed gives the same text whatever else runs beside it and after a resume. ``snapshot`` is
+small JSON (prompt, seed, knobs, the finished canvases' output); ``restore`` encodes the prompt and each finished
+canvas again in the same chunks as the first time (bitwise the same cache) and replays the current canvas from
+its first step (the same draws give the same canvas: bitwise the same text as without the pause, at the cost of
+the steps replayed). A request without a seed gets one at admission.
+
+This is its own sequence type (``CanvasSequence``) beside the masked-diffusion ``Sequence``: the engine's round
+loop can batch its steps with other requests' once it dispatches on the step kind (the hooks are listed in the
+report of this module's commit and in docs/engine.md). ``CanvasEngine`` runs it on its own today (the offline
+``remask generate`` path): one forward per request and step (requests' caches differ in length; batching their
+canvases needs a padded cross-attention mask, not yet written).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.decoding import renoise
+from engine.decoding.renoise import CanvasDecision, CanvasStep, RenoiseRule
+from engine.models import diffusion_gemma as dg
+
+PREFILL, DENOISE = "prefill", "denoise"
+
+
+@dataclass(frozen=True)
+class CanvasParams:
+    """A canvas request's knobs: ``entropy_bound`` None uses the rule's configured bound."""
+
+    max_tokens: int | None = None
+    seed: int | None = None
+    entropy_bound: float | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+@dataclass
+class StepReport:
+    kind: str  # PREFILL or DENOISE
+    tokens: int  # tokens encoded (prefill) or canvas positions denoised
+    canvas_done: bool = False
+    kept: int = 0  # positions the rule kept (denoise)
+
+
+@dataclass
+class CanvasOutput:
+    seq_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    steps_per_canvas: list[int]
+    prefill_steps: int
+
+
+@dataclass
+class CanvasSequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: CanvasParams
+    seed: int
+    max_tokens: int
+    cache: dg.DGCache
+    pending: list[list[int]]  # chunks the next prefill step encodes, one encoder pass each (prompt, canvases)
+    output_ids: list[int] = field(default_factory=list)
+    canvas_index: int = 0
+    canvas: torch.Tensor | None = None  # [L] current canvas (None: not begun)
+    self_conditioning: torch.Tensor | None = None  # [L, V] the last step's processed logits
+    step_in_canvas: int = 0
+    state: dict = field(default_factory=dict)  # the rule's state for this canvas (JSON)
+    steps_per_canvas: list[int] = field(default_factory=list)
+    prefill_steps: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def next_kind(self) -> str:
+        return PREFILL if self.pending else DENOISE
+
+    def snapshot(self) -> dict:
+        """What a resume needs (JSON): prompt, seed, knobs and the finished canvases' output (the current
+        canvas is replayed from its first step: see ``CanvasEngine.restore``)."""
+        return {"prompt_ids": self.prompt_ids, "seed": self.seed, "max_tokens": self.max_tokens,
+                "entropy_bound": self.params.entropy_bound, "stop": list(self.params.stop),
+                "output_ids": self.output_ids, "steps_per_canvas": self.steps_per_canvas}
+
+
+class CanvasEngine:
+    """DiffusionGemma requests through prefill and denoise steps (module docstring)."""
+
+    def __init__(self, model: dg.DiffusionGemma, tokenizer=None, device: str | torch.device = "cpu",
+                 rule: RenoiseRule | None = None) -> None:
+        self.model = model.to(device).eval()
+        self.cfg = model.config
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.rule = rule or RenoiseRule.from_generation(self.cfg.generation)
+        stop = getattr(tokenizer, "stop_ids", None) or ()
+        self.stop_ids = frozenset([*self.cfg.eos_token_ids, *stop])
+        self.sequences: dict[int, CanvasSequence] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        tokenizer=True, **kwargs) -> CanvasEngine:
+        from engine.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(path) if tokenizer is True else tokenizer or None
+        return cls(dg.load(path, dtype=dtype, device=device), tok, device=device, **kwargs)
+
+    # -- requests
+
+    def add_request(self, prompt_ids: list[int], params: CanvasParams | None = None) -> CanvasSequence:
+        params = params or CanvasParams()
+        if not prompt_ids:
+            raise ValueError("prompt must hold at least one token")
+        if bad := [t for t in prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]:
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
+        dg.check_text_only(prompt_ids, self.cfg)
+        if params.entropy_bound is not None:
+            self.rule.check_knob(params.entropy_bound)
+        room = self.cfg.max_position_embeddings - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's context "
+                             f"({self.cfg.max_position_embeddings})")
+        max_tokens = min(params.max_tokens or self.cfg.canvas_length, room)
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(1 << 62)
+        seq = CanvasSequence(next(self._ids), [int(t) for t in prompt_ids], params, seed, max_tokens,
+                             dg.DGCache(self.cfg), pending=[[int(t) for t in prompt_ids]])
+        self.sequences[seq.seq_id] = seq
+        return seq
+
+    def restore(self, snap: dict) -> CanvasSequence:
+        """A request resumed from ``snapshot()`` (on this or another replica): the prompt and each finished
+        canvas encoded again in their original chunks, the current canvas begun again from its first step
+        (module docstring): the text is the one the request would have given without the pause."""
+        params = CanvasParams(max_tokens=snap["max_tokens"], seed=snap["seed"],
+                              entropy_bound=snap.get("entropy_bound"), stop=tuple(snap.get("stop", ())))
+        seq = self.add_request(snap["prompt_ids"], params)
+        out, length = list(snap["output_ids"]), self.cfg.canvas_length
+        if len(out) % length:
+            raise ValueError(f"a snapshot's output_ids hold whole canvases of {length} tokens, got {len(out)}")
+        seq.output_ids = out
+        seq.pending += [out[i:i + length] for i in range(0, len(out), length)]
+        seq.canvas_index = len(out) // length
+        seq.steps_per_canvas = list(snap.get("steps_per_canvas", []))
+        return seq
+
+    # -- steps
+
+    @torch.no_grad()
+    def step(self, seqs: list[CanvasSequence]) -> list[StepReport]:
+        """One step of each unfinished request in ``seqs``: its prefill if it has tokens to encode, else one
+        denoising step of its canvas."""
+        return [self._prefill(s) if s.pending else self._denoise(s) for s in seqs if not s.finished]
+
+    def _prefill(self, seq: CanvasSequence) -> StepReport:
+        n = 0
+        for chunk in seq.pending:
+            self.model.encode(torch.tensor([chunk], dtype=torch.long, device=self.device), seq.cache)
+            n += len(chunk)
+        seq.pending = []
+        seq.prefill_steps += 1
+        return StepReport(PREFILL, n)
+
+    def _denoise(self, seq: CanvasSequence) -> StepReport:
+        length, vocab = self.cfg.canvas_length, self.cfg.vocab_size
+        if seq.canvas is None:  # a new canvas: uniform noise
+            gen = renoise.canvas_generator(seq.seed, seq.canvas_index, -1, self.device)
+            seq.canvas = renoise.noise(length, vocab, gen, self.device)
+        sc = seq.self_conditioning  # the last step's processed logits, in the embeddings' dtype (as transformers)
+        sc = None if sc is None else sc[None].to(self.model.embed_tokens.weight.dtype)
+        raw = self.model.decode(seq.canvas[None], seq.cache, sc)[0]
+        decision, processed = self.denoise_logits(seq, raw)
+        seq.self_conditioning = processed
+        seq.canvas = torch.as_tensor(decision.canvas, device=self.device)
+        seq.step_in_canvas += 1
+        kept = int((~decision.edit).sum())
+        if decision.done:
+            self._finish_canvas(seq, decision.output.tolist())
+        return StepReport(DENOISE, length, decision.done, kept)
+
+    def denoise_logits(self, seq: CanvasSequence, raw: torch.Tensor) -> tuple[CanvasDecision, torch.Tensor]:
+        """The rule's part of a denoising step on the raw logits [L, V]: temperature, sampling and noise drawn
+        from (seed, canvas index, step) in that order (as transformers draws them), then the rule's decision."""
+        rule = self.rule
+        gen = renoise.canvas_generator(seq.seed, seq.canvas_index, seq.step_in_canvas, raw.device)
+        out = renoise.propose(raw, rule.temperature(seq.step_in_canvas), gen)
+        fresh = renoise.noise(raw.shape[0], raw.shape[1], gen, raw.device)
+        n = raw.shape[0]
+        step = CanvasStep(np.zeros(n, dtype=bool), np.ones(n, dtype=bool), out["tokens"].cpu().numpy(),
+                          np.zeros(n, dtype=np.float32), entropy=out["entropy"].float().cpu().numpy(),
+                          step_in_block=seq.step_in_canvas, masked_at_start=0, knob=seq.params.entropy_bound,
+                          state=seq.state, canvas=seq.canvas.cpu().numpy(), argmax=out["argmax"].cpu().numpy(),
+                          noise=fresh.cpu().numpy())
+        return rule.decide(step), out["processed"]
+
+    def _finish_canvas(self, seq: CanvasSequence, tokens: list[int]) -> None:
+        seq.steps_per_canvas.append(seq.step_in_canvas)
+        seq.canvas, seq.self_conditioning, seq.step_in_canvas, seq.state = None, None, 0, {}
+        seq.canvas_index += 1
+        cut = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
+        room = seq.max_tokens - len(seq.output_ids)
+        if cut is not None and cut < room:
+            seq.output_ids.extend(tokens[:cut])
+            seq.finished, seq.finish_reason = True, "stop"
+        elif len(tokens) >= room:
+            seq.output_ids.extend(tokens[:room])
+            seq.finished, seq.finish_reason = True, "length"
+        else:
+            seq.output_ids.extend(tokens)
+            seq.pending = [list(tokens)]  # the next prefill step encodes the finished canvas
+        if seq.params.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids)
+            hits = [i for s in seq.params.stop if (i := text.find(s)) >= 0]
+            if hits:
+                seq.finished, seq.finish_reason, seq.pending = True, "stop", []
+        if seq.finished:
+            seq.pending = []
+
+    # -- outputs
+
+    def output(self, seq: CanvasSequence) -> CanvasOutput:
+        text = self.tokenizer.decode(seq.output_ids) if self.tokenizer is not None else ""
+        if seq.params.stop:
+            hits = [i for s in seq.params.stop if (i := text.find(s)) >= 0]
+            if hits:
+                text = text[: min(hits)]
+        return CanvasOutput(seq.seq_id, list(seq.output_ids), text, seq.finish_reason or "",
+                            list(seq.steps_per_canvas), seq.prefill_steps)
+
+    def generate(self, prompts: list[list[int]], params: CanvasParams | None = None) -> list[CanvasOutput]:
+        """Run ``prompts`` (token ids) to the end, their steps interleaved round by round."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        while any(not s.finished for s in seqs):
+            self.step(seqs)
+        outs = [self.output(s) for s in seqs]
+        for s in seqs:
+            self.sequences.pop(s.seq_id, None)
+        return outs
+
+
+def is_diffusion_gemma(path: str | Path) -> bool:
+    """Whether the checkpoint directory at ``path`` is a DiffusionGemma one (config.json's architectures)."""
+    import json
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    return (json.loads(config.read_text()).get("architectures") or [None])[0] == dg.ARCH
