@@ -273,3 +273,18 @@ def test_canvas_engine_generates_deterministically_and_resumes(dg_dir, ours):
         engine.add_request([*ids, ours.config.image_token_id])
     with pytest.raises(ValueError, match="entropy_bound"):
         engine.add_request(ids, CanvasParams(entropy_bound=-1.0))
+
+
+def test_remask_generate_answers_on_the_fixture(dg_dir, ours, capsys):
+    from engine.canvas import CanvasEngine, CanvasParams
+    from engine.tokenizer import load_tokenizer
+    from tools.cli import main
+
+    assert main(["generate", "--model", str(dg_dir), "--prompt", "What is 2+2?", "--seed", "5",
+                 "--max-tokens", "12"]) == 0
+    printed = capsys.readouterr().out
+    tok = load_tokenizer(dg_dir)
+    want = CanvasEngine(ours, tok).generate([tok.prompt_ids("What is 2+2?", 0)], CanvasParams(max_tokens=12, seed=5))
+    assert printed == want[0].text + "\n" and want[0].text
+    assert main(["generate", "--model", str(dg_dir), "--prompt", "x", "--threshold", "0.5"]) == 2
+    assert "entropy-bound" in capsys.readouterr().err
