@@ -288,3 +288,84 @@ def test_remask_generate_answers_on_the_fixture(dg_dir, ours, capsys):
     assert printed == want[0].text + "\n" and want[0].text
     assert main(["generate", "--model", str(dg_dir), "--prompt", "x", "--threshold", "0.5"]) == 2
     assert "entropy-bound" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- tensor parallelism (ranks as threads)
+
+
+class _ThreadAllReduce:
+    """An all-reduce among ``world`` threads: each rank's partial deposited, summed in rank order."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.world, self.parts = world, [None] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+    def for_rank(self, rank: int):
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = x
+            self.barrier.wait()
+            total = self.parts[0]
+            for p in self.parts[1:]:
+                total = total + p
+            self.barrier.wait()
+            return total
+
+        return reduce
+
+
+def _run_ranks(world, fn):
+    import threading
+
+    out, errors = [None] * world, []
+
+    def run(rank):
+        try:
+            out[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+            raise
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@torch.no_grad()
+def test_tensor_parallel_ranks_give_tp1s_logits_and_text(ours, world):
+    from engine.canvas import CanvasEngine, CanvasParams
+
+    cfg = ours.config
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 13), generator=g)
+    canvas = torch.randint(0, cfg.vocab_size, (1, DG_CANVAS), generator=g)
+    cache = dg.DGCache(cfg)
+    ours.encode(prompt, cache)
+    want = ours.decode(canvas, cache)
+    want_text = CanvasEngine(ours).generate([prompt[0].tolist()], CanvasParams(max_tokens=16, seed=3))[0].token_ids
+    ar = _ThreadAllReduce(world)
+
+    def rank_run(rank):
+        part = dg.shard(ours, rank, world, ar.for_rank(rank))
+        c = dg.DGCache(part.config)
+        part.encode(prompt, c)
+        logits = part.decode(canvas, c)
+        text = CanvasEngine(part).generate([prompt[0].tolist()], CanvasParams(max_tokens=16, seed=3))[0].token_ids
+        return part, c, logits, text
+
+    results = _run_ranks(world, rank_run)
+    part, c = results[0][0], results[0][1]
+    # rank 0 holds 4 / world query heads; full layers' single K/V head is replicated, sliding ones split
+    assert part.config.num_heads == 4 // world and part.config.kv_heads == (2 // min(world, 2), 1) * 2
+    assert c.layers[0][0].shape[1] == part.config.kv_heads[0]
+    for _, _, logits, text in results:
+        assert _close(logits, want) <= TOL, _close(logits, want)
+        assert text == want_text
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        dg.shard_config(cfg, 3)

@@ -100,6 +100,7 @@ class DiffusionGemmaConfig:
     max_position_embeddings: int = 131072
     tie_word_embeddings: bool = True
     generation: dict = field(default_factory=lambda: dict(GENERATION_DEFAULTS))
+    self_conditioning_size: int = 0  # the self-conditioning MLP's width; 0: intermediate_size (TP shards keep it)
 
     def __post_init__(self) -> None:
         n = len(self.layer_types)
@@ -394,7 +395,7 @@ class SelfConditioning(MLP):
     embeddings, the sum normed (unscaled)."""
 
     def __init__(self, cfg: DiffusionGemmaConfig) -> None:
-        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation)
+        super().__init__(cfg.hidden_size, cfg.self_conditioning_size or cfg.intermediate_size, cfg.hidden_activation)
         self.pre_norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eps = cfg.rms_norm_eps
 
@@ -627,3 +628,78 @@ def num_params(cfg: DiffusionGemmaConfig, active: bool = False) -> int:
 
 __all__ = ["ARCH", "DGCache", "DiffusionGemma", "DiffusionGemmaConfig", "check_text_only", "config_from_hf",
            "load", "read_config"]
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def kv_head_slice(kv_heads: int, world: int, rank: int) -> slice:
+    """The K/V heads rank ``rank`` of ``world`` holds: an even share when ``kv_heads`` divides among the ranks,
+    else the one head its query heads read (heads replicated over world / kv_heads ranks)."""
+    if kv_heads >= world:
+        if kv_heads % world:
+            raise ValueError(f"TP degree {world} does not divide num_key_value_heads = {kv_heads}")
+        per = kv_heads // world
+        return slice(rank * per, (rank + 1) * per)
+    if world % kv_heads:
+        raise ValueError(f"TP degree {world} is not a multiple of num_key_value_heads = {kv_heads}")
+    head = rank * kv_heads // world
+    return slice(head, head + 1)
+
+
+def shard_config(cfg: DiffusionGemmaConfig, world: int) -> DiffusionGemmaConfig:
+    """Each rank's config: query heads, MLP and expert columns divided by ``world``; K/V heads divided, or one
+    per rank where there are fewer K/V heads than ranks (``kv_head_slice``)."""
+    for name, value in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
+                        ("moe_intermediate_size", cfg.moe_intermediate_size)):
+        if value % world:
+            raise ValueError(f"TP degree {world} does not divide {name} = {value}")
+    kv = []
+    for n in cfg.kv_heads:
+        s = kv_head_slice(n, world, 0)
+        kv.append(s.stop - s.start)
+    return cfg.replace(num_heads=cfg.num_heads // world, kv_heads=tuple(kv),
+                       self_conditioning_size=cfg.self_conditioning_size or cfg.intermediate_size,
+                       intermediate_size=cfg.intermediate_size // world,
+                       moe_intermediate_size=cfg.moe_intermediate_size // world)
+
+
+def _shard_tensor(name: str, t: torch.Tensor, cfg: DiffusionGemmaConfig, rank: int, world: int) -> torch.Tensor:
+    parts = name.split(".")
+    if parts[0] != "layers":  # embeddings, final norm, self-conditioning, LM head: replicated
+        return t
+    layer, module, leaf = int(parts[1]), parts[-2], parts[-1]
+    if module == "q_proj" or (parts[2] == "mlp" and module in ("gate_proj", "up_proj")):
+        return t.chunk(world, dim=0)[rank].contiguous()
+    if module in ("k_proj", "v_proj"):
+        s = kv_head_slice(cfg.kv_heads[layer], world, rank)
+        d = cfg.head_dims[layer]
+        return t[s.start * d: s.stop * d].contiguous()
+    if module in ("o_proj", "down_proj") and parts[2] in ("self_attn", "mlp"):
+        return t.chunk(world, dim=1)[rank].contiguous()
+    if module == "experts" and leaf == "gate_up_proj":  # [E, gate | up, H]: each half's rows
+        return torch.cat([h.chunk(world, dim=1)[rank] for h in t.chunk(2, dim=1)], dim=1).contiguous()
+    if module == "experts" and leaf == "down_proj":  # [E, H, I]: input columns
+        return t.chunk(world, dim=2)[rank].contiguous()
+    return t  # norms, router, scalars
+
+
+def shard(model: DiffusionGemma, rank: int, world: int,
+          reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> DiffusionGemma:
+    """Rank ``rank``'s shard of ``model``: query heads and the MLP's and experts' columns split (column-parallel
+    q/k/v, gate/up; row-parallel o and down, whose partial outputs ``reduce`` sums across the ranks: after
+    attention, after the dense MLP and after the experts, each before the norm that follows it). The router,
+    norms, embeddings, self-conditioning and LM head are replicated, so every rank sees the same logits and,
+    with the same (seed, canvas, step) draws, makes the same decisions."""
+    cfg = shard_config(model.config, world)
+    with torch.device("meta"):
+        part = DiffusionGemma(cfg)
+    state = {k: _shard_tensor(k, v, model.config, rank, world) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    part.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
+    if cfg.tie_word_embeddings:
+        part.lm_head.weight = part.embed_tokens.weight
+    for layer in part.layers:
+        layer.reduce = reduce
+    return part.eval()
