@@ -17,11 +17,11 @@ canvas again in the same chunks as the first time (bitwise the same cache) and r
 its first step (the same draws give the same canvas: bitwise the same text as without the pause, at the cost of
 the steps replayed). A request without a seed gets one at admission.
 
-This is its own sequence type (``CanvasSequence``) beside the masked-diffusion ``Sequence``: the engine's round
-loop can batch its steps with other requests' once it dispatches on the step kind (the hooks are listed in the
-report of this module's commit and in docs/engine.md). ``CanvasEngine`` runs it on its own today (the offline
-``remask generate`` path): one forward per request and step (requests' caches differ in length; batching their
-canvases needs a padded cross-attention mask, not yet written).
+This is its own sequence type (``CanvasSequence``) beside the masked-diffusion ``Sequence``; the engine's round
+loop can batch its steps with other requests' once it dispatches on the step kind (the hooks it needs are listed
+in docs/engine.md). ``CanvasEngine`` runs it on its own today (the offline ``remask generate`` path): each step,
+the requests with tokens to encode run their encoder passes (one per request) and all the others' canvases go
+through one decoder forward together, their caches left-padded to the longest (``DiffusionGemma.decode``).
 """
 
 from __future__ import annotations
@@ -172,9 +172,15 @@ class CanvasEngine:
 
     @torch.no_grad()
     def step(self, seqs: list[CanvasSequence]) -> list[StepReport]:
-        """One step of each unfinished request in ``seqs``: its prefill if it has tokens to encode, else one
-        denoising step of its canvas."""
-        return [self._prefill(s) if s.pending else self._denoise(s) for s in seqs if not s.finished]
+        """One step of each unfinished request in ``seqs``: its prefill (an encoder pass) if it has tokens to
+        encode, else one denoising step of its canvas; the denoising steps of all of them in one decoder
+        forward (their caches padded to the longest)."""
+        live = [s for s in seqs if not s.finished]
+        reports = {s.seq_id: self._prefill(s) for s in live if s.pending}
+        denoising = [s for s in live if s.seq_id not in reports]
+        if denoising:
+            reports.update(zip([s.seq_id for s in denoising], self._denoise(denoising)))
+        return [reports[s.seq_id] for s in live]
 
     def _prefill(self, seq: CanvasSequence) -> StepReport:
         n = 0
@@ -185,22 +191,35 @@ class CanvasEngine:
         seq.prefill_steps += 1
         return StepReport(PREFILL, n)
 
-    def _denoise(self, seq: CanvasSequence) -> StepReport:
+    def _denoise(self, seqs: list[CanvasSequence]) -> list[StepReport]:
         length, vocab = self.cfg.canvas_length, self.cfg.vocab_size
-        if seq.canvas is None:  # a new canvas: uniform noise
-            gen = renoise.canvas_generator(seq.seed, seq.canvas_index, -1, self.device)
-            seq.canvas = renoise.noise(length, vocab, gen, self.device)
-        sc = seq.self_conditioning  # the last step's processed logits, in the embeddings' dtype (as transformers)
-        sc = None if sc is None else sc[None].to(self.model.embed_tokens.weight.dtype)
-        raw = self.model.decode(seq.canvas[None], seq.cache, sc)[0]
-        decision, processed = self.denoise_logits(seq, raw)
-        seq.self_conditioning = processed
-        seq.canvas = torch.as_tensor(decision.canvas, device=self.device)
-        seq.step_in_canvas += 1
-        kept = int((~decision.edit).sum())
-        if decision.done:
-            self._finish_canvas(seq, decision.output.tolist())
-        return StepReport(DENOISE, length, decision.done, kept)
+        for seq in seqs:
+            if seq.canvas is None:  # a new canvas: uniform noise
+                gen = renoise.canvas_generator(seq.seed, seq.canvas_index, -1, self.device)
+                seq.canvas = renoise.noise(length, vocab, gen, self.device)
+        canvas = torch.stack([s.canvas for s in seqs])
+        dtype = self.model.embed_tokens.weight.dtype  # the processed logits in the embeddings' dtype (as transformers)
+        if len(seqs) == 1:
+            sc = seqs[0].self_conditioning
+            raw = self.model.decode(canvas, seqs[0].cache, None if sc is None else sc[None].to(dtype))
+        else:
+            has = torch.tensor([s.self_conditioning is not None for s in seqs], device=self.device)
+            sc = None
+            if bool(has.any()):
+                zeros = torch.zeros(length, vocab, device=self.device)
+                sc = torch.stack([zeros if s.self_conditioning is None else s.self_conditioning for s in seqs])
+                sc = sc.to(dtype)
+            raw = self.model.decode(canvas, [s.cache for s in seqs], sc, has)
+        reports = []
+        for seq, logits in zip(seqs, raw):
+            decision, processed = self.denoise_logits(seq, logits)
+            seq.self_conditioning = processed
+            seq.canvas = torch.as_tensor(decision.canvas, device=self.device)
+            seq.step_in_canvas += 1
+            if decision.done:
+                self._finish_canvas(seq, decision.output.tolist())
+            reports.append(StepReport(DENOISE, length, decision.done, int((~decision.edit).sum())))
+        return reports
 
     def denoise_logits(self, seq: CanvasSequence, raw: torch.Tensor) -> tuple[CanvasDecision, torch.Tensor]:
         """The rule's part of a denoising step on the raw logits [L, V]: temperature, sampling and noise drawn

@@ -666,7 +666,7 @@ def build_diffusion_gemma(directory: str | Path, *, seed: int = 0, canvas_length
                 b.copy_(0.5 + torch.rand(b.shape, generator=g))
     model.save_pretrained(str(directory))
     sampler = {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"}
-    gen = {"max_denoising_steps": 12, "sampler_config": sampler,
+    gen = {"max_denoising_steps": 6, "sampler_config": sampler,
            "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1, "confidence_threshold": 0.005,
            "bos_token_id": ids[roles["bos"]], "pad_token_id": ids[roles["pad"]],
            "eos_token_id": [ids[roles["eos"]], ids[roles["end_of_turn"]]], "max_new_tokens": 4 * canvas_length,

@@ -128,7 +128,7 @@ def test_config_from_the_checkpoint_and_its_errors(dg_dir):
     data = json.loads((dg_dir / "config.json").read_text())
     gen = json.loads((dg_dir / "generation_config.json").read_text())
     cfg = dg.config_from_hf(data, gen)
-    assert cfg.generation["max_denoising_steps"] == 12 and cfg.generation["entropy_bound"] == 0.1
+    assert cfg.generation["max_denoising_steps"] == 6 and cfg.generation["entropy_bound"] == 0.1
     assert cfg.canvas_length == DG_CANVAS and cfg.ropes["full_attention"].kind == "proportional"
     # the released checkpoints' spelling: global_head_dim / num_global_key_value_heads instead of per_layer_config
     text = {k: v for k, v in data["text_config"].items() if k != "per_layer_config"}
@@ -369,3 +369,20 @@ def test_tensor_parallel_ranks_give_tp1s_logits_and_text(ours, world):
         assert text == want_text
     with pytest.raises(ValueError, match="num_attention_heads"):
         dg.shard_config(cfg, 3)
+
+
+@torch.no_grad()
+def test_canvases_of_different_requests_in_one_decoder_forward(ours):
+    """Rows over caches of different lengths (one past the sliding window, one not), one self-conditioned and
+    one at its first step: each row's logits are those of its own forward."""
+    cfg = ours.config
+    g = torch.Generator().manual_seed(8)
+    caches, canvases = [], torch.randint(0, cfg.vocab_size, (2, DG_CANVAS), generator=g)
+    for n in (13, 5):
+        c = dg.DGCache(cfg)
+        ours.encode(torch.randint(0, cfg.vocab_size, (1, n), generator=g), c)
+        caches.append(c)
+    sc = torch.randn(2, DG_CANVAS, cfg.vocab_size, generator=g) * 3
+    got = ours.decode(canvases, caches, sc, torch.tensor([True, False]))
+    assert _close(got[0], ours.decode(canvases[:1], caches[0], sc[:1])[0]) <= TOL
+    assert _close(got[1], ours.decode(canvases[1:], caches[1])[0]) <= TOL

@@ -512,10 +512,14 @@ class DiffusionGemma(nn.Module):
         cache.length = start + t
         return self.norm(x)
 
-    def decode(self, canvas: torch.Tensor, cache: DGCache,
-               self_conditioning: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, canvas: torch.Tensor, cache: DGCache | list[DGCache],
+               self_conditioning: torch.Tensor | None = None,
+               conditioned: torch.Tensor | None = None) -> torch.Tensor:
         """One denoising forward: ``canvas`` [N, L] at positions cache.length onward, bidirectionally over itself
         and the cache (read only), ``self_conditioning`` the previous step's (processed) logits [N, L, V] or None.
+        ``cache`` may be one per row (different requests, different lengths): their K/V are left-padded to the
+        longest and the padding masked out. ``conditioned`` (bool [N]): the rows whose ``self_conditioning``
+        counts (the others get a zero signal, as at their first step; transformers' ``self_conditioning_mask``).
         Returns soft-capped float32 logits [N, L, V]."""
         n, t = canvas.shape
         x = self.embed(canvas)
@@ -525,13 +529,51 @@ class DiffusionGemma(nn.Module):
             probs = self_conditioning.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
             soft = torch.matmul(probs, w) * torch.tensor(self.config.hidden_size ** 0.5, dtype=w.dtype,
                                                          device=w.device).to(x.dtype)
+            if conditioned is not None:  # a zero signal gives exactly the unconditioned embeddings
+                soft = soft * conditioned.to(device=soft.device, dtype=soft.dtype)[:, None, None]
         x = self.self_conditioning.condition(x, soft)
-        pos = torch.arange(cache.length, cache.length + t, device=x.device).expand(n, t)
+        if isinstance(cache, DGCache):
+            pos = torch.arange(cache.length, cache.length + t, device=x.device).expand(n, t)
+            pasts, masks = cache.layers, [None] * len(self.layers)
+        else:
+            if len(cache) != n:
+                raise ValueError(f"{len(cache)} caches for {n} canvases")
+            starts = torch.tensor([c.length for c in cache], device=x.device)
+            pos = starts[:, None] + torch.arange(t, device=x.device)
+            pasts, masks = _padded(cache, t, x.device)
         tables = self.rope_tables(pos, x.dtype)
         for i, layer in enumerate(self.layers):
             cos, sin = tables[i]
-            x, _ = layer(x, cos, sin, None, cache.layers[i], encoder=False)
+            x, _ = layer(x, cos, sin, masks[i], pasts[i], encoder=False)
         return self.logits(self.norm(x))
+
+
+def _padded(caches: list[DGCache], t: int, device) -> tuple[list[KV | None], list[torch.Tensor | None]]:
+    """Per layer: the rows' cached K/V left-padded to the longest (zeros) and the mask [N, 1, t, C + t] that
+    hides the padding (None where no row is padded)."""
+    pasts, masks = [], []
+    for i in range(len(caches[0].layers)):
+        kvs = [c.layers[i] for c in caches]
+        kept = [0 if kv is None else kv[0].shape[2] for kv in kvs]
+        longest = max(kept)
+        if longest == 0:
+            pasts.append(None)
+            masks.append(None)
+            continue
+        ref = next(kv for kv in kvs if kv is not None)[0]
+        shape = (len(caches), ref.shape[1], longest, ref.shape[3])
+        keys, values = ref.new_zeros(shape), ref.new_zeros(shape)
+        for row, (kv, k) in enumerate(zip(kvs, kept)):
+            if k:
+                keys[row, :, longest - k:], values[row, :, longest - k:] = kv
+        pasts.append((keys, values))
+        if min(kept) == longest:
+            masks.append(None)
+            continue
+        first = torch.tensor([longest - k for k in kept], device=device)
+        allowed = torch.arange(longest + t, device=device)[None, :] >= first[:, None]  # [N, C + t]
+        masks.append(allowed[:, None, None, :].expand(len(caches), 1, t, longest + t))
+    return pasts, masks
 
 
 # ---------------------------------------------------------------- loading
