@@ -386,3 +386,26 @@ def test_canvases_of_different_requests_in_one_decoder_forward(ours):
     got = ours.decode(canvases, caches, sc, torch.tensor([True, False]))
     assert _close(got[0], ours.decode(canvases[:1], caches[0], sc[:1])[0]) <= TOL
     assert _close(got[1], ours.decode(canvases[1:], caches[1])[0]) <= TOL
+
+
+@torch.no_grad()
+def test_remask_export_writes_a_checkpoint_transformers_loads(dg_dir, ours, tmp_path, capsys):
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from tools.cli import main
+
+    out = tmp_path / "exported"
+    assert main(["export", str(dg_dir), str(out)]) == 0
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(str(out), dtype=torch.float32).eval()
+    again = dg.load(out)
+    assert again.config.generation == ours.config.generation and again.config.head_dims == ours.config.head_dims
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, ours.config.vocab_size, (1, 10), generator=g)
+    canvas = torch.randint(0, ours.config.vocab_size, (1, DG_CANVAS), generator=g)
+    mine, theirs = dg.DGCache(ours.config), _hf_cache(hf)
+    ours.encode(prompt, mine)
+    hf.model.encoder(input_ids=prompt, cache=theirs)
+    assert _close(ours.decode(canvas, mine), hf(decoder_input_ids=canvas, cache=theirs).logits) <= TOL
+    assert main(["export", "tiny-bd", str(tmp_path / "x")]) == 2
+    assert "masked-diffusion" in capsys.readouterr().err

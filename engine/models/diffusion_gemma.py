@@ -608,7 +608,7 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, device: str | tor
     """Load a DiffusionGemma checkpoint directory (the vision tower's weights skipped) into an eval-mode model."""
     from safetensors import safe_open
 
-    from engine.models.loader import weight_files
+    from engine.models.checkpoint import weight_files
 
     directory = Path(path)
     cfg = read_config(directory)
@@ -745,3 +745,87 @@ def shard(model: DiffusionGemma, rank: int, world: int,
     for layer in part.layers:
         layer.reduce = reduce
     return part.eval()
+
+
+# ---------------------------------------------------------------- export (an HF checkpoint transformers loads)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "chat_template.jinja", "chat_template.json")
+EXPORT_VISION = {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                 "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8}
+
+
+def hf_text_config(cfg: DiffusionGemmaConfig) -> dict:
+    """``cfg`` as transformers' DiffusionGemmaTextConfig keyword arguments (per-layer head sizes and K/V heads
+    where they differ from the first sliding layer's)."""
+    first = cfg.layer_types.index(SLIDING) if SLIDING in cfg.layer_types else 0
+    base_dim, base_kv = cfg.head_dims[first], cfg.kv_heads[first]
+    per_layer = {i: {"head_dim": d, "num_key_value_heads": kv}
+                 for i, (d, kv) in enumerate(zip(cfg.head_dims, cfg.kv_heads)) if (d, kv) != (base_dim, base_kv)}
+    ropes = {}
+    for kind, r in cfg.ropes.items():
+        ropes[kind] = {"rope_type": r.kind, "rope_theta": r.theta}
+        if r.kind == "proportional" or r.fraction != 1.0:
+            ropes[kind]["partial_rotary_factor"] = r.fraction
+        if r.factor != 1.0:
+            ropes[kind]["factor"] = r.factor
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": base_kv, "head_dim": base_dim, "hidden_activation": cfg.hidden_activation,
+            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+            "pad_token_id": cfg.pad_token_id, "eos_token_id": cfg.eos_token_ids[0], "bos_token_id": cfg.bos_token_id,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "rope_parameters": ropes,
+            "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types),
+            "final_logit_softcapping": cfg.final_logit_softcapping, "num_experts": cfg.num_experts,
+            "top_k_experts": cfg.top_k_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
+            "per_layer_config": per_layer}
+
+
+def hf_state_dict(model: DiffusionGemma) -> dict[str, torch.Tensor]:
+    """The model's tensors under transformers' names (the decoder's; the encoder's per-layer scalars apart)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            if not model.config.tie_word_embeddings:
+                out[name] = t
+            continue
+        if name.endswith(".encoder_layer_scalar"):
+            out["model.encoder.language_model." + name.removesuffix("encoder_layer_scalar") + "layer_scalar"] = t
+        else:
+            out["model.decoder." + name] = t
+    return {k: v.detach().contiguous().cpu() for k, v in out.items()}
+
+
+def save_pretrained(model: DiffusionGemma, directory: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write ``model`` as a ``DiffusionGemmaForBlockDiffusion`` checkpoint that transformers loads: config.json
+    (written by transformers' own config class, with a one-layer vision tower whose weights transformers
+    initialises: images are not Remask's), model.safetensors, generation_config.json (the diffusion
+    defaults) and the tokenizer files of ``tokenizer_dir``."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import DiffusionGemmaConfig as HFConfig
+
+    cfg = model.config
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = HFConfig(text_config=hf_text_config(cfg), vision_config=dict(EXPORT_VISION), canvas_length=cfg.canvas_length,
+                  image_token_id=cfg.image_token_id, tie_word_embeddings=cfg.tie_word_embeddings)
+    hf.architectures = [ARCH]
+    hf.to_json_file(str(directory / "config.json"))
+    save_file(hf_state_dict(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    gen = cfg.generation
+    generation = {"max_denoising_steps": int(gen["max_denoising_steps"]),
+                  "sampler_config": {"entropy_bound": float(gen["entropy_bound"]),
+                                     "_cls_name": "EntropyBoundSamplerConfig"},
+                  "t_min": float(gen["t_min"]), "t_max": float(gen["t_max"]),
+                  "stability_threshold": int(gen["stability_threshold"]),
+                  "confidence_threshold": float(gen["confidence_threshold"]),
+                  "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
+                  "eos_token_id": list(cfg.eos_token_ids)}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / name, directory / name)
+    return directory
