@@ -409,3 +409,21 @@ def test_remask_export_writes_a_checkpoint_transformers_loads(dg_dir, ours, tmp_
     assert _close(ours.decode(canvas, mine), hf(decoder_input_ids=canvas, cache=theirs).logits) <= TOL
     assert main(["export", "tiny-bd", str(tmp_path / "x")]) == 2
     assert "masked-diffusion" in capsys.readouterr().err
+
+
+def test_hub_id_from_an_offline_cache(dg_dir, ours, tmp_path, monkeypatch, capsys):
+    """A hub id resolves through the hub cache (offline) for generate and for serve's dry run."""
+    from engine.canvas import CanvasEngine, CanvasParams
+    from engine.tokenizer import load_tokenizer
+    from tests.hubcache import go_offline, lay_out
+    from tools.cli import main
+
+    lay_out(dg_dir, tmp_path / "home", "google/diffusiongemma-26B-A4B-it")
+    go_offline(monkeypatch, tmp_path / "home")
+    assert main(["generate", "--model", "google/diffusiongemma-26B-A4B-it", "--prompt", "hi", "--seed", "5",
+                 "--max-tokens", "8"]) == 0
+    tok = load_tokenizer(dg_dir)
+    want = CanvasEngine(ours, tok).generate([tok.prompt_ids("hi", 0)], CanvasParams(max_tokens=8, seed=5))[0]
+    assert capsys.readouterr().out == want.text + "\n"
+    assert main(["serve", "google/diffusiongemma-26B-A4B-it", "--dry-run"]) == 0
+    assert "diffusiongemma-26B-A4B-it" in capsys.readouterr().out
