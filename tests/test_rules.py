@@ -119,3 +119,21 @@ def test_rules_import_without_torch():
             "print('torch' in sys.modules, r.knob_at(0.8))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "0.8"]
+
+
+def test_per_position_statistics_the_rules_need():
+    from engine.decoding import confidence, entropy, penalise_previous, token_prob
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 11, generator=gen) * 3
+    mask = 10
+    p = torch.softmax(logits[:, :mask].double(), dim=-1)  # the mask token's column excluded
+    assert torch.allclose(entropy(logits, mask).double(), -(p * p.log()).sum(-1), atol=1e-5)
+    conf, tok = confidence(logits, mask)
+    assert torch.allclose(token_prob(logits, tok, mask), conf)
+    assert token_prob(logits, torch.full((5,), mask), mask).eq(0).all()  # a masked position: 0
+    prev = torch.tensor([tok[0].item(), -1, 3, 3, 0])
+    out = penalise_previous(logits, prev, 2.5)
+    diff = logits - out
+    assert diff[0, tok[0]] == 2.5 and diff[1].eq(0).all() and diff[2, 3] == 2.5 and diff.abs().sum() == 2.5 * 4
+    assert torch.equal(penalise_previous(logits, prev, 0.0), logits)

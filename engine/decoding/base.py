@@ -15,7 +15,9 @@ Refinements of the contract (``_notes``' starting point), so consumers know what
   ``masked`` nor ``editable``). ``tokens`` and ``conf`` (and ``entropy``) are meaningful at ``masked``
   positions, and also at ``editable`` ones when the rule names ``"all_rows"`` in ``needs``; elsewhere they
   hold anything (builders put token -1 and 0.0 there). ``current_prob`` is the probability, under this
-  step's distribution, of the token now on the canvas (0 at a masked position).
+  step's distribution, of the token now on the canvas (0 at a masked position). ``canvas`` (a field added
+  after ``state``, filled when the rule names ``"canvas"`` in ``needs``) is the block's token ids before
+  the step (the mask id at masked positions): an editing rule compares its proposals with it.
 - ``knob`` may be None: the rule then uses its configured value (``default_knob()``). The router speaks
   one scale for every rule, the candidate *level* (today's thresholds, 0.5 ... 0.9: higher is slower and
   more careful); ``rule.knob_at(level)`` turns a level into the rule's own knob, monotonically, in the
@@ -47,7 +49,8 @@ import numpy as np
 NEEDS_ENTROPY = "entropy"  # per-position entropy (nats) of the step's distribution
 NEEDS_CURRENT_PROB = "current_prob"  # probability of the token now on the canvas
 NEEDS_ALL_ROWS = "all_rows"  # rows (token, conf, ...) for every block position, not only the masked ones
-KNOWN_NEEDS = frozenset({NEEDS_ENTROPY, NEEDS_CURRENT_PROB, NEEDS_ALL_ROWS})
+NEEDS_CANVAS = "canvas"  # the block's token ids now (BlockStep.canvas)
+KNOWN_NEEDS = frozenset({NEEDS_ENTROPY, NEEDS_CURRENT_PROB, NEEDS_ALL_ROWS, NEEDS_CANVAS})
 
 
 @dataclass
@@ -64,6 +67,7 @@ class BlockStep:
     masked_at_start: int = 0  # masked positions when the block began
     knob: float | None = None  # the request's knob value for this step; None: the rule's configured one
     state: dict = field(default_factory=dict)  # the rule's per-request state for this block (JSON values)
+    canvas: np.ndarray | None = None  # int64 [L]: the block's token ids before this step ("canvas" in needs)
 
     @property
     def size(self) -> int:

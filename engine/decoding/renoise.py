@@ -19,8 +19,8 @@ The processed logits feed the next step's self-conditioning (the engine's part).
 How it extends the seam (engine/decoding/base.py), for whole-canvas rules:
 
 - ``needs`` holds ``"canvas"`` (``NEEDS_CANVAS``): the rule sees a ``CanvasStep``, a ``BlockStep`` whose
-  ``tokens`` are sampled at every position (``all_rows``), with ``entropy``, and three more arrays: the
-  ``canvas`` now (before the step), the step's ``argmax`` and the step's ``noise`` (uniform tokens). ``masked``
+  ``tokens`` are sampled at every position (``all_rows``), with ``entropy`` and the ``canvas`` now (before the
+  step), and two more arrays: the step's ``argmax`` and the step's ``noise`` (uniform tokens). ``masked``
   is all False and ``editable`` all True (no position is ever "masked" in uniform-state diffusion).
 - it answers a ``CanvasDecision``: ``edit`` marks the renoised positions, and two more arrays carry the
   whole next ``canvas`` and the ``output`` (the argmax: the canvas's text once ``done``). The engine replaces
@@ -43,6 +43,7 @@ import numpy as np
 
 from engine.decoding.base import (
     NEEDS_ALL_ROWS,
+    NEEDS_CANVAS,
     NEEDS_ENTROPY,
     BlockStep,
     Decision,
@@ -52,15 +53,14 @@ from engine.decoding.base import (
     register,
 )
 
-NEEDS_CANVAS = "canvas"
 MAX_BOUND = 1000.0
 
 
 @dataclass
 class CanvasStep(BlockStep):
-    """A ``BlockStep`` over a whole canvas (see the module's docstring)."""
+    """A ``BlockStep`` over a whole canvas (see the module's docstring); ``canvas`` (the base's field) holds the
+    tokens on the canvas before this step."""
 
-    canvas: np.ndarray | None = None  # int64 [L]: the tokens on the canvas before this step
     argmax: np.ndarray | None = None  # int64 [L]: the argmax of this step's processed logits
     noise: np.ndarray | None = None  # int64 [L]: this step's uniform random tokens (for renoised positions)
 

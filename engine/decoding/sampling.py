@@ -138,3 +138,16 @@ def token_prob(logits: torch.Tensor, tokens: torch.Tensor, mask_token_id: int | 
     ``needs`` gets this for the token now on the canvas (an editing rule's penalty for rewriting it)."""
     probs = _masked_probs(logits, mask_token_id)
     return probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def penalise_previous(logits: torch.Tensor, prev_tokens: torch.Tensor, penalty: float) -> torch.Tensor:
+    """LLaDA2.1's repetition penalty (``joint_threshold``'s ``penalty_lambda``): ``penalty`` subtracted from
+    row i's logit of ``prev_tokens[i]``, the token on the canvas just before row i's position (negative ids:
+    no token there, untouched). Returns a new tensor; the proposals (``confidence``/``sample``) are made
+    from it."""
+    out = logits.clone()
+    if penalty <= 0.0:
+        return out
+    rows = torch.nonzero(prev_tokens >= 0).flatten()
+    out[rows, prev_tokens[rows].long()] -= penalty
+    return out
