@@ -37,6 +37,7 @@ import torch
 from engine.decoding import renoise
 from engine.decoding.renoise import CanvasDecision, CanvasStep, RenoiseRule
 from engine.models import diffusion_gemma as dg
+from engine.tokenizer import OutputText
 
 PREFILL, DENOISE = "prefill", "denoise"
 
@@ -94,6 +95,8 @@ class CanvasSequence:
     prefill_steps: int = 0
     finished: bool = False
     finish_reason: str | None = None
+    text: OutputText | None = None  # the answer's text as canvases finish (stop strings applied)
+    unread: str = ""  # text not yet read (``CanvasEngine.read``)
 
     @property
     def next_kind(self) -> str:
@@ -145,10 +148,12 @@ class CanvasEngine:
         if room < 1:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's context "
                              f"({self.cfg.max_position_embeddings})")
-        max_tokens = min(params.max_tokens or self.cfg.canvas_length, room)
+        max_tokens = min(params.max_tokens or int(self.cfg.generation.get("max_new_tokens", 256)), room)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(1 << 62)
         seq = CanvasSequence(next(self._ids), [int(t) for t in prompt_ids], params, seed, max_tokens,
                              dg.DGCache(self.cfg), pending=[[int(t) for t in prompt_ids]])
+        if self.tokenizer is not None:
+            seq.text = OutputText(self.tokenizer.decode, params.stop)
         self.sequences[seq.seq_id] = seq
         return seq
 
@@ -163,6 +168,8 @@ class CanvasEngine:
         if len(out) % length:
             raise ValueError(f"a snapshot's output_ids hold whole canvases of {length} tokens, got {len(out)}")
         seq.output_ids = out
+        if seq.text is not None:
+            seq.text.push(out)  # streamed before the pause
         seq.pending += [out[i:i + length] for i in range(0, len(out), length)]
         seq.canvas_index = len(out) // length
         seq.steps_per_canvas = list(snap.get("steps_per_canvas", []))
@@ -241,7 +248,8 @@ class CanvasEngine:
         seq.canvas, seq.self_conditioning, seq.step_in_canvas, seq.state = None, None, 0, {}
         seq.canvas_index += 1
         cut = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
-        room = seq.max_tokens - len(seq.output_ids)
+        before = len(seq.output_ids)
+        room = seq.max_tokens - before
         if cut is not None and cut < room:
             seq.output_ids.extend(tokens[:cut])
             seq.finished, seq.finish_reason = True, "stop"
@@ -251,24 +259,38 @@ class CanvasEngine:
         else:
             seq.output_ids.extend(tokens)
             seq.pending = [list(tokens)]  # the next prefill step encodes the finished canvas
-        if seq.params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids)
-            hits = [i for s in seq.params.stop if (i := text.find(s)) >= 0]
-            if hits:
-                seq.finished, seq.finish_reason, seq.pending = True, "stop", []
+        if seq.text is not None:  # the canvas's text, held back where a stop string may begin
+            seq.unread += seq.text.push(seq.output_ids[before:])
+            if seq.text.stopped:
+                seq.finished, seq.finish_reason = True, "stop"
+            if seq.finished:
+                seq.unread += seq.text.finish()
         if seq.finished:
             seq.pending = []
 
     # -- outputs
 
     def output(self, seq: CanvasSequence) -> CanvasOutput:
-        text = self.tokenizer.decode(seq.output_ids) if self.tokenizer is not None else ""
-        if seq.params.stop:
-            hits = [i for s in seq.params.stop if (i := text.find(s)) >= 0]
-            if hits:
-                text = text[: min(hits)]
+        text = seq.text.text if seq.text is not None else ""
         return CanvasOutput(seq.seq_id, list(seq.output_ids), text, seq.finish_reason or "",
                             list(seq.steps_per_canvas), seq.prefill_steps)
+
+    def read(self, seq: CanvasSequence) -> str:
+        """The text ``seq`` added since the last read: streaming is canvas by canvas (a canvas's text appears
+        when it stops; a stop string's possible beginning is held back until the next canvas or the end)."""
+        piece, seq.unread = seq.unread, ""
+        return piece
+
+    def stream(self, prompt_ids: list[int], params: CanvasParams | None = None):
+        """Run one request, yielding its text piece by piece (one piece per finished canvas, at most)."""
+        seq = self.add_request(prompt_ids, params)
+        try:
+            while not seq.finished:
+                self.step([seq])
+                if piece := self.read(seq):
+                    yield piece
+        finally:
+            self.sequences.pop(seq.seq_id, None)
 
     def generate(self, prompts: list[list[int]], params: CanvasParams | None = None) -> list[CanvasOutput]:
         """Run ``prompts`` (token ids) to the end, their steps interleaved round by round."""

@@ -427,3 +427,20 @@ def test_hub_id_from_an_offline_cache(dg_dir, ours, tmp_path, monkeypatch, capsy
     assert capsys.readouterr().out == want.text + "\n"
     assert main(["serve", "google/diffusiongemma-26B-A4B-it", "--dry-run"]) == 0
     assert "diffusiongemma-26B-A4B-it" in capsys.readouterr().out
+
+
+def test_streaming_by_canvas_and_stop_strings(dg_dir, ours):
+    from engine.canvas import CanvasEngine, CanvasParams
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(dg_dir)
+    engine = CanvasEngine(ours, tok)
+    ids = tok.prompt_ids("Tell me a story.", 0)
+    assert engine.add_request(ids).max_tokens == 4 * DG_CANVAS  # generation_config.json's max_new_tokens
+    whole = engine.generate([ids], CanvasParams(max_tokens=24, seed=1))[0]
+    pieces = list(engine.stream(ids, CanvasParams(max_tokens=24, seed=1)))
+    assert "".join(pieces) == whole.text and 1 <= len(pieces) <= 3  # at most one piece per canvas
+    assert len(whole.text) >= 6, whole.text
+    stop = whole.text[4:6]
+    cut = engine.generate([ids], CanvasParams(max_tokens=24, seed=1, stop=(stop,)))[0]
+    assert cut.text == whole.text[: whole.text.find(stop)] and cut.finish_reason == "stop"

@@ -43,7 +43,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 # transformers' generation defaults (DiffusionGemmaGenerationConfig._get_default_generation_params)
 GENERATION_DEFAULTS = {"max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
-                       "stability_threshold": 1, "confidence_threshold": 0.005}
+                       "stability_threshold": 1, "confidence_threshold": 0.005, "max_new_tokens": 256}
 
 
 # ---------------------------------------------------------------- config
@@ -821,7 +821,8 @@ def save_pretrained(model: DiffusionGemma, directory: str | Path, tokenizer_dir:
                   "t_min": float(gen["t_min"]), "t_max": float(gen["t_max"]),
                   "stability_threshold": int(gen["stability_threshold"]),
                   "confidence_threshold": float(gen["confidence_threshold"]),
-                  "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
+                  "max_new_tokens": int(gen["max_new_tokens"]), "bos_token_id": cfg.bos_token_id,
+                  "pad_token_id": cfg.pad_token_id,
                   "eos_token_id": list(cfg.eos_token_ids)}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if tokenizer_dir is not None:
