@@ -444,3 +444,51 @@ def test_streaming_by_canvas_and_stop_strings(dg_dir, ours):
     stop = whole.text[4:6]
     cut = engine.generate([ids], CanvasParams(max_tokens=24, seed=1, stop=(stop,)))[0]
     assert cut.text == whole.text[: whole.text.find(stop)] and cut.finish_reason == "stop"
+
+
+# adaptive stopping on: no stability wanted, and a mean entropy of 5.97 nats (this random model's canvases sit
+# near 6 nats and fall as the temperature does) stops canvases before the step cap
+@pytest.mark.parametrize("stopping", [None, {"stability_threshold": 0, "confidence_threshold": 5.97}])
+@torch.no_grad()
+def test_transformers_generate_gives_the_same_tokens_on_the_same_draws(hf_model, ours, monkeypatch, stopping):
+    """End to end: transformers' own ``generate`` with its random draws taken from Remask's per-(seed, canvas,
+    step) generators (its global-generator calls redirected in order: each canvas's initial noise, then per step
+    the sample and the renoising noise) gives the tokens CanvasEngine gives, up to the first EOS."""
+    from engine.canvas import CanvasEngine, CanvasParams
+    from engine.decoding import renoise
+
+    seed, prompt = 21, [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45]  # longer than the sliding window
+    gen = {**ours.config.generation, **(stopping or {})}
+    engine = CanvasEngine(ours, None, rule=renoise.RenoiseRule.from_generation(gen))
+    ours_out = engine.generate([prompt], CanvasParams(max_tokens=3 * DG_CANVAS, seed=seed))[0]
+
+    real_randint, real_multinomial = torch.randint, torch.multinomial
+    where = {"canvas": -1, "step": -1, "last": None, "gen": None}
+
+    def randint(low, high, size, **kw):
+        if where["last"] != "multinomial":  # a new canvas's initial noise
+            where["canvas"] += 1
+            where["step"] = -1
+            where["gen"] = renoise.canvas_generator(seed, where["canvas"], -1)
+        where["last"] = "randint"
+        flat = real_randint(low, high, (int(torch.Size(size).numel()),), generator=where["gen"])
+        return flat.reshape(size)
+
+    def multinomial(probs, num_samples, **kw):
+        where["step"] += 1
+        where["gen"] = renoise.canvas_generator(seed, where["canvas"], where["step"])
+        where["last"] = "multinomial"
+        return real_multinomial(probs, num_samples, generator=where["gen"])
+
+    monkeypatch.setattr(torch, "randint", randint)
+    monkeypatch.setattr(torch, "multinomial", multinomial)
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=3 * DG_CANVAS,
+                            **(stopping or {}))
+    monkeypatch.undo()
+    theirs = out.sequences[0, len(prompt):].tolist()
+    stops = set(ours.config.eos_token_ids)
+    cut = next((i for i, t in enumerate(theirs) if t in stops), len(theirs))
+    assert ours_out.token_ids == theirs[:cut]
+    if stopping:  # adaptive stopping: canvases stop before the step cap
+        assert min(ours_out.steps_per_canvas) < gen["max_denoising_steps"], ours_out.steps_per_canvas
+    assert len(ours_out.steps_per_canvas) == where["canvas"] + 1
