@@ -275,6 +275,12 @@ class CanvasEngine:
         return CanvasOutput(seq.seq_id, list(seq.output_ids), text, seq.finish_reason or "",
                             list(seq.steps_per_canvas), seq.prefill_steps)
 
+    def abort(self, seq: CanvasSequence) -> None:
+        """Stop ``seq`` now (its cache freed)."""
+        seq.finished, seq.finish_reason, seq.pending = True, "abort", []
+        seq.cache = dg.DGCache(self.cfg)
+        self.sequences.pop(seq.seq_id, None)
+
     def read(self, seq: CanvasSequence) -> str:
         """The text ``seq`` added since the last read: streaming is canvas by canvas (a canvas's text appears
         when it stops; a stop string's possible beginning is held back until the next canvas or the end)."""

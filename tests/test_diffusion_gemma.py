@@ -76,6 +76,7 @@ def test_encoder_and_decoder_steps_match_transformers(hf_model, ours):
     enc = hf_model.model.encoder(input_ids=canvas, cache=theirs)
     assert _close(ours.encode(canvas, mine), enc.last_hidden_state) <= TOL
     assert mine.length == 21 and [mine.kept(i) for i in range(4)] == [7, 21, 7, 21]
+    assert mine.nbytes == 2 * cfg.cache_bytes(21, dtype_bytes=4)  # two rows, float32
     nxt = torch.randint(0, cfg.vocab_size, (2, DG_CANVAS), generator=g)
     assert _close(ours.decode(nxt, mine, sc), hf_model(decoder_input_ids=nxt, cache=theirs,
                                                        self_conditioning_logits=sc).logits) <= TOL
@@ -492,3 +493,15 @@ def test_transformers_generate_gives_the_same_tokens_on_the_same_draws(hf_model,
     if stopping:  # adaptive stopping: canvases stop before the step cap
         assert min(ours_out.steps_per_canvas) < gen["max_denoising_steps"], ours_out.steps_per_canvas
     assert len(ours_out.steps_per_canvas) == where["canvas"] + 1
+
+
+def test_abort_frees_the_request(ours):
+    from engine.canvas import CanvasEngine
+
+    engine = CanvasEngine(ours, None)
+    seq = engine.add_request([5, 6, 7])
+    assert [r.kind for r in engine.step([seq])] == ["prefill"] and seq.cache.nbytes > 0
+    assert [r.kind for r in engine.step([seq])] == ["denoise"]
+    engine.abort(seq)
+    assert seq.finished and seq.finish_reason == "abort" and seq.cache.nbytes == 0
+    assert engine.step([seq]) == [] and seq.seq_id not in engine.sequences

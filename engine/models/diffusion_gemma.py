@@ -140,9 +140,14 @@ class DiffusionGemmaConfig:
         data.update(changes)
         return DiffusionGemmaConfig(**data)
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V bytes one cached position takes in a full layer (sliding layers hold a bounded window)."""
-        return sum(2 * self.kv_heads[i] * self.head_dims[i] * dtype_bytes for i in range(self.num_layers))
+    def cache_bytes(self, length: int, dtype_bytes: int = 2) -> int:
+        """The bytes of one request's encoder cache after ``length`` encoded positions: K and V of every layer,
+        sliding layers holding at most ``sliding_window - 1`` positions (what ``DGCache`` keeps)."""
+        total = 0
+        for i in range(self.num_layers):
+            kept = length if self.kept(i) is None else min(length, self.kept(i))
+            total += 2 * self.kv_heads[i] * self.head_dims[i] * dtype_bytes * kept
+        return total
 
     def to_model_config(self) -> ModelConfig:
         """A summary in the shape the rest of Remask reads (context length, vocabulary, token ids, the canvas
