@@ -505,3 +505,19 @@ def test_abort_frees_the_request(ours):
     engine.abort(seq)
     assert seq.finished and seq.finish_reason == "abort" and seq.cache.nbytes == 0
     assert engine.step([seq]) == [] and seq.seq_id not in engine.sequences
+
+
+@torch.no_grad()
+def test_grouped_experts_equal_the_loop(ours):
+    experts = ours.layers[0].experts
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, ours.config.hidden_size, generator=g)
+    weights, ids = ours.layers[0].router(x)
+    assert experts.kernel == "grouped"  # torch 2.13's CPU kernels
+    grouped = experts(x, ids, weights)
+    experts.grouped = False
+    try:
+        assert experts.kernel == "loop"
+        assert _close(experts(x, ids, weights), grouped) <= TOL
+    finally:
+        experts.grouped = True

@@ -307,9 +307,11 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts, stacked: ``gate_up_proj`` [E, 2 x I, H] and ``down_proj`` [E, H, I] (the checkpoint's
-    layout). The (token, choice) pairs are sorted by expert and each expert with pairs runs once on them (the host
-    reads the counts); each pair's output is weighted in float32 and a token's k outputs are summed in float32,
-    then rounded once (as transformers' grouped experts do)."""
+    layout). The (token, choice) pairs are sorted by expert; where torch has a grouped product for the device
+    and dtype (``transformer.grouped_mm_works``) every expert runs in one grouped product per projection with
+    the groups' ends computed on the device (no host sync: capturable), else each expert with pairs runs once
+    on them (the host reads the counts). Each pair's output is weighted in float32 and a token's k outputs are
+    summed in float32, then rounded once (as transformers' grouped experts do)."""
 
     def __init__(self, cfg: DiffusionGemmaConfig) -> None:
         super().__init__()
@@ -317,19 +319,37 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.act = _act(cfg.hidden_activation)
+        self.grouped = True  # use the grouped product where it runs (False: the loop over experts)
+
+    @property
+    def kernel(self) -> str:
+        from engine.models.transformer import grouped_mm_works
+
+        w = self.down_proj
+        aligned = all(n * w.element_size() % 16 == 0 for n in w.shape[1:])  # grouped kernels read 16-byte rows
+        return "grouped" if self.grouped and aligned and grouped_mm_works(w.device.type, w.dtype) else "loop"
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         rows = x[order // k]
-        out = torch.empty(len(rows), x.shape[-1], dtype=x.dtype, device=x.device)
-        start = 0
-        for expert, n in enumerate(torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()):
-            if n:
-                gate, up = F.linear(rows[start:start + n], self.gate_up_proj[expert]).chunk(2, dim=-1)
-                out[start:start + n] = F.linear(self.act(gate) * up, self.down_proj[expert])
-                start += n
+        n_experts = self.gate_up_proj.shape[0]
+        if self.kernel == "grouped":
+            from engine.models.transformer import GROUPED_MM
+
+            counts = flat.new_zeros(n_experts).index_add_(0, flat, torch.ones_like(flat))
+            ends = counts.cumsum(0).to(torch.int32)
+            gate, up = GROUPED_MM(rows, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+            out = GROUPED_MM(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        else:
+            out = torch.empty(len(rows), x.shape[-1], dtype=x.dtype, device=x.device)
+            start = 0
+            for expert, n in enumerate(torch.bincount(flat, minlength=n_experts).tolist()):
+                if n:
+                    gate, up = F.linear(rows[start:start + n], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                    out[start:start + n] = F.linear(self.act(gate) * up, self.down_proj[expert])
+                    start += n
         routed = torch.empty_like(out).index_copy_(0, order, out).unflatten(0, (len(x), k))
         return (routed * weights[..., None]).sum(1).to(x.dtype)
 
