@@ -21,7 +21,8 @@ This is its own sequence type (``CanvasSequence``) beside the masked-diffusion `
 loop can batch its steps with other requests' once it dispatches on the step kind (the hooks it needs are listed
 in docs/engine.md). ``CanvasEngine`` runs it on its own today (the offline ``remask generate`` path): each step,
 the requests with tokens to encode run their encoder passes (one per request) and all the others' canvases go
-through one decoder forward together, their caches left-padded to the longest (``DiffusionGemma.decode``).
+through one decoder forward together, their caches left-padded to the longest (``DiffusionGemma.decode``); the
+encoder passes of several requests likewise go through one forward (``DiffusionGemma.encode_many``).
 """
 
 from __future__ import annotations
@@ -180,23 +181,27 @@ class CanvasEngine:
     @torch.no_grad()
     def step(self, seqs: list[CanvasSequence]) -> list[StepReport]:
         """One step of each unfinished request in ``seqs``: its prefill (an encoder pass) if it has tokens to
-        encode, else one denoising step of its canvas; the denoising steps of all of them in one decoder
-        forward (their caches padded to the longest)."""
+        encode, else one denoising step of its canvas; the encoder passes in one forward, the denoising steps
+        in another (caches padded to the longest)."""
         live = [s for s in seqs if not s.finished]
-        reports = {s.seq_id: self._prefill(s) for s in live if s.pending}
+        reports = self._prefill([s for s in live if s.pending])
         denoising = [s for s in live if s.seq_id not in reports]
         if denoising:
             reports.update(zip([s.seq_id for s in denoising], self._denoise(denoising)))
         return [reports[s.seq_id] for s in live]
 
-    def _prefill(self, seq: CanvasSequence) -> StepReport:
-        n = 0
-        for chunk in seq.pending:
-            self.model.encode(torch.tensor([chunk], dtype=torch.long, device=self.device), seq.cache)
-            n += len(chunk)
-        seq.pending = []
-        seq.prefill_steps += 1
-        return StepReport(PREFILL, n)
+    def _prefill(self, seqs: list[CanvasSequence]) -> dict[int, StepReport]:
+        """The encoder passes of ``seqs``, one forward per round of their chunks (a resumed request has more
+        than one: its prompt and its finished canvases, encoded as they first were)."""
+        counts = dict.fromkeys((s.seq_id for s in seqs), 0)
+        while batch := [s for s in seqs if s.pending]:
+            chunks = [s.pending.pop(0) for s in batch]
+            self.model.encode_many(chunks, [s.cache for s in batch])
+            for s, chunk in zip(batch, chunks):
+                counts[s.seq_id] += len(chunk)
+        for s in seqs:
+            s.prefill_steps += 1
+        return {s.seq_id: StepReport(PREFILL, counts[s.seq_id]) for s in seqs}
 
     def _denoise(self, seqs: list[CanvasSequence]) -> list[StepReport]:
         length, vocab = self.cfg.canvas_length, self.cfg.vocab_size

@@ -521,3 +521,22 @@ def test_grouped_experts_equal_the_loop(ours):
         assert _close(experts(x, ids, weights), grouped) <= TOL
     finally:
         experts.grouped = True
+
+
+@torch.no_grad()
+def test_encoder_passes_of_different_requests_in_one_forward(ours):
+    """A fresh prompt past the sliding window beside a cached request's next chunk: each row's K/V as its own."""
+    cfg = ours.config
+    g = torch.Generator().manual_seed(12)
+    first, prefix, second = (torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (13, 5, 4))
+    alone = [dg.DGCache(cfg), dg.DGCache(cfg)]
+    ours.encode(torch.tensor([first]), alone[0])
+    ours.encode(torch.tensor([prefix]), alone[1])
+    ours.encode(torch.tensor([second]), alone[1])
+    together = [dg.DGCache(cfg), dg.DGCache(cfg)]
+    ours.encode(torch.tensor([prefix]), together[1])
+    ours.encode_many([first, second], together)
+    for a, b in zip(alone, together):
+        assert a.length == b.length
+        for i in range(cfg.num_layers):
+            assert _close(a.layers[i][0], b.layers[i][0]) <= TOL and _close(a.layers[i][1], b.layers[i][1]) <= TOL

@@ -537,6 +537,60 @@ class DiffusionGemma(nn.Module):
         cache.length = start + t
         return self.norm(x)
 
+    def encode_many(self, chunks: list[list[int]], caches: list[DGCache]) -> None:
+        """Encode each ``chunks[n]`` into ``caches[n]`` (different requests: their own lengths, their own caches)
+        in one forward: the new tokens right-padded, the cached K/V left-padded, one mask per row and layer
+        (causal, the sliding window, no padding; a padded query sees itself, so no row is empty)."""
+        if len(chunks) != len(caches) or not chunks or any(not c for c in chunks):
+            raise ValueError("encode_many needs one non-empty chunk per cache")
+        if len(chunks) == 1:
+            self.encode(torch.tensor([chunks[0]], device=self.embed_tokens.weight.device), caches[0])
+            return
+        dev = self.embed_tokens.weight.device
+        n, t = len(chunks), max(len(c) for c in chunks)
+        ids = torch.full((n, t), self.config.pad_token_id, dtype=torch.long, device=dev)
+        for row, chunk in enumerate(chunks):
+            ids[row, : len(chunk)] = torch.tensor(chunk, device=dev)
+        lengths = torch.tensor([len(c) for c in chunks], device=dev)
+        starts = torch.tensor([c.length for c in caches], device=dev)
+        qpos = starts[:, None] + torch.arange(t, device=dev)  # [N, T]
+        x = self.embed(ids)
+        tables = self.rope_tables(qpos, x.dtype)
+        kept_all = [[c.kept(i) for c in caches] for i in range(len(self.layers))]
+        masks: dict[tuple, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            kept = kept_all[i]
+            longest = max(kept)
+            past = None
+            if longest:
+                ref = next(c.layers[i] for c in caches if c.layers[i] is not None)[0]
+                shape = (n, ref.shape[1], longest, ref.shape[3])
+                keys, values = ref.new_zeros(shape), ref.new_zeros(shape)
+                for row, c in enumerate(caches):
+                    if kept[row]:
+                        keys[row, :, longest - kept[row]:], values[row, :, longest - kept[row]:] = c.layers[i]
+                past = (keys, values)
+            sliding = self.config.sliding(i)
+            mkey = (sliding, tuple(kept))
+            if mkey not in masks:
+                kept_t = torch.tensor(kept, device=dev)
+                j = torch.arange(longest + t, device=dev)[None, :]  # [1, K]
+                in_past = j < longest
+                kpos = torch.where(in_past, starts[:, None] - (longest - j), starts[:, None] + (j - longest))
+                valid = torch.where(in_past, j >= longest - kept_t[:, None], (j - longest) < lengths[:, None])
+                allowed = valid[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # [N, T, K]
+                if sliding:
+                    allowed &= kpos[:, None, :] > qpos[:, :, None] - self.config.sliding_window
+                allowed |= (j - longest)[:, None, :] == torch.arange(t, device=dev)[None, :, None]  # itself
+                masks[mkey] = allowed[:, None]
+            cos, sin = tables[i]
+            x, (keys, values) = layer(x, cos, sin, masks[mkey], past, encoder=True)
+            for row, c in enumerate(caches):
+                lo, hi = longest - kept[row], longest + len(chunks[row])
+                c.store(i, (keys[row:row + 1, :, lo:hi].clone(), values[row:row + 1, :, lo:hi].clone()))
+        for c, chunk in zip(caches, chunks):
+            c.length += len(chunk)
+
     def decode(self, canvas: torch.Tensor, cache: DGCache | list[DGCache],
                self_conditioning: torch.Tensor | None = None,
                conditioned: torch.Tensor | None = None) -> torch.Tensor:
