@@ -458,10 +458,6 @@ class DGCache:
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for kv in self.layers if kv is not None for k, v in [kv])
 
-    def state(self) -> dict:
-        """The cache's tensors and length (e.g. to move it)."""
-        return {"length": self.length, "layers": self.layers}
-
 
 # ---------------------------------------------------------------- the model
 
@@ -732,23 +728,6 @@ def check_text_only(token_ids, cfg: DiffusionGemmaConfig) -> None:
     if cfg.image_token_id is not None and int(cfg.image_token_id) in set(int(t) for t in token_ids):
         raise ValueError("images are not served for DiffusionGemma: the prompt holds the image token "
                          f"({cfg.image_token_id})")
-
-
-def num_params(cfg: DiffusionGemmaConfig, active: bool = False) -> int:
-    """Weights of the text model (tied embeddings once); ``active``: the experts one token uses."""
-    h = cfg.hidden_size
-    total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + 3 * h * cfg.intermediate_size + 2 * h
-    experts = cfg.top_k_experts if active else cfg.num_experts
-    for i in range(cfg.num_layers):
-        d, kv = cfg.head_dims[i], cfg.kv_heads[i]
-        attn = h * d * (2 * cfg.num_heads + (2 if cfg.sliding(i) else 1) * kv)
-        total += attn + 3 * h * cfg.intermediate_size + 3 * h * cfg.moe_intermediate_size * experts
-        total += h * cfg.num_experts + 9 * h
-    return total
-
-
-__all__ = ["ARCH", "DGCache", "DiffusionGemma", "DiffusionGemmaConfig", "check_text_only", "config_from_hf",
-           "load", "read_config"]
 
 
 # ---------------------------------------------------------------- tensor parallelism
