@@ -11,7 +11,9 @@ A request's life, one step at a time (``CanvasEngine.step``):
   unless the request finished, encoded by the next prefill step.
 
 Every draw comes from a generator seeded by (request seed, canvas index, step) (``renoise.canvas_generator``):
-a request with a seed gives the same text whatever else runs beside it and after a resume. ``snapshot`` is
+a request with a seed gets the same draws whatever else runs beside it (the same text alone or batched as long as
+the batch rounds its logits alike: float32 on the CPU does on the test fixture, bf16 may not), and the same text
+after a resume. ``snapshot`` is
 small JSON (prompt, seed, knobs, the finished canvases' output); ``restore`` encodes the prompt and each finished
 canvas again in the same chunks as the first time (bitwise the same cache) and replays the current canvas from
 its first step (the same draws give the same canvas: bitwise the same text as without the pause, at the cost of
