@@ -15,9 +15,10 @@ a request with a seed gets the same draws whatever else runs beside it (the same
 the batch rounds its logits alike: float32 on the CPU does on the test fixture, bf16 may not), and the same text
 after a resume. ``snapshot`` is
 small JSON (prompt, seed, knobs, the finished canvases' output); ``restore`` encodes the prompt and each finished
-canvas again in the same chunks as the first time (bitwise the same cache) and replays the current canvas from
-its first step (the same draws give the same canvas: bitwise the same text as without the pause, at the cost of
-the steps replayed). A request without a seed gets one at admission.
+canvas again in the same chunks as the first time (the same cache, up to a batch's rounding as above) and replays
+the current canvas from its first step (the same draws give the same canvas: the same text as without the pause,
+at the cost of the steps replayed; tests/test_diffusion_gemma.py checks it in float32). A request without a seed
+gets one at admission.
 
 This is its own sequence type (``CanvasSequence``) beside the masked-diffusion ``Sequence``; the engine's round
 loop can batch its steps with other requests' once it dispatches on the step kind (the hooks it needs are listed
