@@ -540,3 +540,14 @@ def test_encoder_passes_of_different_requests_in_one_forward(ours):
         assert a.length == b.length
         for i in range(cfg.num_layers):
             assert _close(a.layers[i][0], b.layers[i][0]) <= TOL and _close(a.layers[i][1], b.layers[i][1]) <= TOL
+
+
+def test_masked_sweeps_leave_the_canvas_rule_out(monkeypatch):
+    """``remask eval --decoding all`` sweeps every rule on a masked model: not the whole-canvas renoise rule."""
+    from engine.decoding import RULES
+    from tools import evaluate
+
+    swept = []
+    monkeypatch.setattr(evaluate, "sweep_rule", lambda engine, rule, config, **kw: swept.append(rule) or [])
+    evaluate.sweep_all(None, sweeps=())
+    assert "renoise" in RULES and "renoise" not in swept and "threshold" in swept
