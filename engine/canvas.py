@@ -128,6 +128,7 @@ class CanvasEngine:
         self.stop_ids = frozenset([*self.cfg.eos_token_ids, *stop])
         self.sequences: dict[int, CanvasSequence] = {}
         self._ids = itertools.count()
+        self._padded: dg.PaddedCaches | None = None  # the last denoising batch's caches, side by side
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -224,7 +225,10 @@ class CanvasEngine:
                 zeros = torch.zeros(length, vocab, device=self.device)
                 sc = torch.stack([zeros if s.self_conditioning is None else s.self_conditioning for s in seqs])
                 sc = sc.to(dtype)
-            raw = self.model.decode(canvas, [s.cache for s in seqs], sc, has)
+            caches = [s.cache for s in seqs]
+            if self._padded is None or not self._padded.fits(caches):  # padded once per batch and cache state
+                self._padded = dg.PaddedCaches(caches, length, self.device)
+            raw = self.model.decode(canvas, self._padded, sc, has)
         reports = []
         for seq, logits in zip(seqs, raw):
             decision, processed = self.denoise_logits(seq, logits)

@@ -551,3 +551,14 @@ def test_masked_sweeps_leave_the_canvas_rule_out(monkeypatch):
     monkeypatch.setattr(evaluate, "sweep_rule", lambda engine, rule, config, **kw: swept.append(rule) or [])
     evaluate.sweep_all(None, sweeps=())
     assert "renoise" in RULES and "renoise" not in swept and "threshold" in swept
+
+
+def test_padded_caches_are_reused_only_while_they_fit(ours):
+    cfg = ours.config
+    a, b = dg.DGCache(cfg), dg.DGCache(cfg)
+    ours.encode(torch.tensor([[5, 6, 7]]), a)
+    ours.encode(torch.tensor([[5]]), b)
+    padded = dg.PaddedCaches([a, b], DG_CANVAS, "cpu")
+    assert padded.fits([a, b]) and not padded.fits([b, a])
+    ours.encode(torch.tensor([[8]]), b)  # a cache that grows no longer fits
+    assert not padded.fits([a, b]) and not padded.fits([a, dg.DGCache(cfg)])

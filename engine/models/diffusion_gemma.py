@@ -25,6 +25,7 @@ is refused (``check_text_only``).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -433,6 +434,9 @@ class SelfConditioning(MLP):
 # ---------------------------------------------------------------- the cache
 
 
+_CACHE_UIDS = itertools.count()
+
+
 class DGCache:
     """The encoder's K/V per layer, [N, kv heads, kept positions, head dim] (the layer's own heads and head
     size), for N rows of equal length. Sliding-window layers keep only their last ``sliding_window - 1``
@@ -442,6 +446,7 @@ class DGCache:
         self.cfg = cfg
         self.layers: list[KV | None] = [None] * cfg.num_layers
         self.length = 0
+        self.uid = next(_CACHE_UIDS)  # never reused in the process (unlike id()): names this cache in keys
 
     def store(self, layer: int, kv: KV) -> None:
         keep = self.cfg.kept(layer)
@@ -587,14 +592,15 @@ class DiffusionGemma(nn.Module):
         for c, chunk in zip(caches, chunks):
             c.length += len(chunk)
 
-    def decode(self, canvas: torch.Tensor, cache: DGCache | list[DGCache],
+    def decode(self, canvas: torch.Tensor, cache: DGCache | list[DGCache] | PaddedCaches,
                self_conditioning: torch.Tensor | None = None,
                conditioned: torch.Tensor | None = None) -> torch.Tensor:
         """One denoising forward: ``canvas`` [N, L] at positions cache.length onward, bidirectionally over itself
         and the cache (read only), ``self_conditioning`` the previous step's (processed) logits [N, L, V] or None.
         ``cache`` may be one per row (different requests, different lengths): their K/V are left-padded to the
-        longest and the padding masked out. ``conditioned`` (bool [N]): the rows whose ``self_conditioning``
-        counts (the others get a zero signal, as at their first step; transformers' ``self_conditioning_mask``).
+        longest and the padding masked out (``PaddedCaches``: padded once, reused by every step while the
+        caches stay as they are). ``conditioned`` (bool [N]): the rows whose ``self_conditioning`` counts (the
+        others get a zero signal, as at their first step; transformers' ``self_conditioning_mask``).
         Returns soft-capped float32 logits [N, L, V]."""
         n, t = canvas.shape
         x = self.embed(canvas)
@@ -611,11 +617,11 @@ class DiffusionGemma(nn.Module):
             pos = torch.arange(cache.length, cache.length + t, device=x.device).expand(n, t)
             pasts, masks = cache.layers, [None] * len(self.layers)
         else:
-            if len(cache) != n:
-                raise ValueError(f"{len(cache)} caches for {n} canvases")
-            starts = torch.tensor([c.length for c in cache], device=x.device)
-            pos = starts[:, None] + torch.arange(t, device=x.device)
-            pasts, masks = _padded(cache, t, x.device)
+            padded = cache if isinstance(cache, PaddedCaches) else PaddedCaches(cache, t, x.device)
+            if len(padded.lengths) != n or padded.t != t:
+                raise ValueError(f"caches padded for {len(padded.lengths)} canvases of {padded.t}, got {n} of {t}")
+            pos = torch.tensor(padded.lengths, device=x.device)[:, None] + torch.arange(t, device=x.device)
+            pasts, masks = padded.pasts, padded.masks
         tables = self.rope_tables(pos, x.dtype)
         for i, layer in enumerate(self.layers):
             cos, sin = tables[i]
@@ -623,32 +629,43 @@ class DiffusionGemma(nn.Module):
         return self.logits(self.norm(x))
 
 
-def _padded(caches: list[DGCache], t: int, device) -> tuple[list[KV | None], list[torch.Tensor | None]]:
-    """Per layer: the rows' cached K/V left-padded to the longest (zeros) and the mask [N, 1, t, C + t] that
-    hides the padding (None where no row is padded)."""
-    pasts, masks = [], []
-    for i in range(len(caches[0].layers)):
-        kvs = [c.layers[i] for c in caches]
-        kept = [0 if kv is None else kv[0].shape[2] for kv in kvs]
-        longest = max(kept)
-        if longest == 0:
-            pasts.append(None)
-            masks.append(None)
-            continue
-        ref = next(kv for kv in kvs if kv is not None)[0]
-        shape = (len(caches), ref.shape[1], longest, ref.shape[3])
-        keys, values = ref.new_zeros(shape), ref.new_zeros(shape)
-        for row, (kv, k) in enumerate(zip(kvs, kept)):
-            if k:
-                keys[row, :, longest - k:], values[row, :, longest - k:] = kv
-        pasts.append((keys, values))
-        if min(kept) == longest:
-            masks.append(None)
-            continue
-        first = torch.tensor([longest - k for k in kept], device=device)
-        allowed = torch.arange(longest + t, device=device)[None, :] >= first[:, None]  # [N, C + t]
-        masks.append(allowed[:, None, None, :].expand(len(caches), 1, t, longest + t))
-    return pasts, masks
+class PaddedCaches:
+    """Caches of different requests laid side by side for one decoder forward over canvases of ``t`` tokens:
+    per layer their K/V left-padded to the longest (zeros) and the mask [N, 1, t, C + t] that hides the padding
+    (None where no row is padded). ``key`` says which caches at which lengths it was built from: a caller may
+    reuse it for as long as that holds (a canvas's denoising steps do not change the caches)."""
+
+    def __init__(self, caches: list[DGCache], t: int, device) -> None:
+        self.t = t
+        self.lengths = [c.length for c in caches]
+        self.key = tuple((c.uid, c.length) for c in caches)
+        self.pasts: list[KV | None] = []
+        self.masks: list[torch.Tensor | None] = []
+        for i in range(len(caches[0].layers)):
+            kvs = [c.layers[i] for c in caches]
+            kept = [0 if kv is None else kv[0].shape[2] for kv in kvs]
+            longest = max(kept)
+            if longest == 0:
+                self.pasts.append(None)
+                self.masks.append(None)
+                continue
+            ref = next(kv for kv in kvs if kv is not None)[0]
+            shape = (len(caches), ref.shape[1], longest, ref.shape[3])
+            keys, values = ref.new_zeros(shape), ref.new_zeros(shape)
+            for row, (kv, k) in enumerate(zip(kvs, kept)):
+                if k:
+                    keys[row, :, longest - k:], values[row, :, longest - k:] = kv
+            self.pasts.append((keys, values))
+            if min(kept) == longest:
+                self.masks.append(None)
+                continue
+            first = torch.tensor([longest - k for k in kept], device=device)
+            allowed = torch.arange(longest + t, device=device)[None, :] >= first[:, None]  # [N, C + t]
+            self.masks.append(allowed[:, None, None, :].expand(len(caches), 1, t, longest + t))
+
+    def fits(self, caches: list[DGCache]) -> bool:
+        """Whether this was built from exactly ``caches`` at their current lengths."""
+        return self.key == tuple((c.uid, c.length) for c in caches)
 
 
 # ---------------------------------------------------------------- loading
