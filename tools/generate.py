@@ -32,24 +32,35 @@ def _generate_canvas(args, path: str) -> int:
     engine = CanvasEngine.from_pretrained(path, device=args.device)
     tok = engine.tokenizer
     params = CanvasParams(max_tokens=args.max_tokens, seed=args.seed, entropy_bound=args.entropy_bound)
-    if args.prompt is None:
-        raise ValueError("--prompt is required for a DiffusionGemma model")
-    if args.raw:
-        ids = tok.completion_ids(args.prompt)
-    else:
-        system = [{"role": "system", "content": args.system}] if args.system else []
-        ids = tok.chat_ids([*system, {"role": "user", "content": args.prompt}])
-    seq = engine.add_request(ids, params)
-    while not seq.finished:
-        for report in engine.step([seq]):
-            if args.show_steps:
-                canvas = "" if seq.canvas is None else tok.decode(seq.canvas.tolist(), skip_special=False)
-                print(f"canvas {seq.canvas_index} {report.kind:7s} kept {report.kept:3d} |{canvas}|")
-    out = engine.output(seq)
-    print(out.text)
-    if args.show_steps:
-        print(f"[{out.finish_reason}; steps per canvas {out.steps_per_canvas}, {out.prefill_steps} prefill steps]")
-    return 0
+
+    def answer(prompt: str) -> None:
+        if args.raw:
+            ids = tok.completion_ids(prompt)
+        else:
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            ids = tok.chat_ids([*system, {"role": "user", "content": prompt}])
+        seq = engine.add_request(ids, params)
+        while not seq.finished:
+            for report in engine.step([seq]):
+                if args.show_steps:
+                    canvas = "" if seq.canvas is None else tok.decode(seq.canvas.tolist(), skip_special=False)
+                    print(f"canvas {seq.canvas_index} {report.kind:7s} kept {report.kept:3d} |{canvas}|")
+        out = engine.output(seq)
+        engine.sequences.pop(seq.seq_id, None)
+        print(out.text)
+        if args.show_steps or args.prompt is None:
+            print(f"[{out.finish_reason}; steps per canvas {out.steps_per_canvas}, {out.prefill_steps} prefill steps]")
+
+    if args.prompt is not None:
+        answer(args.prompt)
+        return 0
+    while True:  # interactive
+        try:
+            line = input("prompt> ").strip()
+        except EOFError:
+            return 0
+        if line:
+            answer(line)
 
 
 def cmd_generate(args) -> int:
