@@ -32,6 +32,8 @@ def test_matched_speedup_against_threshold():
     out = matched_speedup(sweeps)
     assert [r["speedup"] for r in out["fast"]] == [2.0, 2.0]
     assert out["weak"][0]["speedup"] == pytest.approx(0.4 / (0.1 + 0.2 * 0.5)) and out["weak"][1]["speedup"] is None
+    at = matched_speedup(sweeps, levels=[0.7])  # chosen accuracy levels: both sides interpolated
+    assert at["fast"][0]["speedup"] == pytest.approx(0.6 / 0.3) and at["weak"][0]["speedup"] == pytest.approx(0.6 / 0.3)
 
 
 def test_plot_and_sweeps(tmp_path):

@@ -162,20 +162,21 @@ def forwards_at(points: Sequence[dict], accuracy: float) -> float | None:
     return None
 
 
-def matched_speedup(sweeps: dict[str, list[dict]], base: str = "threshold") -> dict[str, list[dict]]:
-    """For each rule, at each accuracy the ``base`` rule's sweep reached: forwards per token of the base and
-    of the rule at that accuracy, and the base's over the rule's (> 1: the rule is faster there)."""
+def matched_speedup(sweeps: dict[str, list[dict]], base: str = "threshold",
+                    levels: Sequence[float] | None = None) -> dict[str, list[dict]]:
+    """For each rule, at each accuracy level (default: those the ``base`` rule's frontier reached): the
+    forwards per token the base and the rule need to reach it (``forwards_at``) and the base's over the
+    rule's (> 1: the rule is faster there; None: the rule never reaches that accuracy)."""
     out = {}
     ref = sweeps[base]
+    levels = sorted(levels if levels is not None else {p["accuracy"] for p in frontier(ref)})
     for rule, pts in sweeps.items():
         if rule == base:
             continue
         rows = []
-        for p in sorted(ref, key=lambda p: p["accuracy"]):
-            theirs = forwards_at(pts, p["accuracy"])
-            mine = forwards_at(ref, p["accuracy"])
-            rows.append({"accuracy": p["accuracy"], "base_forwards_per_token": mine,
-                         "forwards_per_token": theirs,
+        for acc in levels:
+            theirs, mine = forwards_at(pts, acc), forwards_at(ref, acc)
+            rows.append({"accuracy": acc, "base_forwards_per_token": mine, "forwards_per_token": theirs,
                          "speedup": None if theirs is None or not mine else round(mine / theirs, 3)})
         out[rule] = rows
     return out
@@ -213,3 +214,15 @@ def plot_frontiers(sweeps: dict[str, list[dict]], title: str, path: str) -> str:
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
+
+
+def markdown_rows(model: str, sweeps: dict[str, list[dict]]) -> list[str]:
+    """The report's table rows of one model's sweeps: label, knob value, accuracy, mean rounds, forwards
+    per generated token (and its inverse, tokens per forward)."""
+    rows = []
+    for label, pts in sweeps.items():
+        for p in pts:
+            rows.append(f"| {model} | {label} | {p['knob']} = {p['value']:g} | {p['accuracy']:.3f} | "
+                        f"{p['mean_rounds']:.2f} | {p['forwards_per_token']:.3f} | "
+                        f"{1.0 / p['forwards_per_token']:.2f} |")
+    return rows
