@@ -562,3 +562,13 @@ def test_padded_caches_are_reused_only_while_they_fit(ours):
     assert padded.fits([a, b]) and not padded.fits([b, a])
     ours.encode(torch.tensor([[8]]), b)  # a cache that grows no longer fits
     assert not padded.fits([a, b]) and not padded.fits([a, dg.DGCache(cfg)])
+
+
+def test_a_masked_model_refuses_the_canvas_rule():
+    """A request (or server, or checkpoint) naming ``renoise`` for a masked model: a ValueError naming the
+    field (the API's 400), not a round that fails."""
+    from engine.commands import resolve_rule
+
+    with pytest.raises(ValueError, match=r"^decoding: 'renoise' decodes DiffusionGemma canvases"):
+        resolve_rule(None, "renoise", None)
+    assert resolve_rule(None, "threshold", {"threshold": 0.8}).name == "threshold"
