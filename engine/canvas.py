@@ -92,7 +92,7 @@ class CanvasSequence:
     output_ids: list[int] = field(default_factory=list)
     canvas_index: int = 0
     canvas: torch.Tensor | None = None  # [L] current canvas (None: not begun)
-    self_conditioning: torch.Tensor | None = None  # [L, V] the last step's processed logits
+    self_conditioning: torch.Tensor | None = None  # [L, H] soft embeddings of the last step's processed logits
     step_in_canvas: int = 0
     state: dict = field(default_factory=dict)  # the rule's state for this canvas (JSON)
     steps_per_canvas: list[int] = field(default_factory=list)
@@ -214,30 +214,36 @@ class CanvasEngine:
                 gen = renoise.canvas_generator(seq.seed, seq.canvas_index, -1, self.device)
                 seq.canvas = renoise.noise(length, vocab, gen, self.device)
         canvas = torch.stack([s.canvas for s in seqs])
-        dtype = self.model.embed_tokens.weight.dtype  # the processed logits in the embeddings' dtype (as transformers)
         if len(seqs) == 1:
-            sc = seqs[0].self_conditioning
-            raw = self.model.decode(canvas, seqs[0].cache, None if sc is None else sc[None].to(dtype))
+            raw = self.model.decode(canvas, seqs[0].cache, None if seqs[0].self_conditioning is None
+                                    else seqs[0].self_conditioning[None])
         else:
             has = torch.tensor([s.self_conditioning is not None for s in seqs], device=self.device)
             sc = None
             if bool(has.any()):
-                zeros = torch.zeros(length, vocab, device=self.device)
+                zeros = torch.zeros_like(next(s.self_conditioning for s in seqs if s.self_conditioning is not None))
                 sc = torch.stack([zeros if s.self_conditioning is None else s.self_conditioning for s in seqs])
-                sc = sc.to(dtype)
             caches = [s.cache for s in seqs]
             if self._padded is None or not self._padded.fits(caches):  # padded once per batch and cache state
                 self._padded = dg.PaddedCaches(caches, length, self.device)
             raw = self.model.decode(canvas, self._padded, sc, has)
-        reports = []
+        reports, processed = [], []
         for seq, logits in zip(seqs, raw):
-            decision, processed = self.denoise_logits(seq, logits)
-            seq.self_conditioning = processed
+            decision, step_logits = self.denoise_logits(seq, logits)
+            processed.append(step_logits)
             seq.canvas = torch.as_tensor(decision.canvas, device=self.device)
             seq.step_in_canvas += 1
             if decision.done:
                 self._finish_canvas(seq, decision.output.tolist())
             reports.append(StepReport(DENOISE, length, decision.done, int((~decision.edit).sum())))
+        # the next step's self-conditioning, kept as soft embeddings [L, H] rather than logits [L, V]: the
+        # processed logits in the embeddings' dtype (as transformers passes them), through the embeddings
+        going = [i for i, s in enumerate(seqs) if s.canvas is not None and not s.finished]
+        if going:
+            dtype = self.model.embed_tokens.weight.dtype
+            soft = self.model.soft_embeddings(torch.stack([processed[i] for i in going]).to(dtype))
+            for row, i in enumerate(going):
+                seqs[i].self_conditioning = soft[row]
         return reports
 
     def denoise_logits(self, seq: CanvasSequence, raw: torch.Tensor) -> tuple[CanvasDecision, torch.Tensor]:

@@ -71,6 +71,8 @@ def test_encoder_and_decoder_steps_match_transformers(hf_model, ours):
     assert _close(conditioned, hf_model(decoder_input_ids=canvas, cache=theirs,
                                         self_conditioning_logits=sc).logits) <= TOL
     assert _close(conditioned, first) > 1e-3  # the signal matters
+    # what a request keeps between steps: the soft embeddings [N, L, H], not the logits [N, L, V]
+    assert torch.equal(ours.decode(canvas, mine, ours.soft_embeddings(sc)), conditioned)
 
     # the canvas encoded after the prompt (the cache is past the window now), then the next canvas
     enc = hf_model.model.encoder(input_ids=canvas, cache=theirs)

@@ -506,6 +506,13 @@ class DiffusionGemma(nn.Module):
             out[i] = tables[key]
         return out
 
+    def soft_embeddings(self, logits: torch.Tensor) -> torch.Tensor:
+        """The self-conditioning signal of a step's logits [..., V]: their softmax (float32, then the embeddings'
+        dtype) times the embedding matrix, scaled as the embeddings are: [..., H]."""
+        w = self.embed_tokens.weight
+        probs = logits.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
+        return torch.matmul(probs, w) * torch.tensor(self.config.hidden_size ** 0.5, dtype=w.dtype, device=w.device)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcapping
@@ -605,11 +612,9 @@ class DiffusionGemma(nn.Module):
         n, t = canvas.shape
         x = self.embed(canvas)
         soft = None
-        if self_conditioning is not None:
-            w = self.embed_tokens.weight
-            probs = self_conditioning.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
-            soft = torch.matmul(probs, w) * torch.tensor(self.config.hidden_size ** 0.5, dtype=w.dtype,
-                                                         device=w.device).to(x.dtype)
+        if self_conditioning is not None:  # logits [N, L, V], or their soft embeddings [N, L, H] already
+            soft = self_conditioning if self_conditioning.shape[-1] != self.config.vocab_size \
+                else self.soft_embeddings(self_conditioning)
             if conditioned is not None:  # a zero signal gives exactly the unconditioned embeddings
                 soft = soft * conditioned.to(device=soft.device, dtype=soft.dtype)[:, None, None]
         x = self.self_conditioning.condition(x, soft)
