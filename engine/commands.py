@@ -196,10 +196,12 @@ def resolve_rule(base: Any, name: str | None, config: dict[str, Any] | None, whe
     if name is None or name == base.name:
         name, config = base.name, {**base.config(), **(config or {})}
     try:
-        RULES.factory(name)
+        factory = RULES.factory(name)
     except ValueError:
         raise ValueError(f"{where}decoding: unknown decoding rule {name!r}; known: {', '.join(sorted(RULES))}") \
             from None
+    if getattr(factory, "canvas_rule", False):  # engine/decoding/renoise.py: DiffusionGemma's canvases only
+        raise ValueError(f"{where}decoding: {name!r} decodes DiffusionGemma canvases, not this model's blocks")
     try:
         return RULES.make(name, **(config or {}))
     except (TypeError, ValueError) as exc:

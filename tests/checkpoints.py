@@ -48,6 +48,7 @@ SPECIAL_TOKENS = {
     "dream": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|beginoftext|>", "<|mask|>"),
     "sdar": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
     "llada2": ("<role>", "</role>", "<|role_end|>", "<|startoftext|>", "<|endoftext|>", "<|mask|>"),
+    "diffusion_gemma": ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<image_soft_token>"),
 }
 ROLES = {
     "llada": {"bos": "<|startoftext|>", "eos": "<|endoftext|>", "pad": "<|endoftext|>", "mask": "<|mdm_mask|>",
@@ -59,10 +60,14 @@ ROLES = {
              "end_of_turn": "<|im_end|>"},
     "llada2": {"bos": "<|startoftext|>", "eos": "<|endoftext|>", "pad": "<|endoftext|>", "mask": "<|mask|>",
                "end_of_turn": "<|role_end|>"},
+    # DiffusionGemma has no mask token (uniform-state diffusion): "mask" names the pad token
+    "diffusion_gemma": {"bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "mask": "<pad>",
+                        "end_of_turn": "<end_of_turn>", "image": "<image_soft_token>"},
 }
 # the tokenizer_config.json role names each family sets (SDAR, as Qwen3, names no BOS token)
 TOKENIZER_ROLES = {"llada": ("bos", "eos", "pad", "mask"), "dream": ("bos", "eos", "pad", "mask"),
-                   "sdar": ("eos", "pad", "mask"), "llada2": ("bos", "eos", "pad", "mask")}
+                   "sdar": ("eos", "pad", "mask"), "llada2": ("bos", "eos", "pad", "mask"),
+                   "diffusion_gemma": ("bos", "eos", "pad")}
 
 # Chat templates modelled on the published ones (rendered by transformers' Jinja sandbox).
 # LLaDA-8B-Instruct: Llama-3 headers, BOS before the first message, contents trimmed.
@@ -126,7 +131,17 @@ LLADA2_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<role>ASSISTANT</role>' }}{%- endif %}"
 )
-CHAT_TEMPLATES = {"llada": LLADA_TEMPLATE, "dream": DREAM_TEMPLATE, "sdar": SDAR_TEMPLATE, "llada2": LLADA2_TEMPLATE}
+# Gemma: BOS, then <start_of_turn>role ... <end_of_turn> turns ("model" for the assistant)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+CHAT_TEMPLATES = {"llada": LLADA_TEMPLATE, "dream": DREAM_TEMPLATE, "sdar": SDAR_TEMPLATE, "llada2": LLADA2_TEMPLATE,
+                  "diffusion_gemma": GEMMA_TEMPLATE}
 
 
 def _corpus() -> list[str]:
@@ -627,6 +642,61 @@ def special_ids(directory: str | Path) -> dict[str, int]:
     directory = Path(directory)
     arch = json.loads((directory / "config.json").read_text())["architectures"][0]
     family = {"LLaDAModelLM": "llada", "DreamModel": "dream", "SDARForCausalLM": "sdar",
-              "LLaDA2MoeModelLM": "llada2"}[arch]
+              "LLaDA2MoeModelLM": "llada2", "DiffusionGemmaForBlockDiffusion": "diffusion_gemma"}[arch]
     added = {t["content"]: t["id"] for t in json.loads((directory / "tokenizer.json").read_text())["added_tokens"]}
     return {role: added[token] for role, token in ROLES[family].items()}
+
+
+# ---------------------------------------------------------------- DiffusionGemma (built by transformers itself)
+
+DG_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=8, num_experts=4,
+               top_k_experts=2, moe_intermediate_size=16, max_position_embeddings=512,
+               layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+DG_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=8)
+DG_CANVAS = 8
+
+
+def build_diffusion_gemma(directory: str | Path, *, seed: int = 0, canvas_length: int = DG_CANVAS,
+                          generation: dict | None = None, **text) -> Path:
+    """A tiny ``DiffusionGemmaForBlockDiffusion`` built by transformers itself (``DG_TEXT`` with ``text``
+    overrides, a one-layer vision tower), saved with ``save_pretrained`` (its vision weights included), with
+    the family's tokenizer and a generation_config.json holding the diffusion defaults (``generation``
+    overrides). The norms, router scales and the encoder's and decoder's per-layer scalars are randomised
+    (transformers initialises them to one), so parity checks every one of them."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = _token_ids("diffusion_gemma")
+    roles = ROLES["diffusion_gemma"]
+    cfg = DiffusionGemmaConfig(
+        text_config={**DG_TEXT, "vocab_size": _vocab_size("diffusion_gemma"), "pad_token_id": ids[roles["pad"]],
+                     "eos_token_id": ids[roles["eos"]], "bos_token_id": ids[roles["bos"]], **text},
+        vision_config={"model_type": "gemma4_vision", **DG_VISION}, canvas_length=canvas_length,
+        image_token_id=ids[roles["image"]])
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "vision" in name:
+                continue
+            if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif p.dim() > 1:
+                p.mul_(4.0)  # sharper distributions than the 0.02 init
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    model.save_pretrained(str(directory))
+    sampler = {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"}
+    gen = {"max_denoising_steps": 6, "sampler_config": sampler,
+           "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1, "confidence_threshold": 0.005,
+           "bos_token_id": ids[roles["bos"]], "pad_token_id": ids[roles["pad"]],
+           "eos_token_id": [ids[roles["eos"]], ids[roles["end_of_turn"]]], "max_new_tokens": 4 * canvas_length,
+           **(generation or {})}
+    (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    _write_tokenizer("diffusion_gemma", directory, chat_template=True)
+    return directory

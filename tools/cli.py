@@ -13,11 +13,12 @@ from planner import cli as planner_cli
 from predictors import cli as predictors_cli
 from sim import cli as sim_cli
 from sim.report import cli as report_cli
-from tools import bench_cli, faults, generate, model_cli, profile_cli, serve_cli
+from tools import bench_cli, export_cli, faults, generate, model_cli, profile_cli, serve_cli
 
 COMMAND_MODULES = (
     model_cli,  # remask train-default, eval
     generate,  # remask generate
+    export_cli,  # remask export
     serve_cli,  # remask serve
     sim_cli,  # remask simulate
     planner_cli,  # remask plan

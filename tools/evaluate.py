@@ -124,8 +124,10 @@ def sweep_rule(engine: Engine, rule: str, config: dict | None = None, knobs: Seq
 def sweep_all(engine: Engine, n: int = 300, seed: int = 2026, progress: bool = False,
               sweeps: Sequence[tuple[str, str, dict]] = REPORT_SWEEPS) -> dict[str, list[dict]]:
     """``sweep_rule`` of each (label, rule, config) of ``sweeps`` at the rule's default knob sweep, by label;
-    with every registered rule not in ``sweeps`` after them."""
-    todo = list(sweeps) + [(r, r, {}) for r in sorted(RULES) if r not in {rule for _, rule, _ in sweeps}]
+    with every registered rule not in ``sweeps`` after them (but the whole-canvas rules, ``canvas_rule``, which
+    decode DiffusionGemma canvases, not a masked model's blocks)."""
+    todo = list(sweeps) + [(r, r, {}) for r in sorted(RULES) if r not in {rule for _, rule, _ in sweeps}
+                           and not getattr(RULES[r], "canvas_rule", False)]
     return {label: sweep_rule(engine, rule, config, n=n, seed=seed, progress=progress)
             for label, rule, config in todo}
 

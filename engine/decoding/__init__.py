@@ -34,6 +34,7 @@ from engine.decoding.entropy_bound import EntropyBoundRule
 from engine.decoding.hierarchical import HierarchicalRule
 from engine.decoding.joint_threshold import JointThresholdRule
 from engine.decoding.low_confidence import LowConfidenceRule
+from engine.decoding.renoise import CanvasDecision, CanvasStep, RenoiseRule
 from engine.decoding.threshold import DynamicRule, ThresholdRule
 
 UnmaskRule = DecodingRule  # the old name of the interface (its select() lives on in RuleBase)
@@ -53,8 +54,9 @@ def __getattr__(name: str):
 
 __all__ = [
     "KNOWN_NEEDS", "NEEDS_ALL_ROWS", "NEEDS_CANVAS", "NEEDS_CURRENT_PROB", "NEEDS_ENTROPY", "RULES", "BlockStep",
-    "CreditRule", "Decision", "DecodingRule", "DynamicRule", "EntropyBoundRule", "HierarchicalRule",
-    "JointThresholdRule", "LowConfidenceRule", "Registry", "RuleBase", "ThresholdRule", "UnmaskRule",
+    "CanvasDecision", "CanvasStep", "CreditRule", "Decision", "DecodingRule", "DynamicRule", "EntropyBoundRule",
+    "HierarchicalRule", "JointThresholdRule", "LowConfidenceRule", "Registry", "RenoiseRule", "RuleBase",
+    "ThresholdRule", "UnmaskRule",
     "apply_decision", "confidence", "entropy", "filter_logits", "gumbel_noise", "make_rule", "noise_seeds",
     "penalise_previous", "register", "sample", "token_prob",
 ]

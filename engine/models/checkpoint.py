@@ -16,6 +16,7 @@ from engine.models.config import ModelConfig
 from engine.models.transformer import DLMTransformer
 
 ARCH = "RemaskDiffusionLM"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -103,3 +104,20 @@ def load_remask(directory: str | Path, dtype: torch.dtype = torch.float32, devic
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.to(dtype=dtype).eval()
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, or model.safetensors."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        files = [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    elif (directory / "model.safetensors").is_file():
+        files = [directory / "model.safetensors"]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory} has no .safetensors weights")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{directory} lacks shards listed in {INDEX_FILE}: {missing[:5]}")
+    return files

@@ -47,8 +47,9 @@ def as_cuda_attention_output(out: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-              enable_gqa: bool = False) -> torch.Tensor:
+              enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
     """``scaled_dot_product_attention`` (looked up at each call, so a test may wrap it), its output in CUDA's
-    layout when emulating. Callers must not assume the output is contiguous."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
+    layout when emulating. Callers must not assume the output is contiguous. ``scale``: the scores' factor
+    (None: 1/sqrt(head dim); DiffusionGemma's q/k norms make it 1)."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, scale=scale)
     return as_cuda_attention_output(out) if _emulate and not out.is_cuda else out

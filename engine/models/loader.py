@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.models import checkpoint
+from engine.models import checkpoint, diffusion_gemma
+from engine.models.checkpoint import INDEX_FILE, weight_files  # noqa: F401 - weight_files: re-exported
 from engine.models.config import ModelConfig
 from engine.models.transformer import DLMTransformer
 
@@ -30,7 +31,6 @@ LLADA_MASK_ID, LLADA_EOS_ID = 126336, 126081
 DREAM_MASK_ID = 151666
 SDAR_MASK_ID, SDAR_BLOCK_SIZE = 151669, 4
 LLADA2_MASK_ID, LLADA2_EOS_ID, LLADA2_BLOCK_SIZE = 156895, 156892, 32
-INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # RoPE tables some old checkpoints store; we recompute them
 
 
@@ -279,6 +279,9 @@ ARCHITECTURES: dict[str, Callable[[dict], Architecture]] = {
     "LlamaForCausalLM": lambda data: Architecture(llama_config, hf_name),
     "Qwen2ForCausalLM": lambda data: Architecture(qwen2_config, hf_name),
     "Qwen3ForCausalLM": lambda data: Architecture(qwen3_config, hf_name),
+    # its own model class (engine/models/diffusion_gemma.py): load_config summarises it, load_model refuses it
+    diffusion_gemma.ARCH: lambda data: Architecture(
+        lambda d: diffusion_gemma.config_from_hf(d).to_model_config(), diffusion_gemma.checkpoint_name),
 }
 
 
@@ -302,23 +305,6 @@ def _architecture(data: dict, directory: Path) -> Architecture:
     if names[0] not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {names[0]!r} in {directory}; known: {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[names[0]](data)
-
-
-def weight_files(directory: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the index's shards, or model.safetensors."""
-    index = directory / INDEX_FILE
-    if index.is_file():
-        files = [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    elif (directory / "model.safetensors").is_file():
-        files = [directory / "model.safetensors"]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{directory} has no .safetensors weights")
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"{directory} lacks shards listed in {INDEX_FILE}: {missing[:5]}")
-    return files
 
 
 def _few(names) -> str:
@@ -376,6 +362,10 @@ def load_model(
     """Load the checkpoint directory at ``path`` into an eval-mode DLMTransformer."""
     directory, data = _read_config(path)
     arch = _architecture(data, directory)
+    if (data.get("architectures") or [None])[0] == diffusion_gemma.ARCH:
+        raise ValueError(f"{directory} is a DiffusionGemma checkpoint: it runs as encoder passes and canvas "
+                         "denoising steps (engine.models.diffusion_gemma.load, engine.canvas), not as a masked "
+                         "diffusion model")
     with torch.device("meta"):
         model = DLMTransformer(arch.config(data))
         if arch.prepare is not None:

@@ -1,0 +1,912 @@
+"""DiffusionGemma (``DiffusionGemmaForBlockDiffusion``): uniform-state block diffusion over Gemma-4 layers.
+
+One set of layers runs two ways:
+
+* **encoder** (``encode``): the prompt, then each finished canvas, causally, appending each layer's K/V to a
+  cache (``DGCache``). Exact and reusable, as an autoregressive model's prefill. Sliding-window layers keep only
+  their last ``sliding_window - 1`` positions (what the next tokens can still see).
+* **decoder** (``decode``): a canvas of ``canvas_length`` tokens bidirectionally over itself and over the cache
+  (read only), its input embeddings mixed with the previous step's logits (self-conditioning); out come
+  soft-capped float32 logits for every canvas position.
+
+The layers, as transformers' ``modeling_diffusion_gemma`` defines them (this is an own implementation, checked
+against it by tests/test_diffusion_gemma.py within 1e-5 in float32): Gemma-4 RMSNorm (float32 inside, the
+weight multiplied unshifted), q/k norms and an unscaled v norm, attention scores unscaled (the norms make the
+factor 1), sliding layers (``sliding_window``) with their own head size and K/V heads beside full layers
+(``global_head_dim``, K = V: full layers have no v_proj), RoPE per layer type (full layers "proportional":
+a fraction of each head's frequencies, the rest zero), four norms around attention and the feed-forward, a dense
+GELU-tanh MLP beside top-k routed experts (a softmax router with per-expert scales) summed after their own norms,
+a per-layer scalar (the encoder's and the decoder's are separate buffers), embeddings scaled by sqrt(hidden),
+tied LM head, logits soft-capped by ``final_logit_softcapping``.
+
+Not served: images. The vision tower's weights are skipped at load time and a prompt holding the image token
+is refused (``check_text_only``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.config import ModelConfig
+from engine.models.layouts import attention
+
+ARCH = "DiffusionGemmaForBlockDiffusion"
+KV = tuple[torch.Tensor, torch.Tensor]
+SLIDING, FULL = "sliding_attention", "full_attention"
+VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+# transformers' generation defaults (DiffusionGemmaGenerationConfig._get_default_generation_params)
+GENERATION_DEFAULTS = {"max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
+                       "stability_threshold": 1, "confidence_threshold": 0.005, "max_new_tokens": 256}
+
+
+# ---------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One layer type's rotary embedding: ``kind`` "default" (every dimension) or "proportional" (the first
+    ``fraction`` of each head's frequencies rotate, the rest are zero: those dimensions pass through)."""
+
+    theta: float
+    kind: str = "default"
+    fraction: float = 1.0
+    factor: float = 1.0
+
+    def inv_freq(self, head_dim: int, device=None) -> torch.Tensor:
+        """Frequencies [head_dim / 2] (as transformers computes them for this RoPE type)."""
+        if self.kind == "proportional":
+            angles = int(self.fraction * head_dim // 2)
+            rotated = 1.0 / (self.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64, device=device)
+                                            .float() / head_dim))
+            zeros = torch.zeros(head_dim // 2 - angles, dtype=torch.float32, device=device)
+            return torch.cat((rotated, zeros)) / self.factor
+        dim = int(head_dim * self.fraction)
+        if dim != head_dim:
+            raise ValueError(f"default RoPE with partial_rotary_factor {self.fraction} is not supported")
+        return 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+@dataclass(frozen=True)
+class DiffusionGemmaConfig:
+    """The text model of a DiffusionGemma checkpoint, per layer where layers differ."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    layer_types: tuple[str, ...]
+    head_dims: tuple[int, ...]  # per layer
+    kv_heads: tuple[int, ...]  # per layer
+    sliding_window: int
+    num_experts: int
+    top_k_experts: int
+    moe_intermediate_size: int
+    ropes: dict = field(default_factory=dict)  # layer type -> Rope
+    rms_norm_eps: float = 1e-6
+    final_logit_softcapping: float | None = 30.0
+    hidden_activation: str = "gelu_pytorch_tanh"
+    canvas_length: int = 256
+    pad_token_id: int = 0
+    eos_token_ids: tuple[int, ...] = (1,)
+    bos_token_id: int = 2
+    image_token_id: int | None = None
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = True
+    generation: dict = field(default_factory=lambda: dict(GENERATION_DEFAULTS))
+    self_conditioning_size: int = 0  # the self-conditioning MLP's width; 0: intermediate_size (TP shards keep it)
+
+    def __post_init__(self) -> None:
+        n = len(self.layer_types)
+        if not n or len(self.head_dims) != n or len(self.kv_heads) != n:
+            raise ValueError("layer_types, head_dims and kv_heads must name every layer")
+        if bad := sorted(set(self.layer_types) - {SLIDING, FULL}):
+            raise ValueError(f"unknown layer_types {bad} (known: {SLIDING}, {FULL})")
+        for i, kv in enumerate(self.kv_heads):
+            if kv <= 0 or self.num_heads % kv:
+                raise ValueError(f"layer {i}: num_attention_heads ({self.num_heads}) must be a multiple of its "
+                                 f"num_key_value_heads ({kv})")
+        if not self.num_experts or not 0 < self.top_k_experts <= self.num_experts or self.moe_intermediate_size <= 0:
+            raise ValueError(f"DiffusionGemma layers always route to experts: num_experts {self.num_experts}, "
+                             f"top_k_experts {self.top_k_experts}, moe_intermediate_size {self.moe_intermediate_size}")
+        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"hidden_activation {self.hidden_activation!r} is not supported")
+        if self.sliding_window <= 1:
+            raise ValueError(f"sliding_window must be > 1, got {self.sliding_window}")
+        for kind in set(self.layer_types):
+            if kind not in self.ropes:
+                raise ValueError(f"rope_parameters has no entry for {kind}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    def sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING
+
+    def kept(self, layer: int) -> int | None:
+        """How many past positions a layer's cache keeps: ``sliding_window - 1`` for sliding layers (as
+        transformers' DynamicCache), None (all) for full ones."""
+        return self.sliding_window - 1 if self.sliding(layer) else None
+
+    def replace(self, **changes) -> DiffusionGemmaConfig:
+        data = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        data.update(changes)
+        return DiffusionGemmaConfig(**data)
+
+    def cache_bytes(self, length: int, dtype_bytes: int = 2) -> int:
+        """The bytes of one request's encoder cache after ``length`` encoded positions: K and V of every layer,
+        sliding layers holding at most ``sliding_window - 1`` positions (what ``DGCache`` keeps)."""
+        total = 0
+        for i in range(self.num_layers):
+            kept = length if self.kept(i) is None else min(length, self.kept(i))
+            total += 2 * self.kv_heads[i] * self.head_dims[i] * dtype_bytes * kept
+        return total
+
+    def to_model_config(self) -> ModelConfig:
+        """A summary in the shape the rest of Remask reads (context length, vocabulary, token ids, the canvas
+        as the block): the sliding layers' heads; ``extra`` holds this config (``diffusion_gemma``)."""
+        first = self.layer_types.index(SLIDING) if SLIDING in self.layer_types else 0
+        return ModelConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+            num_heads=self.num_heads, num_kv_heads=self.kv_heads[first], head_dim=self.head_dims[first],
+            intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps, qk_norm=True,
+            tie_word_embeddings=self.tie_word_embeddings, attention="block_causal", block_size=self.canvas_length,
+            mask_token_id=self.pad_token_id, eos_token_id=self.eos_token_ids[0], pad_token_id=self.pad_token_id,
+            max_position_embeddings=self.max_position_embeddings, num_experts=self.num_experts,
+            experts_per_token=self.top_k_experts, moe_intermediate_size=self.moe_intermediate_size,
+            arch="diffusion_gemma", extra={"diffusion_gemma": self.to_dict()})
+
+    def to_dict(self) -> dict:
+        """JSON-ready (tuples as lists)."""
+        data = asdict(self)
+        data["ropes"] = {k: asdict(v) for k, v in self.ropes.items()}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+
+
+def _ids(value, default: int) -> tuple[int, ...]:
+    if value is None:
+        return (default,)
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def config_from_hf(data: dict, generation: dict | None = None) -> DiffusionGemmaConfig:
+    """A DiffusionGemma config.json (``text_config`` inside it; transformers 5.25's spelling, or the released
+    checkpoints' ``global_head_dim`` / ``num_global_key_value_heads``) -> DiffusionGemmaConfig. ``generation``:
+    its generation_config.json, whose diffusion fields override transformers' defaults."""
+    text = data.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("a DiffusionGemma config.json needs a text_config object")
+    if text.get("use_bidirectional_attention") == "all":
+        raise ValueError("use_bidirectional_attention 'all' (a bidirectional encoder) is not supported")
+    n = int(text.get("num_hidden_layers", 30))
+    types = list(text.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(n)])
+    if len(types) != n:
+        raise ValueError(f"layer_types names {len(types)} layers, num_hidden_layers is {n}")
+    types[-1] = FULL  # as transformers forces it
+    head_dim, kv = int(text.get("head_dim", 256)), int(text.get("num_key_value_heads", 4))
+    per_layer = text.get("per_layer_config")
+    if per_layer is None:
+        glob_kv = text.get("num_global_key_value_heads")
+        per_layer = {str(i): {"head_dim": int(text.get("global_head_dim", 512)),
+                              **({"num_key_value_heads": int(glob_kv)} if glob_kv is not None else {})}
+                     for i, t in enumerate(types) if t == FULL}
+    head_dims, kv_heads = [], []
+    for i in range(n):
+        over = per_layer.get(str(i)) or per_layer.get(i) or {}
+        head_dims.append(int(over.get("head_dim", head_dim)))
+        kv_heads.append(int(over.get("num_key_value_heads", kv)))
+    rope_params = text.get("rope_parameters") or {
+        SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+    ropes = {}
+    for kind in set(types):
+        p = rope_params.get(kind)
+        if p is None:
+            raise ValueError(f"rope_parameters has no entry for {kind}")
+        rtype = p.get("rope_type", "default")
+        if rtype not in ("default", "proportional"):
+            raise ValueError(f"rope_parameters[{kind!r}]: RoPE type {rtype!r} is not supported")
+        ropes[kind] = Rope(float(p["rope_theta"]), rtype, float(p.get("partial_rotary_factor", 1.0)),
+                           float(p.get("factor", 1.0)))
+    gen = dict(GENERATION_DEFAULTS)
+    for key, value in (generation or {}).items():
+        if key == "sampler_config" and isinstance(value, dict) and value.get("entropy_bound") is not None:
+            gen["entropy_bound"] = float(value["entropy_bound"])
+        elif key in gen and value is not None:
+            gen[key] = value
+    cap = text.get("final_logit_softcapping", 30.0)
+    return DiffusionGemmaConfig(
+        vocab_size=int(text.get("vocab_size", 262_144)), hidden_size=int(text.get("hidden_size", 2304)),
+        intermediate_size=int(text.get("intermediate_size", 9216)),
+        num_heads=int(text.get("num_attention_heads", 8)), layer_types=tuple(types), head_dims=tuple(head_dims),
+        kv_heads=tuple(kv_heads), sliding_window=int(text.get("sliding_window", 512)),
+        num_experts=int(text.get("num_experts") or 0), top_k_experts=int(text.get("top_k_experts") or 0),
+        moe_intermediate_size=int(text.get("moe_intermediate_size") or 0), ropes=ropes,
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        final_logit_softcapping=None if cap is None else float(cap),
+        hidden_activation=text.get("hidden_activation", "gelu_pytorch_tanh"),
+        canvas_length=int(data.get("canvas_length") or 256), pad_token_id=int(text.get("pad_token_id") or 0),
+        eos_token_ids=_ids((generation or {}).get("eos_token_id", text.get("eos_token_id")), 1),
+        bos_token_id=int(text.get("bos_token_id") or 2), image_token_id=data.get("image_token_id"),
+        max_position_embeddings=int(text.get("max_position_embeddings", 131_072)),
+        tie_word_embeddings=bool(data.get("tie_word_embeddings", True)), generation=gen)
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma-4's RMSNorm: float32 inside (the mean square's power -1/2), times the weight in float32 (unshifted),
+    rounded once to ``x``'s dtype; no weight: the unscaled norm."""
+    f = x.float()
+    out = f * torch.pow(f.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight.float()
+    return out.type_as(x)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float, scale: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _act(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return (lambda x: F.gelu(x, approximate="tanh")) if name == "gelu_pytorch_tanh" else F.gelu
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin over the whole head (zero frequencies leave their dimensions as they are)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = _act(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Softmax over experts of the unscaled-normed hidden state times ``scale`` / sqrt(hidden); the top k
+    renormalised to sum to one, each times its expert's ``per_expert_scale``."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        self.root = cfg.hidden_size ** -0.5
+        self.eps, self.k = cfg.rms_norm_eps, cfg.top_k_experts
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, k] float32, expert ids [N, k])."""
+        h = rms_norm(x, None, self.eps) * self.scale * self.root
+        probs = F.softmax(self.proj(h), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, k=self.k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[ids], ids
+
+
+class Experts(nn.Module):
+    """The routed experts, stacked: ``gate_up_proj`` [E, 2 x I, H] and ``down_proj`` [E, H, I] (the checkpoint's
+    layout). The (token, choice) pairs are sorted by expert; where torch has a grouped product for the device
+    and dtype (``transformer.grouped_mm_works``) every expert runs in one grouped product per projection with
+    the groups' ends computed on the device (no host sync: capturable), else each expert with pairs runs once
+    on them (the host reads the counts). Each pair's output is weighted in float32 and a token's k outputs are
+    summed in float32, then rounded once (as transformers' grouped experts do)."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act = _act(cfg.hidden_activation)
+        self.grouped = True  # use the grouped product where it runs (False: the loop over experts)
+
+    @property
+    def kernel(self) -> str:
+        from engine.models.transformer import grouped_mm_works
+
+        w = self.down_proj
+        aligned = all(n * w.element_size() % 16 == 0 for n in w.shape[1:])  # grouped kernels read 16-byte rows
+        return "grouped" if self.grouped and aligned and grouped_mm_works(w.device.type, w.dtype) else "loop"
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        rows = x[order // k]
+        n_experts = self.gate_up_proj.shape[0]
+        if self.kernel == "grouped":
+            from engine.models.transformer import GROUPED_MM
+
+            counts = flat.new_zeros(n_experts).index_add_(0, flat, torch.ones_like(flat))
+            ends = counts.cumsum(0).to(torch.int32)
+            gate, up = GROUPED_MM(rows, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+            out = GROUPED_MM(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        else:
+            out = torch.empty(len(rows), x.shape[-1], dtype=x.dtype, device=x.device)
+            start = 0
+            for expert, n in enumerate(torch.bincount(flat, minlength=n_experts).tolist()):
+                if n:
+                    gate, up = F.linear(rows[start:start + n], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                    out[start:start + n] = F.linear(self.act(gate) * up, self.down_proj[expert])
+                    start += n
+        routed = torch.empty_like(out).index_copy_(0, order, out).unflatten(0, (len(x), k))
+        return (routed * weights[..., None]).sum(1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DiffusionGemmaConfig, layer: int) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.kv_heads[layer], cfg.head_dims[layer]
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        # full layers: V is K's projection (before K's norm and rotation)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False) if cfg.sliding(layer) else None
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+        self.q_norm = Norm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = Norm(self.hd, cfg.rms_norm_eps)
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, x, cos, sin, mask, past: KV | None) -> tuple[torch.Tensor, KV]:
+        """x [N, T, H]; past: (K, V) [N, kv heads, C, D] or None. Returns (output, all K/V: past + fresh)."""
+        n, t, _ = x.shape
+        q = rotate(self.q_norm(self.q_proj(x).unflatten(-1, (self.nh, self.hd))), cos, sin).transpose(1, 2)
+        raw = self.k_proj(x).unflatten(-1, (self.nkv, self.hd))
+        v = raw if self.v_proj is None else self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
+        k = rotate(self.k_norm(raw), cos, sin).transpose(1, 2)
+        v = rms_norm(v, None, self.eps).transpose(1, 2)
+        if past is not None and past[0].shape[2]:
+            k, v = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
+        # the kernel's output may come back in any strides (engine/models/layouts.py): transposed, then one reshape
+        out = attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv, scale=1.0).transpose(1, 2)
+        return self.o_proj(out.reshape(n, t, -1)), (k, v)
+
+
+class Layer(nn.Module):
+    """One Gemma-4 layer; the encoder and the decoder share its weights but not their per-layer scalars."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig, index: int) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, index)
+        self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_activation)
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                     "pre_feedforward_layernorm_2"):
+            setattr(self, name, Norm(h, eps))
+        self.register_buffer("layer_scalar", torch.ones(1))  # the decoder's
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallelism: sums partials
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.reduce is None else self.reduce(x)
+
+    def forward(self, x, cos, sin, mask, past: KV | None, encoder: bool) -> tuple[torch.Tensor, KV]:
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        x = x + self.post_attention_layernorm(self._sum(h))
+        dense = self.post_feedforward_layernorm_1(self._sum(self.mlp(self.pre_feedforward_layernorm(x))))
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.router(flat)
+        routed = self._sum(self.experts(self.pre_feedforward_layernorm_2(flat), ids, weights)).reshape(x.shape)
+        ff = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(routed))
+        return (x + ff) * (self.encoder_layer_scalar if encoder else self.layer_scalar), kv
+
+
+class SelfConditioning(MLP):
+    """The previous step's logits as soft embeddings through a gated MLP (a normed input), added to the canvas's
+    embeddings, the sum normed (unscaled)."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+        super().__init__(cfg.hidden_size, cfg.self_conditioning_size or cfg.intermediate_size, cfg.hidden_activation)
+        self.pre_norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eps = cfg.rms_norm_eps
+
+    def condition(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
+        if soft is not None:  # none (the first step): a zero signal, whose MLP output is exactly zero
+            embeds = embeds + super().forward(self.pre_norm(soft))
+        return rms_norm(embeds, None, self.eps)
+
+
+# ---------------------------------------------------------------- the cache
+
+
+_CACHE_UIDS = itertools.count()
+
+
+class DGCache:
+    """The encoder's K/V per layer, [N, kv heads, kept positions, head dim] (the layer's own heads and head
+    size), for N rows of equal length. Sliding-window layers keep only their last ``sliding_window - 1``
+    positions; full layers keep all. ``length``: positions encoded so far (the next token's position)."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+        self.cfg = cfg
+        self.layers: list[KV | None] = [None] * cfg.num_layers
+        self.length = 0
+        self.uid = next(_CACHE_UIDS)  # never reused in the process (unlike id()): names this cache in keys
+
+    def store(self, layer: int, kv: KV) -> None:
+        keep = self.cfg.kept(layer)
+        k, v = kv
+        if keep is not None and k.shape[2] > keep:
+            k, v = k[:, :, -keep:].contiguous(), v[:, :, -keep:].contiguous()
+        self.layers[layer] = (k, v)
+
+    def kept(self, layer: int) -> int:
+        kv = self.layers[layer]
+        return 0 if kv is None else kv[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for kv in self.layers if kv is not None for k, v in [kv])
+
+
+# ---------------------------------------------------------------- the model
+
+
+class DiffusionGemma(nn.Module):
+    """Module names are the checkpoint's decoder names (``model.decoder.`` stripped), plus each layer's
+    ``encoder_layer_scalar``."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._inv_freq: dict[tuple, torch.Tensor] = {}
+
+    # -- inputs
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight
+        return F.embedding(ids, w) * torch.tensor(self.config.hidden_size ** 0.5, dtype=w.dtype, device=w.device)
+
+    def rope_tables(self, positions: torch.Tensor, dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer index: cos, sin [N, T, 1, head dim] for positions [N, T] (one table per layer type)."""
+        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        out = {}
+        for i, kind in enumerate(self.config.layer_types):
+            key = (kind, self.config.head_dims[i])
+            if key not in tables:
+                cache_key = (*key, positions.device)
+                inv = self._inv_freq.get(cache_key)
+                if inv is None:
+                    inv = self._inv_freq[cache_key] = self.config.ropes[kind].inv_freq(key[1], positions.device)
+                freqs = positions.float()[..., None] * inv
+                emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
+                tables[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+            out[i] = tables[key]
+        return out
+
+    def soft_embeddings(self, logits: torch.Tensor) -> torch.Tensor:
+        """The self-conditioning signal of a step's logits [..., V]: their softmax (float32, then the embeddings'
+        dtype) times the embedding matrix, scaled as the embeddings are: [..., H]."""
+        w = self.embed_tokens.weight
+        probs = logits.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
+        return torch.matmul(probs, w) * torch.tensor(self.config.hidden_size ** 0.5, dtype=w.dtype, device=w.device)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    # -- the two passes
+
+    def encode(self, input_ids: torch.Tensor, cache: DGCache) -> torch.Tensor:
+        """Append ``input_ids`` [N, T] (at positions cache.length onward) to ``cache``, causally. Returns the
+        final normed hidden states [N, T, H] (transformers' ``encoder_last_hidden_state``)."""
+        n, t = input_ids.shape
+        x = self.embed(input_ids)
+        start = cache.length
+        qpos = torch.arange(start, start + t, device=x.device)
+        tables = self.rope_tables(qpos.expand(n, t), x.dtype)
+        masks: dict[tuple[bool, int], torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            kept = cache.kept(i)
+            sliding = self.config.sliding(i)
+            mkey = (sliding, kept)
+            if mkey not in masks:
+                kpos = torch.arange(start - kept, start + t, device=x.device)
+                allowed = kpos[None, :] <= qpos[:, None]
+                if sliding:
+                    allowed &= kpos[None, :] > qpos[:, None] - self.config.sliding_window
+                masks[mkey] = allowed[None, None]
+            cos, sin = tables[i]
+            x, kv = layer(x, cos, sin, masks[mkey], cache.layers[i], encoder=True)
+            cache.store(i, kv)
+        cache.length = start + t
+        return self.norm(x)
+
+    def encode_many(self, chunks: list[list[int]], caches: list[DGCache]) -> None:
+        """Encode each ``chunks[n]`` into ``caches[n]`` (different requests: their own lengths, their own caches)
+        in one forward: the new tokens right-padded, the cached K/V left-padded, one mask per row and layer
+        (causal, the sliding window, no padding; a padded query sees itself, so no row is empty)."""
+        if len(chunks) != len(caches) or not chunks or any(not c for c in chunks):
+            raise ValueError("encode_many needs one non-empty chunk per cache")
+        if len(chunks) == 1:
+            self.encode(torch.tensor([chunks[0]], device=self.embed_tokens.weight.device), caches[0])
+            return
+        dev = self.embed_tokens.weight.device
+        n, t = len(chunks), max(len(c) for c in chunks)
+        ids = torch.full((n, t), self.config.pad_token_id, dtype=torch.long, device=dev)
+        for row, chunk in enumerate(chunks):
+            ids[row, : len(chunk)] = torch.tensor(chunk, device=dev)
+        lengths = torch.tensor([len(c) for c in chunks], device=dev)
+        starts = torch.tensor([c.length for c in caches], device=dev)
+        qpos = starts[:, None] + torch.arange(t, device=dev)  # [N, T]
+        x = self.embed(ids)
+        tables = self.rope_tables(qpos, x.dtype)
+        kept_all = [[c.kept(i) for c in caches] for i in range(len(self.layers))]
+        masks: dict[tuple, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            kept = kept_all[i]
+            longest = max(kept)
+            past = None
+            if longest:
+                ref = next(c.layers[i] for c in caches if c.layers[i] is not None)[0]
+                shape = (n, ref.shape[1], longest, ref.shape[3])
+                keys, values = ref.new_zeros(shape), ref.new_zeros(shape)
+                for row, c in enumerate(caches):
+                    if kept[row]:
+                        keys[row, :, longest - kept[row]:], values[row, :, longest - kept[row]:] = c.layers[i]
+                past = (keys, values)
+            sliding = self.config.sliding(i)
+            mkey = (sliding, tuple(kept))
+            if mkey not in masks:
+                kept_t = torch.tensor(kept, device=dev)
+                j = torch.arange(longest + t, device=dev)[None, :]  # [1, K]
+                in_past = j < longest
+                kpos = torch.where(in_past, starts[:, None] - (longest - j), starts[:, None] + (j - longest))
+                valid = torch.where(in_past, j >= longest - kept_t[:, None], (j - longest) < lengths[:, None])
+                allowed = valid[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # [N, T, K]
+                if sliding:
+                    allowed &= kpos[:, None, :] > qpos[:, :, None] - self.config.sliding_window
+                allowed |= (j - longest)[:, None, :] == torch.arange(t, device=dev)[None, :, None]  # itself
+                masks[mkey] = allowed[:, None]
+            cos, sin = tables[i]
+            x, (keys, values) = layer(x, cos, sin, masks[mkey], past, encoder=True)
+            for row, c in enumerate(caches):
+                lo, hi = longest - kept[row], longest + len(chunks[row])
+                c.store(i, (keys[row:row + 1, :, lo:hi].clone(), values[row:row + 1, :, lo:hi].clone()))
+        for c, chunk in zip(caches, chunks):
+            c.length += len(chunk)
+
+    def decode(self, canvas: torch.Tensor, cache: DGCache | list[DGCache] | PaddedCaches,
+               self_conditioning: torch.Tensor | None = None,
+               conditioned: torch.Tensor | None = None) -> torch.Tensor:
+        """One denoising forward: ``canvas`` [N, L] at positions cache.length onward, bidirectionally over itself
+        and the cache (read only), ``self_conditioning`` the previous step's (processed) logits [N, L, V] or None.
+        ``cache`` may be one per row (different requests, different lengths): their K/V are left-padded to the
+        longest and the padding masked out (``PaddedCaches``: padded once, reused by every step while the
+        caches stay as they are). ``conditioned`` (bool [N]): the rows whose ``self_conditioning`` counts (the
+        others get a zero signal, as at their first step; transformers' ``self_conditioning_mask``).
+        Returns soft-capped float32 logits [N, L, V]."""
+        n, t = canvas.shape
+        x = self.embed(canvas)
+        soft = None
+        if self_conditioning is not None:  # logits [N, L, V], or their soft embeddings [N, L, H] already
+            soft = self_conditioning if self_conditioning.shape[-1] != self.config.vocab_size \
+                else self.soft_embeddings(self_conditioning)
+            if conditioned is not None:  # a zero signal gives exactly the unconditioned embeddings
+                soft = soft * conditioned.to(device=soft.device, dtype=soft.dtype)[:, None, None]
+        x = self.self_conditioning.condition(x, soft)
+        if isinstance(cache, DGCache):
+            pos = torch.arange(cache.length, cache.length + t, device=x.device).expand(n, t)
+            pasts, masks = cache.layers, [None] * len(self.layers)
+        else:
+            padded = cache if isinstance(cache, PaddedCaches) else PaddedCaches(cache, t, x.device)
+            if len(padded.lengths) != n or padded.t != t:
+                raise ValueError(f"caches padded for {len(padded.lengths)} canvases of {padded.t}, got {n} of {t}")
+            pos = torch.tensor(padded.lengths, device=x.device)[:, None] + torch.arange(t, device=x.device)
+            pasts, masks = padded.pasts, padded.masks
+        tables = self.rope_tables(pos, x.dtype)
+        for i, layer in enumerate(self.layers):
+            cos, sin = tables[i]
+            x, _ = layer(x, cos, sin, masks[i], pasts[i], encoder=False)
+        return self.logits(self.norm(x))
+
+
+class PaddedCaches:
+    """Caches of different requests laid side by side for one decoder forward over canvases of ``t`` tokens:
+    per layer their K/V left-padded to the longest (zeros) and the mask [N, 1, t, C + t] that hides the padding
+    (None where no row is padded). ``key`` says which caches at which lengths it was built from: a caller may
+    reuse it for as long as that holds (a canvas's denoising steps do not change the caches)."""
+
+    def __init__(self, caches: list[DGCache], t: int, device) -> None:
+        self.t = t
+        self.lengths = [c.length for c in caches]
+        self.key = tuple((c.uid, c.length) for c in caches)
+        self.pasts: list[KV | None] = []
+        self.masks: list[torch.Tensor | None] = []
+        for i in range(len(caches[0].layers)):
+            kvs = [c.layers[i] for c in caches]
+            kept = [0 if kv is None else kv[0].shape[2] for kv in kvs]
+            longest = max(kept)
+            if longest == 0:
+                self.pasts.append(None)
+                self.masks.append(None)
+                continue
+            ref = next(kv for kv in kvs if kv is not None)[0]
+            shape = (len(caches), ref.shape[1], longest, ref.shape[3])
+            keys, values = ref.new_zeros(shape), ref.new_zeros(shape)
+            for row, (kv, k) in enumerate(zip(kvs, kept)):
+                if k:
+                    keys[row, :, longest - k:], values[row, :, longest - k:] = kv
+            self.pasts.append((keys, values))
+            if min(kept) == longest:
+                self.masks.append(None)
+                continue
+            first = torch.tensor([longest - k for k in kept], device=device)
+            allowed = torch.arange(longest + t, device=device)[None, :] >= first[:, None]  # [N, C + t]
+            self.masks.append(allowed[:, None, None, :].expand(len(caches), 1, t, longest + t))
+
+    def fits(self, caches: list[DGCache]) -> bool:
+        """Whether this was built from exactly ``caches`` at their current lengths."""
+        return self.key == tuple((c.uid, c.length) for c in caches)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def checkpoint_name(name: str) -> str | None:
+    """A checkpoint tensor's name here; None for tensors not loaded (the vision tower, the encoder's copies of
+    tied weights, a tied lm_head)."""
+    if name.startswith(VISION_PREFIXES):
+        return None
+    if name.startswith("model.decoder."):
+        return name.removeprefix("model.decoder.")
+    if name.startswith("model.encoder.language_model.layers.") and name.endswith(".layer_scalar"):
+        return name.removeprefix("model.encoder.language_model.").removesuffix("layer_scalar") + "encoder_layer_scalar"
+    if name == "lm_head.weight":
+        return name
+    if name.startswith("model.encoder.language_model."):
+        return None  # tied to the decoder's (transformers writes them only when they are not tied)
+    return ""  # unknown
+
+
+def read_config(directory: str | Path) -> DiffusionGemmaConfig:
+    directory = Path(directory)
+    data = json.loads((directory / "config.json").read_text())
+    gen_file = directory / "generation_config.json"
+    generation = json.loads(gen_file.read_text()) if gen_file.is_file() else None
+    return config_from_hf(data, generation)
+
+
+def load(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+         ) -> DiffusionGemma:
+    """Load a DiffusionGemma checkpoint directory (the vision tower's weights skipped) into an eval-mode model."""
+    from safetensors import safe_open
+
+    from engine.models.checkpoint import weight_files
+
+    directory = Path(path)
+    cfg = read_config(directory)
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    seen: set[str] = set()
+    unknown: list[str] = []
+    for file in weight_files(directory):
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            part = {}
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                ours = checkpoint_name(key)
+                if ours is None or (ours == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue
+                if ours not in expected or ours in seen:
+                    unknown.append(key)
+                    continue
+                seen.add(ours)
+                part[ours] = f.get_tensor(key).to(dtype=dtype)
+        model.load_state_dict(part, strict=False, assign=True)
+    if unknown:
+        raise ValueError(f"unexpected or duplicate tensors in checkpoint: {sorted(unknown)[:5]}")
+    missing = expected - seen - {n for n in expected if n.endswith("encoder_layer_scalar")}
+    if missing:
+        raise ValueError(f"tensors missing from checkpoint: {sorted(missing)[:5]} ({len(missing)} in all)")
+    for layer in model.layers:  # an encoder scalar the checkpoint leaves out is one (transformers' init)
+        if layer.encoder_layer_scalar.is_meta:
+            layer.encoder_layer_scalar = torch.ones(1, dtype=dtype, device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    still = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still:
+        raise RuntimeError(f"parameters not loaded (still on the meta device): {still[:5]}")
+    return model.eval()
+
+
+def check_text_only(token_ids, cfg: DiffusionGemmaConfig) -> None:
+    """Refuse a prompt that holds the image token: images are not served."""
+    if cfg.image_token_id is not None and int(cfg.image_token_id) in set(int(t) for t in token_ids):
+        raise ValueError("images are not served for DiffusionGemma: the prompt holds the image token "
+                         f"({cfg.image_token_id})")
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def kv_head_slice(kv_heads: int, world: int, rank: int) -> slice:
+    """The K/V heads rank ``rank`` of ``world`` holds: an even share when ``kv_heads`` divides among the ranks,
+    else the one head its query heads read (heads replicated over world / kv_heads ranks)."""
+    if kv_heads >= world:
+        if kv_heads % world:
+            raise ValueError(f"TP degree {world} does not divide num_key_value_heads = {kv_heads}")
+        per = kv_heads // world
+        return slice(rank * per, (rank + 1) * per)
+    if world % kv_heads:
+        raise ValueError(f"TP degree {world} is not a multiple of num_key_value_heads = {kv_heads}")
+    head = rank * kv_heads // world
+    return slice(head, head + 1)
+
+
+def shard_config(cfg: DiffusionGemmaConfig, world: int) -> DiffusionGemmaConfig:
+    """Each rank's config: query heads, MLP and expert columns divided by ``world``; K/V heads divided, or one
+    per rank where there are fewer K/V heads than ranks (``kv_head_slice``)."""
+    for name, value in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
+                        ("moe_intermediate_size", cfg.moe_intermediate_size)):
+        if value % world:
+            raise ValueError(f"TP degree {world} does not divide {name} = {value}")
+    kv = []
+    for n in cfg.kv_heads:
+        s = kv_head_slice(n, world, 0)
+        kv.append(s.stop - s.start)
+    return cfg.replace(num_heads=cfg.num_heads // world, kv_heads=tuple(kv),
+                       self_conditioning_size=cfg.self_conditioning_size or cfg.intermediate_size,
+                       intermediate_size=cfg.intermediate_size // world,
+                       moe_intermediate_size=cfg.moe_intermediate_size // world)
+
+
+def _shard_tensor(name: str, t: torch.Tensor, cfg: DiffusionGemmaConfig, rank: int, world: int) -> torch.Tensor:
+    parts = name.split(".")
+    if parts[0] != "layers":  # embeddings, final norm, self-conditioning, LM head: replicated
+        return t
+    layer, module, leaf = int(parts[1]), parts[-2], parts[-1]
+    if module == "q_proj" or (parts[2] == "mlp" and module in ("gate_proj", "up_proj")):
+        return t.chunk(world, dim=0)[rank].contiguous()
+    if module in ("k_proj", "v_proj"):
+        s = kv_head_slice(cfg.kv_heads[layer], world, rank)
+        d = cfg.head_dims[layer]
+        return t[s.start * d: s.stop * d].contiguous()
+    if module in ("o_proj", "down_proj") and parts[2] in ("self_attn", "mlp"):
+        return t.chunk(world, dim=1)[rank].contiguous()
+    if module == "experts" and leaf == "gate_up_proj":  # [E, gate | up, H]: each half's rows
+        return torch.cat([h.chunk(world, dim=1)[rank] for h in t.chunk(2, dim=1)], dim=1).contiguous()
+    if module == "experts" and leaf == "down_proj":  # [E, H, I]: input columns
+        return t.chunk(world, dim=2)[rank].contiguous()
+    return t  # norms, router, scalars
+
+
+def shard(model: DiffusionGemma, rank: int, world: int,
+          reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> DiffusionGemma:
+    """Rank ``rank``'s shard of ``model``: query heads and the MLP's and experts' columns split (column-parallel
+    q/k/v, gate/up; row-parallel o and down, whose partial outputs ``reduce`` sums across the ranks: after
+    attention, after the dense MLP and after the experts, each before the norm that follows it). The router,
+    norms, embeddings, self-conditioning and LM head are replicated, so every rank sees the same logits and,
+    with the same (seed, canvas, step) draws, makes the same decisions."""
+    cfg = shard_config(model.config, world)
+    with torch.device("meta"):
+        part = DiffusionGemma(cfg)
+    state = {k: _shard_tensor(k, v, model.config, rank, world) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    part.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
+    if cfg.tie_word_embeddings:
+        part.lm_head.weight = part.embed_tokens.weight
+    for layer in part.layers:
+        layer.reduce = reduce
+    return part.eval()
+
+
+# ---------------------------------------------------------------- export (an HF checkpoint transformers loads)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "chat_template.jinja", "chat_template.json")
+EXPORT_VISION = {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                 "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8}
+
+
+def hf_text_config(cfg: DiffusionGemmaConfig) -> dict:
+    """``cfg`` as transformers' DiffusionGemmaTextConfig keyword arguments (per-layer head sizes and K/V heads
+    where they differ from the first sliding layer's)."""
+    first = cfg.layer_types.index(SLIDING) if SLIDING in cfg.layer_types else 0
+    base_dim, base_kv = cfg.head_dims[first], cfg.kv_heads[first]
+    per_layer = {i: {"head_dim": d, "num_key_value_heads": kv}
+                 for i, (d, kv) in enumerate(zip(cfg.head_dims, cfg.kv_heads)) if (d, kv) != (base_dim, base_kv)}
+    ropes = {}
+    for kind, r in cfg.ropes.items():
+        ropes[kind] = {"rope_type": r.kind, "rope_theta": r.theta}
+        if r.kind == "proportional" or r.fraction != 1.0:
+            ropes[kind]["partial_rotary_factor"] = r.fraction
+        if r.factor != 1.0:
+            ropes[kind]["factor"] = r.factor
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": base_kv, "head_dim": base_dim, "hidden_activation": cfg.hidden_activation,
+            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+            "pad_token_id": cfg.pad_token_id, "eos_token_id": cfg.eos_token_ids[0], "bos_token_id": cfg.bos_token_id,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "rope_parameters": ropes,
+            "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types),
+            "final_logit_softcapping": cfg.final_logit_softcapping, "num_experts": cfg.num_experts,
+            "top_k_experts": cfg.top_k_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
+            "per_layer_config": per_layer}
+
+
+def hf_state_dict(model: DiffusionGemma) -> dict[str, torch.Tensor]:
+    """The model's tensors under transformers' names (the decoder's; the encoder's per-layer scalars apart)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            if not model.config.tie_word_embeddings:
+                out[name] = t
+            continue
+        if name.endswith(".encoder_layer_scalar"):
+            out["model.encoder.language_model." + name.removesuffix("encoder_layer_scalar") + "layer_scalar"] = t
+        else:
+            out["model.decoder." + name] = t
+    return {k: v.detach().contiguous().cpu() for k, v in out.items()}
+
+
+def save_pretrained(model: DiffusionGemma, directory: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write ``model`` as a ``DiffusionGemmaForBlockDiffusion`` checkpoint that transformers loads: config.json
+    (written by transformers' own config class, with a one-layer vision tower whose weights transformers
+    initialises: images are not Remask's), model.safetensors, generation_config.json (the diffusion
+    defaults) and the tokenizer files of ``tokenizer_dir``."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import DiffusionGemmaConfig as HFConfig
+
+    cfg = model.config
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = HFConfig(text_config=hf_text_config(cfg), vision_config=dict(EXPORT_VISION), canvas_length=cfg.canvas_length,
+                  image_token_id=cfg.image_token_id, tie_word_embeddings=cfg.tie_word_embeddings)
+    hf.architectures = [ARCH]
+    hf.to_json_file(str(directory / "config.json"))
+    save_file(hf_state_dict(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    gen = cfg.generation
+    generation = {"max_denoising_steps": int(gen["max_denoising_steps"]),
+                  "sampler_config": {"entropy_bound": float(gen["entropy_bound"]),
+                                     "_cls_name": "EntropyBoundSamplerConfig"},
+                  "t_min": float(gen["t_min"]), "t_max": float(gen["t_max"]),
+                  "stability_threshold": int(gen["stability_threshold"]),
+                  "confidence_threshold": float(gen["confidence_threshold"]),
+                  "max_new_tokens": int(gen["max_new_tokens"]), "bos_token_id": cfg.bos_token_id,
+                  "pad_token_id": cfg.pad_token_id,
+                  "eos_token_id": list(cfg.eos_token_ids)}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / name, directory / name)
+    return directory
