@@ -204,9 +204,10 @@ class Frontend:
 
     def instances(self) -> dict:
         d = self.dispatcher
+        governor = d.driver.governor
         return {"instances": d.describe(), "dispatch": d.stats,
                 "router": {**d.driver.counters(),
-                           "admission_util": round(d.governor.util, 3), "admission_cuts": d.governor.cuts},
+                           "admission_util": round(governor.util, 3), "admission_cuts": governor.cuts},
                 "live": len(d.live), "parked": len(d.parked)}
 
     async def generate(self, kind: str, request):

@@ -56,14 +56,14 @@ class ProtocolDispatcher:
             if isinstance(msg, Thresholds):
                 msg = dataclasses.replace(msg, after_round=self.after)
                 if self.answer_all:
-                    router = self.d.router
-                    msg.estimates = {r: router.remaining_steps(router.requests[r])
-                                     for r in router.by_id[inst_id].requests if r in router.requests}
+                    driver = self.d.driver
+                    states = [driver.request(r) for r in driver.instance(inst_id).requests]
+                    msg.estimates = {s.req_id: driver.estimate(s) or 0.0 for s in states if s is not None}
                 self.answered = True
             elif isinstance(msg, Add) and self.planned:
                 live = self.d.live[msg.req_id]
                 msg = dataclasses.replace(msg, planned=live.state.fixed_threshold is None,
-                                          est_rounds=self.d.router.remaining_steps(live.state))
+                                          est_rounds=self.d.driver.estimate(live.state) or 0.0)
             return send(msg)
 
         link.send = wrapped
@@ -119,8 +119,7 @@ def measure(answer_all: bool, planned: bool, n: int = 64, slo_ms: tuple[float, f
         info = replica.info()
 
     async def main():
-        dispatcher = make_dispatcher()
-        dispatcher.shed_over_capacity = False  # every request runs: the same work in both runs
+        dispatcher = make_dispatcher(router={"shed_over_capacity": False})  # every request runs: the same work
         d = ProtocolDispatcher(dispatcher, answer_all, planned)
         inst_id = await d.d.connect("r0", 1, **info)
         d.wrap(inst_id)
