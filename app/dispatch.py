@@ -90,6 +90,9 @@ class Dispatcher:
         self.driver = ClusterDriver(router, block_tokens=block_tokens, full_sequence=full_sequence,
                                     shed=shed_over_capacity, calibrate=calibrate,
                                     per_instance_limit=per_instance_limit, log=log_decisions)
+        # the router's policy chooses each step's threshold (Alg. 1), or every step takes the fixed one: the
+        # policy's for the router's life, asked once
+        self.chooses_thresholds = self.driver.chooses_thresholds
         self.block_tokens, self.full_sequence = block_tokens, full_sequence
         self.per_instance_limit, self.default_slo_s = per_instance_limit, default_slo_s
         self.max_resumes, self.dead_after_s, self.park_s = max_resumes, dead_after_s, park_s
@@ -454,7 +457,7 @@ class Dispatcher:
     def _planned(self, live: LiveRequest) -> bool:
         """Whether the router chooses the request's thresholds: then every batch carrying it is answered
         (``_plan``), and its instance waits a little for the answer before its next round."""
-        return self.driver.chooses_thresholds and live.state.fixed_threshold is None
+        return self.chooses_thresholds and live.state.fixed_threshold is None
 
     def _answer_round(self, inst_id: int, plan: Plan, after_round: int | None = None) -> None:
         """Answer an instance's progress batch (of round ``after_round``) with the driver's plan: the thresholds
@@ -462,7 +465,7 @@ class Dispatcher:
         estimates of their remaining denoising rounds (the instance scheduler's r_i). Sent for every batch
         while the instance holds a request whose thresholds the router chooses (its loop waits for the
         answer)."""
-        if not self.driver.chooses_thresholds or inst_id not in self.instances:
+        if not self.chooses_thresholds or inst_id not in self.instances:
             return
         if not plan.thresholds:
             return

@@ -350,3 +350,20 @@ def test_star_import_of_the_api():
     import app.api
 
     assert set(app.api.__all__) <= set(namespace) and "VLLM_NOOPS" in namespace and "APIError" in namespace
+
+
+def test_the_dispatcher_calls_the_driver_once_per_progress_batch():
+    """A progress batch goes into the cluster as one call (``on_round``), whose answer is whole: neither
+    ``Dispatcher.handle_batch`` nor what it calls to carry the answer out (finishing, moving, answering the
+    instance) asks the driver anything else."""
+    tree = ast.parse((ROOT / "app" / "dispatch.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Dispatcher"]
+    methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+
+    def driver_uses(name: str) -> list[str]:
+        return [node.attr for node in ast.walk(methods[name]) if isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute) and node.value.attr == "driver"]
+
+    assert driver_uses("handle_batch") == ["on_round"]
+    for name in ("_item_step", "_finish", "_execute", "_send_add", "_planned", "_answer_round"):
+        assert driver_uses(name) == [], name
