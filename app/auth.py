@@ -18,7 +18,11 @@ Rate limits are token buckets (:class:`RateLimiter`) per key; with no keys confi
 (``http.requests_per_second`` and ``http.tokens_per_minute``, off by default). Both are off unless set.
 
 A key is never kept, compared, logged or echoed as text: the keyring holds SHA-256 digests, compares
-them with :func:`hmac.compare_digest`, and names a key by its configured ``name``. A rejected key is
+them with :func:`hmac.compare_digest`, and names a key by its configured ``name``. A config need not hold a
+key at all: ``key_hash`` is a salted PBKDF2 hash of it (:func:`hash_key`; ``remask serve --api-key`` writes
+one, since Ray Serve logs an application's args at every deploy), checked in constant time against the
+presented key (each distinct presented key is hashed once per process: the answer is remembered under its
+SHA-256 digest). A rejected key is
 logged as an 8-hex-digit HMAC under a per-process random salt (:meth:`Keyring.fingerprint`), which
 links repeated attempts within one process but cannot be reversed or checked offline.
 """
@@ -53,6 +57,9 @@ class ApiKeySpec(BaseModel):
     key: SecretStr | None = Field(None, description="the key itself (tests; it then sits in the config)")
     key_env: str | None = Field(None, description="environment variable of the ingress replica holding the key")
     key_file: str | None = Field(None, description="file holding the key (surrounding whitespace is stripped)")
+    key_hash: str | None = Field(None, description="a salted hash of the key (app.auth.hash_key: "
+                                                   "pbkdf2_sha256$ITERATIONS$SALT$HASH, hex): the key itself is in "
+                                                   "no config and no log")
     max_concurrent: int | None = Field(None, ge=1, description="requests of this key in flight at once")
     max_prompt_tokens: int | None = Field(None, ge=1, description="prompt tokens per request")
     max_tokens: int | None = Field(None, ge=1, description="max_tokens per request (also caps the default)")
@@ -66,13 +73,18 @@ class ApiKeySpec(BaseModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> ApiKeySpec:
-        given = [s for s in ("key", "key_env", "key_file") if getattr(self, s) is not None]
+        given = [s for s in ("key", "key_env", "key_file", "key_hash") if getattr(self, s) is not None]
         if len(given) != 1:
-            raise ValueError(f"API key {self.name!r}: give exactly one of key, key_env, key_file (got {given})")
+            raise ValueError(f"API key {self.name!r}: give exactly one of key, key_env, key_file, key_hash "
+                             f"(got {given})")
+        if self.key_hash is not None:
+            parse_key_hash(self.key_hash, self.name)
         return self
 
     def secret(self, environ: Mapping[str, str] | None = None) -> str:
-        """The key's text, read now; errors name the source, never the key."""
+        """The key's text, read now; errors name the source, never the key (a ``key_hash`` entry has none)."""
+        if self.key_hash is not None:
+            raise ValueError(f"API key {self.name!r} is given as key_hash: its text is nowhere")
         if self.key is not None:
             text, where = self.key.get_secret_value(), "key"
         elif self.key_env is not None:
@@ -94,6 +106,45 @@ class ApiKeySpec(BaseModel):
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "backslashreplace")).digest()
+
+
+KEY_HASH_SCHEME = "pbkdf2_sha256"
+KEY_HASH_ITERATIONS = 50_000  # ~20-50 ms once per distinct presented key and process: slow for a guesser
+
+
+@dataclass(frozen=True)
+class KeyHash:
+    """A parsed ``key_hash``: PBKDF2-HMAC-SHA256 of the key under ``salt``, ``iterations`` rounds."""
+
+    iterations: int
+    salt: bytes
+    hash: bytes
+
+    def of(self, token: str) -> bytes:
+        return hashlib.pbkdf2_hmac("sha256", token.encode("utf-8", "backslashreplace"), self.salt, self.iterations)
+
+
+def hash_key(key: str, *, iterations: int = KEY_HASH_ITERATIONS, salt: bytes | None = None) -> str:
+    """A salted hash of ``key`` for ``ApiKeySpec.key_hash`` (a random 16-byte salt unless given)."""
+    salt = os.urandom(16) if salt is None else salt
+    h = KeyHash(iterations, salt, b"")
+    return f"{KEY_HASH_SCHEME}${iterations}${salt.hex()}${h.of(key).hex()}"
+
+
+def parse_key_hash(text: str, name: str = "?") -> KeyHash:
+    """``pbkdf2_sha256$ITERATIONS$SALT$HASH`` (salt and hash in hex); a clear error naming the key otherwise."""
+    parts = text.split("$")
+    try:
+        if len(parts) != 4 or parts[0] != KEY_HASH_SCHEME:
+            raise ValueError
+        iterations, salt, digest = int(parts[1]), bytes.fromhex(parts[2]), bytes.fromhex(parts[3])
+        if iterations < 1000 or len(salt) < 8 or len(digest) != 32:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"API key {name!r}: key_hash must read {KEY_HASH_SCHEME}$ITERATIONS$SALT$HASH (at least "
+                         "1000 iterations, a salt of 8+ bytes and a 32-byte hash, in hex), as app.auth.hash_key "
+                         "writes it") from None
+    return KeyHash(iterations, salt, digest)
 
 
 @dataclass(frozen=True)
@@ -282,10 +333,14 @@ class Keyring:
     """The configured keys (as digests) and how many requests each has in flight."""
 
     keys: list[tuple[bytes, ApiKey]] = field(default_factory=list)
+    hashed: list[tuple[KeyHash, ApiKey]] = field(default_factory=list)  # the key_hash entries
     active: dict[str, int] = field(default_factory=dict)
     open: ApiKey = OPEN  # every caller when no keys are configured
     limiter: RateLimiter = field(default_factory=RateLimiter)
     _salt: bytes = field(default_factory=lambda: os.urandom(16), repr=False)
+    # presented keys already checked against the hashed entries, by SHA-256 digest: the match (None: none)
+    _checked: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    checked_limit: int = 4096
 
     @classmethod
     def from_specs(cls, specs: list[ApiKeySpec], environ: Mapping[str, str] | None = None, *,
@@ -302,10 +357,16 @@ class Keyring:
             if spec.name in names:
                 raise ValueError(f"API key name {spec.name!r} is used twice")
             names.add(spec.name)
+            own = RateLimits(spec.requests_per_second, spec.request_burst, spec.tokens_per_minute)
+            if spec.key_hash is not None:
+                ring.hashed.append((parse_key_hash(spec.key_hash, spec.name),
+                                    ApiKey(spec.name, spec.max_concurrent, spec.max_prompt_tokens, spec.max_tokens,
+                                           spec.max_priority, defaults.over(own))))
+                ring.active[spec.name] = 0
+                continue
             digest = _digest(spec.secret(environ))
             if any(hmac.compare_digest(digest, d) for d, _ in ring.keys):
                 raise ValueError(f"API key {spec.name!r} has the same key as another entry")
-            own = RateLimits(spec.requests_per_second, spec.request_burst, spec.tokens_per_minute)
             ring.keys.append((digest, ApiKey(spec.name, spec.max_concurrent, spec.max_prompt_tokens,
                                              spec.max_tokens, spec.max_priority, defaults.over(own))))
             ring.active[spec.name] = 0
@@ -313,7 +374,22 @@ class Keyring:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.keys)
+        return bool(self.keys or self.hashed)
+
+    def _check_hashed(self, token: str, presented: bytes) -> ApiKey | None:
+        """The ``key_hash`` entry ``token`` is the key of (every entry compared in constant time), remembered
+        under the token's digest so a key is hashed once per process, however many requests carry it."""
+        if presented in self._checked:
+            self._checked.move_to_end(presented)
+            return self._checked[presented]
+        match = None
+        for h, key in self.hashed:
+            if hmac.compare_digest(h.of(token), h.hash):
+                match = key
+        self._checked[presented] = match
+        while len(self._checked) > self.checked_limit:
+            self._checked.popitem(last=False)
+        return match
 
     def fingerprint(self, token: str) -> str:
         """A short, non-reversible tag of a presented key (stable within this process only)."""
@@ -333,6 +409,8 @@ class Keyring:
         for digest, key in self.keys:  # every entry is compared: the time does not depend on which one matched
             if hmac.compare_digest(digest, presented):
                 match = key
+        if match is None and self.hashed:
+            match = self._check_hashed(token, presented)
         if match is None:
             log.info("rejected an unknown API key (fingerprint %s)", self.fingerprint(token))
             raise _unauthorized("Incorrect API key provided.")

@@ -3,15 +3,18 @@
 ``Dispatcher`` (asyncio, no Ray) owns one control channel per instance and
 executes what the cluster driver (``cluster.driver.ClusterDriver``, around the
 router ``cluster.Router``; the cluster simulator drives the same one) decides:
-the driver is its one door into the cluster core (it never calls the router).
-For each request it
+the driver is its one door into the cluster core (it never calls the router),
+and the driver's views are what the debug views read of the cluster. For each
+request it
 
-- places it on arrival (the router policy; Alg. 3 for ``remask``) and sends
-  it with the threshold of its first step;
-- turns each instance's per-round progress batch into the router's step
-  events (``on_step``), the request's streamed text, and new thresholds for
-  the instance's requests (``plan_thresholds``, Alg. 1 within the load
-  control caps of Alg. 2), sent back as one message per round;
+- hands it to the driver on arrival (``ClusterDriver.arrive``: the driver builds
+  its cluster state and places it: the router policy, Alg. 3 for ``remask``) and
+  sends it with the threshold of its first step (each ``Move`` carries it, with
+  the router's estimate of its remaining rounds);
+- turns each instance's per-round progress batch into the request's streamed
+  text and one call into the driver (``on_round``), whose answer is whole: the
+  finished requests, the migrations, and the instance's new thresholds (Alg. 1
+  within the load control caps of Alg. 2), sent back as one message per round;
 - migrates requests the router moves (abort on the source, resume on the
   destination from the committed tokens: no KV travels);
 - resumes every request of an instance that dies on the others, from the
@@ -46,8 +49,8 @@ from typing import TYPE_CHECKING
 from app.channel import Link
 from app.live import DispatchError, InstanceLink, LiveRequest, RequestStream
 from app.protocol import Abort, Add, Done, Draining, ErrorItem, ProgressBatch, StepItem, Thresholds, Tick
-from cluster import RequestState, Router
-from cluster.driver import ClusterDriver, Move
+from cluster import Router
+from cluster.driver import Arrival, ClusterDriver, Move, Plan
 from engine.commands import SamplingParams
 from engine.tokenizer import OutputText
 
@@ -70,7 +73,7 @@ class Dispatcher:
                  on_arrival: Callable[[int, int], None] | None = None,
                  on_instances: Callable[[dict[int, int]], None] | None = None,
                  learning: LiveLearning | None = None, clock: Callable[[], float] = time.monotonic,
-                 log_decisions: bool = False) -> None:
+                 calibrate: bool = True, log_decisions: bool = False) -> None:
         """``per_instance_limit``: requests an instance may hold (slots, residents and its waiting
         queue); past it on every instance, new requests get 429. ``park_s``: while no instance is up,
         requests (new or resuming) wait this long for one to join, then get 503. ``shed_over_capacity``:
@@ -80,12 +83,18 @@ class Dispatcher:
         every accepted request (the planner's workload); ``on_instances({tp: count})`` the joined
         instances whenever one joins or leaves. ``learning``: the online predictors (``cluster.learning``), given
         every finished request's step rows and rounds. ``clock``: monotonic seconds (a test's own);
-        ``log_decisions``: the cluster driver keeps its decisions (``driver.decisions``)."""
+        ``calibrate``: scale the latency profiles by the rounds' measured times (``TpLatencyModel.calibrate``);
+        ``log_decisions``: the cluster driver keeps its decisions (``driver.decisions``). ``driver``: the
+        cluster as the debug views and tests read it (its views: ``serving``, ``instance``, ``request``,
+        ``counters``, ``governor``...)."""
         self.decode, self.clock = decode, clock
         # what happens to requests and instances: the cluster simulator drives the same driver
-        self.driver = ClusterDriver(router, shed=shed_over_capacity, calibrate=True,
+        self.driver = ClusterDriver(router, block_tokens=block_tokens, full_sequence=full_sequence,
+                                    shed=shed_over_capacity, calibrate=calibrate,
                                     per_instance_limit=per_instance_limit, log=log_decisions)
-        self.router = router  # the driver's: for the debug views and tests; the dispatcher asks the driver
+        # the router's policy chooses each step's threshold (Alg. 1), or every step takes the fixed one: the
+        # policy's for the router's life, asked once
+        self.chooses_thresholds = self.driver.chooses_thresholds
         self.block_tokens, self.full_sequence = block_tokens, full_sequence
         self.per_instance_limit, self.default_slo_s = per_instance_limit, default_slo_s
         self.max_resumes, self.dead_after_s, self.park_s = max_resumes, dead_after_s, park_s
@@ -100,27 +109,6 @@ class Dispatcher:
         self.stats = {"resumed": 0, "migrated": 0, "failed_over": 0, "instances_lost": 0, "shed": 0, "drained": 0,
                       "watchdog_errors": 0, "watchdog_restarts": 0}
         self._watchdog: asyncio.Task | None = None
-
-    @property
-    def governor(self):
-        return self.driver.governor
-
-    @property
-    def shed_over_capacity(self) -> bool:
-        return self.driver.shed
-
-    @shed_over_capacity.setter
-    def shed_over_capacity(self, on: bool) -> None:
-        self.driver.shed = on
-
-    @property
-    def calibrate(self) -> bool:
-        """Scale the latency profile by measured round times (``TpLatencyModel.calibrate``)."""
-        return self.driver.calibrate
-
-    @calibrate.setter
-    def calibrate(self, on: bool) -> None:
-        self.driver.calibrate = on
 
     @property
     def parked(self) -> list[LiveRequest]:
@@ -304,30 +292,24 @@ class Dispatcher:
         if self.instances and self.driver.full():
             raise DispatchError(429, f"every instance holds {self.per_instance_limit} requests")
         now = self.clock()
-        slo_s = slo_ms / 1000.0 if slo_ms is not None else self.default_slo_s
-        canvas_tokens = -(-max_tokens // self.block_tokens) * self.block_tokens
-        # the governor counts a request whose SLO the client set; a client-fixed threshold is never the router's
-        state = RequestState(req_id, now, now + slo_s, prompt_tokens, canvas_tokens, self.block_tokens, priority,
-                             self.full_sequence, fixed_threshold=threshold, counted=slo_ms is not None)
-        state.decoding = params.decoding or self.default_decoding  # the rule whose knob the router moves
-        live = LiveRequest(req_id, list(prompt_ids), max_tokens, state, asyncio.Queue(), now,
-                     OutputText(self.decode, stop), params, canvas)
-        if threshold is not None:
-            state.threshold = threshold
-        # the admission predictor's prompt features (predictors.features.ADMISSION_FEATURES, less the threshold)
-        state.extra["admission"] = (float(len(prompt_text.split())), float(prompt_text.count("\n")),
-                                    float(prompt_tokens))
         if self.on_arrival is not None:
             self.on_arrival(prompt_tokens, max_tokens)
-        self.live[req_id] = live
-        move = self.driver.arrive(state, now)
-        if move is not None:
-            self._execute([move])
-        elif state.shed:
-            self.live.pop(req_id, None)
+        # the governor counts a request whose SLO the client set; a client-fixed threshold is never the router's;
+        # the admission predictor's prompt features (predictors.features.ADMISSION_FEATURES, less the threshold)
+        admission = self.driver.arrive(Arrival(
+            req_id, prompt_tokens, -(-max_tokens // self.block_tokens) * self.block_tokens,
+            slo_ms / 1000.0 if slo_ms is not None else self.default_slo_s, priority, fixed_threshold=threshold,
+            counted=slo_ms is not None, decoding=params.decoding or self.default_decoding,
+            admission=(float(len(prompt_text.split())), float(prompt_text.count("\n")), float(prompt_tokens))), now)
+        if admission.shed:
             self.stats["shed"] += 1
             raise DispatchError(429, "over capacity: with the requests ahead of it, this one cannot finish "
                                      "within its SLO even at the lowest threshold; retry later")
+        live = LiveRequest(req_id, list(prompt_ids), max_tokens, admission.state, asyncio.Queue(), now,
+                           OutputText(self.decode, stop), params, canvas)
+        self.live[req_id] = live
+        if admission.move is not None:
+            self._execute([admission.move])
         else:  # no instance serves yet (starting, between a reconfiguration's stops and starts, a redeploy)
             self._park(live)
         return RequestStream(self.cancel, live)
@@ -339,10 +321,11 @@ class Dispatcher:
 
     def _execute(self, moves: list[Move]) -> None:
         """Carry out the driver's moves: abort on the instance a request leaves, send it to its new one from
-        its committed tokens (no KV travels)."""
+        its committed tokens (no KV travels). A move that an earlier one overtook (its request moved on
+        since: an instance that broke mid-way) is dropped."""
         for m in moves:
             live = self.live.get(m.state.req_id)
-            if live is None:
+            if live is None or m.attempt != m.state.attempt:
                 continue
             if m.why == "migrate":
                 if m.src in self.instances:
@@ -365,14 +348,13 @@ class Dispatcher:
 
     def _send_add(self, live: LiveRequest, move: Move) -> None:
         now = self.clock()
-        t = self.driver.threshold_for(live.state, now)
-        live.sent_threshold = t
+        live.sent_threshold = move.threshold
         ok = self.instances[move.dst].link.send(Add(
-            live.req_id, live.prompt_ids, dataclasses.replace(live.sampling, max_tokens=live.max_tokens, threshold=t),
+            live.req_id, live.prompt_ids, dataclasses.replace(live.sampling, max_tokens=live.max_tokens, threshold=move.threshold),
             slo_left_s=live.state.deadline - now, sent_at=time.time(), committed=live.committed, resume=live.resume,
             canvas=live.canvas,
             # the router's estimate of its remaining denoising rounds: the instance scheduler's r_i (DWISE)
-            est_rounds=self.driver.estimate(live.state), planned=self._planned(live), attempt=move.attempt))
+            est_rounds=move.est_rounds, planned=self._planned(live), attempt=move.attempt))
         if not ok:  # its channel just broke: the reader's drop resumes it, or do it now
             self.drop(move.dst, "unreachable")
 
@@ -382,7 +364,8 @@ class Dispatcher:
         if live.resumes > self.max_resumes:
             return self._fail(live, 500, f"request failed on {live.resumes} instances ({why})")
         if len(live.committed) >= live.max_tokens:  # it had finished everything but its done message
-            return self._finish(live, Done("length", live.state.steps_done, len(live.committed)))
+            self.driver.finished(live.state, self.clock())
+            return self._finish(live, Done("length", live.state.steps_done, len(live.committed)), None)
         move = self.driver.resume(live.state, self.clock(), exclude)
         if move is None:
             if self.park_s <= 0 or self.instances:  # the only other instance refused it, or waiting is off
@@ -398,11 +381,10 @@ class Dispatcher:
         live.queue.put_nowait({"type": "error", "status": status, "message": message,
                                "accepted": live.accepted})
 
-    def _finish(self, live: LiveRequest, done: Done) -> None:
+    def _finish(self, live: LiveRequest, done: Done, tp: int | None) -> None:
+        """Its done event (the driver has let it go); ``tp``: the degree of the instance it finished on."""
         self.live.pop(live.req_id, None)
-        inst = self.driver.instance(live.state.instance)
         now = self.clock()
-        self.driver.finished(live.state, now)
         live.emit(live.out.finish(), now)  # held-back text: an unfinished character, a stop's prefix
         if self.learning is not None and done.finish_reason in ("stop", "length") and live.denoise_steps:
             st = live.state
@@ -419,7 +401,7 @@ class Dispatcher:
             "migrations": live.state.migrations, "resumes": live.resumes,
             # for the planner's measured inputs: the budget, the SLO, the denoising steps and the TP degree
             "max_tokens": live.max_tokens, "slo_s": live.state.deadline - live.state.arrival,
-            "denoise_steps": max(live.denoise_steps, 1), "tp": inst.tp if inst is not None else None,
+            "denoise_steps": max(live.denoise_steps, 1), "tp": tp,
             **({"token_ids": list(live.committed), "logprobs": list(live.logprobs)} if live.sampling.logprobs
                else {})})
 
@@ -449,13 +431,14 @@ class Dispatcher:
                 live.queue.put_nowait({"type": "accepted", "add_ms": item.add_ms})
         if not stepped:
             return
-        # the router's step event (the profile calibrated under this deployment's real load), the policy's
-        # migrations, and the admission governor told at once of a request past its deadline
-        moves = self.driver.on_round(inst_id, stepped, now, inst.effective_round_ms(batch), batch.kinds)
+        # one call into the cluster, answered whole: the router's step event (the profile calibrated under this
+        # deployment's real load), the finished requests let go, the policy's migrations (the admission
+        # governor told at once of a request past its deadline), and the instance's new plan
+        outcome = self.driver.on_round(inst_id, stepped, now, inst.effective_round_ms(batch), batch.kinds)
         for live, done in finished:
-            self._finish(live, done)
-        self._execute(moves)
-        self._plan(inst_id, now, batch.round)
+            self._finish(live, done, inst.tp)
+        self._execute(outcome.moves)
+        self._answer_round(inst_id, outcome.plan, batch.round)
 
     def _item_step(self, live: LiveRequest, item: StepItem, now: float, inst: InstanceLink) -> Done | None:
         done, cut = live.take_step(item, now, inst, self.decode, self.full_sequence, self.block_tokens)
@@ -477,16 +460,16 @@ class Dispatcher:
     def _planned(self, live: LiveRequest) -> bool:
         """Whether the router chooses the request's thresholds: then every batch carrying it is answered
         (``_plan``), and its instance waits a little for the answer before its next round."""
-        return self.driver.chooses_thresholds and live.state.fixed_threshold is None
+        return self.chooses_thresholds and live.state.fixed_threshold is None
 
-    def _plan(self, inst_id: int, now: float, after_round: int | None = None) -> None:
-        """Answer an instance's progress batch (of round ``after_round``): the thresholds of its requests'
-        next steps where the router chooses them (those that changed), and the router's estimates of their
-        remaining denoising rounds (the instance scheduler's r_i). Sent for every batch while the instance
-        holds a request whose thresholds the router chooses (its loop waits for the answer)."""
-        if not self.driver.chooses_thresholds or inst_id not in self.instances:
+    def _answer_round(self, inst_id: int, plan: Plan, after_round: int | None = None) -> None:
+        """Answer an instance's progress batch (of round ``after_round``) with the driver's plan: the thresholds
+        of its requests' next steps where the router chooses them (those that changed), and the router's
+        estimates of their remaining denoising rounds (the instance scheduler's r_i). Sent for every batch
+        while the instance holds a request whose thresholds the router chooses (its loop waits for the
+        answer)."""
+        if not self.chooses_thresholds or inst_id not in self.instances:
             return
-        plan = self.driver.plan(inst_id, now)
         if not plan.thresholds:
             return
         changed = {}

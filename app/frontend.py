@@ -1,6 +1,6 @@
 """The HTTP front of one application, outside Ray Serve: :class:`Frontend` holds what the Ingress replica
-serves with (keys, tokenizer, the dispatcher and its router, metrics, the planner service, the completion
-service), and :func:`build_web` is the FastAPI app whose routes call it. The Ingress deployment
+serves with (keys, tokenizer, the dispatcher and its cluster driver, metrics, the planner service, the
+completion service); ``app.routes.build_web`` is the FastAPI app whose routes call it. The Ingress deployment
 (``deployments/ingress.py``) builds one ``Frontend`` per replica and serves ``build_web``'s app; a test serves
 the same app around a ``Frontend`` of its own, without Ray.
 """
@@ -11,7 +11,6 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from app import api, gc_pauses, playground
@@ -22,7 +21,6 @@ from app.control_timer import ControlTimer
 from app.gate import Gate
 from app.metrics import Metrics
 from app.protocol import ProgressBatch, StepItem
-from app.routes import build_web as _build_web
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.001  # the ingress process's GIL switch interval (Python's default: 0.005)
@@ -206,9 +204,10 @@ class Frontend:
 
     def instances(self) -> dict:
         d = self.dispatcher
+        governor = d.driver.governor
         return {"instances": d.describe(), "dispatch": d.stats,
                 "router": {**d.driver.counters(),
-                           "admission_util": round(d.governor.util, 3), "admission_cuts": d.governor.cuts},
+                           "admission_util": round(governor.util, 3), "admission_cuts": governor.cuts},
                 "live": len(d.live), "parked": len(d.parked)}
 
     async def generate(self, kind: str, request):
@@ -241,9 +240,3 @@ class Frontend:
         self.metrics.set_cluster([i.stats for i in self.dispatcher.instances.values()],
                                  self.cfg.engine.kv_capacity_tokens or 0, self.dispatcher.stats["shed"])
 
-
-def build_web(frontend: Callable[[], Frontend], allowed_origins: Callable[[], list[str]] | None = None):
-    """The FastAPI app of the API: every route asks ``frontend()`` for the front serving it (the Ingress
-    replica's, or a test's); the middleware of ``app.middleware`` (CORS from ``allowed_origins()``, by default
-    the front's ``http.allowed_origins``)."""
-    return _build_web(frontend, allowed_origins or (lambda: frontend().cfg.http.allowed_origins))

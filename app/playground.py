@@ -180,18 +180,18 @@ def cluster_view(dispatcher, planner=None, now: float | None = None, outcomes: R
         slo.update(met=met, finished=total, attainment=met / total if total else None)
 
     plan = planner.describe() if planner is not None else None
-    governor = getattr(dispatcher, "governor", None)
+    governor = driver.governor
     return _jsonable({
         "instances": instances,
         "by_tp": dict(sorted(by_tp.items(), key=lambda kv: kv[1]["tp"])),
         "live": len(dispatcher.live),
-        "parked": len(getattr(dispatcher, "parked", ())),
+        "parked": len(dispatcher.parked),
         # requests that ever waited for an instance (arrivals and moves while none could take them)
-        "parked_total": getattr(driver, "stats", {}).get("held"),
+        "parked_total": driver.stats["held"],
         "thresholds": {"in_use": dict(sorted(in_use.items(), reverse=True)), "fixed_by_client": fixed,
                        "candidates": list(driver.candidate_thresholds())},
         "slo": slo,
-        "router": {**driver.counters(), "admission_util": None if governor is None else round(governor.util, 3)},
+        "router": {**driver.counters(), "admission_util": round(governor.util, 3)},
         "dispatch": dict(dispatcher.stats),
         "planner": {"enabled": False} if plan is None else {"enabled": True, **plan},
     })

@@ -12,8 +12,12 @@ from starlette.exceptions import HTTPException
 from app import api, middleware, playground
 
 
-def build_web(front: Callable, allowed_origins: Callable) -> FastAPI:
-    """The app; ``front()`` is the ``Frontend`` serving a request, ``allowed_origins()`` its CORS origins."""
+def build_web(front: Callable, allowed_origins: Callable | None = None) -> FastAPI:
+    """The app; ``front()`` is the ``Frontend`` serving a request (the Ingress replica's, or a test's),
+    ``allowed_origins()`` its CORS origins (default: the front's ``http.allowed_origins``)."""
+    if allowed_origins is None:
+        def allowed_origins() -> list[str]:
+            return front().cfg.http.allowed_origins
     web = FastAPI(title="Remask", description="OpenAI-compatible serving of diffusion language models")
     middleware.install(web, allowed_origins)
     documented: list[bool] = []

@@ -6,32 +6,35 @@ its next step take, which requests move. The driver owns everything around those
 the live ``app.dispatch.Dispatcher`` and ``sim.cluster.ClusterSimulator`` need, so that neither
 writes it again:
 
-- **admission** (``arrive``): the router places the arrival; with shedding on, an arrival that cannot
-  meet its SLO even at the lowest thresholds (``Router.admissible`` at the governor's ``util``) is
-  refused; with no instance serving it waits (``held``) for the next one;
+- **admission** (``arrive``): the executor hands what it knows of a new request (an ``Arrival``: its
+  tokens, SLO, priority, a client's fixed threshold, the admission predictor's prompt features); the
+  driver builds the request's cluster state (``RequestState``) from it and the router places it; with
+  shedding on, an arrival that cannot meet its SLO even at the lowest thresholds (``Router.admissible``
+  at the governor's ``util``) is refused; with no instance serving it waits (``held``) for the next one;
 - **membership** (``join``, ``drain``, ``evacuate``, ``lost``): an instance joins the router; a draining
   one takes nothing new, and its requests move to the serving ones when the executor evacuates it
   (live: at once; the simulator: at its next round boundary); when none serves they wait for the next
   to join (``held``), or stay where they are when the instance can keep serving (a live replica that
   shuts down gracefully); a lost instance's requests are returned for the executor to resume;
-- **progress** (``on_round``): an instance's round of steps becomes the router's step event (with the
-  latency profile calibrated by the round's measured time, live), the migrations the policy decides,
-  and the admission governor's early feedback (a request past its deadline is a miss now, not at its
-  finish);
-- **thresholds** (``plan``): after each round, and when a request is placed, the thresholds of the
-  instance's requests' next steps (requests with a client-fixed threshold keep it) together with the
-  router's estimates of their remaining rounds at them (the instance scheduler's r_i);
-- **finishing** (``finished``, ``cancelled``): the request leaves the router; the governor learns
-  whether an admitted request met its SLO.
+- **progress** (``on_round``): an instance's round of steps, answered whole in one ``RoundOutcome``: the
+  router's step event (with the latency profile calibrated by the round's measured time, live), the
+  admission governor's early feedback (a request past its deadline is a miss now, not at its finish),
+  the requests that finished (out of the router; the governor learns whether each met its SLO), the
+  migrations the policy decides, and the new ``Plan`` of the instance: the thresholds of its requests'
+  next steps (requests with a client-fixed threshold keep it) with the router's estimates of their
+  remaining rounds at them (the instance scheduler's r_i);
+- **leaving** otherwise (``finished``: a request that ended outside a round, e.g. it had committed all its
+  tokens when its instance went; ``cancelled``): the request leaves the router.
 
-The driver is the executors' one door into the cluster core: what else they need of the router comes
-from its views (``serving``, ``instance``, ``full``, ``chooses_thresholds``, ``estimate``,
-``migration_cost_ms``, ``counters``) and ``use_profile`` (a measured latency profile); neither executor
-calls the router itself.
+The driver is the executors' one door into the cluster core: what else they and their debug views need of
+the router comes from the driver's views (``serving``, ``instance``, ``request``, ``active``, ``full``,
+``chooses_thresholds``, ``estimate``, ``migration_cost_ms``, ``candidate_thresholds``, ``degrees``,
+``counters``) and ``use_profile`` (a measured latency profile); neither executor calls the router itself.
 
 Every decision comes back as ``Move`` objects (send this request to that instance: a placement, a
-migration, an evacuation or a resume); executing one (a wire message, or a migration event in virtual
-time) is the caller's. Each move raises the request's ``attempt``: an executor drops progress or
+migration, an evacuation or a resume), each with the threshold of the request's first step there and the
+router's estimate of its remaining rounds at it; executing one (a wire message, or a migration event in
+virtual time) is the caller's. Each move raises the request's ``attempt``: an executor drops progress or
 arrivals of an older attempt (a request that moved on since). With ``log=True`` the driver records its
 decisions (``decisions``), so the two executors can be compared on one scenario.
 """
@@ -48,15 +51,38 @@ from engine.latency_profile import LatencyProfile
 
 
 @dataclass(frozen=True)
+class Arrival:
+    """A new request as an executor hands it over: ``output_tokens`` (the canvas it fills), ``slo_s`` (its
+    deadline from now), ``fixed_threshold`` (the client's own: the router never changes it), ``counted`` (its
+    SLO counts in the admission governor's attainment: the client set it), ``admission`` (the admission
+    predictor's prompt features, ``predictors.features.ADMISSION_FEATURES`` less the threshold; None:
+    none)."""
+
+    req_id: str
+    prompt_tokens: int
+    output_tokens: int
+    slo_s: float
+    priority: int = 0
+    fixed_threshold: float | None = None
+    counted: bool = True
+    admission: tuple[float, ...] | None = None
+    decoding: str = "threshold"  # its decoding rule (engine.decoding.RULES): whose knob the router's level moves
+
+
+@dataclass(frozen=True)
 class Move:
     """Send ``state`` to instance ``dst`` (its ``attempt``-th placement); ``src``: the instance it leaves
-    (None: none, e.g. an arrival or a request that waited); ``why``: place | migrate | evacuate | resume."""
+    (None: none, e.g. an arrival or a request that waited); ``why``: place | migrate | evacuate | resume;
+    ``threshold``: its first step's there (the client's own when it fixed one); ``est_rounds``: the
+    router's estimate of its remaining rounds at that threshold (None before it has one)."""
 
     state: RequestState
     dst: int
     src: int | None
     why: str
     attempt: int
+    threshold: float
+    est_rounds: float | None
 
 
 @dataclass(frozen=True)
@@ -69,13 +95,44 @@ class Plan:
     estimates: dict[str, float]
 
 
+@dataclass(frozen=True)
+class Admission:
+    """A new request's cluster state and its placement (``move``); None when it was refused (``shed``: the
+    executor answers 429) or waits for an instance (``held``)."""
+
+    state: RequestState
+    move: Move | None
+
+    @property
+    def shed(self) -> bool:
+        return self.state.shed
+
+    @property
+    def held(self) -> bool:
+        return self.move is None and not self.state.shed
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What an instance's round decided, whole: ``moves`` (the migrations the policy decided, already
+    accounted in the router, each with its threshold), ``finished`` (the requests whose last step it was: out
+    of the router, the governor told), ``plan`` (the next steps of the requests the instance still holds)."""
+
+    moves: list[Move]
+    finished: list[RequestState]
+    plan: Plan
+
+
 class ClusterDriver:
-    def __init__(self, router: Router, *, shed: bool = False, calibrate: bool = False,
-                 per_instance_limit: int | None = None, log: bool = False) -> None:
-        """``shed``: refuse arrivals that cannot meet their SLO; ``calibrate``: scale the latency profiles by
+    def __init__(self, router: Router, *, block_tokens: int = 32, full_sequence: bool = True, shed: bool = False,
+                 calibrate: bool = False, per_instance_limit: int | None = None, log: bool = False) -> None:
+        """``block_tokens``, ``full_sequence``: the served model's block size and attention (a full-sequence
+        model's cache is approximate: each block starts with a recompute step), for the requests' states;
+        ``shed``: refuse arrivals that cannot meet their SLO; ``calibrate``: scale the latency profiles by
         the rounds' measured times (live); ``per_instance_limit``: requests an instance may hold (a placement
         on a fuller one goes to the least full instead); ``log``: keep the decisions in ``decisions``."""
-        self.router = router
+        self.router = router  # the executors never reach it: they ask the driver (its views below)
+        self.block_tokens, self.full_sequence = block_tokens, full_sequence
         self.governor = AdmissionGovernor()
         self.shed, self.calibrate, self.per_instance_limit = shed, calibrate, per_instance_limit
         self.draining: set[int] = set()  # take nothing new (in the router while they hold requests)
@@ -93,6 +150,18 @@ class ClusterDriver:
         """The router's view of an instance, serving or draining (its requests, their next steps' kinds, its
         TP degree); None when it is not (or no longer) in the router."""
         return self.router.by_id.get(inst_id) if inst_id is not None else None
+
+    def request(self, req_id: str) -> RequestState | None:
+        """The router's state of an active request (placed, moving or waiting); None once it left."""
+        return self.router.requests.get(req_id)
+
+    def active(self) -> list[str]:
+        """The ids of the requests the cluster holds: placed, moving, or waiting for an instance."""
+        return list(self.router.requests) + [s.req_id for s in self.held if s.req_id not in self.router.requests]
+
+    def degrees(self) -> list[int]:
+        """The TP degrees the latency model has a profile for (an instance may join with any of them)."""
+        return sorted(self.router.latency.profiles)
 
     def full(self) -> bool:
         """Every serving instance holds ``per_instance_limit`` requests (True when none serves; False with
@@ -115,10 +184,11 @@ class ClusterDriver:
         return tuple(self.router.cfg.thresholds)
 
     def counters(self) -> dict:
-        """The router's policy, its counts (migrations, load-control runs) and the latency model's
-        calibration scale (measured over profiled round time, to 3 decimals)."""
+        """The router's policy and step estimator, its counts (migrations, load-control runs) and the latency
+        model's calibration scale (measured over profiled round time, to 3 decimals)."""
         policy = self.router.policy
-        return {"policy": getattr(policy, "name", type(policy).__name__), **self.router.stats,
+        return {"policy": getattr(policy, "name", type(policy).__name__),
+                "estimator": type(self.router.estimator).__name__, **self.router.stats,
                 "latency_scale": round(self.router.latency.scale, 3)}
 
     def use_profile(self, tp: int, prof: LatencyProfile) -> bool:
@@ -138,15 +208,37 @@ class ClusterDriver:
         if self.decisions is not None:
             self.decisions.append(entry)
 
-    def _move(self, state: RequestState, dst: int, src: int | None, why: str, now: float) -> Move:
+    def _move(self, state: RequestState, dst: int, src: int | None, why: str, now: float) -> tuple:
+        """A decision to move ``state``: its threshold comes once every move of the event is decided
+        (``_answer``: a threshold weighs the instance's requests at their next steps' kinds)."""
         attempt = state.attempt = state.attempt + 1
         self._log(round(now, 9), why, state.req_id, src, dst)
-        return Move(state, dst, src, why, attempt)
+        return state, dst, src, why, attempt
+
+    def _answer(self, decided: list[tuple], now: float) -> list[Move]:
+        """The moves of one event, each with its first step's threshold on its new instance (chosen now) and
+        the estimate of its remaining rounds at it."""
+        out = []
+        for state, dst, src, why, attempt in decided:
+            t = self._threshold_for(state, now)
+            out.append(Move(state, dst, src, why, attempt, t, self.estimate(state)))
+        return out
 
     # ---- admission -------------------------------------------------------------------------------
-    def arrive(self, state: RequestState, now: float) -> Move | None:
-        """A new request. Returns its placement; None when it was refused (``state.shed`` is then True: the
-        caller answers 429) or it waits for an instance (in ``held``)."""
+    def arrive(self, req: Arrival, now: float) -> Admission:
+        """A new request, arrived ``now``: its cluster state, placed (``Admission.move``), refused
+        (``Admission.shed``: the caller answers 429) or waiting for an instance (``Admission.held``)."""
+        state = RequestState(req.req_id, now, now + req.slo_s, req.prompt_tokens, req.output_tokens,
+                             self.block_tokens, req.priority, self.full_sequence,
+                             fixed_threshold=req.fixed_threshold, counted=req.counted)
+        state.decoding = req.decoding
+        if req.fixed_threshold is not None:
+            state.threshold = req.fixed_threshold
+        if req.admission is not None:
+            state.extra["admission"] = tuple(req.admission)
+        return Admission(state, self._admit(state, now))
+
+    def _admit(self, state: RequestState, now: float) -> Move | None:
         if not self.router.instances:
             self._hold(state, now)
             return None
@@ -160,9 +252,9 @@ class ClusterDriver:
             self._log(round(now, 9), "shed", state.req_id, None, None)
             return None
         state.epoch = self.governor.epoch if self.shed and state.counted else -1
-        return self._placed(state, state.instance, None, "place", now)
+        return self._answer([self._placed(state, state.instance, None, "place", now)], now)[0]
 
-    def _placed(self, state: RequestState, inst_id: int, src: int | None, why: str, now: float) -> Move:
+    def _placed(self, state: RequestState, inst_id: int, src: int | None, why: str, now: float) -> tuple:
         """``state`` was just placed on ``inst_id`` by the router: past the per-instance limit it goes to the
         least full instance instead."""
         limit = self.per_instance_limit
@@ -196,7 +288,7 @@ class ClusterDriver:
         self.router.add_instance(inst_id, tp)
         moves = []
         for src in sorted(self.stranded):
-            moves += self.evacuate(src, now)
+            moves += self._evacuate(src, now)
         held, self.held = self.held, []
         for state in held:
             if state.req_id in self.router.requests:  # an active request whose instance went away
@@ -205,7 +297,7 @@ class ClusterDriver:
                 self.router.add_request(state, now)
                 state.epoch = self.governor.epoch if self.shed and state.counted else -1
                 moves.append(self._placed(state, state.instance, None, "place", now))
-        return moves
+        return self._answer(moves, now)
 
     def drain(self, inst_id: int, now: float) -> None:
         """``inst_id`` takes nothing new from now; its requests move when the executor calls ``evacuate``."""
@@ -221,6 +313,9 @@ class ClusterDriver:
         travels: a full-sequence request recomputes on arrival) and forget the instance. With none serving:
         with ``keep_if_alone`` nothing happens (it goes on serving them; ``join`` moves them later), else
         the instance goes and its requests wait for the next one to join (``held``)."""
+        return self._answer(self._evacuate(inst_id, now, keep_if_alone), now)
+
+    def _evacuate(self, inst_id: int, now: float, keep_if_alone: bool = True) -> list[tuple]:
         if inst_id not in self.router.by_id:
             return []
         if not self.router.instances and keep_if_alone:
@@ -262,17 +357,18 @@ class ClusterDriver:
             if not self.router.instances:
                 self._hold(state, now)
             return None
-        return self._placed(state, dst, None, "resume", now)
+        return self._answer([self._placed(state, dst, None, "resume", now)], now)[0]
 
     # ---- progress ----------------------------------------------------------------------------------
     def on_round(self, inst_id: int, stepped: Sequence[tuple[RequestState, bool, bool]], now: float,
-                 round_ms: float | None = None, kinds: dict | None = None) -> list[Move]:
+                 round_ms: float | None = None, kinds: dict | None = None) -> RoundOutcome:
         """An instance's round: ``stepped`` is (request, its next step is heavy, finished) per request that
         stepped (progress fields already written); ``round_ms``: what the round took (live: measured;
-        calibrates the profile when ``calibrate``); ``kinds``: the
-        round's steps per kind when the instance counts them. Returns the migrations the policy decided
-        (already accounted in the router). Finished requests leave the router here; the caller reports
-        each with ``finished`` once it has what it needs."""
+        calibrates the profile when ``calibrate``); ``kinds``: the round's steps per kind when the instance
+        counts them. Answers whole (``RoundOutcome``): the finished requests (out of the router, the
+        governor told whether each met its SLO), the migrations the policy decided (already accounted in
+        the router; with the thresholds of their first steps on their new instances) and the instance's new
+        plan."""
         router = self.router
         if self.calibrate and round_ms:
             inst = router.by_id[inst_id]
@@ -283,20 +379,24 @@ class ClusterDriver:
                 heavy = round(len(stepped) * inst.n_heavy / max(inst.n, 1))
                 light = len(stepped) - heavy
             router.latency.calibrate(inst.tp, heavy, light, round_ms)
-        moves = router.on_step(inst_id, stepped, now)
+        migrations = router.on_step(inst_id, stepped, now)
         if self.shed:
             g = self.governor
             for state, _, done in stepped:
                 if not done and state.epoch == g.epoch and now > state.deadline:
                     state.epoch = -1  # counted now, not again when it finishes
                     g.finished(False, now, self.stats["shed"])
-        out = []
-        for state, dst in moves:
+        finished = [state for state, _, done in stepped if done]
+        for state in finished:
+            self.finished(state, now)
+        decided = []
+        for state, dst in migrations:
             self.stats["migrated"] += 1
-            out.append(self._move(state, dst, inst_id, "migrate", now))
-        return out
+            decided.append(self._move(state, dst, inst_id, "migrate", now))
+        moves = self._answer(decided, now)
+        return RoundOutcome(moves, finished, self._plan(inst_id, now))
 
-    def plan(self, inst_id: int, now: float, states: Sequence[RequestState] | None = None) -> Plan:
+    def _plan(self, inst_id: int, now: float, states: Sequence[RequestState] | None = None) -> Plan:
         """The thresholds of the next steps of ``states`` (default: every request on ``inst_id`` whose
         threshold the router chooses) with the estimates of their remaining rounds at them. Fixed
         thresholds are not the router's: left out."""
@@ -316,11 +416,11 @@ class ClusterDriver:
                 self._log(round(now, 9), "threshold", s.req_id, inst_id, t)
         return Plan(thresholds, {s.req_id: self.router.remaining_steps(s) for s in states if s.est})
 
-    def threshold_for(self, state: RequestState, now: float) -> float:
+    def _threshold_for(self, state: RequestState, now: float) -> float:
         """The threshold of a request's next step on the instance it was just placed on."""
         if state.fixed_threshold is not None:
             return state.fixed_threshold
-        return self.plan(state.instance, now, [state]).thresholds[state.req_id]
+        return self._plan(state.instance, now, [state]).thresholds[state.req_id]
 
     def estimate(self, state: RequestState) -> float | None:
         """The router's estimate of ``state``'s remaining rounds at its threshold (None before any)."""
@@ -329,7 +429,8 @@ class ClusterDriver:
     # ---- leaving ----------------------------------------------------------------------------------
     def finished(self, state: RequestState, now: float) -> None:
         """``state`` finished (all its tokens, a stop, its budget): it leaves the router, and the governor
-        learns whether it met its SLO when it was admitted in the current epoch."""
+        learns whether it met its SLO when it was admitted in the current epoch. A round's finished requests
+        go through here in ``on_round``; an executor calls it for a request that ended outside a round."""
         self.router.finish(state)
         if state.epoch >= 0 and state.epoch == self.governor.epoch:
             self.governor.finished(now <= state.deadline + 1e-9, now, self.stats["shed"])

@@ -10,7 +10,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app.config import AppConfig
-from app.frontend import Frontend, build_web
+from app.frontend import Frontend
+from app.routes import build_web
 
 
 def _front() -> Frontend:

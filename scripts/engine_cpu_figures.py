@@ -22,8 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.memory import forward_bytes, kv_bytes_per_token  # noqa: E402
 from engine.models.presets import build_preset  # noqa: E402
 from engine.sequence import StepInput  # noqa: E402
-from tests.test_round_memory import GEN, PROMPT, ROWS, _first_round  # noqa: E402
-from tests.test_runner import MOE, _inputs, _run_choosing  # noqa: E402
+from tests.engine_probes import GEN, MOE, PROMPT, ROWS  # noqa: E402
+from tests.engine_probes import first_round as _first_round  # noqa: E402
+from tests.engine_probes import run_choosing as _run_choosing  # noqa: E402
+from tests.engine_probes import step_inputs as _inputs  # noqa: E402
 
 
 def moe() -> None:

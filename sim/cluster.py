@@ -68,7 +68,7 @@ from cluster import (
     TableStepEstimator,
     TpLatencyModel,
 )
-from cluster.driver import ClusterDriver, Move
+from cluster.driver import Arrival, ClusterDriver, Move
 from cluster.estimator import feature_row
 from cluster.state import RequestState
 from engine.clock import VirtualClock
@@ -218,8 +218,7 @@ class ClusterSimulator:
         router = Router(policy, self.latency, estimator, list(enumerate(cfg.tp_degrees)), cfg.router)
         # the cluster control the live ingress runs too: admission, membership, progress, thresholds; the
         # simulator's one door into the cluster core (it never calls the router)
-        self.driver = ClusterDriver(router, shed=cfg.shed, log=log)
-        self.router = router  # the driver's: for the reports and tests
+        self.driver = ClusterDriver(router, block_tokens=cfg.block_tokens, full_sequence=True, shed=cfg.shed, log=log)
         self.governor = self.driver.governor
         base = profiles[min(profiles)]
         self._costs = base.step_costs(cfg.block_tokens, cfg.sequence_tokens, batch=cfg.slots)
@@ -295,10 +294,9 @@ class ClusterSimulator:
         instance now; a request that leaves an instance travels first (a migration: prompt and committed
         tokens, never KV)."""
         now = self.clock.now()
-        for m in moves:
-            self.driver.threshold_for(m.state, now)  # its first step's on its new instance, chosen now (as live)
+        for m in moves:  # each with its first step's threshold on its new instance, chosen now (as live)
             if m.why == "place":
-                self._enter(m.state, m.dst)
+                self._enter(m.state, m.dst, m.est_rounds)
             else:
                 delay = self.driver.migration_cost_ms(m.state) / 1000.0
                 self._push(now + delay, "migrate", (m.state, m.dst, m.attempt))
@@ -334,8 +332,8 @@ class ClusterSimulator:
                 st, dst, attempt = data
                 if st.attempt != attempt or self.insts[dst].state != "serving":
                     res.redirected += 1  # it moved on while it travelled (its target started draining): stale
-                else:
-                    self._enter(st, dst)
+                else:  # the estimate as of its arrival there (the plans of its new instance went on meanwhile)
+                    self._enter(st, dst, self.driver.estimate(st))
             elif kind == "call":
                 data(t)
         res.makespan_s = last_t - first
@@ -355,28 +353,28 @@ class ClusterSimulator:
     def _arrive(self, spec: ClusterRequestSpec) -> None:
         blocks = max(1, math.ceil(spec.output_tokens / self.cfg.block_tokens))
         self.truth[spec.req_id] = _Truth(spec, blocks)
-        st = RequestState(spec.req_id, spec.arrival, spec.arrival + spec.slo_s, spec.prompt_tokens,
-                          spec.output_tokens, self.cfg.block_tokens, spec.priority, full_sequence=True)
-        if self.admission_learner is not None and spec.prompt_features:
-            st.extra["admission"] = tuple(spec.prompt_features)
-        self.states[spec.req_id] = st
         if self.world is not None:
             self.world.append(("arrive", self.clock.now(), spec))
-        move = self.driver.arrive(st, self.clock.now())
-        if move is not None:
-            self._execute([move])
-        elif st.shed:
+        features = tuple(spec.prompt_features) if self.admission_learner is not None and spec.prompt_features else None
+        # at its arrival time (the clock's now): its deadline is its SLO from now
+        admission = self.driver.arrive(Arrival(spec.req_id, spec.prompt_tokens, spec.output_tokens, spec.slo_s,
+                                               spec.priority, admission=features), self.clock.now())
+        self.states[spec.req_id] = admission.state
+        if admission.move is not None:
+            self._execute([admission.move])
+        elif admission.shed:
             del self.truth[spec.req_id], self.states[spec.req_id]
             self.res.shed += 1
             self._in_system -= 1
         # else it waits for an instance (the driver holds it)
 
-    def _enter(self, st: RequestState, inst_id: int) -> None:
-        """``st`` joins instance ``inst_id``'s scheduler (arrival or the end of a migration)."""
+    def _enter(self, st: RequestState, inst_id: int, est_rounds: float | None) -> None:
+        """``st`` joins instance ``inst_id``'s scheduler (arrival or the end of a migration) with the router's
+        estimate of its remaining rounds."""
         tr = self.truth[st.req_id]
         tr.next_heavy = st.next_heavy  # a move at a cached step made it a recompute step
         req = SchedRequest(st.req_id, math.ceil(st.prompt_tokens / self.cfg.block_tokens), tr.blocks,
-                           self.driver.estimate(st), arrival=st.arrival, deadline=st.deadline,
+                           est_rounds, arrival=st.arrival, deadline=st.deadline,
                            priority=st.priority, full_sequence=True)
         req.blocks_done = tr.block
         req.rounds_done = tr.steps
@@ -444,20 +442,19 @@ class ClusterSimulator:
         if self.world is not None:
             self.world.append(("round", now, inst.inst_id, dt, [(st.req_id, feature_row(st, t), heavy, done)
                                                                 for (st, heavy, done), t in zip(stepped, ths)]))
-        moves = self.driver.on_round(inst.inst_id, stepped, now, round_ms=dt * 1000.0)
+        # one call into the cluster per round, answered whole (as live): the finished requests let go, the
+        # migrations, and the plan of the next steps of the requests the instance holds
+        outcome = self.driver.on_round(inst.inst_id, stepped, now, round_ms=dt * 1000.0)
         self._after_step(stepped, ths, now)
-        for m in moves:
+        for m in outcome.moves:
             inst.sched.abort(m.state.req_id)
-        self._execute(moves)
-        plan = self.driver.plan(inst.inst_id, now)  # the next steps of the requests it holds (as live)
+        self._execute(outcome.moves)
+        for st in outcome.finished:
+            del self.truth[st.req_id], self.states[st.req_id]
         for st, _, done in stepped:
-            if done:
-                self.driver.finished(st, now)
-                del self.truth[st.req_id], self.states[st.req_id]
-                continue
-            req = inst.sched.requests.get(st.req_id)
+            req = None if done else inst.sched.requests.get(st.req_id)
             if req is not None:
-                req.est_rounds = plan.estimates.get(st.req_id, 0.0)
+                req.est_rounds = outcome.plan.estimates.get(st.req_id, 0.0)
                 req.key = inst.sched.policy.key(req)
         inst.busy = False
         if self.learner is not None and self.learner.due():  # at this virtual instant: the fit takes no virtual time

@@ -84,7 +84,7 @@ def make_dispatcher(**kw):
     mcfg = load_config(path)
     return Dispatcher(build_router(cfg, mcfg), load_tokenizer(path).decode, block_tokens=mcfg.block_size,
                       full_sequence=False, per_instance_limit=cfg.engine.slots * 8 + cfg.engine.max_waiting,
-                      dead_after_s=2.0)
+                      dead_after_s=2.0, shed_over_capacity=cfg.router.shed_over_capacity)
 
 
 def submit(d, req_id: str, prompt: str, max_tokens: int, **kw):

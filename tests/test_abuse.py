@@ -5,7 +5,7 @@ behind the keys, the planner's lock never waited for on the event loop, and the 
 
 The front is built as the Ingress replica builds it (``app.frontend.Frontend``: keys, tokenizer, router,
 dispatcher, completion service) around the embedded tiny-bd model, with the dispatcher's ``submit`` replaced by
-a fake generation; the API's FastAPI app (``app.frontend.build_web``) is served around it by uvicorn in a thread
+a fake generation; the API's FastAPI app (``app.routes.build_web``) is served around it by uvicorn in a thread
 on a free port, without Ray. Requests go over real HTTP, some through the official ``openai`` client.
 """
 
@@ -89,7 +89,7 @@ class LiveApp:
     """The ingress's FastAPI app under uvicorn, in a thread, on a free port."""
 
     def __init__(self) -> None:
-        from app.frontend import build_web
+        from app.routes import build_web
 
         web = build_web(lambda: Current.ingress)
         self.server = uvicorn.Server(uvicorn.Config(web, host="127.0.0.1", port=0, log_level="warning",
@@ -411,7 +411,7 @@ def test_a_huge_prompt_is_refused_before_tokenizing(live):
 
 # ---- /debug behind the keys, the planner off the event loop -------------------------------------------------
 def test_every_debug_route_needs_a_key(live):
-    from app.frontend import build_web
+    from app.routes import build_web
 
     web = build_web(lambda: Current.ingress)
     make_ingress(**keyed())

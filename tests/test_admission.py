@@ -38,11 +38,11 @@ def simulate(specs, shed: bool, ask: dict | None = None):
     if ask is not None:
         arrive = sim.driver.arrive
 
-        def asking(state, now):
-            move = arrive(state, now)
-            if move is not None:
-                ask[state.req_id] = sim.router.admissible(state, now)
-            return move
+        def asking(arrival, now):
+            admission = arrive(arrival, now)
+            if admission.move is not None:
+                ask[arrival.req_id] = sim.driver.router.admissible(admission.state, now)
+            return admission
 
         sim.driver.arrive = asking
     return sim

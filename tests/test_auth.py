@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.api import APIError, body_too_large, check_content_length, parse_request, request_schema
-from app.auth import OPEN, ApiKeySpec, Keyring
+from app.auth import OPEN, ApiKeySpec, KeyHash, Keyring, hash_key
 from app.config import AppConfig
 
 SECRET_A = "sk-alpha-0123456789"
@@ -92,7 +92,8 @@ def test_bad_key_sources_fail_at_start_without_the_key(tmp_path):
         Keyring.from_specs([ApiKeySpec(name="a", key=SECRET_A), ApiKeySpec(name="b", key=SECRET_A)])
 
 
-@pytest.mark.parametrize("sources", [{}, {"key": SECRET_A, "key_env": "X"}, {"key_env": "X", "key_file": "/k"}])
+@pytest.mark.parametrize("sources", [{}, {"key": SECRET_A, "key_env": "X"}, {"key_env": "X", "key_file": "/k"},
+                                     {"key": SECRET_A, "key_hash": hash_key(SECRET_A, iterations=1000)}])
 def test_spec_needs_exactly_one_source(sources):
     with pytest.raises(ValidationError):
         ApiKeySpec(name="k", **sources)
@@ -175,3 +176,34 @@ def test_request_schema_documents_the_parser(kind, required):
         message = props["messages"]["anyOf"][0]["items"]
         assert message["properties"]["role"]["enum"] == ["system", "user", "assistant"]
         assert set(message["required"]) == {"role", "content"}
+
+
+def test_a_hashed_key_authenticates_once_hashed_and_holds_no_key(monkeypatch):
+    """``key_hash``: the config holds a salted hash; the key authenticates, another does not; each distinct
+    presented key is hashed once (then remembered under its digest), and the plain entries still work beside."""
+    hashed = hash_key(SECRET_A, iterations=1000)
+    assert SECRET_A not in hashed and hashed != hash_key(SECRET_A, iterations=1000)  # a fresh salt each time
+    calls = []
+    of = KeyHash.of
+    monkeypatch.setattr(KeyHash, "of", lambda self, token: calls.append(token) or of(self, token))
+    keys = Keyring.from_specs([ApiKeySpec(name="alpha", key_hash=hashed, max_concurrent=3),
+                               ApiKeySpec(name="bravo", key=SECRET_B)])
+    assert keys.enabled and keys.authenticate(f"Bearer {SECRET_A}").name == "alpha"
+    assert keys.authenticate(f"Bearer {SECRET_A}").max_concurrent == 3 and len(calls) == 1  # remembered
+    assert keys.authenticate(f"Bearer {SECRET_B}").name == "bravo" and len(calls) == 1  # a plain entry matched
+    for _ in range(2):
+        with pytest.raises(APIError) as info:
+            keys.authenticate("Bearer sk-wrong")
+        assert_401(info.value, SECRET_A)
+    assert len(calls) == 2  # a wrong key is hashed once too
+    cfg = AppConfig(http={"api_keys": [{"name": "alpha", "key_hash": hashed}]})
+    assert SECRET_A not in cfg.model_dump_json()
+    with pytest.raises(ValueError, match="key_hash"):
+        ApiKeySpec(name="alpha", key_hash=hashed).secret()
+
+
+@pytest.mark.parametrize("bad", ["sha256$1$00$00", "pbkdf2_sha256$10$" + "00" * 16 + "$" + "00" * 32,
+                                 "pbkdf2_sha256$5000$00$" + "00" * 32, "pbkdf2_sha256$5000$" + "00" * 16 + "$zz"])
+def test_a_malformed_key_hash_is_refused_naming_the_field(bad):
+    with pytest.raises(ValidationError, match="key_hash must read pbkdf2_sha256"):
+        ApiKeySpec(name="alpha", key_hash=bad)

@@ -45,7 +45,7 @@ def test_draining_instances_mid_run_moves_their_requests_and_loses_none():
     for i in (0, 1):  # at most the round in flight when the drain came
         assert sim.insts[i].rounds <= rounds_at_drain[i] + 1
     assert sim.insts[4].rounds > 0 and sim.insts[4].tp == 2
-    assert [i.inst_id for i in sim.router.instances] == [2, 3, 4]
+    assert sim.driver.serving() == [2, 3, 4]
 
 
 def test_with_no_instance_serving_requests_wait_and_resume():

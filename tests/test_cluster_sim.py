@@ -132,7 +132,7 @@ def test_shedding_refuses_arrivals_as_the_ingress_does_and_counts_them_as_misses
     sim = ClusterSimulator(cfg, load_tp_profiles("h200-llada8b-measured", [1]), "remask", seed=1)
     res = sim.run(specs)
     assert res.shed > 0 and res.lost == 0 and len(res.finished) + res.shed == 500
-    assert not sim.router.requests and not sim.truth  # refused ones left the router and the simulator
+    assert not sim.driver.active() and not sim.truth  # refused ones left the router and the simulator
     out = summarize(res, specs, [True] * len(res.finished))
     met = sum(lat <= s.slo_s + 1e-9 for s, lat, _ in res.finished)
     assert out["requests"] == 500 and out["shed"] == res.shed

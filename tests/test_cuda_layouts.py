@@ -86,14 +86,37 @@ def test_the_round_loop_serves_a_batch_in_cudas_layouts(hf_checkpoints, arch):
 
 
 @pytest.mark.slow
+def _generate_answer(path: str, prompt: str, max_tokens: int) -> str:
+    """What ``remask generate --temperature 0`` prints for ``prompt`` (a chat) after its steps: the answer and
+    its ``[finish; N rounds, P prefill steps]`` line, decoded here in the CPU's own layouts."""
+    engine = load_engine(path)
+    tok = engine.tokenizer
+    defaults = getattr(tok, "generation_defaults", {})
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                            **{k: defaults[k] for k in ("top_p", "top_k") if defaults.get(k) is not None})
+    seq = engine.add_request(tok.chat_ids([{"role": "user", "content": prompt}], engine.cfg.block_size), params)
+    while not seq.finished:
+        engine.step([seq])
+    out = engine.output(seq)
+    return f"{out.text}\n[{out.finish_reason}; {out.rounds} rounds, {out.prefill_steps} prefill steps]"
+
+
+@pytest.mark.slow
 def test_remask_generate_in_cudas_layouts(hf_checkpoints):
     """``remask generate`` in a fresh process with ``REMASK_CUDA_LAYOUTS=1``: the variable reaches the engine
-    and every family prints its answer."""
+    and every family prints its answer: the one its engine decodes in the CPU's own layouts, with as many rounds
+    and the same finish."""
+    prompt = "café 日本"
     env = {**os.environ, "REMASK_CUDA_LAYOUTS": "1", "PYTHONPATH": str(ROOT)}
     code = ("import sys; from engine.models import layouts; assert layouts.emulating(); from tools.cli import main; "
-            "sys.exit(max(main(['generate', '--model', d, '--prompt', 'café 日本', '--max-tokens', '8', "
-            "'--show-steps']) for d in sys.argv[1:]))")
+            f"sys.exit(max(main(['generate', '--model', d, '--prompt', {prompt!r}, '--max-tokens', '8', "
+            "'--temperature', '0', '--show-steps']) for d in sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, *(str(hf_checkpoints[a]) for a in ARCHS)], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("rounds") >= len(ARCHS)
+    at = 0
+    for arch in ARCHS:
+        expected = _generate_answer(str(hf_checkpoints[arch]), prompt, 8)
+        found = proc.stdout.find(expected, at)
+        assert found >= 0, f"{arch}: expected {expected!r} after offset {at} in\n{proc.stdout[at:][-2000:]}"
+        at = found + len(expected)

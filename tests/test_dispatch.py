@@ -48,12 +48,13 @@ def test_requests_spread_over_instances_and_stream_correct_answers(replicas):
     assert placed == {0, 1}  # the router used both instances
     assert all(last["type"] == "done" for _, last in results)
     assert all(text == last["text"] for text, last in results)  # the deltas add up to the answer
+    assert all(last["tp"] == 1 for _, last in results)  # the degree it finished on (the planner's measured input)
     correct = sum(e.check(text) for e, (text, _) in zip(exs, results))
     assert correct >= 0.8 * len(exs), correct
     # the router chose each request's thresholds from the candidates, step by step
     used = {last["threshold"] for _, last in results}
     assert used and all(0.7 <= t <= 0.9 for t in used)
-    assert not d.live and all(i.n == 0 for i in d.router.instances)
+    assert not d.live and all(d.driver.instance(i).n == 0 for i in d.driver.serving()) and d.driver.serving()
 
 
 class Rank:
@@ -237,7 +238,8 @@ def test_online_learners_train_on_the_requests_served(replicas):
         d = Dispatcher(build_router(cfg, mcfg, learning), ids_decode(), block_tokens=mcfg.block_size,
                        full_sequence=False, per_instance_limit=cfg.engine.slots * 8 + cfg.engine.max_waiting,
                        learning=learning)
-        assert isinstance(d.router.estimator, OnlineStepEstimator) and d.router.policy.name == "remask-fit"
+        counters = d.driver.counters()
+        assert counters["estimator"] == OnlineStepEstimator.__name__ and counters["policy"] == "remask-fit"
         for i, r in enumerate(replicas):
             await d.connect(f"l{i}", 1, **r.info())
         prompts = PROSE * 8
@@ -312,7 +314,7 @@ def test_router_migrates_requests_to_a_new_instance():
 
     d, exs, results = asyncio.run(main())
     assert all(last["type"] == "done" and text == last["text"] for text, last in results)
-    assert d.stats["migrated"] >= 1 and d.router.stats["migrations"] >= 1
+    assert d.stats["migrated"] >= 1 and d.driver.counters()["migrations"] >= 1
     assert sum(last["migrations"] for _, last in results) >= 1
     assert sum(e.check(text) for e, (text, _) in zip(exs, results)) >= 0.5 * len(exs)
 
@@ -367,7 +369,7 @@ def test_load_control_sheds_arrivals_the_cluster_cannot_serve_in_time(replicas):
     assert shed_relaxed == 0
     assert refused > 0 and admitted > 0 and d.stats["shed"] == refused
     assert all(last["type"] == "done" for _, last in results)  # what was admitted completes
-    assert not d.live and not d.router.requests
+    assert not d.live and not d.driver.active()
 
 
 def test_two_ingresses_share_a_replica_and_keep_their_own_requests():

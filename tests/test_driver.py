@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster import RequestState, Router, RouterConfig, StepShape, TableStepEstimator, TpLatencyModel
-from cluster.driver import ClusterDriver
+from cluster import Router, RouterConfig, StepShape, TableStepEstimator, TpLatencyModel
+from cluster.driver import Arrival, ClusterDriver
 from engine.latency_profile import load_tp_profiles
 
 TS = (0.9, 0.8, 0.7)
@@ -15,32 +15,68 @@ def driver(tps=(1, 1), policy="remask", **kw) -> ClusterDriver:
     return ClusterDriver(Router(policy, lat, est, list(enumerate(tps)), RouterConfig(thresholds=TS)), log=True, **kw)
 
 
-def req(rid: str, now: float = 0.0, slo: float = 10.0, **kw) -> RequestState:
-    return RequestState(rid, now, now + slo, 140, 256, **kw)
+def req(rid: str, slo: float = 10.0, **kw) -> Arrival:
+    return Arrival(rid, 140, 256, slo, **kw)
+
+
+def arrive(d: ClusterDriver, rid: str, now: float = 0.0, **kw):
+    """A new request's state and its move (None: shed or held)."""
+    adm = d.arrive(req(rid, **kw), now)
+    return adm.state, adm.move
+
+
+def test_the_driver_builds_the_request_s_state_from_its_arrival():
+    d = driver(block_tokens=8, full_sequence=False)
+    adm = d.arrive(Arrival("a", 140, 256, 3.0, priority=2, fixed_threshold=0.85, counted=False,
+                           admission=(4.0, 1.0, 140.0)), 5.0)
+    st = adm.state
+    assert (st.req_id, st.arrival, st.deadline, st.prompt_tokens, st.output_tokens) == ("a", 5.0, 8.0, 140, 256)
+    assert (st.block_tokens, st.full_sequence, st.priority, st.counted) == (8, False, 2, False)
+    assert st.fixed_threshold == st.threshold == 0.85 and st.extra["admission"] == (4.0, 1.0, 140.0)
+    assert d.request("a") is st and not adm.shed and not adm.held
+    assert "admission" not in d.arrive(req("b"), 5.0).state.extra  # no features handed: none made up
 
 
 def test_arrivals_are_placed_with_a_first_attempt_and_a_threshold():
     d = driver()
-    m = d.arrive(req("a"), 0.0)
-    assert m.why == "place" and m.src is None and m.attempt == 1 and m.state.instance == m.dst
-    assert d.threshold_for(m.state, 0.0) in TS
-    fixed = req("b", fixed_threshold=0.85)
-    d.arrive(fixed, 0.0)
-    assert d.threshold_for(fixed, 0.0) == 0.85  # the client's own: never the router's
-    assert "b" not in d.plan(fixed.instance, 0.0).thresholds
+    a, m = arrive(d, "a")
+    assert m.why == "place" and m.src is None and m.attempt == 1 and a.instance == m.dst and m.state is a
+    assert m.threshold in TS and m.threshold == a.threshold
+    assert m.est_rounds == a.est[TS.index(m.threshold)] == d.estimate(a)  # the remaining rounds at it
+    fixed, m = arrive(d, "b", fixed_threshold=0.85)
+    assert m.threshold == 0.85  # the client's own: never the router's
     assert [e[1] for e in d.decisions][:2] == ["place", "threshold"]
 
 
-def test_a_plan_carries_the_thresholds_with_the_estimates_at_them():
-    d = driver(tps=(1,))
-    a, b = req("a"), req("b", fixed_threshold=0.85)
-    for s in (a, b):
-        d.arrive(s, 0.0)
-    plan = d.plan(0, 0.0)
-    assert set(plan.thresholds) == set(plan.estimates) == {"a"}  # a fixed threshold is the client's
-    k = TS.index(plan.thresholds["a"])
-    assert plan.estimates["a"] == a.est[k] == d.estimate(a)  # the remaining rounds at the chosen threshold
-    assert d.plan(5, 0.0).thresholds == {}  # an instance the router does not know
+def test_a_round_is_answered_whole():
+    """One call per round: the finished request out of the router (the governor told), the plan of the ones
+    left, with the estimates at the chosen thresholds; a fixed threshold is the client's (not in the plan)."""
+    d = driver(tps=(1,), shed=True)
+    (a, _), (b, _), (c, _) = (arrive(d, r, **kw) for r, kw in (("a", {}), ("b", {"fixed_threshold": 0.85}),
+                                                               ("c", {"slo": 60.0})))
+    out = d.on_round(0, [(a, False, False), (b, False, False), (c, False, True)], 0.5)
+    assert out.finished == [c] and d.request("c") is None and d.governor._n == 1  # c met its SLO
+    assert out.moves == [] and set(out.plan.thresholds) == set(out.plan.estimates) == {"a"}
+    k = TS.index(out.plan.thresholds["a"])
+    assert out.plan.estimates["a"] == a.est[k] == d.estimate(a)
+    assert d.on_round(0, [], 0.6).plan.thresholds.keys() == {"a"}
+
+
+def test_a_round_s_migrations_carry_their_thresholds():
+    """Requests all on one instance when a second joins: the policy moves some at the first instance's rounds,
+    each move with its first step's threshold there and the estimate of its remaining rounds at it."""
+    d = driver(tps=(1,), policy="llumnix")
+    states = [arrive(d, f"r{i}", slo=3.0)[0] for i in range(16)]
+    d.join(1, 1, 0.0)
+    moved = []
+    for k in range(5):
+        on0 = [s for s in states if s.instance == 0]
+        moved += d.on_round(0, [(s, False, False) for s in on0], 0.05 * (k + 1)).moves
+    assert moved and all(m.state.instance == 1 for m in moved)
+    for m in moved:
+        assert (m.why, m.src, m.dst, m.attempt) == ("migrate", 0, 1, 2)
+        assert m.threshold == m.state.threshold in TS and m.est_rounds == d.estimate(m.state)
+    assert d.counters()["migrations"] == len(moved) == d.stats["migrated"]
 
 
 def test_the_views_answer_for_the_router():
@@ -54,7 +90,8 @@ def test_the_views_answer_for_the_router():
     d.drain(1, 1.0)
     assert d.serving() == [0] and d.instance(1) is not None  # draining: still in the router, out of placement
     assert d.counters()["policy"] == "remask" and d.counters()["migrations"] == 0
-    assert d.migration_cost_ms(req("x")) > 0.0
+    assert d.migration_cost_ms(d.request("r0")) > 0.0 and d.request("x") is None
+    assert d.degrees() == [1] and d.candidate_thresholds() == TS
 
 
 def test_a_measured_profile_replaces_the_router_s_once():
@@ -72,37 +109,37 @@ def test_a_measured_profile_replaces_the_router_s_once():
 
 def test_with_no_instance_arrivals_wait_and_the_next_instance_takes_them():
     d = driver(tps=())
-    a = req("a")
-    assert d.arrive(a, 0.0) is None and not a.shed and d.held == [a]
+    adm = d.arrive(req("a"), 0.0)
+    a = adm.state
+    assert adm.move is None and adm.held and not adm.shed and d.held == [a]
     moves = d.join(7, 1, 1.0)
     assert [(m.state.req_id, m.dst, m.why) for m in moves] == [("a", 7, "place")]
+    assert moves[0].threshold == a.threshold in TS  # chosen as it is placed
     assert d.held == [] and a.instance == 7
 
 
 def test_drain_moves_requests_to_the_other_instance_with_a_new_attempt():
     d = driver()
-    states = [req(f"r{i}") for i in range(4)]
-    for s in states:
-        d.arrive(s, 0.0)
+    states = [arrive(d, f"r{i}")[0] for i in range(4)]
     on0 = [s for s in states if s.instance == 0]
     assert on0, "placement spread the requests"
     d.drain(0, 1.0)
     assert d.serving() == [1]
     moves = d.evacuate(0, 1.0)
     assert sorted(m.state.req_id for m in moves) == sorted(s.req_id for s in on0)
-    assert all(m.src == 0 and m.dst == 1 and m.why == "evacuate" and m.attempt == 2 for m in moves)
+    assert all(m.src == 0 and m.dst == 1 and m.why == "evacuate" and m.attempt == 2 and m.threshold in TS
+               for m in moves)
     assert 0 not in d.router.by_id and all(s.instance == 1 for s in states)
     assert all(s.next_heavy for s in on0)  # no KV travels: a recompute step first
 
 
 def test_a_draining_instance_alone_keeps_its_requests_until_another_joins():
     d = driver(tps=(1,))
-    a = req("a")
-    d.arrive(a, 0.0)
+    a, _ = arrive(d, "a")
     d.drain(0, 1.0)
     assert d.evacuate(0, 1.0) == [] and a.instance == 0 and d.stranded == {0}
-    b = req("b")
-    assert d.arrive(b, 1.5) is None and d.held == [b]  # nothing new goes to a draining instance
+    b, move = arrive(d, "b", 1.5)
+    assert move is None and d.held == [b]  # nothing new goes to a draining instance
     moves = d.join(1, 1, 2.0)
     assert {(m.state.req_id, m.why) for m in moves} == {("a", "evacuate"), ("b", "place")}
     assert 0 not in d.router.by_id and a.instance == b.instance == 1
@@ -110,8 +147,7 @@ def test_a_draining_instance_alone_keeps_its_requests_until_another_joins():
 
 def test_a_stopping_instance_alone_hands_its_requests_to_the_next_one():
     d = driver(tps=(1,))
-    a = req("a")
-    d.arrive(a, 0.0)
+    a, _ = arrive(d, "a")
     d.drain(0, 1.0)
     assert d.evacuate(0, 1.0, keep_if_alone=False) == [] and d.held == [a]
     (m,) = d.join(1, 1, 2.0)
@@ -120,33 +156,31 @@ def test_a_stopping_instance_alone_hands_its_requests_to_the_next_one():
 
 def test_lost_instance_requests_resume_elsewhere_or_wait():
     d = driver()
-    states = [req(f"r{i}") for i in range(4)]
-    for s in states:
-        d.arrive(s, 0.0)
+    for i in range(4):
+        arrive(d, f"r{i}")
     orphans = d.lost(0, 1.0)
     assert orphans and all(s.instance is None for s in orphans)
     moves = [d.resume(s, 1.0) for s in orphans]
-    assert all(m is not None and m.dst == 1 for m in moves)
+    assert all(m is not None and m.dst == 1 and m.why == "resume" and m.threshold in TS for m in moves)
     orphans = d.lost(1, 2.0)
     assert all(d.resume(s, 2.0) is None for s in orphans) and d.held == orphans
 
 
 def test_shedding_refuses_an_arrival_that_cannot_make_its_slo():
     d = driver(shed=True)
-    hopeless = req("h", slo=0.001)
-    assert d.arrive(hopeless, 0.0) is None and hopeless.shed and d.stats["shed"] == 1
-    assert "h" not in d.router.requests and d.held == []
-    ok = req("ok", slo=60.0)
-    assert d.arrive(ok, 0.0) is not None and ok.epoch == d.governor.epoch
+    adm = d.arrive(req("h", slo=0.001), 0.0)
+    assert adm.move is None and adm.shed and adm.state.shed and not adm.held and d.stats["shed"] == 1
+    assert d.request("h") is None and d.held == []
+    ok, move = arrive(d, "ok", slo=60.0)
+    assert move is not None and ok.epoch == d.governor.epoch
 
 
 def test_the_governor_hears_of_a_miss_once_a_request_is_past_its_deadline():
     """A request still running past its deadline is a miss now (the governor's feedback comes an SLO
     sooner for long requests); one that could still make it is not, however long the round just run."""
     d = driver(shed=True)
-    late, tight = req("late", slo=1.5), req("tight", slo=3.0)
-    for s in (late, tight):
-        assert d.arrive(s, 0.0) is not None
+    (late, m1), (tight, m2) = arrive(d, "late", slo=1.5), arrive(d, "tight", slo=3.0)
+    assert m1 is not None and m2 is not None
     d.on_round(late.instance, [(late, False, False)], 2.0, round_ms=100.0)
     d.on_round(tight.instance, [(tight, False, False)], 2.0, round_ms=5000.0)
     assert late.epoch == -1 and d.governor._n == 1  # counted as a miss now, not again when it finishes
@@ -157,19 +191,17 @@ def test_the_governor_hears_of_a_miss_once_a_request_is_past_its_deadline():
 
 def test_per_instance_limit_sends_to_the_least_full():
     d = driver(tps=(1, 1, 1), policy="fixed-threshold", per_instance_limit=1)
-    dsts = [d.arrive(req(f"r{i}"), 0.0).dst for i in range(3)]
+    dsts = [d.arrive(req(f"r{i}"), 0.0).move.dst for i in range(3)]
     assert sorted(dsts) == [0, 1, 2]
 
 
 def test_finished_feeds_the_governor_only_for_counted_admissions():
     d = driver(shed=True)
-    a, b = req("a", slo=60.0), req("b", slo=60.0, counted=False)
-    d.arrive(a, 0.0)
-    d.arrive(b, 0.0)
+    (a, _), (b, _) = arrive(d, "a", slo=60.0), arrive(d, "b", slo=60.0, counted=False)
     assert a.epoch == 0 and b.epoch == -1
     d.finished(a, 1.0)
     d.finished(b, 1.0)
-    assert d.governor._n == 1 and "a" not in d.router.requests and "b" not in d.router.requests
+    assert d.governor._n == 1 and d.request("a") is None and d.request("b") is None
 
 
 def test_transition_follower_starts_when_gpus_free_and_stops_after_earlier_starts_serve():

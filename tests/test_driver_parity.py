@@ -53,8 +53,8 @@ def replay(sim: ClusterSimulator, profiles, cfg: ClusterConfig, policy: str, req
     router = Router(policy, latency, est, [], cfg.router)
     now = [0.0]
     d = Dispatcher(router, lambda ids: "", block_tokens=BLOCK, full_sequence=True, per_instance_limit=10**6,
-                   shed_over_capacity=False, clock=lambda: now[0], log_decisions=True)
-    d.calibrate = False  # the simulator's profiles are exact
+                   shed_over_capacity=False, clock=lambda: now[0], log_decisions=True,
+                   calibrate=False)  # the simulator's profiles are exact
     links = {}
     for inst_id, tp in enumerate(cfg.tp_degrees):
         links[inst_id] = RecordingLink()

@@ -431,10 +431,15 @@ def test_replay_cli_with_benchmark_options(noop_server, tmp_path, capsys):
     assert s["completed"] == 6 and s["goodput_share"] == 0.0 and s["goodput_bounds"] == {"ttft": 5000, "e2el": 0}
     assert "p95_itl_ms" in s and "p99_itl_ms" not in s and s["max_concurrency"] == 2
     assert _stats(url)["max_inflight"] == 2
+    assert main([*base, "--goodput", "ttft:5000", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)  # the run's figures, then its printed summary (another run: shapes)
     assert main([*base, "--goodput", "ttft:5000"]) == 0
-    out = capsys.readouterr().out
-    assert "Goodput ttft<=5000 ms (req/s):" in out and "(1.000 of requests)" in out
-    assert "Maximum request concurrency:" in out and "TPOT mean / median / p50 / p95 (ms):" in out
+    printed = {line[:40].strip(): line[40:].strip() for line in capsys.readouterr().out.splitlines()}
+    rate, share = printed["Goodput ttft<=5000 ms (req/s):"].split(" (")
+    assert float(rate) > 0 and share == "1.000 of requests)" and s["goodput_share"] == 1.0  # every ttft well under
+    assert printed["Maximum request concurrency:"] == "2" and printed["Successful requests:"] == "6"
+    tpot = printed["TPOT mean / median / p50 / p95 (ms):"].split(" / ")
+    assert len(tpot) == 4 and all(float(v) >= 0.0 for v in tpot)  # mean, median and the asked percentiles
     assert main([*base, "--goodput", "itl:5"]) == 2
     assert "--goodput takes" in capsys.readouterr().err
 

@@ -185,9 +185,13 @@ def test_bench_chat_remask_dataset_and_options(noop_server, tmp_path, capsys):
                  "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99.9", "--slo-ms", "5000",
                  "--save-result", "--result-filename", str(tmp_path / "r.json"), "--metadata", "run=a"]) == 0
     out = capsys.readouterr().out
-    assert "Maximum request concurrency:" in out and "P99.9 E2EL (ms):" in out and "Mean TPOT" not in out
-    assert "Answer accuracy:" in out and "SLO attainment:" in out and "Request rate configured" not in out
     res = json.loads((tmp_path / "r.json").read_text())
+    printed = {line[:40].strip(): line[40:].strip() for line in out.splitlines()}  # vLLM's "{:<40} {:<10}"
+    assert printed["Maximum request concurrency:"] == "2" and printed["Successful requests:"] == "6"
+    assert printed["P99.9 E2EL (ms):"] == f"{res['p99.9_e2el_ms']:.2f}" and "Mean TPOT (ms):" not in printed
+    assert printed["Answer accuracy:"] == f"{res['remask']['accuracy']:.3f}"
+    assert printed["SLO attainment:"] == f"{res['remask']['slo_attainment']:.3f}"
+    assert "Request rate configured (RPS):" not in printed
     assert res["request_rate"] == "inf" and res["max_concurrency"] == 2 and res["run"] == "a"
     assert "p99.9_e2el_ms" in res and "p50_ttft_ms" in res and "mean_tpot_ms" not in res
     assert res["remask"]["slo_attainment"] == 1.0 and res["remask"]["accuracy"] is not None

@@ -109,7 +109,7 @@ def test_recent_outcomes_memory_is_bounded():
 def real_dispatcher():
     """The ingress's Dispatcher (tiny-bd's router) with two instances on fake channels and three requests."""
     from app.config import AppConfig
-    from app.dispatch import Dispatcher, InstanceLink
+    from app.dispatch import Dispatcher
     from cluster.factory import build_router
     from engine.loading import resolve_model
     from engine.models.loader import load_config
@@ -118,11 +118,10 @@ def real_dispatcher():
     mcfg = load_config(resolve_model("tiny-bd"))
     d = Dispatcher(build_router(cfg, mcfg), lambda ids: "", block_tokens=mcfg.block_size, full_sequence=False,
                    per_instance_limit=cfg.engine.slots * 8 + cfg.engine.max_waiting)
-    for inst_id, tp in enumerate(sorted(d.router.latency.profiles)[:1] * 2):
-        d.router.add_instance(inst_id, tp)
-        d.instances[inst_id] = InstanceLink(inst_id, f"r{inst_id}", tp, RecordingLink(), time.monotonic(), stats={
-            "running": 2 + inst_id, "waiting": inst_id, "resident": 3, "rounds": 40, "filled_slots": 100,
-            "kv_reserved_tokens": 1024})
+    for inst_id, tp in enumerate(d.driver.degrees()[:1] * 2):
+        assert d.attach(f"r{inst_id}", tp, RecordingLink(), read=False) == inst_id
+        d.instances[inst_id].stats = {"running": 2 + inst_id, "waiting": inst_id, "resident": 3, "rounds": 40,
+                                      "filled_slots": 100, "kv_reserved_tokens": 1024}
     d.submit("a", [1, 2, 3, 4], 16, slo_ms=60_000)
     d.submit("b", [1, 2, 3], 16, slo_ms=60_000, threshold=0.7)
     d.submit("c", [5, 6], 32)
@@ -152,7 +151,8 @@ def test_cluster_view_of_a_real_dispatcher():
     assert sum(used.values()) == 3 and used["0.80"] >= 1 and used["0.70"] >= 1  # a's last step, b's own
     assert view["thresholds"]["fixed_by_client"] == 1
     assert view["slo"] == {"window_s": 60.0, "attainment": pytest.approx(2 / 3), "met": 2, "finished": 3}
-    assert view["router"]["policy"] == d.router.policy.name
+    assert view["router"]["policy"] == d.driver.counters()["policy"] == "remask-fit"
+    assert view["router"]["admission_util"] == round(d.driver.governor.util, 3) and view["parked_total"] == 0
     assert view["planner"]["enabled"] and view["planner"]["targets"] == {"1": 2, "2": 0}
     assert view["planner"]["last_decision"]["reason"] == "within 10%"
     assert view["dispatch"] == d.stats
@@ -173,11 +173,10 @@ def fake_dispatcher():
         lives[f"r{k}"] = SimpleNamespace(sent_threshold=t, state=SimpleNamespace(
             thresholds_used=[0.9, t], fixed_threshold=0.5 if t == 0.5 else None))
     by_id = {i: SimpleNamespace(n=s["running"] + s["waiting"]) for i, s in enumerate(stats)}
-    driver = SimpleNamespace(instance=by_id.get, stats={"held": 3},
+    driver = SimpleNamespace(instance=by_id.get, stats={"held": 3}, governor=SimpleNamespace(util=0.8),
                              counters=lambda: {"policy": "remask", "migrations": 4, "load_control_runs": 120},
                              candidate_thresholds=lambda: (0.9, 0.8, 0.7, 0.6, 0.5))
     return SimpleNamespace(instances=instances, driver=driver, live=lives, parked=[],
-                           governor=SimpleNamespace(util=0.8),
                            stats={"resumed": 0, "migrated": 4, "failed_over": 0, "instances_lost": 0, "shed": 2,
                                   "drained": 0})
 

@@ -240,7 +240,7 @@ def test_the_router_reads_a_step_item_s_features_by_name_and_asks_the_estimator_
     """A step item's features, through the dispatcher, land on the request's router state; the step
     estimator's row of that state (``cluster.estimator.feature_row``) is the row the replica measured."""
     from app.config import AppConfig
-    from app.dispatch import Dispatcher, InstanceLink
+    from app.dispatch import Dispatcher
     from cluster.estimator import feature_row
     from cluster.factory import build_router
     from engine.loading import resolve_model
@@ -257,15 +257,14 @@ def test_the_router_reads_a_step_item_s_features_by_name_and_asks_the_estimator_
     mcfg = load_config(resolve_model("tiny-bd"))
     d = Dispatcher(build_router(AppConfig(engine={"model": "tiny-bd", "slots": 8}), mcfg), lambda ids: "x",
                    block_tokens=mcfg.block_size, full_sequence=False, per_instance_limit=64)
-    d.router.add_instance(0, 1)
     link = Link()
-    d.instances[0] = InstanceLink(0, "r0", 1, link, time.monotonic())
+    assert d.attach("r0", 1, link, read=False) == 0
     d.submit("a", [1, 2, 3], 256, slo_ms=60_000)
     (add,) = link.sent
     assert isinstance(add, Add) and add.prompt_ids == [1, 2, 3]
-    state = d.router.requests["a"]
-    f = StepFeatures(add.params.threshold or 0.9, float(state.output_tokens), 0.25, 0.5, 7.0, 3.0, 0.1, 0.2, 0.3,
-                     0.4, 0.5)
+    state = d.driver.request("a")
+    assert state is d.live["a"].state
+    f = StepFeatures(add.params.threshold or 0.9, float(state.output_tokens), 0.25, 0.5, 7.0, 3.0, 0.1, 0.2, 0.3, 0.4, 0.5)
     d.handle_batch(0, decode(encode(ProgressBatch(time.time(), 1, 10.0, {"denoise": 1}, items=[
         AcceptedItem("a", 0.1, 3, add.attempt), StepItem("a", [4, 5], 1, False, features=f, attempt=add.attempt)]))))
     assert (state.progress, state.block_progress, state.blocks_left, state.step_in_block) == (0.25, 0.5, 7, 3)

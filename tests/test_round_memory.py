@@ -11,30 +11,15 @@ from engine.loading import load_engine
 from engine.memory import activation_bytes_per_token, forward_bytes, kv_bytes_per_token, peak_bytes
 from engine.models.presets import preset_config, random_prompt
 from engine.sequence import SamplingParams
-
-# many layers for a small width, so that K/V weigh as they do in a real model against the activations
-NAME = "llada-8b-shape:layers=16,vocab=512,hidden=128,heads=4,kv_heads=4,intermediate=256"
-ROWS, PROMPT, GEN = 12, 200, 32
-
-
-def _first_round(**engine_kwargs):
-    """An engine and the peak bytes of its first full-sequence round of ROWS requests (each PROMPT + GEN
-    tokens), measured after a one-request round has warmed it; and the requests."""
-    engine = load_engine(NAME, max_slots=ROWS + 1, kv_slot_tokens=256, **engine_kwargs)
-    seqs = [engine.add_request(random_prompt(engine.cfg, PROMPT, seed=s), SamplingParams(max_tokens=GEN))
-            for s in range(ROWS + 1)]
-    engine.step(seqs[:1])
-    got = {}
-    peak = peak_bytes(lambda: got.setdefault("round", engine.step(seqs[1:])))
-    return engine, peak, seqs
+from tests.engine_probes import GEN, PROMPT, ROWS, first_round
 
 
 def test_a_pooled_full_sequence_round_does_not_hold_its_kv_twice():
     """Measured on the CPU: the round over the pool in place peaks lower than the same round with its own K/V
     buffer by that buffer, the round's K/V; and it stays within the memory model's bound with the CPU's
     materialised attention scores counted."""
-    pooled, in_place, _ = _first_round()
-    copied, own_buffer, _ = _first_round(kv_slots=0)
+    pooled, in_place, _ = first_round()
+    copied, own_buffer, _ = first_round(kv_slots=0)
     assert pooled.runner.pooled == pooled.runner.forwards and copied.runner.pooled == 0
     cfg, tokens = pooled.cfg, ROWS * (PROMPT + GEN)
     round_kv = tokens * kv_bytes_per_token(cfg, 4)
@@ -45,9 +30,9 @@ def test_a_pooled_full_sequence_round_does_not_hold_its_kv_twice():
 
 
 def test_a_round_over_its_budget_is_cut_into_forwards_that_fit_with_the_same_answer():
-    whole, whole_peak, whole_seqs = _first_round()
+    whole, whole_peak, whole_seqs = first_round()
     budget = forward_bytes(whole.cfg, 4, ROWS, PROMPT + GEN, 0, ROWS * GEN, copied=False, scores=True) // 4
-    cut, cut_peak, cut_seqs = _first_round(round_memory_bytes=budget)
+    cut, cut_peak, cut_seqs = first_round(round_memory_bytes=budget)
     assert cut.runner.transient_budget == budget and cut.runner.split_forwards >= 3
     assert cut_peak <= 0.5 * whole_peak, (cut_peak, whole_peak)
     for a, b in zip(whole_seqs, cut_seqs):

@@ -18,20 +18,10 @@ from engine.models.transformer import SparseMoE
 from engine.runner import TorchRunner
 from engine.sequence import SamplingParams, StepInput, StepKind
 from tests.builders import make_model
+from tests.engine_probes import MOE, run_choosing, step_inputs
 
 PROMPTS = ["max: a1 b7 c3 d2", "12+5=", "rev: abcdef", "story: cat 3 and some more words here"]
 SMALL = "llada-8b-shape:layers=2,vocab=512,hidden=128,heads=4,kv_heads=4,intermediate=256"
-
-
-def _inputs(model, n_ctx=(5, 0, 11), t=(8, 8, 5), seed=0) -> list[StepInput]:
-    cfg = model.config
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for c, q in zip(n_ctx, t):
-        kv = torch.randn(cfg.num_layers, 2, cfg.num_kv_heads, c, cfg.head_dim, generator=g) if c else None
-        out.append(StepInput(StepKind.DENOISE, torch.randint(2, cfg.vocab_size, (q,), generator=g),
-                             torch.arange(c, c + q), kv, torch.arange(c) if c else None, cfg.attention))
-    return out
 
 
 def _reference(model, s: StepInput):
@@ -53,7 +43,7 @@ def test_fused_projections_compute_the_same_function(kw):
     fused = copy.deepcopy(model).fuse_projections()
     assert fused.fused and not model.fused
     assert fused.layers[0].self_attn.q_proj is None and fused.layers[0].mlp.gate_proj is None
-    for s in _inputs(model):
+    for s in step_inputs(model):
         a, fa = _reference(model, s)
         b, fb = _reference(fused, s)
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
@@ -77,7 +67,7 @@ def test_runner_buffers_and_padding_match_each_step_alone(attention, fuse, fold,
         return sdpa(q, *args, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    inputs = _inputs(model)
+    inputs = step_inputs(model)
     outs = runner.run(inputs)
     monkeypatch.undo()
     assert runner.forwards == 1  # lengths within 2x: one padded forward
@@ -97,7 +87,7 @@ def test_runner_never_reads_the_uninitialised_buffer(monkeypatch):
     real_empty = torch.empty
     monkeypatch.setattr(runner_mod.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
     model = make_model(attention="bidirectional")
-    inputs = _inputs(model, n_ctx=(5, 0, 11), t=(8, 6, 5))
+    inputs = step_inputs(model, n_ctx=(5, 0, 11), t=(8, 6, 5))
     for s, out in zip(inputs, TorchRunner(model).run(inputs)):
         assert torch.isfinite(out.logits).all() and torch.isfinite(out.fresh).all()
         torch.testing.assert_close(out.logits, _reference(model, s)[0], atol=1e-5, rtol=1e-5)
@@ -106,7 +96,7 @@ def test_runner_never_reads_the_uninitialised_buffer(monkeypatch):
 def test_context_given_as_segments_equals_one_tensor():
     """A dual cache hands its prefix and suffix as two views; the runner copies them in order."""
     model = make_model(attention="bidirectional")
-    whole = _inputs(model, n_ctx=(12,), t=(8,))[0]
+    whole = step_inputs(model, n_ctx=(12,), t=(8,))[0]
     split = StepInput(whole.kind, whole.ids, whole.pos, (whole.ctx_kv[:, :, :, :5], whole.ctx_kv[:, :, :, 5:]),
                       whole.ctx_pos, whole.mode)
     a, b = TorchRunner(model).run([whole])[0], TorchRunner(model).run([split])[0]
@@ -130,7 +120,7 @@ def test_prefill_steps_never_run_the_lm_head(tok):
 def test_runner_returns_the_requested_rows_top1_on_the_host():
     model = make_model()
     runner = TorchRunner(model)
-    inputs = _inputs(model, n_ctx=(5, 0, 11, 2), t=(8, 8, 5, 40))  # two forwards (40 > 2 x 8)
+    inputs = step_inputs(model, n_ctx=(5, 0, 11, 2), t=(8, 8, 5, 40))  # two forwards (40 > 2 x 8)
     rows = [torch.tensor([0, 3, 7]), None, torch.tensor([2]), torch.arange(5, 40, 4)]
     outs = runner.run(inputs, rows)
     assert runner.forwards == 2
@@ -214,7 +204,7 @@ def test_cuda_bf16_runner_matches_float32_on_the_cpu(name):
     """A dense model: bf16 on the GPU within 2% of float32 on the CPU (the mixture of experts: below)."""
     cpu = build_preset(name, device="cpu", dtype=torch.float32)
     gpu = copy.deepcopy(cpu).to("cuda", torch.bfloat16)
-    inputs = _inputs(cpu, n_ctx=(64, 0, 33), t=(32, 32, 20))
+    inputs = step_inputs(cpu, n_ctx=(64, 0, 33), t=(32, 32, 20))
     rows = [torch.arange(len(s.ids)) for s in inputs]
     ref = TorchRunner(cpu).run(inputs, rows)
     dev_inputs = [StepInput(s.kind, s.ids, s.pos, None if s.ctx_kv is None else s.ctx_kv.to("cuda", torch.bfloat16),
@@ -226,32 +216,6 @@ def test_cuda_bf16_runner_matches_float32_on_the_cpu(name):
         err = (b.logits.float().cpu() - a.logits).norm() / a.logits.norm()
         assert err < 2e-2, err
         assert b.top1[0].device.type == "cpu"
-
-
-MOE = "llada2-mini-shape:layers=3,vocab=4096,hidden=512,heads=8,kv_heads=2,head_dim=64,intermediate=1024,experts=32"
-
-
-def _routers(model):
-    return [m.gate for m in model.modules() if isinstance(m, SparseMoE)]
-
-
-def _run_choosing(model, device, inputs, rows, hold=None):
-    """The runner's logits of ``inputs`` and every expert choice its routers made, call by call ([N, k] ids on
-    the CPU); ``hold``: such a list from another run, whose choices this run's routers take instead of theirs."""
-    seen: list[torch.Tensor] = []
-
-    def hook(ids):
-        seen.append(ids.cpu())
-        return ids if hold is None else hold[len(seen) - 1].to(ids.device)
-
-    for r in _routers(model):
-        r.choice_hook = hook
-    try:
-        out = TorchRunner(model, device).run(inputs, rows)
-    finally:
-        for r in _routers(model):
-            r.choice_hook = None
-    return [o.logits.float().cpu() for o in out], seen
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -269,13 +233,13 @@ def test_bf16_moe_matches_float32_with_the_experts_choice_held_equal(device):
         pytest.skip("no CUDA device")
     ref_model = build_preset(MOE, device="cpu", dtype=torch.float32)
     low = copy.deepcopy(ref_model).to(device, torch.bfloat16)
-    inputs = _inputs(ref_model, n_ctx=(64, 0, 33), t=(32, 32, 20))
+    inputs = step_inputs(ref_model, n_ctx=(64, 0, 33), t=(32, 32, 20))
     rows = [torch.arange(len(s.ids)) for s in inputs]
     low_inputs = [StepInput(s.kind, s.ids, s.pos, None if s.ctx_kv is None else s.ctx_kv.to(device, torch.bfloat16),
                             s.ctx_pos, s.mode) for s in inputs]
-    low_logits, low_choice = _run_choosing(low, device, low_inputs, rows)
-    free_logits, free_choice = _run_choosing(ref_model, "cpu", inputs, rows)
-    held_logits, held_choice = _run_choosing(ref_model, "cpu", inputs, rows, hold=low_choice)
+    low_logits, low_choice = run_choosing(low, device, low_inputs, rows)
+    free_logits, free_choice = run_choosing(ref_model, "cpu", inputs, rows)
+    held_logits, held_choice = run_choosing(ref_model, "cpu", inputs, rows, hold=low_choice)
     assert len(low_choice) == len(free_choice) == len(held_choice) > 0
     for a, b in zip(held_logits, low_logits):
         err = (b - a).norm() / a.norm()

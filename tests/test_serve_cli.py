@@ -72,7 +72,8 @@ def test_vllm_options_land_in_the_config(capsys, no_cuda, tmp_path):
     assert doc["http_options"] == {"host": "0.0.0.0", "port": 9001}
     cfg = AppConfig.model_validate(app_of(doc)["args"])
     assert cfg.engine.model == "tiny-mdm" and cfg.name == "mdm" and cfg.resources.tp_degrees == [1, 2, 4]
-    assert [k.secret() for k in cfg.http.api_keys] == ["k1", "k2"]
+    assert [k.name for k in cfg.http.api_keys] == ["key-1", "key-2"]  # as salted hashes (the next test)
+    assert all(k.key is None and k.key_hash for k in cfg.http.api_keys)
     assert cfg.http.chat_template == template.read_text()  # the file's text: the config stands alone
     assert cfg.http.max_model_len == 300 and cfg.http.max_tokens_limit == 300  # no answer past it
     assert cfg.http.allowed_origins == ["https://a.example", "https://b.example"]
@@ -80,6 +81,52 @@ def test_vllm_options_land_in_the_config(capsys, no_cuda, tmp_path):
     doc = dry_run(capsys, "tiny-bd", "--tensor-parallel-size", "2", "--allowed-origins", "*")
     assert app_of(doc)["args"]["resources"]["tp_degrees"] == [2]
     assert app_of(doc)["args"]["http"]["allowed_origins"] == ["*"]
+
+
+KEY = "sk-remask-cli-7d2e91c4"  # a key given with --api-key: it must show up nowhere but in the requests
+
+
+@pytest.mark.slow
+def test_an_api_key_from_the_command_line_is_in_no_config_log_or_debug_page(capsys, caplog, no_cuda):
+    """``--api-key KEY``: what Serve logs at every deploy (the application's args, and what the built
+    application carries: its deployments' arguments and options, runtime environments included), the printed
+    config, the ingress's logs and its /debug pages hold no KEY; the ingress takes KEY and refuses another."""
+    import json
+    import logging
+
+    from fastapi import testclient
+    from ray import cloudpickle
+
+    from app.auth import hash_key
+    from app.frontend import Frontend
+    from app.routes import build_web
+    from deployments.builder import build_app
+
+    caplog.set_level(logging.DEBUG)
+    assert main(["serve", "tiny-bd", "--api-key", KEY, "--dry-run"]) == 0
+    printed = capsys.readouterr()
+    assert KEY not in printed.out + printed.err
+    args = app_of(yaml.safe_load(printed.out))["args"]
+    (spec,) = args["http"]["api_keys"]
+    assert spec["name"] == "key-1" and set(spec) == {"name", "key_hash"} and KEY not in json.dumps(args)
+    salt = bytes.fromhex(spec["key_hash"].split("$")[2])
+    assert spec["key_hash"] == hash_key(KEY, salt=salt)  # salted: another run writes another hash
+    app = build_app(args)  # what `serve run` deploys; Serve pickles it to its controller
+    assert KEY.encode() not in cloudpickle.dumps(app) and KEY not in repr(app)
+
+    cfg = AppConfig.model_validate(args)
+    fe = Frontend(cfg.model_copy(update={"router": cfg.router.model_copy(update={"predictors": "off"})}))
+    client = testclient.TestClient(build_web(lambda: fe))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert client.get("/v1/models", headers=auth).status_code == 200
+    assert client.get("/v1/models", headers=auth).status_code == 200  # the second time from what it remembered
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sk-another"}).status_code == 401
+    for page in ("/debug/cluster", "/debug/instances", "/debug/planner", "/debug/predictors", "/debug/control",
+                 "/openapi.json", "/health"):
+        r = client.get(page, headers=auth)
+        assert r.status_code in (200, 503) and KEY not in r.text, page
+    logged = "\n".join(f"{r.getMessage()} {r.args!r}" for r in caplog.records)
+    assert caplog.records and KEY not in logged and KEY not in caplog.text
 
 
 def test_device_auto_takes_cuda_with_a_gpu_per_rank(capsys, monkeypatch):
@@ -149,8 +196,14 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_serve_a_hub_id_for_real_and_stop_it_with_ctrl_c(hub, tmp_path):
-    """`remask serve org/name` in a process of its own (its own Ray), offline: /health, one completion, then
-    SIGINT: Serve and Ray shut down and the command exits 0."""
+    """`remask serve org/name --api-key KEY` in a process of its own (its own Ray, its logs in a directory of
+    their own), offline: /health, one completion (its usage counts the prompt as /tokenize does, and the answer
+    as its finish says), a wrong key refused, then SIGINT: Serve and Ray shut down and the command exits 0. KEY
+    is in none of the command's output, Ray's logs (Serve logs the application's args at every deploy) or the
+    /debug pages."""
+    import shutil
+    import tempfile
+
     import httpx
 
     home, _ = hub
@@ -160,11 +213,13 @@ def test_serve_a_hub_id_for_real_and_stop_it_with_ctrl_c(hub, tmp_path):
                                                         "import_path": "deployments.builder:build_app", "args": {
         "engine": {"slots": 4, "profile_seconds": 0}, "router": {"predictors": "off"},
         "resources": {"cpus_per_replica": 0.1}}}]}))
-    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}
+    ray_tmp = tempfile.mkdtemp(prefix="rk", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0", "RAY_TMPDIR": ray_tmp}
     proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", REPO, "--config", str(config), "--port",
-                             str(port), "--device", "cpu", "--address", "local"], cwd=ROOT, env=env,
+                             str(port), "--device", "cpu", "--address", "local", "--api-key", KEY], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {KEY}"}
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and proc.poll() is None:
@@ -175,16 +230,33 @@ def test_serve_a_hub_id_for_real_and_stop_it_with_ctrl_c(hub, tmp_path):
                 pass
             time.sleep(1)
         assert proc.poll() is None, proc.stdout.read()
-        r = httpx.post(f"{url}/v1/completions", timeout=60,
-                       json={"model": REPO, "prompt": "Grüße", "max_tokens": 8, "temperature": 0})
+        request = {"model": REPO, "prompt": "Grüße", "max_tokens": 8, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=request, timeout=60).status_code == 401  # no key
+        assert httpx.post(f"{url}/v1/completions", json=request, timeout=60,
+                          headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+        r = httpx.post(f"{url}/v1/completions", json=request, timeout=60, headers=auth)
         assert r.status_code == 200, r.text
         body = r.json()
-        assert body["model"] == REPO and body["usage"]["completion_tokens"] > 0
+        (choice,), usage = body["choices"], body["usage"]
+        prompt = httpx.post(f"{url}/tokenize", json={"model": REPO, "prompt": "Grüße"}, headers=auth, timeout=30)
+        assert body["model"] == REPO and body["object"] == "text_completion" and isinstance(choice["text"], str)
+        assert usage["prompt_tokens"] == prompt.json()["count"]  # the prompt as the served tokenizer counts it
+        assert 1 <= usage["completion_tokens"] <= 8
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert choice["finish_reason"] == ("length" if usage["completion_tokens"] == 8 else "stop"), body
+        pages = [httpx.get(f"{url}{p}", headers=auth, timeout=30).text
+                 for p in ("/debug/cluster", "/debug/instances", "/debug/planner")]
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert "remask: stopping" in out and "Traceback" not in out
+        assert KEY not in out and not any(KEY in p for p in pages)
+        logs = [f for f in Path(ray_tmp).rglob("*") if f.is_file() and "logs" in f.parts]
+        assert any(f.name.startswith("controller") for f in logs), sorted(f.name for f in logs)[:20]
+        leaked = [f.name for f in logs if KEY.encode() in f.read_bytes()]
+        assert not leaked, f"the key is in Ray's logs: {leaked}"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -5,7 +5,7 @@ id equal to ``X-Request-ID``, the chat-template override; and ``ignore_eos`` in 
 
 The front is built as the Ingress replica builds it (``app.frontend.Frontend`` around the embedded tiny-bd
 model) with the dispatcher's ``submit`` replaced by a fake generation that records what it got; the API's app
-(``app.frontend.build_web``) is driven in-process by Starlette's test client.
+(``app.routes.build_web``) is driven in-process by Starlette's test client.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class FakeStream:
 
 
 def front_of(**http):
-    from app.frontend import Frontend, build_web
+    from app.frontend import Frontend
+    from app.routes import build_web
 
     fe = Frontend(AppConfig(engine={"model": MODEL, "slots": 4}, router={"predictors": "off"}, http=http))
     fe.submitted = []

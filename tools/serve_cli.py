@@ -75,6 +75,24 @@ def pick_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def api_key_specs(keys: list[str]) -> list[dict]:
+    """``--api-key``s as ``http.api_keys`` entries that hold no key: each a salted hash (``key_hash``), which the
+    ingress checks presented keys against. Ray Serve logs an application's args at every deploy, and the
+    printed config is one to share: the key itself goes into neither. A key is checked as a config's would be
+    (the error names the option, never the key)."""
+    from app.auth import ApiKeySpec, hash_key
+
+    specs = []
+    for i, key in enumerate(keys):
+        name = f"key-{i + 1}"
+        try:
+            ApiKeySpec(name=name, key=key).secret()
+        except ValueError as exc:
+            raise ValueError(f"--api-key #{i + 1}: {exc}") from None
+        specs.append({"name": name, "key_hash": hash_key(key)})
+    return specs
+
+
 def build_doc(args) -> tuple[dict, Path]:
     """The serve config of the command line and the model's local directory (a hub id resolved, downloaded
     into the hub cache if missing). Validated: a ``ValueError`` names what is wrong."""
@@ -105,7 +123,7 @@ def build_doc(args) -> tuple[dict, Path]:
     if args.served_model_name is not None:
         http["served_model_name"] = args.served_model_name
     if args.api_key:
-        http["api_keys"] = [{"name": f"key-{i + 1}", "key": k} for i, k in enumerate(args.api_key)]
+        http["api_keys"] = api_key_specs(args.api_key)
     if args.chat_template is not None:  # a file's text goes into the config: the printed config stands alone
         path = Path(args.chat_template).expanduser()
         http["chat_template"] = path.read_text() if path.is_file() else args.chat_template
@@ -222,7 +240,8 @@ def add_parsers(sub) -> None:
                    help="TP degrees, one Denoiser deployment each (several for the planner: --tp 1 2 4 or 1,2,4)")
     s.add_argument("--served-model-name", help="the name clients pass as `model` (default: MODEL)")
     s.add_argument("--api-key", action="append", metavar="KEY",
-                   help="a key clients must send as `Authorization: Bearer KEY` (repeatable)")
+                   help="a key clients must send as `Authorization: Bearer KEY` (repeatable); the config "
+                        "carries a salted hash of it, never the key")
     s.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template, or a file holding one, for every chat (http.chat_template)")
     s.add_argument("--max-model-len", type=int, metavar="N", help="the longest prompt + answer, in tokens")

@@ -61,6 +61,7 @@ from app.api.schemas import (
                             STREAM_OPTIONS,
                             TOKEN_ID_MAX,
                             TOKENIZE_NOOPS,
+                            VLLM_NOOPS,
                             ChatCompletionRequest,
                             CompletionRequest,
                             DetokenizeRequest,
