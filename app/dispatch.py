@@ -350,7 +350,8 @@ class Dispatcher:
         now = self.clock()
         live.sent_threshold = move.threshold
         ok = self.instances[move.dst].link.send(Add(
-            live.req_id, live.prompt_ids, dataclasses.replace(live.sampling, max_tokens=live.max_tokens, threshold=move.threshold),
+            live.req_id, live.prompt_ids,
+            dataclasses.replace(live.sampling, max_tokens=live.max_tokens, threshold=move.threshold),
             slo_left_s=live.state.deadline - now, sent_at=time.time(), committed=live.committed, resume=live.resume,
             canvas=live.canvas,
             # the router's estimate of its remaining denoising rounds: the instance scheduler's r_i (DWISE)
