@@ -185,8 +185,9 @@ async def _front_and_replica(engine, model: str = "tiny-bd"):
     """The HTTP front (``app.frontend``, as the Ingress builds it, without Ray) connected to an in-process
     replica of ``engine``: (client, replica)."""
     from app.config import AppConfig
-    from app.frontend import Frontend, build_web
+    from app.frontend import Frontend
     from app.replica import ReplicaServer
+    from app.routes import build_web
     from engine.instance import Instance
 
     rep = ReplicaServer(Instance(engine, slots=4), tick_s=0.2)
