@@ -13,7 +13,7 @@ import torch
 
 from engine.device import device_name, sync
 from engine.engine import Engine
-from engine.latency_profile import LatencyProfile
+from engine.latency_profile import LatencyProfile, ProfilePoint
 from engine.sequence import SamplingParams
 
 PROFILE_PROMPT = "story: cat 8 and a few more words"  # two or more prompt blocks
@@ -147,6 +147,7 @@ def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progre
              prompt_lens: tuple[int | None, ...], max_tokens: int | None, budget_s: float | None,
              warmup: bool | None = None) -> LatencyProfile:
     samples: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    shapes: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)  # (kind, tokens) -> (steps, context)
     contexts: list[int] = []
     longer: list[tuple[str, int, float, float]] = []  # (kind, tokens, mean context, ms) at other lengths
     grid = [(p, n) for p in prompt_lens for n in batch_sizes]
@@ -193,7 +194,9 @@ def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progre
             if len(kinds) == 1 and _graph_state(engine) == before:  # a steady round
                 tokens = sum(t for _, t, _ in comp)
                 if plen == prompt_lens[0]:
-                    samples[kinds.pop()][tokens].append(ms)
+                    kind = kinds.pop()
+                    samples[kind][tokens].append(ms)
+                    shapes[kind, tokens].append((len(comp), statistics.mean(c for _, _, c in comp)))
                     contexts += [c for _, _, c in comp]
                 else:
                     longer.append((kinds.pop(), tokens, statistics.mean(c for _, _, c in comp), ms))
@@ -210,19 +213,26 @@ def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progre
     if "denoise" not in curves:  # full-sequence models: cached steps are the block-sized kind
         curves["denoise"] = curves.get("cached") or curves["recompute"]
     ref = statistics.median(contexts) if contexts else 0.0
-    prof = LatencyProfile(name, curves, ref_context=ref, meta={
+    points = []  # each curve point as the rounds it came from: steps, query tokens and context of a step
+    for kind, pts in curves.items():
+        for t, ms in pts:
+            if (kind, t) in shapes:
+                n = statistics.median(s for s, _ in shapes[kind, t])
+                points.append(ProfilePoint(kind, n, t / n, statistics.median(c for _, c in shapes[kind, t]), ms))
+    prof = LatencyProfile(name, curves, ref_context=ref, points=points or None, meta={
         "model": engine.cfg.extra.get("name", engine.cfg.arch), "device": device_name(engine.device),
         "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
         "batch_sizes": list(batch_sizes), "prompt_lens": list(prompt_lens),
         "method": "median wall time of single-kind rounds (device synchronised)", "skipped": skipped,
-        "cuda_graphs": graphs is not None, "elementwise": engine.runner.model.elementwise,
+        "cuda_graphs": graphs is not None, "graph_tokens": None if graphs is None else graphs.max_tokens,
+        "block_size": engine.cfg.block_size, "elementwise": engine.runner.model.elementwise,
         "warmup": "each batch run untimed before it is timed (once or twice: until it meets no new shape)"
         if warm else None,
         "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0})
     pairs = [(tokens * max(ctx - ref, 0.0), ms - prof.curve_ms(kind, tokens)) for kind, tokens, ctx, ms in longer]
     denom = sum(x * x for x, _ in pairs)
-    if denom > 0:
-        prof.attn_ms_per_pair = max(sum(x * y for x, y in pairs) / denom, 0.0)
+    if denom > 0 and (attn := max(sum(x * y for x, y in pairs) / denom, 0.0)) > 0:  # the model refitted with it
+        prof = LatencyProfile(name, curves, ref, attn, meta=prof.meta, points=prof.points)
     return prof
 
 

@@ -109,9 +109,9 @@ class CostTables:
 
 
 def _round_ms(prof: LatencyProfile, kind: str, query: float, context: float, batch: int) -> float:
-    # the same arithmetic as LatencyProfile.round_ms for b identical steps, without building the list
-    extra = batch * query * max(context - prof.ref_context, 0.0) * prof.attn_ms_per_pair
-    return prof.curve_ms(kind, query * batch) + extra + prof.overhead_ms
+    # LatencyProfile.round_ms for b identical steps of ``query`` tokens whose keys span ``context`` tokens
+    # (their own query among them), without building the list
+    return prof.forward_ms(kind, batch, query, max(context - query, 0.0)) + prof.overhead_ms
 
 
 def cost_tables(classes, profiles: dict[int, LatencyProfile], model: StepModel,

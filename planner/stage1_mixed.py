@@ -132,18 +132,10 @@ def _binom(n: int, p: float) -> np.ndarray:
     return np.exp(logc + j * math.log(p) + (n - j) * math.log1p(-p))
 
 
-def _curve(prof: LatencyProfile, kind: str, tokens) -> np.ndarray:
-    """``prof.curve_ms`` over an array of token counts (0 for none)."""
-    pts = prof.curve(kind)
-    x = np.asarray(tokens, dtype=float)
-    if len(pts) == 1:
-        y = pts[0][1] * x / pts[0][0]
-    else:
-        xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
-        seg = np.clip(np.searchsorted(xs, x, side="left") - 1, 0, len(xs) - 2)
-        y = ys[seg] + (ys[seg + 1] - ys[seg]) * (x - xs[seg]) / (xs[seg + 1] - xs[seg])
-        y = np.maximum(y, 0.05 * ys[seg])
-    return np.where(x > 0, y, 0.0)
+def _curve(prof: LatencyProfile, kind: str, tokens, steps) -> np.ndarray:
+    """``prof.curve_ms`` over arrays of token and step counts (0 for no tokens): one forward of ``steps``
+    steps sharing ``tokens``, at the profile's reference context."""
+    return prof.curve_ms_array(kind, tokens, steps)
 
 
 def _queue(round_all: np.ndarray, mean_steps: np.ndarray, levels: tuple[int, ...],
@@ -222,15 +214,16 @@ def mixed_tables(classes: list[WorkloadClass], profiles: dict[int, LatencyProfil
             for m, lv in enumerate(occ):
                 # a round at occupancy lv: J ~ Bin(lv, rho) recompute steps, lv - J cached
                 j = np.arange(lv + 1)
-                full = _binom(lv, r) @ (_curve(prof, "recompute", j * seq) + _curve(prof, "cached", (lv - j) * blk))
+                full = _binom(lv, r) @ (_curve(prof, "recompute", j * seq, j)
+                                        + _curve(prof, "cached", (lv - j) * blk, lv - j))
                 round_all[t, k, m] = full + lv * attn_other + prof.overhead_ms
                 # a step's round: it and lv - 1 others, J ~ Bin(lv - 1, rho) of them recompute steps
                 j = np.arange(lv)
                 pj = _binom(lv - 1, r)
                 others = (lv - 1) * attn_other + prof.overhead_ms
-                rec = (_curve(prof, "recompute", seq_q[:, None] + j[None, :] * seq)
-                       + _curve(prof, "cached", (lv - 1 - j) * blk)[None, :]) @ pj
-                cac = pj @ (_curve(prof, "recompute", j * seq) + _curve(prof, "cached", (lv - j) * blk))
+                rec = (_curve(prof, "recompute", seq_q[:, None] + j[None, :] * seq, j[None, :] + 1)
+                       + _curve(prof, "cached", (lv - 1 - j) * blk, lv - 1 - j)[None, :]) @ pj
+                cac = pj @ (_curve(prof, "recompute", j * seq, j) + _curve(prof, "cached", (lv - j) * blk, lv - j))
                 lat_all[:, t, k, m] = (s_rec[:, t] * (rec + others)
                                        + s_cac[:, t] * (cac + blk * own_far + others))
     at = np.asarray(levels) - 1
@@ -239,8 +232,8 @@ def mixed_tables(classes: list[WorkloadClass], profiles: dict[int, LatencyProfil
     wait_ms, occupancy = _queue(round_all, mean_steps, levels, utilisation, queue_factor)
     base = profiles[degrees[0]]
     top = T - 1
-    iso_rec = _curve(base, "recompute", seq_q)
-    iso_cac = _curve(base, "cached", np.full(Q, blk)) + blk * np.maximum(seq_q - base.ref_context, 0) * \
+    iso_rec = _curve(base, "recompute", seq_q, np.ones(Q))
+    iso_cac = _curve(base, "cached", np.full(Q, blk), np.ones(Q)) + blk * np.maximum(seq_q - base.ref_context, 0) * \
         base.attn_ms_per_pair
     isolated = s_rec[:, top] * (iso_rec + base.overhead_ms) + s_cac[:, top] * (iso_cac + base.overhead_ms)
     return MixedTables(degrees, tuple(levels), thresholds, group_class, group_share, s_rec, s_cac, latency,

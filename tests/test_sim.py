@@ -54,12 +54,13 @@ def test_bench_scheduler_cli(capsys):
 def test_profiles_interpolate_and_fail_clearly(tmp_path):
     prof = load_profile("h200-llada8b-measured")  # measured on an H200 (scripts/h200_check.sh), context 96
     assert prof.meta["device"] == "NVIDIA H200" and prof.meta["commit"] == "6cd9128"
-    assert prof.round_ms([("denoise", 32, 96)]) == pytest.approx(7.233, rel=1e-3)
-    assert prof.round_ms([("denoise", 32, 96)] * 32) == pytest.approx(37.151, rel=1e-3)
-    assert prof.round_ms([("recompute", 128, 0)] * 16) == pytest.approx(135.897, rel=1e-3)
+    # priced by the model fitted to every measured round (tests/test_latency_model.py: within 10% of each)
+    assert prof.round_ms([("denoise", 32, 96)]) == pytest.approx(7.233, rel=0.02)
+    assert prof.round_ms([("denoise", 32, 96)] * 32) == pytest.approx(37.151, rel=0.02)
+    assert prof.round_ms([("recompute", 128, 0)] * 16) == pytest.approx(135.897, rel=0.02)
     assert prof.round_ms([("denoise", 32, 10096)]) > prof.round_ms([("denoise", 32, 96)])
     assert prof.curve("prefill") == prof.curves["denoise"]  # a full-sequence model's profile: no prefill curve
-    only_recompute = LatencyProfile("r", {"recompute": [(128, 9.0), (256, 12.0)]})
+    only_recompute = LatencyProfile("r", {"recompute": [(128, 9.0), (256, 12.0)]})  # too few points: the fallback
     assert only_recompute.round_ms([("recompute", 128, 0)]) == pytest.approx(9.0)
     with pytest.raises(ValueError, match="no 'denoise' curve and no block-step curve .*it has recompute"):
         only_recompute.round_ms([("denoise", 32, 0)])
