@@ -171,3 +171,22 @@ def test_simulate_profile_option_moves_the_capacity(synthetic_scenario, capsys, 
                      "--requests", "10", "--json", "--quiet", "--profile", prof]) == 0
         caps.append(json.loads(capsys.readouterr().out)["capacity_rps"])
     assert caps[1] == pytest.approx(caps[0] / 2, rel=1e-3)
+
+
+def test_load_control_prices_steps_in_the_mixed_rounds_instances_run():
+    """A recompute step costs its own forward in a round of mostly cached steps (fixed costs unshared), and the
+    two kinds' costs add up to the round: not a round of ``batch`` recompute steps' share, which was a fraction
+    of it on the measured profile."""
+    from cluster import StepShape, TpLatencyModel
+    from cluster.capacity import cluster_capacity, step_costs
+    from cluster.state import InstanceState
+
+    lat = TpLatencyModel(load_tp_profiles(PROFILE, [1]), 32, StepShape(32, 320, True))
+    heavy, light = step_costs(lat, 1, 14, 0.076)  # one recompute step among 13 cached
+    assert heavy == pytest.approx(lat.round_ms(1, 1, 13) - lat.round_ms(1, 0, 13))
+    assert heavy + 13 * light == pytest.approx(lat.round_ms(1, 1, 13))
+    assert heavy > 1.5 * lat.step_ms(1, 14, "recompute") / 14  # a round of 14 recompute steps shares its costs
+    h3, l3 = step_costs(lat, 1, 32, 0.1)  # three recompute steps share their forward
+    assert 3 * h3 + 29 * l3 == pytest.approx(lat.round_ms(1, 3, 29)) and h3 < heavy
+    cap = cluster_capacity(lat, [InstanceState(f"i{k}", 1) for k in range(4)], 5.0, 0.076)
+    assert (cap.heavy_cost, cap.light_cost) == step_costs(lat, 1, cap.batch, 0.076) and cap.speed == pytest.approx(4)
