@@ -17,9 +17,14 @@ def cmd_profile(args) -> int:
     from engine.profiling import check_profile, profile_engine
     from tools.generate import _local
 
+    if args.fit:
+        res = load_profile(args.fit).fit_report()
+        print(json.dumps(res) if args.json else format_fit(res))
+        return 0
     dtype = parse_dtype(args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     if args.check is None and args.out is None:
-        raise ValueError("give --out FILE to write a profile, or --check PROFILE to test one against a real run")
+        raise ValueError("give --out FILE to write a profile, --check PROFILE to test one against a real run, "
+                         "or --fit PROFILE to print its model's fit")
     check = load_profile(args.check) if args.check else None
     hub = is_hub_id(args.model)  # named as its hub cache spells it: org--name
     name = args.name or (args.model.replace("/", "--") if hub else args.model.split(":")[0])
@@ -51,6 +56,24 @@ def cmd_profile(args) -> int:
         print(f"skipped {line}", file=sys.stderr)
     return 0
 
+def format_fit(res: dict) -> str:
+    """The fit per measured point, the coefficients with their units and each kind's measured range."""
+    lines = [f"profile {res['profile']}: {res['mode']} model, largest error {res['max_error']:.1%} over "
+             f"{len(res['points'])} measured rounds" + (" (points derived from its curves and meta)"
+                                                        if res["points_derived"] else "")]
+    lines.append(f"{'kind':<10} {'steps':>6} {'query':>6} {'context':>8} {'tokens':>7} {'measured ms':>12} "
+                 f"{'model ms':>9} {'error':>7}")
+    for p in res["points"]:
+        lines.append(f"{p['kind']:<10} {p['steps']:>6g} {p['query']:>6g} {p['context']:>8g} {p['tokens']:>7g} "
+                     f"{p['ms']:>12.3f} {p['model_ms']:>9.3f} {p['error']:>+7.1%}")
+    lines.append("coefficients:")
+    for name, c in res["coefficients"].items():
+        lines.append(f"  {name:<20} {c['value']:>12.6g} {c['unit']:<30} {c['what']}")
+    lines.append("measured (tokens per forward; elsewhere modelled): "
+                 + "; ".join(f"{k} {lo:g}-{hi:g}" for k, (lo, hi) in res["measured"].items()))
+    return "\n".join(lines)
+
+
 def format_check(res: dict) -> str:
     """The check's figures: the whole timed run, then the warm-up pass's (kept out of it by design)."""
     line = (f"{res['rounds']} rounds of a real run ({res['requests']} requests, {res['model']} on {res['device']}): "
@@ -79,6 +102,9 @@ def add_parsers(sub) -> None:
     f.add_argument("--out", help="write the profile here (JSON)")
     f.add_argument("--check", metavar="PROFILE", help="instead: time a real run of mixed requests round by round "
                                                       "and compare with this profile's predictions")
+    f.add_argument("--fit", metavar="PROFILE", help="instead: print the profile's round-time model against each of "
+                                                    "its measured rounds (measured ms, model ms, error) and its "
+                                                    "coefficients")
     f.add_argument("--name")
     f.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16, 32, 64])
     f.add_argument("--prompt-lens", type=int_list, help="prompt tokens, e.g. 64,512: the first sets the curves' "
