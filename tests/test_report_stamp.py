@@ -35,12 +35,13 @@ def test_checked_in_reports_were_generated_on_the_current_defaults():
 
 
 def test_profile_stamp_follows_prices_not_layout(tmp_path):
+    from engine.latency_profile import load_profile
+
     src = json.loads((ROOT / "profiles" / "h200-llada8b-measured.json").read_text())
     a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
     a.write_text(json.dumps(src))
     b.write_text(json.dumps(src, indent=4))  # the same profile, laid out otherwise
-    slower = dict(src, curves={k: [[t, ms * 1.01] for t, ms in pts] for k, pts in src["curves"].items()})
-    c.write_text(json.dumps(slower))
+    load_profile(str(a)).scaled(1.01, name=src["name"]).save(c)  # every round 1% slower
     sa, sb, sc = (profile_stamp(str(p)) for p in (a, b, c))
     assert sa["pricing_sha256"] == sb["pricing_sha256"] and sa["file_sha256"] != sb["file_sha256"]
     assert sc["pricing_sha256"] != sa["pricing_sha256"]
