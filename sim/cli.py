@@ -11,6 +11,8 @@ def _simulate_cluster(args) -> int:
     from sim.cluster_run import run_cluster_scenario
 
     set_threads(1)  # the tiny model's decodes: a second thread only spins on a shared machine
+    if args.capacity:
+        return _print_capacity(args)
     trace = args.scenario == "dilaserve-trace"
     if args.plot and not trace and args.estimator != "online":
         raise ValueError("--plot draws the reconfiguration timeline of dilaserve-trace, or the learning curve of "
@@ -60,6 +62,31 @@ def _simulate_cluster(args) -> int:
               f"mean threshold {r['mean_threshold']:.3f}  migrations {r['migrations']}  shed {r['shed']}")
     for line in lead_lines(report):
         print(line)
+    return 0
+
+
+def _print_capacity(args) -> int:
+    from sim.cluster_run import capacity_table
+
+    if args.scenario == "dilaserve-trace":
+        raise ValueError("--capacity is the load scenarios' (dilaserve-bench, dilaserve-ablation, ...)")
+    rep = capacity_table(args.scenario, args.profile)
+    if args.json:
+        print(json.dumps(rep))
+        return 0
+    print(f"scenario {rep['scenario']}, profile {rep['profile']}: {rep['instances']} instances, mean prompt "
+          f"{rep['mean_prompt_tokens']:g} tokens, {rep['blocks']} blocks (one recompute step each), SLO "
+          f"{rep['slo_factor']:g}x isolated")
+    print("  threshold  steps  removed  capacity (req/s)  gain   occupancy  recompute/cached step (ms)  "
+          "work removed  recompute share  accuracy (mix / held-out)")
+    for r in rep["thresholds"]:
+        print(f"  {r['threshold']:<5g}{'*' if r['candidate'] else ' '}    {r['mean_steps']:6.1f}  "
+              f"{100 * r['steps_removed']:5.1f}%  {r['capacity_rps']:10.2f}        x{r['capacity_gain']:.3f}  "
+              f"{r['slo_occupancy']:5d}      {r['recompute_step_ms']:7.2f} / {r['cached_step_ms']:5.2f}          "
+              f"{100 * r['work_removed']:5.1f}%        {100 * r['recompute_share_of_work']:5.1f}%      "
+              f"{r['accuracy_mix']:.4f} / {r['accuracy_held_out']:.4f}")
+    print(f"  (* a candidate threshold; accuracy with every step at the threshold, on the scenario's {rep['mix']} mix "
+          "and on the held-out set's own, which chooses the candidates)")
     return 0
 
 
@@ -122,6 +149,9 @@ def add_parsers(sub) -> None:
                    "capacity at the top candidate threshold for the scenario's mix (planner.capacity.slo_capacity; "
                    "printed beside it, and capacity_rps, load, arrival_rate_rps in --json); default 1.0 where "
                    "--rate is not given; dilaserve-trace: its mean rate, of 16 TP-1 instances")
+    s.add_argument("--capacity", action="store_true", help="cluster scenarios: print, per threshold, the mean "
+                   "request's steps, the cluster's capacity and the share of a request's work a lower threshold "
+                   "removes (recompute steps stay), then exit")
     s.add_argument("--profile", help="cluster scenarios: latency profile, a name in profiles/ or a JSON file's "
                    "path (default: the scenario's, h200-llada8b-measured)")
     s.add_argument("--seed", type=int, default=0)

@@ -81,3 +81,42 @@ def run_cluster_scenario(name: str, policies: list[str] | None, n: int, seed: in
             "candidate_thresholds": list(rcfg.thresholds), "estimator": estimator,
             "fixed_threshold_accuracy": {f"{t:g}": round(table.accuracy(i), 4) for i, t in enumerate(table.thresholds)},
             "policies": results}
+
+
+def capacity_table(name: str, profile: str | None = None) -> dict:
+    """How much of a request's work a lower threshold removes, for scenario ``name`` (``profile``: another
+    latency profile): per threshold of the model's table, the mean request's steps, the cluster's capacity with
+    every step at it (``scenario_capacity``), and the instance time of a recompute and of a cached step in the
+    rounds an instance runs at that SLO occupancy (``cluster.capacity.step_costs``), with the recompute steps'
+    share of a request's work. A threshold only removes cached steps: one recompute step per block stays."""
+    from cluster import StepShape, TpLatencyModel
+    from cluster.capacity import step_costs
+    from sim.cluster_scenarios import mean_request, mix_accuracy
+
+    sc = get_cluster_scenario(name)
+    if profile:
+        sc = replace(sc, profile=profile)
+    table = load_table(sc.model, sc.table_prompts, thresholds=RouterConfig().thresholds)
+    candidates = candidate_thresholds(table, sc.quality_tolerance)
+    profiles = load_tp_profiles(sc.profile, sorted(set(sc.tp_degrees) | {1}))
+    prompt, _ = mean_request(sc, table, table.thresholds)
+    blocks = -(-sc.output_tokens // sc.block_tokens)
+    lat = TpLatencyModel({1: profiles[1]}, sc.slots, StepShape(sc.block_tokens, round(prompt + sc.output_tokens)))
+    rows, top = [], None
+    for t in table.thresholds:
+        _, steps = mean_request(sc, table, (t,))
+        cap = scenario_capacity(sc, table, profiles, (t,))
+        level = cap.levels[min(cap.levels)]
+        heavy, light = step_costs(lat, 1, level, blocks / steps)
+        work = blocks * heavy + (steps - blocks) * light
+        top = top or (steps, cap.rps, work)
+        rows.append({"threshold": t, "candidate": t in candidates, "mean_steps": round(steps, 2),
+                     "steps_removed": round(1 - steps / top[0], 4), "capacity_rps": round(cap.rps, 3),
+                     "capacity_gain": round(cap.rps / top[1], 4), "slo_occupancy": level,
+                     "recompute_step_ms": round(heavy, 3), "cached_step_ms": round(light, 3),
+                     "work_ms": round(work, 2), "work_removed": round(1 - work / top[2], 4),
+                     "recompute_share_of_work": round(blocks * heavy / work, 4),
+                     "accuracy_mix": round(mix_accuracy(sc, table, t), 4),
+                     "accuracy_held_out": round(table.accuracy(table.thresholds.index(t)), 4)})
+    return {"scenario": name, "profile": sc.profile, "mix": sc.mix, "mean_prompt_tokens": round(prompt, 1),
+            "blocks": blocks, "instances": len(sc.tp_degrees), "slo_factor": sc.slo_factor, "thresholds": rows}

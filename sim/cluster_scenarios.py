@@ -154,6 +154,19 @@ def mean_request(sc: ClusterScenario, table: ThresholdTable, thresholds: tuple[f
     return prompt, steps
 
 
+def mix_accuracy(sc: ClusterScenario, table: ThresholdTable, threshold: float) -> float:
+    """The expected accuracy of the scenario's requests with every step at ``threshold`` (the mix's weights,
+    as ``mean_request``); the table's own ``accuracy`` weighs its categories as the held-out set does."""
+    col = table.thresholds.index(threshold)
+    mix = MIXES[sc.mix]
+    by_cat: dict[str, list[int]] = {}
+    for i, c in enumerate(table.categories):
+        by_cat.setdefault(c, []).append(i)
+    cats = [c for c in mix if c in by_cat]
+    total = sum(mix[c] for c in cats)
+    return sum(mix[c] / total * sum(table.correct[p][col] for p in by_cat[c]) / len(by_cat[c]) for c in cats)
+
+
 def scenario_capacity(sc: ClusterScenario, table: ThresholdTable, profiles, thresholds: tuple[float, ...],
                       tp_degrees: tuple[int, ...] | None = None):
     """The cluster's capacity at the highest candidate threshold for this scenario's mix

@@ -190,3 +190,18 @@ def test_load_control_prices_steps_in_the_mixed_rounds_instances_run():
     assert 3 * h3 + 29 * l3 == pytest.approx(lat.round_ms(1, 3, 29)) and h3 < heavy
     cap = cluster_capacity(lat, [InstanceState(f"i{k}", 1) for k in range(4)], 5.0, 0.076)
     assert (cap.heavy_cost, cap.light_cost) == step_costs(lat, 1, cap.batch, 0.076) and cap.speed == pytest.approx(4)
+
+
+def test_capacity_table_shows_what_a_lower_threshold_removes(synthetic_scenario, capsys):
+    assert main(["simulate", "--scenario", "dilaserve-bench", "--capacity", "--json", "--quiet"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    rows = rep["thresholds"]
+    assert [r["threshold"] for r in rows] == list(TS) and rows[0]["steps_removed"] == 0.0
+    for hi, lo in zip(rows, rows[1:]):
+        assert lo["mean_steps"] < hi["mean_steps"] and lo["capacity_rps"] > hi["capacity_rps"]
+    for r in rows[1:]:  # one recompute step per block stays whatever the threshold: less work goes than steps
+        assert 0 < r["work_removed"] < r["steps_removed"]
+        assert r["recompute_share_of_work"] > rows[0]["recompute_share_of_work"] * 0.99
+    assert rows[2]["accuracy_mix"] < rows[0]["accuracy_mix"]  # the synthetic prose loses answers at 0.7
+    assert main(["simulate", "--scenario", "dilaserve-bench", "--capacity", "--quiet"]) == 0
+    assert "work removed" in capsys.readouterr().out
