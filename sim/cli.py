@@ -146,7 +146,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--requests", type=int, help="default 4096 (model in the loop: 512; cluster scenarios: 2000)")
     s.add_argument("--rate", type=float, help="cluster scenarios: arrival rate, requests per second")
     s.add_argument("--load", type=float, help="cluster scenarios: arrival rate as a multiple of the cluster's "
-                   "capacity at the top candidate threshold for the scenario's mix (planner.capacity.slo_capacity; "
+                   "capacity at the top candidate threshold for the scenario's mix (planner.slo_capacity.slo_capacity; "
                    "printed beside it, and capacity_rps, load, arrival_rate_rps in --json); default 1.0 where "
                    "--rate is not given; dilaserve-trace: its mean rate, of 16 TP-1 instances")
     s.add_argument("--capacity", action="store_true", help="cluster scenarios: print, per threshold, the mean "

@@ -26,7 +26,7 @@ need the GPU issue's model runs.
 
 Load (``scenario_capacity``): the rates of a profile are not another's, so runs are written as a load, a
 multiple of the cluster's capacity at the highest candidate threshold for the scenario's mix, from the
-planner's mixed-rounds model (``planner.capacity.slo_capacity``): each instance at the most requests per
+planner's mixed-rounds model (``planner.slo_capacity.slo_capacity``): each instance at the most requests per
 round at which the scenario's mean request still meets its SLO. A new profile moves the rates with it.
 
 Candidate thresholds (DiLaServe 4.1: the administrator's set) are read off
@@ -170,11 +170,11 @@ def mix_accuracy(sc: ClusterScenario, table: ThresholdTable, threshold: float) -
 def scenario_capacity(sc: ClusterScenario, table: ThresholdTable, profiles, thresholds: tuple[float, ...],
                       tp_degrees: tuple[int, ...] | None = None):
     """The cluster's capacity at the highest candidate threshold for this scenario's mix
-    (``planner.capacity.slo_capacity``: each instance at the most requests per round at which the mean
+    (``planner.slo_capacity.slo_capacity``: each instance at the most requests per round at which the mean
     request meets its SLO of ``slo_factor`` x its isolated TP-1 latency), as a ``SloCapacity`` (``rps``).
     ``--load X`` offers X times its ``rps``."""
-    from planner.capacity import slo_capacity
     from planner.costs import StepModel
+    from planner.slo_capacity import slo_capacity
     from planner.workload import WorkloadClass
 
     prompt, steps = mean_request(sc, table, thresholds)

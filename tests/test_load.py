@@ -1,4 +1,4 @@
-"""Load as a multiple of capacity: ``planner.capacity.slo_capacity``, the scenarios' capacity and the
+"""Load as a multiple of capacity: ``planner.slo_capacity.slo_capacity``, the scenarios' capacity and the
 ``--load`` option of ``remask simulate``."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from cluster import RouterConfig
 from engine.latency_profile import load_tp_profiles
-from planner.capacity import slo_capacity
 from planner.costs import StepModel
+from planner.slo_capacity import slo_capacity
 from planner.workload import WorkloadClass
 from sim.cluster import ClusterConfig, ClusterSimulator, summarize
 from sim.cluster_scenarios import (
