@@ -8,7 +8,8 @@ times a lone request's, where a request's slack is its SLO over its
 predicted isolated latency (5 for the default SLO of 5x the isolated
 latency). Step kinds are mixed in the cluster's current proportion of
 recompute (heavy) to cached (light) steps; loads are in TP-1
-instance-milliseconds at that batch, and a TP-d instance counts as its
+instance-milliseconds at that batch, a step priced at its share of the
+mixed round it runs in (``step_costs``), and a TP-d instance counts as its
 throughput relative to a TP-1 instance.
 """
 
@@ -56,6 +57,22 @@ def slo_batch(model: TpLatencyModel, tp: int, slack: float, heavy_share: float) 
     return 1
 
 
+def step_costs(model: TpLatencyModel, tp: int, batch: int, heavy_share: float) -> tuple[float, float]:
+    """Instance ms a recompute step and a cached step cost in the rounds an instance runs: rounds of ``batch``
+    steps, ``h`` of them recompute steps (``heavy_share`` of the batch, at least one). The round's recompute
+    steps run as their own forward, so a recompute step costs its forward's time over its h steps (the
+    forward's fixed costs included: one recompute among cached steps pays them alone), a cached step its
+    forward's over the other ``batch - h``; h of the first and ``batch - h`` of the second add up to the
+    round. (Costs at a round of ``batch`` recompute steps would share those fixed costs ``batch`` ways, which
+    mixed rounds never do: load control then took a recompute step for a fraction of its price.)"""
+    b = max(batch, 1)
+    h = min(b, max(1, round(heavy_share * b)))
+    light_round = model.round_ms(tp, 0, b - h) if b > h else 0.0
+    heavy = (model.round_ms(tp, h, b - h) - light_round) / h
+    light = light_round / (b - h) if b > h else model.round_ms(tp, 0, b) / b
+    return heavy, light
+
+
 def cluster_capacity(model: TpLatencyModel, instances: Sequence[InstanceState], slack: float,
                      heavy_share: float) -> Capacity:
     ref = 1 if 1 in model.profiles else model.degrees[0]
@@ -64,5 +81,5 @@ def cluster_capacity(model: TpLatencyModel, instances: Sequence[InstanceState], 
         b = slo_batch(model, tp, slack, heavy_share)
         per_tp[tp] = b / mixed_ms(model, tp, b, heavy_share)  # steps per ms
     b = slo_batch(model, ref, slack, heavy_share)
-    return Capacity(b, model.step_ms(ref, b, "recompute") / b, model.step_ms(ref, b, "cached") / b,
-                    sum(per_tp[inst.tp] for inst in instances) / per_tp[ref])
+    heavy, light = step_costs(model, ref, b, heavy_share)
+    return Capacity(b, heavy, light, sum(per_tp[inst.tp] for inst in instances) / per_tp[ref])

@@ -11,6 +11,8 @@ def _simulate_cluster(args) -> int:
     from sim.cluster_run import run_cluster_scenario
 
     set_threads(1)  # the tiny model's decodes: a second thread only spins on a shared machine
+    if args.capacity:
+        return _print_capacity(args)
     trace = args.scenario == "dilaserve-trace"
     if args.plot and not trace and args.estimator != "online":
         raise ValueError("--plot draws the reconfiguration timeline of dilaserve-trace, or the learning curve of "
@@ -33,8 +35,10 @@ def _simulate_cluster(args) -> int:
         online |= {"estimator": args.estimator, "shed": shed,
                   "refit_every": args.refit_every, "refit_early": early,
                   "min_requests": min(early) if early else args.refit_every * 2}
+    if args.profile:
+        online["profile"] = args.profile
     report = run_cluster_scenario(args.scenario, policies, args.requests or 2000, args.seed, args.rate,
-                                  progress=not args.quiet, **online)
+                                  progress=not args.quiet, load=args.load, **online)
     if args.plot and trace:
         from sim.cluster_trace import plot_trace
 
@@ -43,16 +47,68 @@ def _simulate_cluster(args) -> int:
         from sim.report.plots import learning_curve
 
         learning_curve(report, args.plot)
+    if leads(report):
+        report["remask_lead"] = leads(report)
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"scenario {report['scenario']}: {report['requests']} requests at {report['arrival_rate_rps']} req/s, "
-          f"seed {report['seed']}, candidate thresholds {report['candidate_thresholds']}")
+    print(f"scenario {report['scenario']}: {report['requests']} requests at {report['arrival_rate_rps']:.2f} req/s"
+          + (f" = load {report['load']:g} x capacity {report['capacity_rps']:.2f} req/s" if "load" in report else "")
+          + f", profile {report.get('profile', '?')}, seed {report['seed']}, "
+          f"candidate thresholds {report.get('candidate_thresholds')}")
     for name, r in report["policies"].items():
         print(f"  {name:24s} SLO attainment {r['slo_attainment']:.3f}  accuracy {r['accuracy']:.4f}  "
               f"mean {r['mean_latency_s']:7.2f}s  p99 {r['p99_latency_s']:7.2f}s  "
               f"mean threshold {r['mean_threshold']:.3f}  migrations {r['migrations']}  shed {r['shed']}")
+    for line in lead_lines(report):
+        print(line)
     return 0
+
+
+def _print_capacity(args) -> int:
+    from sim.cluster_run import capacity_table
+
+    if args.scenario == "dilaserve-trace":
+        raise ValueError("--capacity is the load scenarios' (dilaserve-bench, dilaserve-ablation, ...)")
+    rep = capacity_table(args.scenario, args.profile)
+    if args.json:
+        print(json.dumps(rep))
+        return 0
+    print(f"scenario {rep['scenario']}, profile {rep['profile']}: {rep['instances']} instances, mean prompt "
+          f"{rep['mean_prompt_tokens']:g} tokens, {rep['blocks']} blocks (one recompute step each), SLO "
+          f"{rep['slo_factor']:g}x isolated")
+    print("  threshold  steps  removed  capacity (req/s)  gain   occupancy  recompute/cached step (ms)  "
+          "work removed  recompute share  accuracy (mix / held-out)")
+    for r in rep["thresholds"]:
+        print(f"  {r['threshold']:<5g}{'*' if r['candidate'] else ' '}    {r['mean_steps']:6.1f}  "
+              f"{100 * r['steps_removed']:5.1f}%  {r['capacity_rps']:10.2f}        x{r['capacity_gain']:.3f}  "
+              f"{r['slo_occupancy']:5d}      {r['recompute_step_ms']:7.2f} / {r['cached_step_ms']:5.2f}          "
+              f"{100 * r['work_removed']:5.1f}%        {100 * r['recompute_share_of_work']:5.1f}%      "
+              f"{r['accuracy_mix']:.4f} / {r['accuracy_held_out']:.4f}")
+    print(f"  (* a candidate threshold; accuracy with every step at the threshold, on the scenario's {rep['mix']} mix "
+          "and on the held-out set's own, which chooses the candidates)")
+    return 0
+
+
+def leads(report: dict) -> dict[str, dict]:
+    """Per baseline (the fixed-threshold policies infaas and llumnix that ran), remask's lead: SLO attainment
+    in percentage points and accuracy in points (remask minus the baseline). Empty without remask."""
+    pols = report.get("policies", {})
+    ours = pols.get("remask")
+    if not ours:
+        return {}
+    out = {}
+    for base in ("infaas", "llumnix"):
+        b = pols.get(base)
+        if b:
+            out[base] = {"slo_pp": round(100 * (ours["slo_attainment"] - b["slo_attainment"]), 1),
+                         "accuracy_points": round(100 * (ours["accuracy"] - b["accuracy"]), 2)}
+    return out
+
+
+def lead_lines(report: dict) -> list[str]:
+    return [f"  remask vs {base:8s} SLO attainment {v['slo_pp']:+.1f} pp, accuracy {v['accuracy_points']:+.2f} points"
+            for base, v in leads(report).items()]
 
 
 def cmd_simulate(args) -> int:
@@ -89,6 +145,15 @@ def add_parsers(sub) -> None:
                    "scenario's own list for dilaserve-*)")
     s.add_argument("--requests", type=int, help="default 4096 (model in the loop: 512; cluster scenarios: 2000)")
     s.add_argument("--rate", type=float, help="cluster scenarios: arrival rate, requests per second")
+    s.add_argument("--load", type=float, help="cluster scenarios: arrival rate as a multiple of the cluster's "
+                   "capacity at the top candidate threshold for the scenario's mix (planner.slo_capacity.slo_capacity; "
+                   "printed beside it, and capacity_rps, load, arrival_rate_rps in --json); default 1.0 where "
+                   "--rate is not given; dilaserve-trace: its mean rate, of 16 TP-1 instances")
+    s.add_argument("--capacity", action="store_true", help="cluster scenarios: print, per threshold, the mean "
+                   "request's steps, the cluster's capacity and the share of a request's work a lower threshold "
+                   "removes (recompute steps stay), then exit")
+    s.add_argument("--profile", help="cluster scenarios: latency profile, a name in profiles/ or a JSON file's "
+                   "path (default: the scenario's, h200-llada8b-measured)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--plot", help="dilaserve-trace: write the offered rate, instance mix and SLO attainment "
                                   "over time to this PNG; --estimator online: the step predictor's learning curve")

@@ -14,15 +14,20 @@ suite, not LLaDA's). This is a stand-in: real LLaDA step counts and answers
 need the GPU issue's model runs.
 
 - ``dilaserve-bench``: 16 TP-1 instances, B = 32 slots, Poisson arrivals at a
-  fixed rate (``--rate``; sweep it by running several rates), SLO per
-  request = 5x its isolated TP-1 latency at threshold 0.9; policies infaas,
-  llumnix, remask.
+  fixed rate (``--rate``, or ``--load``: a multiple of the cluster's capacity,
+  ``scenario_capacity``; default load 1.0), SLO per request = 5x its isolated
+  TP-1 latency at threshold 0.9; policies infaas, llumnix, remask.
 - ``dilaserve-ablation``: the same cluster; fixed 0.9, dynamic thresholds
   without load control, and dynamic + load control.
 - ``*-all-thresholds``: the same with every threshold of 0.5..0.9 a candidate.
 - ``dilaserve-trace``: these requests on a 2-hour BurstGPT-like diurnal trace, the 16 GPUs
   reconfigured by the planner and compared with static instance mixes (``sim/cluster_trace.py``;
   ``--requests`` sets the time compression, ``--rate`` the mean rate, one router policy).
+
+Load (``scenario_capacity``): the rates of a profile are not another's, so runs are written as a load, a
+multiple of the cluster's capacity at the highest candidate threshold for the scenario's mix, from the
+planner's mixed-rounds model (``planner.slo_capacity.slo_capacity``): each instance at the most requests per
+round at which the scenario's mean request still meets its SLO. A new profile moves the rates with it.
 
 Candidate thresholds (DiLaServe 4.1: the administrator's set) are read off
 the model's measured accuracy: those whose held-out accuracy, used for every
@@ -58,7 +63,7 @@ class ClusterScenario:
     tp_degrees: tuple[int, ...] = (1,) * 16
     profile: str = "h200-llada8b-measured"
     slots: int = 32
-    rate: float = 60.0  # requests per second (default of --rate)
+    load: float = 1.0  # offered rate / capacity (``scenario_capacity``) without --rate or --load
     slo_factor: float = 5.0
     output_tokens: int = 256
     block_tokens: int = 32
@@ -123,6 +128,76 @@ def make_specs(sc: ClusterScenario, table: ThresholdTable, n: int, rate: float, 
                                         prompt_features=(float(len(text.split())), float(text.count("\n")),
                                                          float(prompt_tokens))))
     return specs
+
+
+def mean_request(sc: ClusterScenario, table: ThresholdTable, thresholds: tuple[float, ...]) -> tuple[float, float]:
+    """(prompt tokens, steps at the highest of ``thresholds``) of the scenario's mean request: the expectation
+    over its mix (``make_specs`` draws a category by the mix's weight, then a prompt of it uniformly), exact,
+    so it does not depend on a sample's size or seed."""
+    col = table.thresholds.index(max(thresholds))
+    mix = MIXES[sc.mix]
+    by_cat: dict[str, list[int]] = {}
+    for i, c in enumerate(table.categories):
+        by_cat.setdefault(c, []).append(i)
+    cats = [c for c in mix if c in by_cat]
+    if not cats:
+        raise ValueError(f"mix {sc.mix!r} names no category of the table ({', '.join(sorted(by_cat))})")
+    total = sum(mix[c] for c in cats)
+    blocks = -(-sc.output_tokens // sc.block_tokens)
+    prompt = steps = 0.0
+    for c in cats:
+        ps = by_cat[c]
+        w = mix[c] / total / len(ps)
+        for p in ps:
+            prompt += w * max(sc.block_tokens // 2, sc.prompt_scale * len(table.prompts[p]))
+            steps += w * min(blocks + sc.steps_scale * (table.rounds[p][col] - 1), sc.output_tokens)
+    return prompt, steps
+
+
+def mix_accuracy(sc: ClusterScenario, table: ThresholdTable, threshold: float) -> float:
+    """The expected accuracy of the scenario's requests with every step at ``threshold`` (the mix's weights,
+    as ``mean_request``); the table's own ``accuracy`` weighs its categories as the held-out set does."""
+    col = table.thresholds.index(threshold)
+    mix = MIXES[sc.mix]
+    by_cat: dict[str, list[int]] = {}
+    for i, c in enumerate(table.categories):
+        by_cat.setdefault(c, []).append(i)
+    cats = [c for c in mix if c in by_cat]
+    total = sum(mix[c] for c in cats)
+    return sum(mix[c] / total * sum(table.correct[p][col] for p in by_cat[c]) / len(by_cat[c]) for c in cats)
+
+
+def scenario_capacity(sc: ClusterScenario, table: ThresholdTable, profiles, thresholds: tuple[float, ...],
+                      tp_degrees: tuple[int, ...] | None = None):
+    """The cluster's capacity at the highest candidate threshold for this scenario's mix
+    (``planner.slo_capacity.slo_capacity``: each instance at the most requests per round at which the mean
+    request meets its SLO of ``slo_factor`` x its isolated TP-1 latency), as a ``SloCapacity`` (``rps``).
+    ``--load X`` offers X times its ``rps``."""
+    from planner.costs import StepModel
+    from planner.slo_capacity import slo_capacity
+    from planner.workload import WorkloadClass
+
+    prompt, steps = mean_request(sc, table, thresholds)
+    top = max(thresholds)
+    model = StepModel(steps_per_token={top: steps / sc.output_tokens}, block_tokens=sc.block_tokens)
+    degrees = sc.tp_degrees if tp_degrees is None else tp_degrees
+    counts = {d: degrees.count(d) for d in sorted(set(degrees))}
+    return slo_capacity(WorkloadClass("mean", 1.0, prompt, float(sc.output_tokens)), profiles, model, counts,
+                        sc.slots, sc.slo_factor, top)
+
+
+def offered_rate(rate: float | None, load: float | None, capacity_rps: float, default: float) -> float:
+    """The arrival rate of a run: ``rate`` (req/s), or ``load`` x ``capacity_rps``; ``default`` without
+    either. Both given, or a non-positive one, is an error naming the option."""
+    if rate is not None and load is not None:
+        raise ValueError("give --rate (requests per second) or --load (a multiple of the capacity), not both")
+    if load is not None:
+        if not load > 0:
+            raise ValueError(f"--load must be positive, got {load}")
+        return load * capacity_rps
+    if rate is not None and not rate > 0:
+        raise ValueError(f"--rate must be positive, got {rate}")
+    return default if rate is None else rate
 
 
 _REPLAYED: dict[tuple, bool] = {}  # (model, prompt, step thresholds) -> answer right

@@ -189,14 +189,15 @@ def test_combined_verdicts():
     def s(slo, lat):
         return {"slo_attainment": slo, "mean_latency_s": lat, "p99_latency_s": lat * 2, "filled_slots_per_round": 10}
 
-    data = {"cluster_rates": {
-        "50": {"remask/dwise": s(0.90, 3.0), "remask/fcfs": s(0.90, 3.01), "infaas/dwise": s(0.5, 3.5)},
-        "80": {"remask/dwise": s(0.80, 3.0), "remask/fcfs": s(0.85, 3.0), "infaas/dwise": s(0.5, 3.5)},
-        "90": {"remask/dwise": s(0.80, 2.0), "remask/fcfs": s(0.70, 3.0), "infaas/dwise": s(0.5, 3.5)}}}
+    data = {"cluster_rates": {  # by load (a multiple of the capacity), its rate in cluster_rates_info
+        "0.8": {"remask/dwise": s(0.90, 3.0), "remask/fcfs": s(0.90, 3.01), "infaas/dwise": s(0.5, 3.5)},
+        "1": {"remask/dwise": s(0.80, 3.0), "remask/fcfs": s(0.85, 3.0), "infaas/dwise": s(0.5, 3.5)},
+        "1.1": {"remask/dwise": s(0.80, 2.0), "remask/fcfs": s(0.70, 3.0), "infaas/dwise": s(0.5, 3.5)}},
+        "cluster_rates_info": {"0.8": {"rate": 40.0}, "1": {"rate": 50.0}, "1.1": {"rate": 55.0}}}
     v = {x["scenario"]: x for x in verdicts(data)}
-    assert v["rate 50 req/s"]["ok"] and v["rate 50 req/s"]["verdict"].startswith("ties")
-    assert not v["rate 80 req/s"]["ok"] and v["rate 80 req/s"]["verdict"] == "loses on SLO"
-    assert v["rate 90 req/s"]["verdict"] == "wins on SLO and mean latency"
+    assert v["load 0.8 (40.0 req/s)"]["ok"] and v["load 0.8 (40.0 req/s)"]["verdict"].startswith("ties")
+    assert v["load 1 (50.0 req/s)"]["ok"] is False and v["load 1 (50.0 req/s)"]["verdict"] == "loses on SLO"
+    assert v["load 1.1 (55.0 req/s)"]["verdict"] == "wins on SLO and mean latency"
 
 
 @pytest.mark.slow

@@ -19,14 +19,17 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", help="comma-separated sections (default: all; names in sim/report/experiments.py)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--profile", help="the cluster sections' latency profile: a name in profiles/ or a JSON file's "
+                   "path (default: the scenarios', h200-llada8b-measured); loads follow its capacity")
     p.set_defaults(func=cmd_report)
 
 
 def cmd_report(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from sim.report.experiments import SECTIONS, run_all
-    from sim.report.render import all_checks, write_report
+    from sim.report.render import all_checks, report_profiles, write_report
     from sim.report.sizes import PLANS
+    from sim.report.stamp import report_stamp
 
     plan = PLANS["tiny" if args.tiny else "quick" if args.quick else "full"]
     only = None
@@ -37,13 +40,16 @@ def cmd_report(args) -> int:
             print(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}", file=sys.stderr)
             return 2
     t0, c0 = time.perf_counter(), time.process_time()
-    runner = run_all(plan, args.seed, progress=not args.quiet, only=only)
+    stamp = report_stamp(report_profiles(plan, args.profile), Path(args.out))  # before the run writes anything
+    runner = run_all(plan, args.seed, progress=not args.quiet, only=only, profile=args.profile)
     cmd = "remask report" + (" --quick" if args.quick else " --tiny" if args.tiny else "") + f" --out {args.out}"
     if args.seed:
         cmd += f" --seed {args.seed}"
     if only:
         cmd += f" --only {','.join(sorted(only))}"
-    path = write_report(runner, Path(args.out), cmd, time.perf_counter() - t0, time.process_time() - c0)
+    if args.profile:
+        cmd += f" --profile {args.profile}"
+    path = write_report(runner, Path(args.out), cmd, time.perf_counter() - t0, time.process_time() - c0, stamp)
     checks = all_checks(runner)
     failed = [c for c in checks if not c.passed]
     print(f"wrote {path} ({time.perf_counter() - t0:.0f} s); fidelity checks: {len(checks) - len(failed)} of "

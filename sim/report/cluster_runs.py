@@ -36,7 +36,15 @@ from cluster.placement import best_instance, migration_gain_ms
 from cluster.policies import RemaskPolicy, walk_order
 from engine.latency_profile import load_tp_profiles
 from sim.cluster import ClusterConfig, ClusterRequestSpec, ClusterResult, ClusterSimulator, summarize
-from sim.cluster_scenarios import ClusterScenario, accuracy_of, candidate_thresholds, get_cluster_scenario, make_specs
+from sim.cluster_scenarios import (
+    ClusterScenario,
+    accuracy_of,
+    candidate_thresholds,
+    get_cluster_scenario,
+    make_specs,
+    offered_rate,
+    scenario_capacity,
+)
 from sim.report.checks import trace_hash
 from sim.threshold_table import ThresholdTable, load_table, step_thresholds
 
@@ -107,6 +115,11 @@ class ClusterSetup:
     cfg: ClusterConfig
     rate: float
     seed: int
+    capacity_rps: float | None = None  # the setup's cluster at the top candidate threshold (scenario_capacity)
+
+    @property
+    def load(self) -> float | None:
+        return self.rate / self.capacity_rps if self.capacity_rps else None
 
     @property
     def offered_hash(self) -> str:
@@ -118,20 +131,36 @@ def _table(model: str, prompts: int) -> ThresholdTable:
     return load_table(model, prompts, thresholds=RouterConfig().thresholds)
 
 
-def setup(n: int, rate: float, seed: int = 0, *, all_thresholds: bool = False, arrivals=None,
-          **overrides) -> ClusterSetup:
-    """The ``dilaserve-bench`` requests (``overrides``: any ``ClusterScenario`` field, e.g. ``slo_factor``,
-    ``tp_degrees``, ``output_tokens``, ``prompt_scale``), Poisson at ``rate`` or at ``arrivals``."""
+def _scenario(all_thresholds: bool = False, **overrides) -> tuple[ClusterScenario, ThresholdTable, RouterConfig, dict]:
     sc = replace(get_cluster_scenario("dilaserve-bench"), **overrides)
     if all_thresholds:
         sc = replace(sc, quality_tolerance=None)
     table = _table(sc.model, sc.table_prompts)
     rcfg = RouterConfig(thresholds=candidate_thresholds(table, sc.quality_tolerance))
     profiles = load_tp_profiles(sc.profile, sorted(set(sc.tp_degrees) | {1}))
+    return sc, table, rcfg, profiles
+
+
+def capacity_rps(all_thresholds: bool = False, **overrides) -> float:
+    """The cluster's capacity (req/s) for the ``dilaserve-bench`` requests with ``overrides``
+    (``scenario_capacity``: its instances at the top candidate threshold, each at its SLO occupancy)."""
+    sc, table, rcfg, profiles = _scenario(all_thresholds, **overrides)
+    return scenario_capacity(sc, table, profiles, rcfg.thresholds).rps
+
+
+def setup(n: int, load: float | None = None, seed: int = 0, *, rate: float | None = None,
+          all_thresholds: bool = False, arrivals=None, **overrides) -> ClusterSetup:
+    """The ``dilaserve-bench`` requests (``overrides``: any ``ClusterScenario`` field, e.g. ``slo_factor``,
+    ``tp_degrees``, ``output_tokens``, ``prompt_scale``, ``profile``), Poisson at ``load`` x the cluster's
+    capacity (``scenario_capacity``) or at ``rate`` req/s, or at the times ``arrivals`` (``rate`` then
+    their mean rate, for the record)."""
+    sc, table, rcfg, profiles = _scenario(all_thresholds, **overrides)
+    cap = scenario_capacity(sc, table, profiles, rcfg.thresholds).rps
+    rate = offered_rate(rate, load, cap, sc.load * cap)
     specs = make_specs(sc, table, n, rate, seed, profiles, rcfg.thresholds, arrivals=arrivals)
     seq = sum(s.prompt_tokens + s.output_tokens for s in specs) // max(len(specs), 1)
     cfg = ClusterConfig(sc.tp_degrees, sc.slots, sc.block_tokens, seq, router=rcfg)
-    return ClusterSetup(sc, table, rcfg, profiles, specs, cfg, rate, seed)
+    return ClusterSetup(sc, table, rcfg, profiles, specs, cfg, rate, seed, cap)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import numpy as np
 
 from sim.report import checks as ck
 from sim.report import paper as P
-from sim.report.cluster_runs import ClusterRun, ClusterSetup, run_combo, setup
+from sim.report.cluster_runs import ClusterRun, ClusterSetup, capacity_rps, run_combo, setup
 from sim.report.instance import (
     PROFILE,
     InstanceRun,
@@ -41,8 +41,11 @@ def _copy(specs):
 
 
 class ExperimentRunner:
-    def __init__(self, plan: Plan, seed: int = 0, progress: bool = True) -> None:
+    def __init__(self, plan: Plan, seed: int = 0, progress: bool = True, profile: str | None = None) -> None:
         self.plan, self.seed = plan, seed
+        # the cluster sections' latency profile (None: the scenarios' default); ``cl`` passes it to every setup
+        self.cluster_profile = profile
+        self.cl: dict = {"profile": profile} if profile else {}
         self.checks: list[ck.Check] = []
         self.little: list[ck.Check] = []
         self.traces: list[ck.Check] = []
@@ -214,15 +217,24 @@ def _summ(runs: dict[str, ClusterRun]) -> dict:
     return {c: {**run.summary, "wall_s": round(run.wall_s, 1)} for c, run in runs.items()}
 
 
+def _load_info(st: ClusterSetup) -> dict:
+    return {"load": round(st.load, 4), "rate": round(st.rate, 3), "capacity_rps": round(st.capacity_rps, 3)}
+
+
 def cluster_rates(r: ExperimentRunner) -> None:
+    """The load sweep (DiLaServe Figure 9): each load a multiple of the 16 x TP-1 capacity."""
     p = r.plan
-    out = {}
-    for rate in p.cl_rates:
-        st = setup(p.cl_n, rate, r.seed)
+    out, info = {}, {}
+    for load in p.cl_loads:
+        st = setup(p.cl_n, load, r.seed, **r.cl)
         r.data["cluster_candidates"] = list(st.rcfg.thresholds)
-        out[rate] = r.cl_group(f"rate {rate:g}", st, p.cl_combos)
+        r.data["cluster_profile"] = st.sc.profile
+        r.data["cluster_capacity_rps"] = round(st.capacity_rps, 3)
+        out[load] = r.cl_group(f"load {load:g} ({st.rate:.1f} req/s)", st, p.cl_combos)
+        info[str(load)] = _load_info(st)
     r.runs["rates"] = out
-    r.data["cluster_rates"] = {str(rate): _summ(runs) for rate, runs in out.items()}
+    r.data["cluster_rates"] = {str(load): _summ(runs) for load, runs in out.items()}
+    r.data["cluster_rates_info"] = info
 
 
 FIXED_COMBOS = ("infaas/fcfs", "llumnix/fcfs", "infaas/dwise")  # never read SLOs: one run serves every factor
@@ -232,11 +244,12 @@ DYNAMIC_COMBOS = ("remask/fcfs", "remask/dwise")
 def cluster_slo(r: ExperimentRunner) -> None:
     p = r.plan
     f0 = p.slo_factors[0]
-    fixed = r.cl_group(f"SLO {f0:g}x (fixed-threshold policies)", setup(p.cl_n, p.slo_rate, r.seed, slo_factor=f0),
-                       FIXED_COMBOS)
+    rate = p.slo_load * capacity_rps(**r.cl)  # at the default SLO's capacity: the same requests for every factor
+    fixed = r.cl_group(f"SLO {f0:g}x (fixed-threshold policies)",
+                       setup(p.cl_n, rate=rate, seed=r.seed, slo_factor=f0, **r.cl), FIXED_COMBOS)
     out = {}
     for f in p.slo_factors:
-        st = setup(p.cl_n, p.slo_rate, r.seed, slo_factor=f)
+        st = setup(p.cl_n, rate=rate, seed=r.seed, slo_factor=f, **r.cl)
         runs = r.cl_group(f"SLO {f:g}x", st, DYNAMIC_COMBOS)
         rows = {c: {**run.summary} for c, run in runs.items()}
         for c, run in fixed.items():
@@ -244,7 +257,7 @@ def cluster_slo(r: ExperimentRunner) -> None:
                        "slo_note": f"run once at {f0:g}x; attainment re-scored at {f:g}x"}
         out[f] = rows
     r.runs["slo"] = {"fixed": fixed}
-    r.data["cluster_slo"] = {"rate": p.slo_rate, "factors": {str(f): v for f, v in out.items()}}
+    r.data["cluster_slo"] = {"rate": round(rate, 3), "load": p.slo_load, "factors": {str(f): v for f, v in out.items()}}
 
 
 ABLATION = ("fixed-threshold/dwise", "dynamic-no-load-control/dwise", "remask/dwise")
@@ -254,61 +267,51 @@ MIGRATION = ("remask-no-migration/dwise", "remask-any-step/dwise", "remask/dwise
 def cluster_ablations(r: ExperimentRunner) -> None:
     abl, mig = ABLATION, MIGRATION
     p = r.plan
-    data = {"ablation": _summ(r.cl_group(f"ablation {p.ablation_rate:g}", setup(p.cl_n, p.ablation_rate, r.seed),
-                                         abl))}
-    if p.ablation_all_thresholds:
-        st = setup(p.cl_n, p.ablation_rate, r.seed, all_thresholds=True)
-        data["ablation_all_thresholds"] = _summ(r.cl_group(f"ablation all thresholds {p.ablation_rate:g}", st, abl))
-    st = setup(p.cl_n, p.migration_rate, r.seed, tp_degrees=p.migration_tps)
-    data["migration"] = _summ(r.cl_group(f"migration {p.migration_rate:g}", st, mig))
+    st = setup(p.cl_n, p.ablation_load, r.seed, **r.cl)
+    data = {"ablation": _summ(r.cl_group(f"ablation load {p.ablation_load:g}", st, abl)),
+            "ablation_info": _load_info(st)}
+    if p.ablation_all_thresholds:  # the same requests and rate: the candidates differ, not the offered load
+        st = setup(p.cl_n, rate=st.rate, seed=r.seed, all_thresholds=True, **r.cl)
+        data["ablation_all_thresholds"] = _summ(r.cl_group(f"ablation all thresholds load {p.ablation_load:g}", st,
+                                                           abl))
+    st = setup(p.cl_n, p.migration_load, r.seed, tp_degrees=p.migration_tps, **r.cl)
+    data["migration"] = _summ(r.cl_group(f"migration load {p.migration_load:g}", st, mig))
     data["migration_tps"] = list(p.migration_tps)
-    r.data["cluster_ablations"] = data | {"ablation_rate": p.ablation_rate, "migration_rate": p.migration_rate}
+    data["migration_info"] = _load_info(st)
+    r.data["cluster_ablations"] = data
 
 
 GRID4 = ("infaas/fcfs", "remask/fcfs", "infaas/dwise", "remask/dwise")
 
 
-def _work_ms(st: ClusterSetup, batch: int = 32) -> float:
-    """Mean TP-1 instance time a request's steps at 0.9 take in full rounds of ``batch`` (its share)."""
-    prof, blk = st.profiles[1], st.sc.block_tokens
-    out = 0.0
-    for s in st.specs:
-        seq, blocks = s.prompt_tokens + s.output_tokens, -(-s.output_tokens // blk)
-        heavy = prof.round_ms([("recompute", seq, 0)] * batch) / batch
-        light = prof.round_ms([("cached", blk, seq)] * batch) / batch
-        out += blocks * heavy + max(s.steps[0] - blocks, 0.0) * light
-    return out / len(st.specs)
-
-
 def cluster_lengths(r: ExperimentRunner) -> None:
+    """Each length at the same load of its own capacity (its requests' steps and SLOs at that length)."""
     p = r.plan
-    ref = _work_ms(setup(200, p.length_rate, r.seed))
     out = {}
     for tokens, scale in p.lengths:
-        probe = setup(200, p.length_rate, r.seed, output_tokens=tokens, prompt_scale=scale)
-        rate = p.length_rate * ref / _work_ms(probe)  # the same offered work as the default lengths
-        st = setup(p.cl_n, rate, r.seed, output_tokens=tokens, prompt_scale=scale)
+        st = setup(p.cl_n, p.length_load, r.seed, output_tokens=tokens, prompt_scale=scale, **r.cl)
         runs = r.cl_group(f"output {tokens} prompt x{scale}", st, GRID4)
-        out[f"{tokens}/{scale}"] = {"rate": rate, "output_tokens": tokens, "prompt_scale": scale,
+        out[f"{tokens}/{scale}"] = {**_load_info(st), "output_tokens": tokens, "prompt_scale": scale,
                                     "mean_prompt_tokens": statistics.fmean(s.prompt_tokens for s in st.specs),
                                     "policies": _summ(runs)}
-    r.data["cluster_lengths"] = {"base_rate": p.length_rate, "points": out}
+    r.data["cluster_lengths"] = {"load": p.length_load, "points": out}
 
 
 def cluster_burst(r: ExperimentRunner) -> None:
     p = r.plan
     combos = (*GRID4, PLAN_WALK)
+    rate = p.burst_load * capacity_rps(tp_degrees=p.burst_tps, **r.cl)
     rng = random.Random(r.seed + 31)
     k = int(p.burst_n * p.burst_frac)
     t, arr = 0.0, []
     for i in range(p.burst_n):
         if i >= k:
-            t += rng.expovariate(p.burst_rate)
+            t += rng.expovariate(rate)
         arr.append(0.0 if i < k else t)
-    st = setup(p.burst_n, p.burst_rate, r.seed, arrivals=arr, tp_degrees=p.burst_tps)
+    st = setup(p.burst_n, rate=rate, seed=r.seed, arrivals=arr, tp_degrees=p.burst_tps, **r.cl)
     runs = r.cl_group("burst+Poisson", st, combos)
     r.runs["burst"] = runs
-    r.data["cluster_burst"] = {"requests": p.burst_n, "at_t0": k, "rate": p.burst_rate,
+    r.data["cluster_burst"] = {"requests": p.burst_n, "at_t0": k, **_load_info(st),
                                "tp_degrees": list(p.burst_tps), "policies": _summ(runs)}
 
 
@@ -319,15 +322,16 @@ def cluster_diurnal(r: ExperimentRunner) -> None:
     from loadgen.arrivals import ArrivalParams, arrivals
 
     p = r.plan
-    period = p.diurnal_n / p.diurnal_rate
-    params = ArrivalParams(rate=p.diurnal_rate, period_s=period, amplitude=0.6, bursts_per_period=4.0,
+    rate = p.diurnal_load * capacity_rps(**r.cl)
+    period = p.diurnal_n / rate
+    params = ArrivalParams(rate=rate, period_s=period, amplitude=0.6, bursts_per_period=4.0,
                            burst_s=period / 60.0, burst_factor=1.5)
     times = arrivals("diurnal", p.diurnal_n, params, np.random.default_rng(r.seed))
-    st = setup(p.diurnal_n, p.diurnal_rate, r.seed, arrivals=times)
+    st = setup(p.diurnal_n, rate=rate, seed=r.seed, arrivals=times, **r.cl)
     runs = r.cl_group("diurnal", st, DIURNAL)
     r.runs["diurnal"] = {"runs": runs, "period": period, "arrivals": [s.arrival for s in st.specs]}
-    r.data["cluster_diurnal"] = {"requests": p.diurnal_n, "mean_rate": p.diurnal_rate, "amplitude": 0.6,
-                                 "seconds": round(period, 1), "policies": _summ(runs)}
+    r.data["cluster_diurnal"] = {"requests": p.diurnal_n, "mean_rate": round(rate, 3), **_load_info(st),
+                                 "amplitude": 0.6, "seconds": round(period, 1), "policies": _summ(runs)}
 
 
 SEED_COMBOS = ("infaas/fcfs", DILA_ALONE, COMBINED, PLAN_WALK)
@@ -339,21 +343,63 @@ def cluster_seeds(r: ExperimentRunner) -> None:
     slo = {c: [] for c in pols}
     lat = {c: [] for c in pols}
     first = None
+    info = None
     for s in p.cl_seeds:
-        st = setup(p.cl_n, p.cl_seed_rate, s)
-        runs = r.cl_group(f"seed {s} rate {p.cl_seed_rate:g}", st, pols, accuracy=False)
+        st = setup(p.cl_n, p.cl_seed_load, s, **r.cl)
+        info = info or _load_info(st)
+        runs = r.cl_group(f"seed {s} load {p.cl_seed_load:g}", st, pols, accuracy=False)
         for c in pols:
             slo[c].append(runs[c].summary["slo_attainment"])
             lat[c].append(runs[c].summary["mean_latency_s"])
         if first is None:
             first = (st, runs[COMBINED].summary)
-    r.checks.append(ck.seed_spread(f"cluster seeds: SLO attainment at {p.cl_seed_rate:g} req/s, "
+    r.checks.append(ck.seed_spread(f"cluster seeds: SLO attainment at load {p.cl_seed_load:g} ({info['rate']:.1f} "
+                                   "req/s), "
                                    f"{len(p.cl_seeds)} seeds", {c: slo[c] for c in ("infaas/fcfs", COMBINED)},
                                    higher_is_better=True))
     again = r.combo("determinism rerun", first[0], COMBINED, accuracy=False).summary
     r.checks.append(ck.deterministic("cluster determinism: Remask rerun of the first seed", first[1], again))
-    r.data["cluster_seeds"] = {"rate": p.cl_seed_rate, "seeds": list(p.cl_seeds), "slo_attainment": slo,
+    r.data["cluster_seeds"] = {**info, "seeds": list(p.cl_seeds), "slo_attainment": slo,
                                "mean_latency_s": lat}
+
+
+HEADLINE_POLICIES = ("infaas", "llumnix", "remask")
+
+
+def _profile_arg(name: str) -> str:
+    """A profile name, or a JSON path relative to the working directory or else to the repository's root."""
+    from pathlib import Path
+
+    path = Path(name)
+    if not path.suffix or path.is_absolute() or path.exists():
+        return name
+    return str(Path(__file__).resolve().parents[2] / path)
+
+
+def cluster_headline(r: ExperimentRunner) -> None:
+    """``remask simulate --scenario dilaserve-bench --policies infaas,llumnix,remask --load X`` (DWISE instances,
+    remask shedding, every mixed-threshold answer replayed) at each headline load, on the cluster profile and on
+    each comparison profile beside it: Remask's lead over each baseline and its accuracy loss."""
+    from sim.cli import leads
+    from sim.cluster_run import run_cluster_scenario
+    from sim.cluster_scenarios import get_cluster_scenario
+
+    p = r.plan
+    profiles = [r.cluster_profile or get_cluster_scenario("dilaserve-bench").profile]
+    profiles += [x for x in p.headline_profiles if x not in profiles]
+    out = {}
+    for prof in profiles:
+        for load in p.headline_loads:
+            rep = run_cluster_scenario("dilaserve-bench", list(HEADLINE_POLICIES), p.headline_n, r.seed, load=load,
+                                       profile=_profile_arg(prof))
+            rep["profile"] = prof
+            for name, s in rep["policies"].items():
+                r.little.append(ck.littles_law(f"cluster headline {prof} load {load:g} / {name}", s["mean_in_system"],
+                                               s["throughput_rps"], s["mean_latency_s"]))
+                r.tick(f"headline {prof} {load:g} {name}")
+            rep["remask_lead"] = leads(rep)
+            out.setdefault(prof, {})[str(load)] = rep
+    r.data["cluster_headline"] = {"requests": p.headline_n, "seed": r.seed, "profiles": out}
 
 
 # ---- the planner-driven trace and the predictors -------------------------------------------------------
@@ -370,9 +416,14 @@ def cluster_trace(r: ExperimentRunner) -> None:
     if not trace_available():
         r.pending.append("dilaserve-trace (reconfiguration over the 2-hour trace): not in this checkout yet")
         return
+    from sim.cluster_scenarios import CLUSTER_SCENARIOS
     from sim.cluster_trace import TraceScenario, run_trace
 
-    rep = run_trace(TraceScenario(), p.trace_n, r.seed, statics=p.trace_statics)
+    trace = TraceScenario()
+    if r.cluster_profile:
+        trace = replace(trace, requests=replace(CLUSTER_SCENARIOS["dilaserve-trace"], profile=r.cluster_profile))
+    rep = run_trace(trace, p.trace_n, r.seed, statics=p.trace_statics)
+    rep["profile"] = trace.requests.profile
     r.tick("dilaserve-trace")
     for name, s in rep["policies"].items():
         r.little.append(ck.littles_law(f"cluster trace / {name}", s["mean_in_system"], s["throughput_rps"],
@@ -395,6 +446,7 @@ def predictors(r: ExperimentRunner) -> None:
 
 SECTIONS = {
     "instance": instance_main, "sweeps": instance_sweeps, "instance_seeds": instance_seeds,
+    "cluster_headline": cluster_headline,
     "cluster_rates": cluster_rates, "cluster_slo": cluster_slo, "cluster_ablations": cluster_ablations,
     "cluster_lengths": cluster_lengths, "cluster_burst": cluster_burst, "cluster_diurnal": cluster_diurnal,
     "cluster_seeds": cluster_seeds, "cluster_trace": cluster_trace, "predictors": predictors,
@@ -408,7 +460,8 @@ def units(p: Plan) -> dict[str, int]:
         "instance": 2 * len(p.inst_policies),
         "sweeps": two * (len(p.load_mults) + len(p.blocks) + 2 * len(p.budgets)),
         "instance_seeds": two * len(p.seeds) + 1,
-        "cluster_rates": len(p.cl_rates) * len(p.cl_combos),
+        "cluster_rates": len(p.cl_loads) * len(p.cl_combos),
+        "cluster_headline": 3 * len(p.headline_loads) * (1 + len(p.headline_profiles)),
         "cluster_slo": len(FIXED_COMBOS) + len(DYNAMIC_COMBOS) * len(p.slo_factors),
         "cluster_ablations": len(ABLATION) * (1 + p.ablation_all_thresholds) + len(MIGRATION),
         "cluster_lengths": len(GRID4) * len(p.lengths),
@@ -420,8 +473,9 @@ def units(p: Plan) -> dict[str, int]:
     }
 
 
-def run_all(plan: Plan, seed: int = 0, progress: bool = True, only: set[str] | None = None) -> ExperimentRunner:
-    r = ExperimentRunner(plan, seed, progress)
+def run_all(plan: Plan, seed: int = 0, progress: bool = True, only: set[str] | None = None,
+            profile: str | None = None) -> ExperimentRunner:
+    r = ExperimentRunner(plan, seed, progress, profile)
     r.expect(sum(n for k, n in units(plan).items() if only is None or k in only) - 1)
     try:
         for name, fn in SECTIONS.items():

@@ -129,7 +129,8 @@ def load_sweep(sweeps: dict, out: Path) -> str | None:
 
 
 def slo_vs_rate(data: dict, slo: dict | None, out: Path) -> str | None:
-    """SLO attainment and accuracy vs rate per router/instance pair; attainment vs SLO tightness."""
+    """SLO attainment and accuracy vs load (a multiple of the capacity) per router/instance pair; attainment vs
+    SLO tightness."""
     if not data:
         return None
     plt = _plt()
@@ -143,10 +144,10 @@ def slo_vs_rate(data: dict, slo: dict | None, out: Path) -> str | None:
         acc = [by_rate[x][c]["accuracy"] if by_rate[x][c]["accuracy"] is not None else np.nan for x in rates]
         ci = [by_rate[x][c].get("accuracy_ci95") or 0.0 for x in rates]
         axes[1].errorbar(rates, acc, yerr=ci, marker="o", capsize=3, label=c, **style)
-    axes[0].set_xlabel("arrival rate (req/s)")
+    axes[0].set_xlabel("load (x the capacity at threshold 0.9)")
     axes[0].set_ylabel("SLO attainment")
     axes[0].set_title("16 x TP-1, SLO 5x isolated")
-    axes[1].set_xlabel("arrival rate (req/s)")
+    axes[1].set_xlabel("load (x the capacity at threshold 0.9)")
     axes[1].set_ylabel("accuracy (task suite)")
     axes[1].set_title("accuracy (bars: 95% interval of sampled replays)")
     for ax in axes[:2]:
@@ -160,7 +161,7 @@ def slo_vs_rate(data: dict, slo: dict | None, out: Path) -> str | None:
                          lw=2.4 if c == "remask/dwise" else 1.2)
         axes[2].set_xlabel("SLO (x isolated TP-1 latency)")
         axes[2].set_ylabel("SLO attainment")
-        axes[2].set_title(f"SLO tightness at {slo['rate']:g} req/s")
+        axes[2].set_title(f"SLO tightness at load {slo.get('load', '?')} ({slo['rate']:.1f} req/s)")
         axes[2].grid(alpha=0.3)
         axes[2].legend(fontsize=7)
     return _save(fig, out, "cluster_slo_vs_rate.png")

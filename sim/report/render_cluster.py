@@ -49,8 +49,15 @@ def setup_text(data: dict) -> list[str]:
            "that answer, corrected by the mean difference over a random sample of real replays (a control "
            "variate); those whose thresholds disagree are replayed. Accuracy cells carry the estimate's 95% "
            f"half-width, e.g. \"{scope}\".")
+    prof = data.get("cluster_profile", "h200-llada8b-measured")
+    cap = data.get("cluster_capacity_rps")
     return ["## Cluster level (DiLaServe) and the combined policy\n",
-            "Unless noted: 16 TP-1 instances, B = 32 slots each, the `h200-llada8b-measured` profile, LLaDA-8B-shaped "
+            f"Profile: **`{prof}`** (every table of this section). Rates are written as loads: multiples of the "
+            "cluster's capacity at the top candidate threshold for the run's mix and instances "
+            "(`sim.cluster_scenarios.scenario_capacity`, from the planner's mixed-rounds model: each instance at the "
+            "most requests per round at which the mean request still meets its SLO)"
+            + (f"; 16 x TP-1 on this profile: **{cap:.2f} req/s** at load 1" if cap else "") + ". "
+            "Unless noted: 16 TP-1 instances, B = 32 slots each, LLaDA-8B-shaped "
             "requests (256-token canvas in 8 blocks, approximate KV cache) whose rounds and answers are the "
             "embedded tiny-bd model's, scaled (`sim/cluster_scenarios.py`), Poisson arrivals, SLO = 5x the "
             "request's isolated TP-1 latency at threshold 0.9, candidate thresholds "
@@ -63,24 +70,88 @@ def setup_text(data: dict) -> list[str]:
             "(the simulator's default), i.e. `infaas/dwise`, `llumnix/dwise`, `remask/dwise` here.\n"]
 
 
+def headline_cmd(profile: str, load: str, n: int, seed: int, default: str) -> str:
+    return ("remask simulate --scenario dilaserve-bench --policies infaas,llumnix,remask "
+            f"--load {float(load):g} --requests {n}" + (f" --seed {seed}" if seed else "")
+            + ("" if profile == default else f" --profile {profile}"))
+
+
+def headline_rows(data: dict) -> list[dict]:
+    """One row per (profile, load) of the headline section: its figures, Remask's leads and the command."""
+    d = data.get("cluster_headline")
+    if not d:
+        return []
+    profiles = list(d["profiles"])
+    rows = []
+    for prof, by_load in d["profiles"].items():
+        for load, rep in by_load.items():
+            pol = rep["policies"]
+            lead = rep.get("remask_lead", {})
+            rows.append({"profile": prof, "load": float(load), "capacity_rps": rep["capacity_rps"],
+                         "rate": rep["arrival_rate_rps"], "slo": {k: v["slo_attainment"] for k, v in pol.items()},
+                         "accuracy": {k: v["accuracy"] for k, v in pol.items()},
+                         "shed": pol.get("remask", {}).get("shed"), "threshold": pol.get("remask", {}).get(
+                             "mean_threshold"), "lead": lead,
+                         "cmd": headline_cmd(prof, load, d["requests"], d["seed"], profiles[0])})
+    return rows
+
+
+def headline(data: dict) -> list[str]:
+    rows = headline_rows(data)
+    if not rows:
+        return []
+    f9 = P.DILA["fig9"]
+    table = []
+    for x in rows:
+        s, lead = x["slo"], x["lead"]
+        table.append([f"`{x['profile']}`", f"{x['capacity_rps']:.2f}", f"{x['load']:g} ({x['rate']:.1f})",
+                      " / ".join(fmt(s.get(k), 3) for k in ("infaas", "llumnix", "remask")),
+                      f"{lead['infaas']['slo_pp']:+.1f}" if "infaas" in lead else "—",
+                      f"{lead['llumnix']['slo_pp']:+.1f}" if "llumnix" in lead else "—",
+                      f"{lead['infaas']['accuracy_points']:+.2f}" if "infaas" in lead else "—",
+                      fmt(x["threshold"], 3), fmt(x["shed"]), f"`{x['cmd']}`"])
+    return ["### Headline: Remask against INFaaS and Llumnix, per profile (DiLaServe Figure 9)\n",
+            "The `remask simulate` command of each row (16 x TP-1, DWISE instances, the papers' baselines at "
+            "threshold 0.9 admitting everything, Remask shedding what cannot meet its SLO, every mixed-threshold "
+            "answer decoded again). The load is a multiple of that profile's own capacity, so each profile is "
+            "as loaded as the other.\n",
+            md_table(["profile", "capacity (req/s, load 1)", "load (req/s)", "SLO: INFaaS / Llumnix / Remask",
+                      "Remask vs INFaaS (pp)", "vs Llumnix (pp)", "accuracy vs 0.9 (points)",
+                      "Remask mean threshold", "Remask shed", "command"], table),
+            f"\nPaper ({f9['source']}): at high request rates +{f9['high_rate_slo_pp_vs_infaas']} pp over INFaaS "
+            f"(accuracy {f9['high_rate_acc_pct_vs_infaas']}%), +{f9['high_rate_slo_pp_vs_llumnix']} pp over "
+            f"Llumnix.\n"]
+
+
+def _rate(info: dict | None) -> str:
+    return f"{info['rate']:.1f} req/s" if info else "?"
+
+
+def load_label(data: dict, load: str) -> str:
+    """'load 1.3 (31.2 req/s)' for a key of the load sweep."""
+    return f"load {float(load):g} ({_rate(data.get('cluster_rates_info', {}).get(load))})"
+
+
 def rates(data: dict) -> list[str]:
     d = data.get("cluster_rates")
     if not d:
         return []
-    out = ["### Rate sweep (DiLaServe Figure 9)\n"]
-    for rate, runs in d.items():
-        out += [f"**{float(rate):g} req/s**\n", policy_table(runs), ""]
+    out = ["### Load sweep (DiLaServe Figure 9)\n",
+           "Each load is a multiple of the 16 x TP-1 capacity; the papers' \"high request rate\" is where the "
+           "fixed-threshold baselines attain about half.\n"]
+    for load, runs in d.items():
+        out += [f"**{load_label(data, load)}**\n", policy_table(runs), ""]
     f9 = P.DILA["fig9"]
     rows = []
-    for rate, runs in d.items():
+    for load, runs in d.items():
         c, i, lx = runs.get(COMBINED), runs.get("infaas/fcfs"), runs.get("llumnix/fcfs")
         if c and i and lx:
-            rows.append([f"{float(rate):g}", pp(c["slo_attainment"], i["slo_attainment"]),
+            rows.append([load_label(data, load), pp(c["slo_attainment"], i["slo_attainment"]),
                          pp(c["slo_attainment"], lx["slo_attainment"]),
                          pp(c["accuracy"], i["accuracy"]) if c["accuracy"] is not None else "—",
                          pct_change(c["mean_latency_s"], i["mean_latency_s"])])
     out += ["Remask (combined) against the paper's baselines:\n",
-            md_table(["rate", "SLO vs INFaaS", "SLO vs Llumnix", "accuracy vs INFaaS", "mean latency vs INFaaS"], rows),
+            md_table(["load", "SLO vs INFaaS", "SLO vs Llumnix", "accuracy vs INFaaS", "mean latency vs INFaaS"], rows),
             f"\nPaper ({f9['source']}): at high request rates +{f9['high_rate_slo_pp_vs_infaas']} pp over INFaaS "
             f"(accuracy {f9['high_rate_acc_pct_vs_infaas']}%) and +{f9['high_rate_slo_pp_vs_llumnix']} pp over "
             f"Llumnix (accuracy {f9['high_rate_acc_pct_vs_llumnix']}%); the summary gives no attainment levels "
@@ -101,7 +172,8 @@ def slo(data: dict) -> list[str]:
                        pp(c["slo_attainment"], lx["slo_attainment"]) if c and lx else "—"])
     f9 = P.DILA["fig9"]
     return ["### SLO tightness (DiLaServe §5.3 / Figure 9)\n",
-            f"{d['rate']:g} req/s, SLO = k x isolated latency. Policies that never read SLOs (fixed threshold, "
+            f"Load {d.get('load', 0):g} ({d['rate']:.1f} req/s, of the capacity at the default SLO of 5x; every k runs "
+            "at that rate), SLO = k x isolated latency. Policies that never read SLOs (fixed threshold, "
             "INFaaS or Llumnix dispatch, FCFS or SRPT instances) ran once; their attainment is scored against each "
             "k (their schedule does not depend on it). Remask's router reads SLOs, so it ran once per k.\n",
             md_table(["SLO"] + combos + ["Remask vs INFaaS", "vs Llumnix"], rows),
@@ -121,7 +193,8 @@ def ablations(data: dict) -> list[str]:
         if not runs:
             continue
         fx, dy, rm = (runs.get(k) for k in ("fixed-threshold/dwise", "dynamic-no-load-control/dwise", "remask/dwise"))
-        out += [f"**{d['ablation_rate']:g} req/s, {title}**\n", policy_table(runs, roles=False)]
+        info = d.get("ablation_info", {})
+        out += [f"**load {info.get('load', '?')} ({_rate(info)}), {title}**\n", policy_table(runs, roles=False)]
         if fx and dy and rm:
             out.append(f"\nDynamic thresholds over fixed: {pp(dy['slo_attainment'], fx['slo_attainment'])} SLO, "
                        f"{pp(dy['accuracy'], fx['accuracy'])} accuracy; load control on top: "
@@ -130,13 +203,14 @@ def ablations(data: dict) -> list[str]:
     out.append(f"Paper ({f10['source']}): dynamic thresholds up to +{f10['dynamic_slo_pp_max']} pp over fixed "
                f"(accuracy at most {f10['dynamic_acc_pct_max']}%), load control a further up to "
                f"+{f10['load_control_slo_pp_max']} pp (accuracy within {f10['load_control_acc_pct_max']}%). Those are "
-               "maxima over its load range; one rate here.\n")
+               "maxima over its load range; one load here.\n")
     runs = d.get("migration")
     if runs:
         nm, any_, rm = (runs.get(k) for k in ("remask-no-migration/dwise", "remask-any-step/dwise", "remask/dwise"))
         tps = "+".join(f"TP-{t}" for t in d["migration_tps"])
         out += ["### Migration ablation (DiLaServe Appendix E / Figure 13)\n",
-                f"{d['migration_rate']:g} req/s on a mixed cluster ({tps}, 16 GPUs), where instances differ and "
+                f"Load {d.get('migration_info', {}).get('load', '?')} of this cluster's own capacity "
+                f"({_rate(d.get('migration_info'))}) on a mixed cluster ({tps}, 16 GPUs), where instances differ and "
                 "moving pays; Remask's router with no migration, with migration only at recompute steps (the "
                 "default: the KV is rebuilt there anyway), and at any step (a move at a cached step forces a "
                 "recompute the gain test does not price).\n", policy_table(runs, roles=False)]
@@ -167,9 +241,8 @@ def lengths(data: dict) -> list[str]:
                        pp(c["accuracy"], i["accuracy"]) if c and i and c["accuracy"] is not None else "—"])
     f12 = P.DILA["fig12"]
     return ["### Input and output length (DiLaServe Figure 12)\n",
-            f"Each point's rate is scaled so its offered work matches {d['base_rate']:g} req/s at the default lengths "
-            "(256 output tokens, 4 prompt tokens per character): work is a request's steps at 0.9 priced at their "
-            "share of a full 32-slot TP-1 round (recompute and cached steps apart).\n",
+            f"Each point runs at load {d.get('load', '?')} of its own capacity (its requests' steps, sequence lengths "
+            "and SLOs at that length), so every point is as loaded as the default lengths are.\n",
             md_table(["output", "mean prompt tokens", "rate", "infaas/fcfs", "remask/fcfs", "infaas/dwise",
                       "remask/dwise", "Remask vs INFaaS SLO", "accuracy"], rows),
             f"\nPaper ({f12['source']}): up to +{f12['input_len_slo_pp_max']} pp over INFaaS across input lengths "
@@ -183,7 +256,8 @@ def burst(data: dict) -> list[str]:
         return []
     return ["### Cluster burst+Poisson (no paper figure)\n",
             f"DWISE's arrival pattern at cluster level: {d['requests']:,} requests, {d['at_t0']:,} at t = 0 and the "
-            f"rest Poisson at {d['rate']:g} req/s, on {len(d['tp_degrees'])} TP-1 instances, so each instance "
+            f"rest Poisson at {d['rate']:.1f} req/s (load {d.get('load', '?')} of these instances' capacity), on "
+            f"{len(d['tp_degrees'])} TP-1 instances, so each instance "
             "holds more requests than its 32 slots and the order inside it matters.\n",
             policy_table(d["policies"])]
 
@@ -206,7 +280,8 @@ def diurnal(data: dict) -> list[str]:
                  f"{f8['latency_pct_vs_llumnix']}%, quality score {f8['quality_score_delta']}.\n")
     return ["### Diurnal trace on a static cluster (DiLaServe Figure 8's load shape)\n",
             f"{d['requests']:,} requests over {d['seconds']:g} s, a sinusoidal day (peak-to-mean {d['amplitude']}) "
-            f"with bursts, mean {d['mean_rate']:g} req/s, 16 TP-1 instances (no reconfiguration: that is the next "
+            f"with bursts, mean {d['mean_rate']:.1f} req/s (load {d.get('load', '?')}), 16 TP-1 instances "
+            "(no reconfiguration: that is the next "
             "section). Thresholds and attainment over time: `thresholds_over_time.png`.\n",
             policy_table(runs), extra]
 
@@ -256,17 +331,18 @@ def cluster_seeds(data: dict) -> list[str]:
         return []
     rows = [[str(s)] + [f"{d['slo_attainment'][c][k]:.3f} / {d['mean_latency_s'][c][k]:.2f}"
                         for c in d["slo_attainment"]] for k, s in enumerate(d["seeds"])]
-    return ["### Seeds (cluster)\n", f"{d['rate']:g} req/s; each seed draws new requests and arrival times.\n",
+    return ["### Seeds (cluster)\n", f"Load {d.get('load', '?')} ({d['rate']:.1f} req/s); each seed draws new "
+            "requests and arrival times.\n",
             md_table(["seed"] + [f"{c}: SLO / mean (s)" for c in d["slo_attainment"]], rows)]
 
 
 # ---- the combined policy -------------------------------------------------------------------------------
 def _scenarios(data: dict) -> list[tuple[str, dict]]:
     out = []
-    for rate, runs in data.get("cluster_rates", {}).items():
-        out.append((f"rate {float(rate):g} req/s", runs))
+    for load, runs in data.get("cluster_rates", {}).items():
+        out.append((load_label(data, load), runs))
     for f, runs in data.get("cluster_slo", {}).get("factors", {}).items():
-        out.append((f"SLO {float(f):g}x at {data['cluster_slo']['rate']:g} req/s", runs))
+        out.append((f"SLO {float(f):g}x at load {data['cluster_slo'].get('load', 0):g}", runs))
     for v in data.get("cluster_lengths", {}).get("points", {}).values():
         out.append((f"output {v['output_tokens']}, prompt x{v['prompt_scale']}", v["policies"]))
     if data.get("cluster_burst"):
@@ -303,11 +379,22 @@ def _verdict(c: dict, d: dict, w: dict, tol_slo: float, tol_lat: float) -> tuple
     return False, "loses on " + " and ".join(k for k, ok in (("SLO", slo_ok), ("mean latency", lat_ok)) if not ok)
 
 
+OVERLOADED = 0.5  # below this SLO attainment for every policy, a scenario is too overloaded for a verdict
+
+
 def verdicts(data: dict) -> list[dict]:
+    """Per cluster scenario, whether the combined policy meets the target; ``ok`` None (no verdict) where every
+    policy that ran attains less than ``OVERLOADED``: there no policy serves the load, and a tie or a win among
+    them claims nothing."""
     tol_slo, tol_lat = tolerances(data)
     out = []
     for name, runs in _scenarios(data):
         c, d, w = runs[COMBINED], runs[DILA], runs[DWISE]
+        best = max(s["slo_attainment"] for s in runs.values())
+        if best < OVERLOADED:
+            out.append({"scenario": name, "combined": c, "dila": d, "dwise": w, "ok": None,
+                        "verdict": f"no verdict: every policy below {OVERLOADED:g} (best {best:.3f})"})
+            continue
         ok, verdict = _verdict(c, d, w, tol_slo, tol_lat)
         v = {"scenario": name, "combined": c, "dila": d, "dwise": w, "ok": ok, "verdict": verdict}
         if WALK in runs:
@@ -350,7 +437,9 @@ def combined(data: dict) -> list[str]:
     hdr = ["scenario", "SLO: combined / DiLaServe alone / DWISE alone", "mean latency (s), same order",
            "p99 (s), same order", "in system per instance (combined)", "rounds with more than 32 held (combined)",
            "verdict (combined)"] + (["old plan-order walk: SLO / mean (s): verdict"] if has_walk else [])
-    n_ok = sum(v["ok"] for v in vs)
+    n_ok = sum(v["ok"] is True for v in vs)
+    judged = [v for v in vs if v["ok"] is not None]
+    idle = [v for v in vs if v["ok"] is None]
     out = ["## Combined policy: DWISE inside instances + DiLaServe thresholds and routing across them\n",
            "Target: at least as good as the better of the two alone on mean latency and SLO attainment in every "
            "cluster scenario. Tolerance: differences within twice the seed-to-seed standard deviation of the "
@@ -359,8 +448,10 @@ def combined(data: dict) -> list[str]:
            f"{100 * tol_lat:.1f}%. \"Rounds with more than 32 held\" counts the instances' rounds planned while "
            "the instance held more requests than its slots: only then does the order inside an instance choose "
            "who runs.\n",
-           md_table(hdr, rows), f"\n**Remask as shipped (`remask/dwise`) meets the target in {n_ok} of {len(vs)} "
-           "scenarios.**"]
+           md_table(hdr, rows), f"\n**Remask as shipped (`remask/dwise`) meets the target in {n_ok} of {len(judged)} "
+           "scenarios with a verdict.**"
+           + (f" No verdict in {len(idle)} ({'; '.join(v['scenario'] for v in idle)}): every policy there attains "
+              f"less than {OVERLOADED:g}, a load no policy serves, where a tie claims nothing." if idle else "")]
     if has_walk:
         n_walk = sum(v.get("walk_ok", False) for v in vs if "walk" in v)
         out.append(f"With the router's old migration walk in the instance's plan order (`remask-plan-walk/dwise`, "
@@ -391,9 +482,9 @@ def combined(data: dict) -> list[str]:
             f"{v['scenario']}: mean {v['combined']['mean_latency_s']:.2f} s against "
             f"{v['dila']['mean_latency_s']:.2f} s (DiLaServe alone), p99 {v['combined']['p99_latency_s']:.2f} "
             f"against {v['dila']['p99_latency_s']:.2f} s" for v in queued) + ".")
-    order = [v for v in vs if not v["ok"] and (v["dila"]["slo_attainment"] > v["combined"]["slo_attainment"] + tol_slo
-                                              or v["dila"]["mean_latency_s"] < v["combined"]["mean_latency_s"]
-                                              * (1 - tol_lat))]
+    order = [v for v in vs if v["ok"] is False
+             and (v["dila"]["slo_attainment"] > v["combined"]["slo_attainment"] + tol_slo
+                  or v["dila"]["mean_latency_s"] < v["combined"]["mean_latency_s"] * (1 - tol_lat))]
     paused = [v for v in order if v["combined"].get("over_b_rounds_frac", 0) >= 0.01]
     if paused:
         expl.append("- Where DiLaServe alone beats it while instances were often full (" + "; ".join(
@@ -419,7 +510,7 @@ def combined(data: dict) -> list[str]:
             "kept as a diagnostic variant, against the shipped one (SLO attainment, old vs shipped): " + "; ".join(
                 f"{v['scenario']}: {v['walk']['slo_attainment']:.3f} vs {v['combined']['slo_attainment']:.3f}"
                 for v in walk) + ".")
-    router = [v for v in vs if not v["ok"] and v not in order and v not in paused]
+    router = [v for v in vs if v["ok"] is False and v not in order and v not in paused]
     if router:
         expl.append("- Where DWISE alone (INFaaS dispatch, threshold 0.9) beats it (" + "; ".join(
                     f"{v['scenario']}: mean {v['combined']['mean_latency_s']:.2f} vs "
