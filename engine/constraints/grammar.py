@@ -296,7 +296,9 @@ class LLGuidanceMatcher:
         tokens = [int(t) for t in tokens]
         if not tokens or self._ended:
             return 0
-        n = 0 if self._m.is_stopped() else self._m.validate_tokens(tokens)
+        stop = next((i for i, t in enumerate(tokens) if t in self._stops), len(tokens))
+        tokens = tokens[: stop + 1]  # up to the first stop id, handled on its own below
+        n = 0 if self._m.is_stopped() or stop == 0 else self._m.validate_tokens(tokens[:stop])
         if n and not self._m.consume_tokens(tokens[:n]):
             raise RuntimeError(f"llguidance refused tokens it validated: {self._m.get_error()}")
         self._n += n

@@ -1,0 +1,136 @@
+"""A grammar enforced on a diffusion canvas, with the parallelism kept.
+
+The grammar engines are left to right; a diffusion model commits tokens anywhere in its block. The
+``CanvasGuard`` of a request reconciles the two:
+
+- the committed output tokens left of the first masked position are the grammar's prefix (accepted by its
+  matcher); that first masked position is the *frontier*;
+- before the model's step, the frontier's logits are masked to what the grammar allows there
+  (``allowed``): its token, whenever the rule commits it, is valid, and a stop id (end of text) is allowed
+  only where the grammar can end;
+- tokens the rule commits beyond the frontier are *provisional*; after every step the guard walks from the
+  frontier over the committed run (``check``), accepting token by token; the first token the grammar
+  rejects is remasked together with every provisional token after it in its block, to be decoded again;
+- an edit (a rule that rewrites committed tokens) at or before the frontier rolls the grammar back to it and
+  is checked the same way.
+
+So the text always parses, while a step may still commit many tokens. A resumed or migrated request
+rebuilds its guard from the committed prefix (``CanvasGuard(grammar, mask_id, committed)``): its state is a
+function of the tokens, so nothing else needs to travel.
+
+``guard_decision`` applies one rule ``Decision`` through the guard (the seam of engine/decoding): it returns
+the commit and edit masks that survive and the earlier positions to remask. Pure NumPy, no model: the tests
+drive it on hand-built canvases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.constraints.grammar import Grammar, Matcher
+
+
+class CanvasGuard:
+    """One request's grammar state on its output canvas (positions count from the answer's first token).
+
+    ``checked``: output positions ``[0, checked)`` the grammar has accepted (the frontier is ``checked``
+    while the text has not ended); ``ended``: a stop id was accepted at ``checked - 1`` (the text ends
+    there). Counters for the measurements: ``remasked`` (tokens sent back to the mask), ``dead_ends``
+    (frontiers where the vocabulary could write nothing the grammar allows)."""
+
+    def __init__(self, grammar: Grammar, mask_id: int, committed=()) -> None:
+        self.grammar = grammar
+        self.mask_id = int(mask_id)
+        self.matcher: Matcher = grammar.matcher()
+        self.stop_ids = np.asarray(grammar.vocab.stop_ids, dtype=np.int64)
+        committed = [int(t) for t in committed]
+        n = self.matcher.accept_prefix(committed)
+        if n < len(committed):
+            raise ValueError(f"the committed prefix breaks the constraint at output position {n}")
+        self.checked = n
+        self.remasked = 0
+        self.dead_ends = 0
+
+    @property
+    def ended(self) -> bool:
+        return self.matcher.ended()
+
+    def allowed(self) -> np.ndarray:
+        """bool [vocab]: what the frontier may hold (never the mask token). At a dead end (the grammar allows
+        tokens this vocabulary does not have) the stop ids, so the text ends rather than loops."""
+        mask = self.matcher.fill_mask()
+        if 0 <= self.mask_id < mask.shape[0]:
+            mask[self.mask_id] = False
+        if not mask.any():
+            self.dead_ends += 1
+            mask[self.stop_ids[self.stop_ids < mask.shape[0]]] = True
+        return mask
+
+    def rollback_to(self, pos: int) -> None:
+        """Forget the grammar's acceptance of positions ``[pos, checked)`` (an edit at ``pos``)."""
+        if pos < self.checked:
+            self.matcher.rollback(self.checked - pos)
+            self.checked = pos
+
+    def check(self, out: np.ndarray, block_end: int) -> np.ndarray:
+        """Walk the grammar from the frontier over ``out``'s committed run (``out``: the output canvas, the
+        mask id where masked). Returns the positions to remask: the first token the grammar rejects and every
+        committed position after it up to ``block_end`` (the end of its block); empty when all is accepted.
+        Stops after an accepted stop id (the text ends there: what follows is not output)."""
+        p = self.checked
+        n = len(out)
+        run_end = p
+        while run_end < n and out[run_end] != self.mask_id:
+            run_end += 1
+        if run_end == p or self.ended:
+            return np.zeros(0, dtype=np.int64)
+        took = self.matcher.accept_prefix(out[p:run_end].tolist())
+        self.checked = p + took
+        if self.ended or self.checked == run_end:
+            return np.zeros(0, dtype=np.int64)
+        bad = self.checked
+        tail = np.arange(bad, min(block_end, n))
+        tail = tail[out[tail] != self.mask_id]
+        self.remasked += len(tail)
+        return tail
+
+
+@dataclass
+class GuardedDecision:
+    """A rule's decision after the grammar's check: ``commit`` and ``edit`` (bool [L], block-relative: the
+    ones that stand), ``remask`` (bool [L]: positions committed in earlier steps that go back to the mask)
+    and ``done`` (nothing masked after it, no edit pending: the rule's own flag, cleared by any remask)."""
+
+    commit: np.ndarray
+    edit: np.ndarray
+    remask: np.ndarray
+    done: bool
+
+
+def guard_decision(guard: CanvasGuard, out: np.ndarray, block_start: int, block_end: int, masked: np.ndarray,
+                   tokens: np.ndarray, commit: np.ndarray, edit: np.ndarray, done: bool) -> GuardedDecision:
+    """Apply one step's decision (block-relative ``commit`` / ``edit`` of ``tokens``; ``masked``: the
+    block's masked positions before the step) through ``guard``. ``out`` is the output canvas before the
+    step (output-relative; the block is ``out[block_start:block_end]``); it is not modified."""
+    size = block_end - block_start
+    after = np.array(out, copy=True)
+    write = commit | edit
+    block = after[block_start:block_end]
+    block[write] = tokens[:size][write]
+    edited = np.flatnonzero(edit)
+    if edited.size:
+        guard.rollback_to(block_start + int(edited[0]))
+    bad = guard.check(after, block_end) - block_start
+    commit, edit = commit.copy(), edit.copy()
+    remask = np.zeros(size, dtype=bool)
+    if bad.size:
+        drop = np.zeros(size, dtype=bool)
+        drop[bad] = True
+        fresh = drop & commit  # this step's own provisional tokens: simply not committed
+        commit &= ~drop
+        edit &= ~drop
+        remask = drop & ~fresh  # committed before (or edited now): back to the mask
+        done = False
+    return GuardedDecision(commit, edit, remask, bool(done and not (masked & ~commit).any()))
