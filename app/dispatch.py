@@ -36,6 +36,7 @@ how a step item updates a request, are in app/live.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -44,9 +45,10 @@ from typing import TYPE_CHECKING
 
 from app.channel import Link
 from app.live import DispatchError, InstanceLink, LiveRequest, RequestStream
-from app.protocol import Abort, Add, Done, Draining, ErrorItem, ProgressBatch, Sampling, StepItem, Thresholds, Tick
+from app.protocol import Abort, Add, Done, Draining, ErrorItem, ProgressBatch, StepItem, Thresholds, Tick
 from cluster import RequestState, Router
 from cluster.driver import ClusterDriver, Move
+from engine.commands import SamplingParams
 from engine.tokenizer import OutputText
 
 if TYPE_CHECKING:
@@ -293,7 +295,7 @@ class Dispatcher:
         if req_id in self.live:
             raise DispatchError(400, f"duplicate request id {req_id!r}")
         try:
-            params = Sampling.from_dict(sampling)
+            params = SamplingParams.from_dict(sampling)
         except ValueError as exc:
             raise DispatchError(400, str(exc)) from None
         if not self.instances and (self.park_s <= 0 or len(self.driver.held) >= self.per_instance_limit):
@@ -364,9 +366,9 @@ class Dispatcher:
         t = self.driver.threshold_for(live.state, now)
         live.sent_threshold = t
         ok = self.instances[move.dst].link.send(Add(
-            live.req_id, live.prompt_ids, max_tokens=live.max_tokens, threshold=t,
-            slo_left_s=live.state.deadline - now, sent_at=time.time(), committed=live.committed,
-            sampling=live.sampling, canvas=live.canvas,
+            live.req_id, live.prompt_ids, dataclasses.replace(live.sampling, max_tokens=live.max_tokens, threshold=t),
+            slo_left_s=live.state.deadline - now, sent_at=time.time(), committed=live.committed, resume=live.resume,
+            canvas=live.canvas,
             # the router's estimate of its remaining denoising rounds: the instance scheduler's r_i (DWISE)
             est_rounds=self.driver.estimate(live.state), planned=self._planned(live), attempt=move.attempt))
         if not ok:  # its channel just broke: the reader's drop resumes it, or do it now

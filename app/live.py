@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.channel import Link
-from app.protocol import Done, ProgressBatch, Sampling, StepItem
+from app.protocol import Done, ProgressBatch, StepItem
 from cluster import RequestState
+from engine.commands import Resume, SamplingParams
 from engine.tokenizer import OutputText
 
 
@@ -63,7 +64,7 @@ class LiveRequest:
     queue: asyncio.Queue
     arrival: float
     out: OutputText
-    sampling: Sampling = field(default_factory=Sampling)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # its max_tokens and threshold: the fields above
     canvas: bool = False  # the client asked for each step's canvas (``canvas`` events)
     committed: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of ``committed``, when its sampling asked for them
@@ -76,6 +77,7 @@ class LiveRequest:
     sent_threshold: float | None = None
     resumes: int = 0
     parked_at: float = 0.0
+    resume: Resume | None = None  # its instance's latest resume state (after ``committed``): a resume continues it
 
     def emit(self, piece: str, now: float) -> None:
         """A piece of text for the client (its first one ends the time to first token)."""
@@ -91,6 +93,7 @@ class LiveRequest:
         Returns (how it ended, if it did; whether a stop string cut it, so its instance should stop it)."""
         ids = item.ids
         st = self.state
+        self.resume = item.resume  # its block's state after these ids (None: a resume restarts the block)
         if self.first_step is None:
             self.first_step = now
         view = item.canvas

@@ -3,10 +3,15 @@
 Ingress -> replica:
 
 - ``Hello``: the first frame of a connection, with the replica's secret and the protocol's ``VERSION``;
-- ``Add``: run a request (its prompt as token ids: it is tokenized once, at the ingress);
+- ``Add``: run a request (its prompt as token ids: it is tokenized once, at the ingress; its ``params``,
+  the engine's ``SamplingParams``: max_tokens, threshold, sampling, decoding rule and its config; for a resume,
+  its committed tokens and the ``Resume`` state of its current block);
 - ``Abort``: drop a request;
 - ``Thresholds``: the router's thresholds and remaining-round estimates for the instance's requests,
   answering the progress batch of round ``after_round``.
+
+These are the engine's own commands (``engine.commands``): the replica hands them to its round loop as they
+are, and the loop's instance hands the same records to its tensor-parallel follower ranks.
 
 Replica -> ingress:
 
@@ -38,10 +43,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from engine.commands import Abort, Add, Resume, SamplingParams, Thresholds
 from engine.progress import AcceptedItem, Done, ErrorItem, Item, ProgressBatch, StepItem
 from predictors.features import STEP_FEATURES, StepFeatures
 
-VERSION = 2  # of this protocol (1: the untyped dicts before it); bump it with any change a peer would misread
+# of this protocol (1: the untyped dicts before it; 2: an add's max_tokens, threshold and sampling apart; 3: one
+# ``params``, the engine's SamplingParams, with the decoding rule, and the resume state); bump it with any change a
+# peer would misread
+VERSION = 3
 
 # the op names: nothing else in the tree spells them
 HELLO = "hello"
@@ -69,7 +78,7 @@ class ProtocolError(ValueError):
         return f"{where.lstrip('.')}: {self.reason}" if where else self.reason
 
 
-# ---- the messages (the progress records are engine.progress's) ------------------------------------------
+# ---- the messages (the commands are engine.commands', the progress records engine.progress's) -------------
 
 @dataclass(slots=True)
 class Hello:
@@ -80,69 +89,6 @@ class Hello:
 @dataclass(slots=True)
 class Ready:
     version: int
-
-
-@dataclass(slots=True)
-class Sampling:
-    """A request's sampling parameters beyond max_tokens and threshold (``engine.sequence.SamplingParams``);
-    None: the engine's default."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False  # decode to max_tokens past the model's end of text
-    logprobs: bool = False  # its step items carry the committed tokens' log-probabilities
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> Sampling:
-        """From a dict of these fields (the ingress's, from a client's request); an unknown field or a value
-        of the wrong kind is a ``ValueError``."""
-        d = {k: v for k, v in (d or {}).items() if v is not None}
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown sampling fields {sorted(unknown)}")
-        try:
-            return cls(*(None if d.get(k) is None else conv(d[k]) for k, conv in
-                         (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int))),
-                       stop_token_ids=[int(i) for i in d.get("stop_token_ids", ())],
-                       ignore_eos=bool(d.get("ignore_eos", False)), logprobs=bool(d.get("logprobs", False)))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"bad sampling parameters {d}: {exc}") from None
-
-
-@dataclass(slots=True)
-class Add:
-    """Run a request; ``committed`` (a resume): output tokens another instance already committed."""
-
-    req_id: str
-    prompt_ids: list[int]
-    max_tokens: int | None = None  # None: the model's default
-    threshold: float | None = None  # its first steps' threshold; None: the engine's rule's own
-    slo_left_s: float | None = None  # time left to its deadline as it was sent
-    sent_at: float | None = None  # wall clock at sending (the replica reports the time to its round boundary)
-    committed: list[int] = field(default_factory=list)
-    sampling: Sampling = field(default_factory=Sampling)
-    canvas: bool = False  # its step items carry each denoising step's canvas
-    est_rounds: float | None = None  # the router's estimate of its remaining denoising rounds (the scheduler's r_i)
-    planned: bool = False  # every batch carrying it gets a ``Thresholds`` answer (its loop waits a little for it)
-    attempt: int = 0  # its sender's count of its placements: carried back on its progress items
-
-
-@dataclass(slots=True)
-class Abort:
-    req_id: str
-
-
-@dataclass(slots=True)
-class Thresholds:
-    """``map``: new thresholds of requests' next steps; ``estimates``: their remaining denoising rounds as of
-    the end of round ``after_round`` (the batch this message answers; None: answers none)."""
-
-    map: dict[str, float] = field(default_factory=dict)
-    estimates: dict[str, float] = field(default_factory=dict)
-    after_round: int | None = None
 
 
 @dataclass(slots=True)
@@ -231,6 +177,7 @@ _BOOL = _Kind((bool,), "a boolean")
 _OBJECT = _Kind((dict,), "an object")
 _IDS = _Kind((list,), "a list of token ids", _ids)
 _FLOATS = _Kind((list,), "a list of numbers", _floats)
+_ID_TUPLE = _Kind((list,), "a list of token ids", _ids, list)  # a tuple in the record (SamplingParams.stop_token_ids)
 _NUMBERS = _Kind((dict,), "an object of numbers", _numbers)
 _FEATURES = _Kind((list,), "an array of step features", _features, list)
 
@@ -320,15 +267,16 @@ class _Record:
 
 
 _DONE = _Record(Done, finish_reason=_STR, rounds=_INT, completion_tokens=_INT)
-_SAMPLING = _Record(Sampling, temperature=_optional(_FLOAT), top_p=_optional(_FLOAT), top_k=_optional(_INT),
-                    seed=_optional(_INT), stop_token_ids=_IDS, ignore_eos=_BOOL,
-                    logprobs=_BOOL)
+_SAMPLING = _Record(SamplingParams, max_tokens=_optional(_INT), threshold=_optional(_FLOAT), cache=_optional(_STR),
+                    temperature=_FLOAT, top_p=_FLOAT, top_k=_INT, seed=_optional(_INT), stop_token_ids=_ID_TUPLE,
+                    ignore_eos=_BOOL, logprobs=_BOOL, decoding=_optional(_STR), decoding_config=_optional(_OBJECT))
+_RESUME = _Record(Resume, tail=_IDS, step_in_block=_INT, masked_at_start=_INT, state=_OBJECT, logprobs=_FLOATS)
 
 # progress items: their kind (an array's first value) and record
 _ITEMS = {
     "step": _Record(StepItem, req_id=_STR, ids=_IDS, steps=_INT, heavy=_BOOL, features=_optional(_FEATURES),
                     canvas=_optional(_OBJECT), done=_optional(_DONE.as_kind()), attempt=_INT,
-                    logprobs=_optional(_FLOATS)),
+                    logprobs=_optional(_FLOATS), resume=_optional(_RESUME.as_kind())),
     "accepted": _Record(AcceptedItem, req_id=_STR, add_ms=_optional(_FLOAT), prompt_tokens=_INT, attempt=_INT),
     "error": _Record(ErrorItem, req_id=_STR, message=_STR, status=_INT, attempt=_INT),
 }
@@ -361,10 +309,9 @@ _ITEM_LIST = _Kind((list,), "an array of progress items", _items_from_wire, _ite
 _MESSAGES = {
     HELLO: _Record(Hello, secret=_STR, version=_INT),
     READY: _Record(Ready, version=_INT),
-    ADD: _Record(Add, req_id=_STR, prompt_ids=_IDS, max_tokens=_optional(_INT), threshold=_optional(_FLOAT),
-                 slo_left_s=_optional(_FLOAT), sent_at=_optional(_FLOAT), committed=_IDS,
-                 sampling=_SAMPLING.as_kind(), canvas=_BOOL, est_rounds=_optional(_FLOAT), planned=_BOOL,
-                 attempt=_INT),
+    ADD: _Record(Add, req_id=_STR, prompt_ids=_IDS, params=_SAMPLING.as_kind(), slo_left_s=_optional(_FLOAT),
+                 sent_at=_optional(_FLOAT), committed=_IDS, resume=_optional(_RESUME.as_kind()), canvas=_BOOL,
+                 est_rounds=_optional(_FLOAT), planned=_BOOL, attempt=_INT),
     ABORT: _Record(Abort, req_id=_STR),
     THRESHOLDS: _Record(Thresholds, map=_NUMBERS, estimates=_NUMBERS, after_round=_optional(_INT)),
     BATCH: _Record(ProgressBatch, t=_FLOAT, round=_INT, round_ms=_FLOAT, kinds=_NUMBERS, kind_tokens=_NUMBERS,

@@ -15,11 +15,12 @@ requests on the other instances; a replica shutting down
 The Denoiser deployment is this plus model loading and registration; tests
 run it in-process.
 
-Commands (``app.protocol``): ``Add`` (a request's ``est_rounds``, the router's estimate of its remaining
-denoising rounds, replaces the instance's admission estimate; ``planned`` promises a ``Thresholds``
-answer to every batch carrying the request: the loop waits a little for it before its next round,
-engine/loop.py), ``Abort``, and ``Thresholds`` (``after_round`` is the ``round`` of the batch the message
-answers; its estimates are as of that round's end). A connection acts only on the requests it sent.
+Commands (``app.protocol``, the engine's own: engine/commands.py, handed to the loop as they are): ``Add``
+(its ``params``, the engine's ``SamplingParams`` with its decoding rule; its ``est_rounds``, the router's
+estimate of its remaining denoising rounds, replaces the instance's admission estimate; ``planned``
+promises a ``Thresholds`` answer to every batch carrying the request: the loop waits a little for it before
+its next round, engine/loop.py), ``Abort``, and ``Thresholds`` (``after_round`` is the ``round`` of the
+batch the message answers; its estimates are as of that round's end). A connection acts only on the requests it sent.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from app.channel import ReplicaChannel
 from app.protocol import ADD, Abort, Add, Draining, ErrorItem, Message, ProgressBatch, ProtocolError, Thresholds
 from engine.instance import Instance
 from engine.loop import Overloaded, RoundLoop
-from engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -151,23 +151,9 @@ class ReplicaServer:
         if not self._claim(conn_id, rid):
             return
         try:
-            left = msg.slo_left_s
-            self.loop.submit(rid, msg.prompt_ids, sampling_params(msg),
-                             None if left is None else time.monotonic() + left, sent_at=msg.sent_at,
-                             committed=msg.committed or None, canvas=msg.canvas, est_rounds=msg.est_rounds,
-                             planned=msg.planned, attempt=msg.attempt)
+            self.loop.put(msg)  # the engine's own command (engine/commands.py): its deadline from slo_left_s
         except Overloaded as exc:
             self.loop.reject(rid, f"server overloaded: {exc}", 429, msg.attempt)
         except (TypeError, ValueError) as exc:  # its error item releases the id
             self.loop.reject(rid, f"malformed request: {exc}", 400, msg.attempt)
 
-
-def sampling_params(msg: Add) -> SamplingParams:
-    """The engine's parameters of an ``Add``: max_tokens, threshold, and its sampling section (fields left
-    None keep the engine's defaults)."""
-    s = msg.sampling
-    extra = {k: v for k, v in (("temperature", s.temperature), ("top_p", s.top_p), ("top_k", s.top_k),
-                                ("seed", s.seed)) if v is not None}
-    return SamplingParams(max_tokens=msg.max_tokens, threshold=msg.threshold,
-                          stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                          logprobs=s.logprobs, **extra)

@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.batch import run_model
+from engine.commands import Resume
 from engine.decoding import UnmaskRule, make_rule
 from engine.kv_cache import ApproxCache, ExactCache, KVPool
 from engine.memory import forward_bytes, kv_bytes_per_token
 from engine.models.transformer import DLMTransformer
+from engine.observer import ObservedStep, PredictorObserver, RoundObserver
 from engine.runner import TorchRunner
-from engine.scheduler.types import StepKind
 from engine.sequence import SamplingParams, Sequence, Status, StepInput, StepReport
 
 log = logging.getLogger(__name__)
@@ -122,17 +123,26 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.rounds = 0
-        # Called once per round with the sequences that just reached their refinement point (their
-        # first denoising round, ``seq.first_hidden`` set, or the lookahead round after it); it sets
-        # ``seq.refined_rounds`` (predictors/).
-        self.refine_hook: Callable[[list[Sequence]], None] | None = None
-        # Lookahead (block-causal models): a block-causal first round computes only the first block,
-        # so its P(EOS) says nothing about where a longer answer ends. With ``lookahead`` = k > 0, a
-        # request whose first block does not end runs its next round with the next k still-masked
-        # blocks of its budget appended (block-causal attention keeps the real rows blind to them:
-        # logits, K/V and hidden rows unchanged; their K/V are dropped), and is refined after that
-        # round with P(EOS) over those blocks too, as a full-sequence model's first round gives it.
-        self.lookahead = 0
+        # the instance's observer of its rounds: the work predictors' hooks and the lookahead (engine/observer.py)
+        self.observer: RoundObserver = PredictorObserver(self.cfg)
+
+    @property
+    def refine_hook(self) -> Callable[[list[Sequence]], None] | None:
+        """The observer's refine hook (``PredictorObserver.refine_hook``; predictors/ attach theirs here)."""
+        return getattr(self.observer, "refine_hook", None)
+
+    @refine_hook.setter
+    def refine_hook(self, hook: Callable[[list[Sequence]], None] | None) -> None:
+        self.observer.refine_hook = hook
+
+    @property
+    def lookahead(self) -> int:
+        """The observer's lookahead blocks (``PredictorObserver.lookahead``; 0: off)."""
+        return getattr(self.observer, "lookahead", 0)
+
+    @lookahead.setter
+    def lookahead(self, blocks: int) -> None:
+        self.observer.lookahead = blocks
 
     def kv_bytes_per_token(self) -> int:
         """Device bytes of one position of K/V: 2 x layers x kv_heads x head_dim x dtype bytes."""
@@ -176,13 +186,17 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    committed: list[int] | None = None) -> Sequence:
+                    committed: list[int] | None = None, resume: Resume | None = None) -> Sequence:
         """``committed``: output tokens already committed (resuming a request elsewhere, e.g. after
         its instance died or it migrated); decoding continues after them with the same blocks (and, for a
-        sampling request, the same noise: pass the same seed). A sampling request without a seed gets a
-        random one, kept in ``seq.params`` (which a tensor-parallel instance sends its followers)."""
+        sampling request, the same noise: pass the same seed); ``resume``: the state of the block after them
+        (its canvas, step counters and rule state: engine/commands.py), so that it continues exactly. A
+        sampling request without a seed gets a random one, kept in ``seq.params`` (which a tensor-parallel
+        instance sends its followers)."""
         params = params or SamplingParams()
         params.validate(self.max_gen_length)
+        if params.threshold is not None and not 0.0 <= params.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {params.threshold}")
         bad = [t for t in params.stop_token_ids if t >= self.cfg.vocab_size or t == self.cfg.mask_token_id]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are not tokens the model emits (the vocabulary has "
@@ -203,7 +217,7 @@ class Engine:
         seq = Sequence(next(self._ids), ids, self.cfg, self.rule, gen_len, cache_mode, max_tokens,
                        threshold=params.threshold, arrival=time.monotonic(),
                        prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
-                       committed=list(committed or ()), params=params,
+                       committed=list(committed or ()), params=params, resume=resume,
                        stop_ids=(*(() if params.ignore_eos else self.stop_ids), *params.stop_token_ids))
         self.sequences[seq.seq_id] = seq
         return seq
@@ -230,84 +244,37 @@ class Engine:
     def step(self, plan: list[Sequence] | None = None) -> EngineRound:
         plan = self.schedule() if plan is None else plan
         t0 = time.perf_counter()
-        for seq in plan:
-            self._ensure_cache(seq)
-            seq.status = Status.RUNNING
-        inputs = [seq.build_step() for seq in plan]
-        ran = [self._with_lookahead(seq, inp) for seq, inp in zip(plan, inputs)]
-        rows = [seq.decode_rows(inp) for seq, inp in zip(plan, inputs)]
-        sampling = [seq.decode_sampling() if r is not None else None for seq, r in zip(plan, rows)]
-        outputs = self.runner.run(ran, rows, sampling if any(s is not None for s in sampling) else None) if ran else []
-        reports = []
-        first = []
-        for seq, inp, big, out in zip(plan, inputs, ran, outputs):
-            t = len(inp.ids)
-            # the runner returned top1 for every step with decode rows (prefill steps have none and need no
-            # logits), so apply never needs the logits here
-            reports.append(seq.apply(inp, None, out.fresh[:, :, :, :t], out.top1))
-            if inp.kind is StepKind.PREFILL:
-                continue
-            if seq.rounds == 1:  # its first denoising round
-                bs, be = seq.blocks[0]
-                p0 = int(inp.pos[0])  # step positions are consecutive: the block's rows are a slice
-                seq.first_hidden = out.hidden[max(bs - p0, 0) : be - p0].mean(0)
-                seq.first_confidences = reports[-1].confidences
-                seq.first_eos = self._eos_probs(seq, big, out)
-                first.append(seq)
-            elif seq.rounds == seq.refine_at:  # the lookahead round: P(EOS) past what the first round saw
-                if big is not inp:
-                    seen = seq.out_start + len(seq.first_eos)
-                    ahead = self._eos_probs(seq, big, out)
-                    skip = seen - max(seq.out_start, int(big.pos[0]) + self.cfg.logits_shift)
-                    seq.first_eos = torch.cat([seq.first_eos, ahead[max(skip, 0):]])
-                first.append(seq)
-        if self.lookahead:
-            first = self._defer_for_lookahead(first)
-        if first and self.refine_hook is not None:
-            try:
-                self.refine_hook(first)
-            except Exception:  # a broken predictor must not fail the round: fall back to admission estimates
-                log.exception("refine hook failed; refinement is off for this engine")
-                self.refine_hook = None
+        inputs, ran = self._prepare(plan)
+        outputs = self._run(plan, inputs, ran)
+        reports = self._postprocess(plan, inputs, ran, outputs)
         self.rounds += bool(plan)
         comp = [(i.kind.value, len(i.ids), 0 if i.ctx_pos is None else len(i.ctx_pos)) for i in ran]
         return EngineRound(reports, time.perf_counter() - t0, comp)
 
-    def _defer_for_lookahead(self, first: list[Sequence]) -> list[Sequence]:
-        """Of the requests that just ran their first round, those of a block-causal model whose
-        first block probably does not end the answer wait one round for the lookahead."""
-        fresh = [s for s in first if s.rounds == 1 and s.cfg.attention == "block_causal"]
-        if not fresh:
-            return first
-        ends = torch.stack([s.first_eos[-1] for s in fresh]).tolist()  # one host sync for the round
-        later = {id(s) for s, p in zip(fresh, ends)
-                 if p < 0.5 and not s.finished and s.out_start + len(s.first_eos) < s.out_end}
-        for s in fresh:
-            if id(s) in later:
-                s.refine_at, s.lookahead_blocks = 2, self.lookahead
-        return [s for s in first if id(s) not in later]
+    def _prepare(self, plan: list[Sequence]) -> tuple[list[StepInput], list[StepInput]]:
+        """Each sequence's step input, and what the runner runs for it (the observer may extend it)."""
+        for seq in plan:
+            self._ensure_cache(seq)
+            seq.status = Status.RUNNING
+        inputs = [seq.build_step() for seq in plan]
+        return inputs, [self.observer.step_input(seq, inp) for seq, inp in zip(plan, inputs)]
 
-    def _with_lookahead(self, seq: Sequence, inp: StepInput) -> StepInput:
-        """``inp``, extended by ``seq.lookahead_blocks`` masked blocks after it (within the output) when
-        this is the lookahead round of a request (``seq.refine_at`` moved to this round)."""
-        if seq.refine_at != seq.rounds + 1 or seq.rounds == 0 or inp.kind is StepKind.PREFILL:
-            return inp
-        end = int(inp.pos[-1]) + 1
-        stop = min(seq.out_end, end + seq.lookahead_blocks * self.cfg.block_size)
-        if end >= stop:
-            return inp
-        extra = torch.arange(end, stop, dtype=inp.pos.dtype)
-        ids = torch.cat([inp.ids, torch.full_like(extra, self.cfg.mask_token_id, dtype=inp.ids.dtype)])
-        return StepInput(inp.kind, ids, torch.cat([inp.pos, extra]), inp.ctx_kv, inp.ctx_pos, inp.mode, inp.slot)
+    def _run(self, plan: list[Sequence], inputs: list[StepInput], ran: list[StepInput]) -> list:
+        """The round's forwards: each sequence names the rows it decodes and how it samples them."""
+        if not ran:
+            return []
+        rows = [seq.decode_rows(inp) for seq, inp in zip(plan, inputs)]
+        sampling = [seq.decode_sampling() if r is not None else None for seq, r in zip(plan, rows)]
+        return self.runner.run(ran, rows, sampling if any(s is not None for s in sampling) else None)
 
-    def _eos_probs(self, seq: Sequence, inp, out) -> torch.Tensor:
-        """P(EOS) at the output positions this step's logits predict (on their device, no sync):
-        the first block for a block-causal model (plus the appended blocks in a lookahead round),
-        the whole canvas for a full-sequence one."""
-        first = int(inp.pos[0]) + self.cfg.logits_shift  # the position row 0 predicts; rows are consecutive
-        lo, hi = max(seq.out_start - first, 0), max(min(seq.out_end - first, len(inp.pos)), 0)
-        rows = out.logits_rows(lo, hi).float()  # exp(l_eos - logsumexp(l)): no second vocabulary-wide tensor
-        return torch.exp(rows[:, self.cfg.eos_token_id] - torch.logsumexp(rows, dim=-1))
+    def _postprocess(self, plan: list[Sequence], inputs: list[StepInput], ran: list[StepInput],
+                     outputs: list) -> list[StepReport]:
+        """Each sequence applies its step's results (the runner returned the decode rows' results already on
+        the host, so no logits are needed here); then the observer sees the round."""
+        reports = [seq.apply(inp, None, out.fresh[:, :, :, :len(inp.ids)], out.top1)
+                   for seq, inp, out in zip(plan, inputs, outputs)]
+        self.observer.round_done([ObservedStep(*s) for s in zip(plan, inputs, ran, outputs, reports)])
+        return reports
 
     # ---- offline API -------------------------------------------------------------------------
     def output(self, seq: Sequence) -> Output:

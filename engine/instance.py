@@ -33,6 +33,7 @@ import dataclasses
 from collections.abc import Callable, Collection
 
 from engine.clock import Clock, WallClock
+from engine.commands import Abort, Add, Command, Lookahead, Resume, Thresholds
 from engine.engine import Engine, EngineRound, Output
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler.policies import make_policy
@@ -65,7 +66,7 @@ class Instance:
                  kv_capacity_tokens: int | None = None, clock: Clock | None = None,
                  estimator: Callable[[Sequence], float] = blocks_estimate,
                  refiner: Callable[[Sequence], float] | None = None, costs: StepCosts | None = None,
-                 mirror: Callable[[list[tuple], RoundPlan], Callable[[], None]] | None = None,
+                 mirror: Callable[[list[Command], RoundPlan], Callable[[], None]] | None = None,
                  followers_alive: Callable[[], bool] | None = None, tp_broken_after: int | None = None,
                  **sched_kwargs) -> None:
         """``costs`` weights remaining work by step kind (e.g. ``profile.step_costs(...)``
@@ -83,7 +84,7 @@ class Instance:
         self.engine = engine
         self.mirror, self.followers_alive = mirror, followers_alive
         self._failed_rounds = 0
-        self._commands: list[tuple] = []
+        self._commands: list[Command] = []  # applied since the last round: the follower ranks' (``mirror``)
         pool = engine.runner.pool
         self.kv_from_pool = kv_capacity_tokens is None and pool is not None
         if self.kv_from_pool:
@@ -101,11 +102,13 @@ class Instance:
 
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     deadline: float | None = None, true_rounds: int | None = None,
-                    committed: list[int] | None = None, est_rounds: float | None = None) -> SchedRequest:
-        """``committed``: output tokens a previous instance already committed (resume); ``est_rounds``: an
+                    committed: list[int] | None = None, est_rounds: float | None = None,
+                    resume: Resume | None = None) -> SchedRequest:
+        """``committed``: output tokens a previous instance already committed (resume), ``resume``: the state
+        of the block after them (engine/commands.py); ``est_rounds``: an
         external estimate of its remaining denoising rounds (the cluster router's), instead of the
         instance's own admission estimate."""
-        seq = self.engine.add_request(prompt, params, committed)
+        seq = self.engine.add_request(prompt, params, committed, resume)
         left = len(seq.blocks) - seq.block_idx  # a resumed request starts past its committed blocks
         est = self.estimator(seq) * left / len(seq.blocks) if est_rounds is None else max(float(est_rounds), 0.0)
         req = SchedRequest(
@@ -122,7 +125,8 @@ class Instance:
             raise
         req.next_kind = seq.next_kind()
         self.seqs[req_id] = seq
-        self._commands.append(("add", req_id, prompt, seq.params, committed))  # with the seed the engine drew
+        # the follower ranks' add: with the seed the engine drew
+        self._commands.append(Add(req_id, prompt, seq.params, committed=list(committed or ()), resume=resume))
         return req
 
     def set_threshold(self, req_id: str, threshold: float) -> None:
@@ -132,7 +136,7 @@ class Instance:
             return
         seq.threshold = threshold
         self.scheduler.requests[req_id].threshold = threshold
-        self._commands.append(("threshold", req_id, threshold))
+        self._commands.append(Thresholds({req_id: threshold}))
 
     def set_estimate(self, req_id: str, remaining_rounds: float) -> bool:
         """An external estimate of ``req_id``'s remaining denoising rounds, from the next round on (the
@@ -144,7 +148,7 @@ class Instance:
         seq = self.seqs.pop(req_id, None)
         if seq is not None:
             self.engine.abort(seq.seq_id)
-            self._commands.append(("abort", req_id))
+            self._commands.append(Abort(req_id))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -191,7 +195,7 @@ class Instance:
             self._failed_rounds = 0
             # rank 0's engine chose the requests whose next round runs the lookahead: the followers'
             # forwards must have the same shapes
-            self._commands += [("lookahead", s.req_id, seq.lookahead_blocks) for s in plan.slots
+            self._commands += [Lookahead(s.req_id, seq.lookahead_blocks) for s in plan.slots
                                if (seq := self.seqs.get(s.req_id)) is not None and seq.rounds == 1
                                and seq.refine_at == 2]
             return result
@@ -254,23 +258,23 @@ class Follower:
         self.engine = engine
         self.seqs: dict[str, Sequence] = {}
 
-    def step(self, commands: list[tuple], plan: RoundPlan) -> int:
+    def step(self, commands: list[Command], plan: RoundPlan) -> int:
         for cmd in commands:
-            if cmd[0] == "add":
-                _, req_id, prompt, params, committed = cmd
-                self.seqs[req_id] = self.engine.add_request(prompt, params, committed)
-            elif cmd[0] == "threshold":
-                seq = self.seqs.get(cmd[1])
-                if seq is not None:
-                    seq.threshold = cmd[2]
-            elif cmd[0] == "lookahead":
-                seq = self.seqs.get(cmd[1])
-                if seq is not None:
-                    seq.refine_at, seq.lookahead_blocks = 2, cmd[2]
-            else:
-                seq = self.seqs.pop(cmd[1], None)
-                if seq is not None:
+            if isinstance(cmd, Add):
+                self.seqs[cmd.req_id] = self.engine.add_request(cmd.prompt_ids, cmd.params, cmd.committed or None,
+                                                                cmd.resume)
+            elif isinstance(cmd, Thresholds):
+                for req_id, threshold in cmd.map.items():
+                    if (seq := self.seqs.get(req_id)) is not None:
+                        seq.threshold = threshold
+            elif isinstance(cmd, Lookahead):
+                if (seq := self.seqs.get(cmd.req_id)) is not None:
+                    seq.refine_at, seq.lookahead_blocks = 2, cmd.blocks
+            elif isinstance(cmd, Abort):
+                if (seq := self.seqs.pop(cmd.req_id, None)) is not None:
                     self.engine.abort(seq.seq_id)
+            else:
+                raise TypeError(f"a follower takes Add, Thresholds, Lookahead or Abort, not {type(cmd).__name__}")
         if not plan.slots:
             return 0
         result, _ = execute_plan(self.engine, self.seqs, plan)

@@ -1,7 +1,8 @@
 """The round loop of one instance, in its own thread: the third of an instance's five layers, over
 ``Instance`` and under the replica server (docs/architecture.md).
 
-Control messages (add, abort, thresholds) are queued and take effect at the
+Control messages (engine/commands.py: ``Add``, ``Abort``, ``Thresholds``, through ``put`` or the
+``submit``/``abort``/``set_thresholds`` shorthands) are queued and take effect at the
 next round boundary, so the loop never waits on its callers (with one bounded
 exception, below). Progress leaves
 as one ``ProgressBatch`` (engine/progress.py) per round boundary through a callback: for every
@@ -62,6 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.commands import Abort, Add, Resume, Thresholds
 from engine.instance import Instance, InstanceBroken, RoundFailed
 from engine.probing import Probing
 from engine.progress import AcceptedItem, Done, ErrorItem, Item, ProgressBatch, StepItem
@@ -85,6 +87,16 @@ class _Tracked:
     planned: bool = False  # its sender answers each batch carrying it with thresholds (``after_round``)
     refined_round: int | None = None  # the round after which the instance refined its estimate
     reset_at: int | None = None  # tokens it had published when a failed round made it start over (``reset``)
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A command waiting for the next round boundary: when it was queued (``perf_counter``) and, for an add,
+    its deadline (``time.monotonic()``)."""
+
+    cmd: Add | Abort | Thresholds
+    at: float
+    deadline: float | None = None
 
 
 class RoundLoop:
@@ -138,34 +150,44 @@ class RoundLoop:
         self._thread.start()
 
     # ---- control (any thread) ------------------------------------------------------------
+    def put(self, cmd: Add | Abort | Thresholds, deadline: float | None = None) -> None:
+        """Queue a command (engine/commands.py) for the next round boundary. An ``Add``'s deadline is
+        ``deadline`` (``time.monotonic()``) or else its ``slo_left_s`` from now; a full waiting queue refuses
+        it (``Overloaded``)."""
+        if isinstance(cmd, Add):
+            if deadline is None and cmd.slo_left_s is not None:
+                deadline = time.monotonic() + cmd.slo_left_s
+            with self._lock:
+                if self.instance.scheduler.num_waiting + self._pending >= self.max_waiting:
+                    raise Overloaded(f"{self.max_waiting} requests already waiting")
+                self._pending += 1
+        elif not isinstance(cmd, (Abort, Thresholds)):
+            raise TypeError(f"a round loop takes Add, Abort or Thresholds, not {type(cmd).__name__}")
+        self._cmds.put(_Queued(cmd, time.perf_counter(), deadline))
+        self._wake.set()
+
     def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams,
                deadline: float | None = None, sent_at: float | None = None,
                committed: list[int] | None = None, canvas: bool = False, est_rounds: float | None = None,
-               planned: bool = False, attempt: int = 0) -> None:
-        """Queue a request; ``sent_at`` (wall clock) is when its sender dispatched it;
-        ``committed``: output tokens another instance already committed (resume); ``canvas``: its step
+               planned: bool = False, attempt: int = 0, resume: Resume | None = None) -> None:
+        """Queue a request (an ``Add``, engine/commands.py); ``sent_at`` (wall clock) is when its sender
+        dispatched it; ``committed``: output tokens another instance already committed (resume), ``resume``:
+        the state of its block after them; ``canvas``: its step
         items carry the canvas of each denoising step (``Sequence.canvas_step``); ``est_rounds``: its
         remaining denoising rounds as its sender estimates them (replaces the admission estimate);
         ``planned``: its sender answers each batch carrying it with thresholds (module docstring);
         ``attempt``: its sender's count of its placements, carried back on its items."""
-        with self._lock:
-            if self.instance.scheduler.num_waiting + self._pending >= self.max_waiting:
-                raise Overloaded(f"{self.max_waiting} requests already waiting")
-            self._pending += 1
-        self._cmds.put(("add", req_id, prompt, params, deadline, sent_at, committed, canvas, est_rounds, planned,
-                        attempt))
-        self._wake.set()
+        self.put(Add(req_id, prompt, params, sent_at=sent_at, committed=list(committed or ()), resume=resume,
+                     canvas=canvas, est_rounds=est_rounds, planned=planned, attempt=attempt), deadline)
 
     def abort(self, req_id: str) -> None:
-        self._cmds.put(("abort", req_id))
-        self._wake.set()
+        self.put(Abort(req_id))
 
     def set_thresholds(self, thresholds: dict[str, float], estimates: dict[str, float] | None = None,
                        after_round: int | None = None) -> None:
         """Thresholds of the requests' next steps and estimates of their remaining denoising rounds, from
         the next round on; ``after_round``: the round whose batch they answer (module docstring)."""
-        self._cmds.put(("thresholds", thresholds, estimates or {}, after_round, time.perf_counter()))
-        self._wake.set()
+        self.put(Thresholds(thresholds, estimates or {}, after_round))
 
     def reject(self, req_id: str, message: str, status: int, attempt: int = 0) -> None:
         """Publish an error item for a request refused before it reached the loop (any thread)."""
@@ -202,33 +224,37 @@ class RoundLoop:
         applied = False
         while True:
             try:
-                cmd = self._cmds.get_nowait()
+                queued = self._cmds.get_nowait()
             except queue.Empty:
                 return applied
             applied = True
-            op = cmd[0]
-            if op == "add":
-                _, req_id, prompt, params, deadline, sent_at, committed, canvas, est, planned, attempt = cmd
-                with self._lock:
-                    self._pending -= 1
-                try:
-                    self.instance.add_request(req_id, prompt, params, deadline=deadline, committed=committed,
-                                              est_rounds=est)
-                except (ValueError, RuntimeError) as exc:
-                    items.append(ErrorItem(req_id, str(exc), 400, attempt))
-                    continue
-                seq = self.instance.seqs[req_id]
-                self._tracked[req_id] = _Tracked(sent=len(seq.committed), seq=seq if canvas else None,
-                                                 attempt=attempt, planned=planned)
-                items.append(AcceptedItem(req_id, None if sent_at is None else (time.time() - sent_at) * 1e3,
-                                          len(seq.prompt_ids) - len(seq.committed), attempt))
-            elif op == "abort":
-                self.probing.forget(cmd[1])
-                self.probing.convicted.pop(cmd[1], None)
-                if self._tracked.pop(cmd[1], None) is not None:
-                    self.instance.abort(cmd[1])
-            elif op == "thresholds":
-                self._apply_thresholds(*cmd[1:])
+            cmd = queued.cmd
+            if isinstance(cmd, Add):
+                self._apply_add(cmd, queued.deadline, items)
+            elif isinstance(cmd, Abort):
+                self.probing.forget(cmd.req_id)
+                self.probing.convicted.pop(cmd.req_id, None)
+                if self._tracked.pop(cmd.req_id, None) is not None:
+                    self.instance.abort(cmd.req_id)
+            else:
+                self._apply_thresholds(cmd.map, cmd.estimates, cmd.after_round, queued.at)
+
+    def _apply_add(self, cmd: Add, deadline: float | None, items: list[Item]) -> None:
+        with self._lock:
+            self._pending -= 1
+        try:
+            self.instance.add_request(cmd.req_id, cmd.prompt_ids, cmd.params, deadline=deadline,
+                                      committed=cmd.committed or None, est_rounds=cmd.est_rounds,
+                                      resume=cmd.resume)
+        except (ValueError, RuntimeError) as exc:
+            items.append(ErrorItem(cmd.req_id, str(exc), 400, cmd.attempt))
+            return
+        seq = self.instance.seqs[cmd.req_id]
+        self._tracked[cmd.req_id] = _Tracked(sent=len(seq.committed), seq=seq if cmd.canvas else None,
+                                             attempt=cmd.attempt, planned=cmd.planned)
+        sent_at = cmd.sent_at
+        items.append(AcceptedItem(cmd.req_id, None if sent_at is None else (time.time() - sent_at) * 1e3,
+                                  len(seq.prompt_ids) - len(seq.committed), cmd.attempt))
 
     def _apply_thresholds(self, thresholds: dict[str, float], estimates: dict[str, float], after: int | None,
                           arrived: float) -> None:

@@ -4,7 +4,11 @@ For every request that stepped, a ``StepItem`` (its newly committed token ids, i
 next step is heavy, its step features, and ``done`` when it finished); an ``AcceptedItem`` or ``ErrorItem``
 for requests accepted or refused at that boundary; and the instance's stats. The replica sends them as they
 are; the wire protocol (``app.protocol``) encodes them for the control channel, so this module imports
-nothing but the standard library.
+nothing but the standard library (and engine/commands.py, the records going the other way).
+
+``ids`` are final: with a decoding rule that edits committed tokens (``rule.edits``) only the tokens of
+blocks whose edits are over are published, so a receiver's concatenated ids (and text) are never taken
+back.
 
 ``attempt`` on every item is the ``attempt`` its request was submitted with, so that a receiver can tell
 the progress of an older placement of the same request from the current one's.
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.commands import Resume
 
 
 @dataclass(slots=True)
@@ -38,6 +44,9 @@ class StepItem:
     done: Done | None = None  # set when it finished in this round
     attempt: int = 0
     logprobs: list[float] | None = None  # of ``ids``, for a request that asked for them
+    # where its current block stands after ``ids`` (its canvas, step counters and decoding rule's state), for a
+    # request whose rule edits tokens or keeps state: a resume elsewhere continues exactly from it
+    resume: Resume | None = None
 
 
 @dataclass(slots=True)

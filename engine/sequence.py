@@ -9,13 +9,12 @@ confidences; the sequence only reports whether a block or the request is done.
 from __future__ import annotations
 
 import enum
-import math
-import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from engine.commands import MASKED, SAMPLING_EPS, Resume, SamplingParams  # noqa: F401 (SamplingParams: its old home)
 from engine.decoding import UnmaskRule, confidence, noise_seeds, sample
 from engine.kv_cache import ApproxCache, ExactCache
 from engine.models.config import ModelConfig
@@ -27,50 +26,6 @@ class Status(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
-
-
-SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (dividing logits by less overflows float32)
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int | None = None  # None: the model's default generation length
-    threshold: float | None = None  # None: the rule's own threshold
-    cache: str | None = None  # full-sequence models: 'none' | 'prefix' | 'dual'
-    temperature: float = 0.0  # 0: greedy (argmax); > 0: each token sampled (decoding.sample)
-    top_p: float = 1.0  # nucleus filter when sampling, in (0, 1]; 1: off
-    top_k: int = 0  # top-k filter when sampling; 0 or -1: off
-    seed: int | None = None  # the sampling noise's seed; None: the engine draws one per request
-    stop_token_ids: tuple[int, ...] = ()  # ids that end the output as the model's EOS does
-    ignore_eos: bool = False  # decode to max_tokens past the model's EOS (and its template's end-of-turn ids)
-    logprobs: bool = False  # keep each committed token's log-probability (``Sequence.output_logprobs``)
-
-    def __post_init__(self) -> None:
-        self.stop_token_ids = tuple(self.stop_token_ids)  # a JSON list is welcome
-
-    @property
-    def samples(self) -> bool:
-        """Whether tokens are sampled (temperature above ``SAMPLING_EPS``) rather than chosen greedily."""
-        return self.temperature > SAMPLING_EPS
-
-    def validate(self, limit: int) -> None:
-        if self.max_tokens is not None and not 0 < self.max_tokens <= limit:
-            raise ValueError(f"max_tokens must be in [1, {limit}], got {self.max_tokens}")
-        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
-        if self.cache not in (None, "none", "prefix", "dual"):
-            raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}")
-        if not isinstance(self.temperature, numbers.Real) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, numbers.Real) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 1, or 0 or -1 (off), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
 
 
 @dataclass
@@ -117,6 +72,7 @@ class Sequence:
     # temperature of 0: greedy. Its max_tokens and threshold are the fields above (the threshold may change).
     params: SamplingParams | None = None
     stop_ids: tuple[int, ...] = ()  # ids besides the model's EOS that end the output (finish_reason 'stop')
+    resume: Resume | None = None  # the state of the block after ``committed`` (a request resumed exactly)
 
     def __post_init__(self) -> None:
         b = self.cfg.block_size
@@ -137,8 +93,14 @@ class Sequence:
         self._stop_extra = tuple(dict.fromkeys(t for t in self.stop_ids if t != self.cfg.eos_token_id))
         self.ignore_eos = self.params is not None and self.params.ignore_eos  # only stop_ids end it then
         self._stops = frozenset((*(() if self.ignore_eos else (self.cfg.eos_token_id,)), *self._stop_extra))
-        self.tokens = torch.tensor(self.prompt_ids + list(self.committed)
-                                   + [self.cfg.mask_token_id] * (self.gen_len - n), dtype=torch.long)
+        mask = self.cfg.mask_token_id
+        tail = [] if self.resume is None else [mask if t == MASKED else t for t in self.resume.tail]
+        if mask in (self.resume.tail if self.resume is not None else ()):
+            raise ValueError("resume.tail marks masked positions with -1, not the mask token")
+        if n + len(tail) > self.gen_len:
+            raise ValueError(f"resume.tail ({len(tail)} tokens) runs past the output ({self.gen_len - n} left)")
+        self.tokens = torch.tensor(self.prompt_ids + list(self.committed) + tail
+                                   + [mask] * (self.gen_len - n - len(tail)), dtype=torch.long)
         # the same memory as a NumPy array: a step's bookkeeping over a few dozen positions costs a
         # microsecond or two per operation there, against several for a torch operator call
         self._np = self.tokens.numpy()
@@ -146,6 +108,9 @@ class Sequence:
         # not committed here, e.g. before a resume)
         self.logprobs = np.full(self.gen_len, np.nan, dtype=np.float32) \
             if self.params is not None and self.params.logprobs else None
+        if self.logprobs is not None and self.resume is not None and self.resume.logprobs:
+            lp = np.asarray(self.resume.logprobs[: len(tail)], dtype=np.float32)
+            self.logprobs[n : n + len(lp)] = np.where(np.asarray(tail[: len(lp)]) == mask, np.nan, lp)
         if self.cfg.attention == "block_causal":
             if self.cfg.logits_shift:
                 raise ValueError("block-causal models with shifted logits are not supported")
@@ -162,6 +127,10 @@ class Sequence:
         self.prefilled = 0
         self.step_in_block = 0
         self.masked_at_start = self._masked(self.blocks[self.block_idx]).numel()
+        if self.resume is not None:
+            if self.out_start + n + len(tail) > self.blocks[self.block_idx][1]:
+                raise ValueError("resume.tail runs past the current block")
+            self.step_in_block, self.masked_at_start = self.resume.step_in_block, self.resume.masked_at_start
         self.pending: tuple[int, int] | None = None  # finished block whose KV is written next step
         self.needs_recompute = True
         self.cache: ExactCache | ApproxCache | None = None

@@ -26,7 +26,8 @@ from app.protocol import (
     ProgressBatch,
     ProtocolError,
     Ready,
-    Sampling,
+    Resume,
+    SamplingParams,
     StepItem,
     Thresholds,
     Tick,
@@ -46,9 +47,11 @@ EXAMPLES = [
     Hello("s3cret", 2),
     Ready(2),
     Add("r1", [5, 6, 7]),
-    Add("r2", [1, 2], max_tokens=64, threshold=0.8, slo_left_s=2.5, sent_at=1700000000.25, committed=[9, 10],
-        sampling=Sampling(temperature=0.7, top_p=0.9, top_k=40, seed=123, stop_token_ids=[2], ignore_eos=True,
-                          logprobs=True), canvas=True,
+    Add("r2", [1, 2], SamplingParams(max_tokens=64, threshold=0.8, cache="prefix", temperature=0.7, top_p=0.9,
+                                     top_k=40, seed=123, stop_token_ids=(2,), ignore_eos=True, logprobs=True,
+                                     decoding="joint_threshold", decoding_config={"edit_threshold": 0.8}),
+        slo_left_s=2.5, sent_at=1700000000.25, committed=[9, 10],
+        resume=Resume([11, -1, 12], 2, 5, {"edits": {"3": 1}}, [-0.5, 0.0, -0.25]), canvas=True,
         est_rounds=41.5, planned=True, attempt=2),
     Abort("r1"),
     Thresholds(),
@@ -65,6 +68,7 @@ EXAMPLES = [
                                canvas={"step": 5, "block": [0, 8], "committed": [[3, 11]], "masked": [4, 5],
                                        "threshold": 0.9, "length": 64}),
                       StepItem("r4", [13], 9, False, done=Done("stop", 9, 17), attempt=1, logprobs=[-0.25]),
+                      StepItem("r7", [], 3, False, resume=Resume([5, -1], 1, 2)),
                       ErrorItem("r5", "server overloaded: 256 requests already waiting", 429),
                       ErrorItem("r6", "round failed: boom", 500, attempt=3)]),
 ]
@@ -146,10 +150,13 @@ def test_a_missing_field_is_a_clear_error(msg):
     (("req_id",), 7, r"add\.req_id: expected a string, got int"),
     (("prompt_ids",), ["a"], r"add\.prompt_ids: expected a list of token ids"),
     (("prompt_ids",), "1 2 3", r"add\.prompt_ids: expected a list of token ids"),
-    (("threshold",), "high", r"add\.threshold: expected a number or null"),
+    (("params", "threshold"), "high", r"add\.params\.threshold: expected a number or null"),
     (("planned",), 1, r"add\.planned: expected a boolean"),
-    (("sampling", "top_k"), 4.5, r"add\.sampling\.top_k: expected an integer or null"),
-    (("sampling",), [], r"add\.sampling: expected an object"),
+    (("params", "top_k"), 4.5, r"add\.params\.top_k: expected an integer"),
+    (("params", "decoding"), 3, r"add\.params\.decoding: expected a string or null"),
+    (("params", "decoding_config"), [], r"add\.params\.decoding_config: expected an object or null"),
+    (("params",), [], r"add\.params: expected an object"),
+    (("resume", "tail"), [1.5], r"add\.resume\.tail: expected a list of token ids"),
 ])
 def test_a_value_of_the_wrong_kind_names_its_field(path, value, match):
     wire = to_wire(EXAMPLES[3])
@@ -191,13 +198,17 @@ def test_only_messages_are_encoded():
 
 
 def test_sampling_from_the_ingress_dict():
-    assert Sampling.from_dict(None) == Sampling()
-    s = Sampling.from_dict({"temperature": 0, "top_p": 1, "top_k": 40, "seed": None, "stop_token_ids": (2, 3)})
-    assert s == Sampling(0.0, 1.0, 40, None, [2, 3]) and type(s.temperature) is float
+    assert SamplingParams.from_dict(None) == SamplingParams()
+    s = SamplingParams.from_dict({"temperature": 0, "top_p": 1, "top_k": 40, "seed": None, "stop_token_ids": (2, 3),
+                                  "decoding": "credit", "decoding_config": {"alpha": 0.5}})
+    assert s == SamplingParams(temperature=0.0, top_p=1.0, top_k=40, stop_token_ids=(2, 3), decoding="credit",
+                               decoding_config={"alpha": 0.5}) and type(s.temperature) is float
     with pytest.raises(ValueError, match="unknown sampling fields \\['typo'\\]"):
-        Sampling.from_dict({"typo": 1})
-    with pytest.raises(ValueError, match="bad sampling parameters"):
-        Sampling.from_dict({"top_k": "many"})
+        SamplingParams.from_dict({"typo": 1})
+    with pytest.raises(ValueError, match="bad sampling parameter top_k='many'"):
+        SamplingParams.from_dict({"top_k": "many"})
+    with pytest.raises(ValueError, match="bad sampling parameter decoding_config=3"):
+        SamplingParams.from_dict({"decoding_config": 3})
 
 
 def test_no_module_but_the_protocol_spells_an_op():
@@ -253,7 +264,7 @@ def test_the_router_reads_a_step_item_s_features_by_name_and_asks_the_estimator_
     (add,) = link.sent
     assert isinstance(add, Add) and add.prompt_ids == [1, 2, 3]
     state = d.router.requests["a"]
-    f = StepFeatures(add.threshold or 0.9, float(state.output_tokens), 0.25, 0.5, 7.0, 3.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+    f = StepFeatures(add.params.threshold or 0.9, float(state.output_tokens), 0.25, 0.5, 7.0, 3.0, 0.1, 0.2, 0.3, 0.4, 0.5)
     d.handle_batch(0, decode(encode(ProgressBatch(time.time(), 1, 10.0, {"denoise": 1}, items=[
         AcceptedItem("a", 0.1, 3, add.attempt), StepItem("a", [4, 5], 1, False, features=f, attempt=add.attempt)]))))
     assert (state.progress, state.block_progress, state.blocks_left, state.step_in_block) == (0.25, 0.5, 7, 3)
@@ -293,7 +304,7 @@ def test_the_replica_and_its_tensor_parallel_ranks_receive_ids_and_never_tokeniz
 
     async def main():
         link = await Link.open(**replica.info())
-        link.send(Add("a", prompt, max_tokens=16, threshold=0.9, attempt=4))
+        link.send(Add("a", prompt, SamplingParams(max_tokens=16, threshold=0.9), attempt=4))
         items = []
         while not any(isinstance(i, StepItem) and i.done is not None for i in items):
             msg = await asyncio.wait_for(link.recv(), 30)
@@ -308,8 +319,8 @@ def test_the_replica_and_its_tensor_parallel_ranks_receive_ids_and_never_tokeniz
         replica.close()
     assert isinstance(items[0], AcceptedItem) and items[0].prompt_tokens == len(prompt)
     assert all(i.attempt == 4 for i in items) and items[-1].done.finish_reason in ("stop", "length")
-    (add,) = [c for c in mirrored if c[0] == "add"]
-    assert add[2] == prompt and all(type(t) is int for t in add[2])
+    (add,) = [c for c in mirrored if isinstance(c, Add)]
+    assert add.prompt_ids == prompt and all(type(t) is int for t in add.prompt_ids)
 
 
 def test_a_malformed_add_is_refused_by_its_id():

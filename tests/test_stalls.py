@@ -136,7 +136,7 @@ def test_close_sends_what_is_queued_then_hangs_up():
 def test_the_round_loop_keeps_serving_one_ingress_while_another_stops_reading(tok):
     """Through a replica: an ingress sends a request and stops reading; the round loop goes on serving
     another ingress's requests to the end, and the stalled one is dropped (its request aborted)."""
-    from app.protocol import Add, ProgressBatch, StepItem
+    from app.protocol import Add, ProgressBatch, SamplingParams, StepItem
     from app.replica import ReplicaServer
     from engine.engine import Engine
     from engine.instance import Instance
@@ -149,7 +149,7 @@ def test_the_round_loop_keeps_serving_one_ingress_while_another_stops_reading(to
     rep.channel._server.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     stalled = _connect(rep.channel, rcvbuf=4096)
     prompt = tok.prompt_ids("story: cat 9", 8)
-    stalled.sendall(frame(Add("slow", prompt, max_tokens=400, threshold=1.0, canvas=True)))
+    stalled.sendall(frame(Add("slow", prompt, SamplingParams(max_tokens=400, threshold=1.0), canvas=True)))
     assert _wait(lambda: "slow" in inst.seqs, 10)
     good = _connect(rep.channel)
     try:
@@ -157,7 +157,7 @@ def test_the_round_loop_keeps_serving_one_ingress_while_another_stops_reading(to
         done: dict[str, list[int]] = {}
         for k in range(6):  # requests one after another: the loop must run rounds for each
             rid = f"g{k}"
-            good.sendall(frame(Add(rid, prompt, max_tokens=48, threshold=0.9)))
+            good.sendall(frame(Add(rid, prompt, SamplingParams(max_tokens=48, threshold=0.9))))
             ids: list[int] = []
             while rid not in done:
                 msg = recv_frame(good)

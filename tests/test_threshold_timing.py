@@ -22,7 +22,7 @@ import pytest
 
 import tasksuite as tasks
 from app.dispatch import Dispatcher
-from app.protocol import Abort, Add, ProgressBatch, StepItem, Thresholds
+from app.protocol import Abort, Add, ProgressBatch, SamplingParams, StepItem, Thresholds
 from tests.builders import collect, ids, make_dispatcher, make_replica
 
 
@@ -201,7 +201,8 @@ def test_the_replica_takes_est_rounds_planned_estimates_and_after_round_from_its
 
     async def main():
         link = await Link.open(**replica.info())
-        link.send(Add("a", ids("rev: abcdefgh"), max_tokens=128, threshold=1.0, est_rounds=123.0, planned=True))
+        link.send(Add("a", ids("rev: abcdefgh"), SamplingParams(max_tokens=128, threshold=1.0), est_rounds=123.0,
+                      planned=True))
         first = await batch_of(link)
         est0 = sched.requests["a"].est_rounds  # the loop waits for the answer: nothing moves meanwhile
         link.send(Thresholds(estimates={"a": 50.0}, after_round=first.round))

@@ -1,10 +1,5 @@
-"""Unmasking rules: which masked positions of the current block to commit,
-and the (confidence, token) of each masked position they choose from.
-
-A rule sees the confidences (top-1 probabilities) of the block's still-masked
-positions and returns a selection. Rules are small strategy objects chosen by
-name; the threshold may differ per request and per step (the router's
-SLO-aware threshold choice passes it in), so it is an argument of select().
+"""The (confidence, token) of each position a decoding rule chooses from, and the per-position
+statistics some rules need beyond them (``entropy``, ``token_prob``).
 
 A greedy request's token is the argmax (``confidence``); a sampling request's
 (temperature > 0) is drawn by ``sample``: Gumbel-max over the tempered,
@@ -16,113 +11,10 @@ resume elsewhere (on the same kind of device: CPU and CUDA generators differ).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-
-class UnmaskRule(Protocol):
-    name: str
-
-    def select(self, conf: torch.Tensor, step_in_block: int, masked_at_start: int,
-               threshold: float | None = None) -> torch.Tensor:
-        """Bool mask over ``conf`` (the masked positions): which to commit now.
-
-        step_in_block: steps already taken on this block. masked_at_start: masked
-        positions when the block began. threshold: per-request override.
-        """
-        ...
-
-
-def _at_least_top(conf: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
-    k = min(max(k, 1), conf.numel())
-    if int(chosen.sum()) >= k:
-        return chosen
-    chosen = chosen.clone()
-    chosen[torch.topk(conf, k).indices] = True
-    return chosen
-
-
-def _check_threshold(t: float) -> float:
-    if not 0.0 <= t <= 1.0:
-        raise ValueError(f"threshold must be in [0, 1], got {t}")
-    return t
-
-
-@dataclass(frozen=True)
-class ThresholdRule:
-    """Commit every position whose confidence exceeds the threshold, and at
-    least the single most confident one (Fast-dLLM's parallel decoding)."""
-
-    threshold: float = 0.9
-    name: str = "threshold"
-
-    def __post_init__(self) -> None:
-        _check_threshold(self.threshold)
-
-    def select(self, conf, step_in_block, masked_at_start, threshold=None):
-        t = self.threshold if threshold is None else _check_threshold(threshold)
-        return _at_least_top(conf, conf > t, 1)
-
-
-@dataclass(frozen=True)
-class DynamicRule:
-    """Threshold rule with a per-step minimum: at least ``min_per_step``
-    positions (or all that remain) are committed each step."""
-
-    threshold: float = 0.9
-    min_per_step: int = 2
-    name: str = "dynamic"
-
-    def __post_init__(self) -> None:
-        _check_threshold(self.threshold)
-        if self.min_per_step < 1:
-            raise ValueError("min_per_step must be at least 1")
-
-    def select(self, conf, step_in_block, masked_at_start, threshold=None):
-        t = self.threshold if threshold is None else _check_threshold(threshold)
-        return _at_least_top(conf, conf > t, self.min_per_step)
-
-
-@dataclass(frozen=True)
-class LowConfidenceRule:
-    """LLaDA's schedule: a fixed number of steps per block, committing the most
-    confident positions, the block's masks spread evenly over the steps."""
-
-    steps_per_block: int = 8
-    name: str = "low_confidence"
-
-    def __post_init__(self) -> None:
-        if self.steps_per_block < 1:
-            raise ValueError("steps_per_block must be at least 1")
-
-    def quota(self, step_in_block: int, masked_at_start: int) -> int:
-        base, extra = divmod(masked_at_start, self.steps_per_block)
-        return base + (1 if step_in_block < extra else 0)
-
-    def select(self, conf, step_in_block, masked_at_start, threshold=None):
-        if step_in_block >= self.steps_per_block - 1:
-            return torch.ones_like(conf, dtype=torch.bool)
-        k = self.quota(step_in_block, masked_at_start)
-        return _at_least_top(conf, torch.zeros_like(conf, dtype=torch.bool), k)
-
-
-RULES: dict[str, Callable[..., UnmaskRule]] = {
-    "threshold": ThresholdRule,
-    "dynamic": DynamicRule,
-    "low_confidence": LowConfidenceRule,
-}
-
-
-def make_rule(name: str, **kwargs) -> UnmaskRule:
-    try:
-        factory = RULES[name]
-    except KeyError:
-        raise ValueError(f"unknown unmasking rule {name!r}; known: {', '.join(sorted(RULES))}") from None
-    return factory(**kwargs)
 
 
 def confidence(logits: torch.Tensor, mask_token_id: int | None = None,
@@ -222,3 +114,40 @@ def sample(logits: torch.Tensor, temperature, top_k, top_p, seeds: Sequence[int]
     tokens = (scores + gumbel_noise(seeds, vocab, dev)).argmax(dim=-1)
     conf = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, tokens[:, None])[:, 0]
     return conf, tokens
+
+
+def _masked_probs(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
+    """softmax(logits) in float32 with the mask token's column excluded (as ``confidence`` does)."""
+    if mask_token_id is not None and 0 <= mask_token_id < logits.shape[-1]:
+        logits = logits.clone()
+        logits[..., mask_token_id] = float("-inf")
+    return torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def entropy(logits: torch.Tensor, mask_token_id: int | None = None) -> torch.Tensor:
+    """Entropy in nats of each row's distribution (the one ``confidence`` takes its top-1 from: softmax in
+    float32, the mask token excluded) [..]. A decoding rule that names "entropy" in its ``needs`` gets this
+    per position (the entropy-bounded sampler's budget is spent in these units)."""
+    probs = _masked_probs(logits, mask_token_id)
+    return -torch.special.xlogy(probs, probs).sum(dim=-1)
+
+
+def token_prob(logits: torch.Tensor, tokens: torch.Tensor, mask_token_id: int | None = None) -> torch.Tensor:
+    """The probability of ``tokens`` [..] under each row's distribution (softmax in float32, the mask token
+    excluded: a position that still holds the mask token gets 0). A rule that names "current_prob" in its
+    ``needs`` gets this for the token now on the canvas (an editing rule's penalty for rewriting it)."""
+    probs = _masked_probs(logits, mask_token_id)
+    return probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def penalise_previous(logits: torch.Tensor, prev_tokens: torch.Tensor, penalty: float) -> torch.Tensor:
+    """LLaDA2.1's repetition penalty (``joint_threshold``'s ``penalty_lambda``): ``penalty`` subtracted from
+    row i's logit of ``prev_tokens[i]``, the token on the canvas just before row i's position (negative ids:
+    no token there, untouched). Returns a new tensor; the proposals (``confidence``/``sample``) are made
+    from it."""
+    out = logits.clone()
+    if penalty <= 0.0:
+        return out
+    rows = torch.nonzero(prev_tokens >= 0).flatten()
+    out[rows, prev_tokens[rows].long()] -= penalty
+    return out
