@@ -25,6 +25,7 @@ drive it on hand-built canvases.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,7 @@ class CanvasGuard:
         self.checked = n
         self.remasked = 0
         self.dead_ends = 0
+        self.seconds = 0.0  # spent in allowed() and check(): the grammar's cost to the request's steps
 
     @property
     def ended(self) -> bool:
@@ -60,12 +62,14 @@ class CanvasGuard:
     def allowed(self) -> np.ndarray:
         """bool [vocab]: what the frontier may hold (never the mask token). At a dead end (the grammar allows
         tokens this vocabulary does not have) the stop ids, so the text ends rather than loops."""
+        t0 = time.perf_counter()
         mask = self.matcher.fill_mask()
         if 0 <= self.mask_id < mask.shape[0]:
             mask[self.mask_id] = False
         if not mask.any():
             self.dead_ends += 1
             mask[self.stop_ids[self.stop_ids < mask.shape[0]]] = True
+        self.seconds += time.perf_counter() - t0
         return mask
 
     def rollback_to(self, pos: int) -> None:
@@ -79,6 +83,13 @@ class CanvasGuard:
         mask id where masked). Returns the positions to remask: the first token the grammar rejects and every
         committed position after it up to ``block_end`` (the end of its block); empty when all is accepted.
         Stops after an accepted stop id (the text ends there: what follows is not output)."""
+        t0 = time.perf_counter()
+        try:
+            return self._check(out, block_end)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _check(self, out: np.ndarray, block_end: int) -> np.ndarray:
         p = self.checked
         n = len(out)
         run_end = p
@@ -134,3 +145,48 @@ def guard_decision(guard: CanvasGuard, out: np.ndarray, block_start: int, block_
         remask = drop & ~fresh  # committed before (or edited now): back to the mask
         done = False
     return GuardedDecision(commit, edit, remask, bool(done and not (masked & ~commit).any()))
+
+
+# ---------------------------------------------------------------- the sequence's side (engine/sequence.py)
+
+_VOCABS: dict[tuple, object] = {}
+
+
+def make_guard(constraint: dict, tokenizer, vocab_size: int, stop_ids, mask_id: int, committed=()) -> CanvasGuard:
+    """A request's guard from its ``SamplingParams.constraint``: compiled once per distinct spec and
+    vocabulary (``compile_cached``), its state rebuilt from the ``committed`` output tokens (a resume)."""
+    from engine.constraints.grammar import Vocab, compile_cached
+    from engine.constraints.spec import ConstraintSpec
+
+    stops = tuple(dict.fromkeys(int(t) for t in stop_ids))
+    key = (id(tokenizer), vocab_size, stops)
+    vocab = _VOCABS.get(key)
+    if vocab is None:
+        vocab = _VOCABS[key] = Vocab.of(tokenizer, vocab_size, stops)
+    return CanvasGuard(compile_cached(ConstraintSpec.from_dict(constraint), vocab), mask_id, committed)
+
+
+def frontier_row(guard: CanvasGuard, positions: np.ndarray, out_start: int) -> int | None:
+    """The index, among a step's decoded ``positions`` (absolute, ascending), of the guard's frontier; None
+    when the step does not decode it (or the text has ended)."""
+    if guard.ended:
+        return None
+    at = out_start + guard.checked
+    i = int(np.searchsorted(positions, at))
+    return i if i < len(positions) and int(positions[i]) == at else None
+
+
+def guard_block(guard: CanvasGuard, canvas: np.ndarray, out_start: int, span: tuple[int, int], masked: np.ndarray,
+                tokens: np.ndarray, decision):
+    """A rule's ``Decision`` for the block ``span`` (absolute) of the sequence's ``canvas`` (the whole token
+    array: prompt, then output; modified in place: remasked positions get the mask id) checked by the guard:
+    the ``Decision`` that stands, and the block positions remasked (bool, block-relative)."""
+    from engine.decoding.base import Decision
+
+    bs, be = span
+    out = canvas[out_start:]
+    g = guard_decision(guard, out, bs - out_start, be - out_start, masked, tokens, decision.commit, decision.edit,
+                       decision.done)
+    if g.remask.any():
+        canvas[bs:be][g.remask] = guard.mask_id
+    return Decision(g.commit, g.edit, g.done), g.remask
