@@ -150,8 +150,9 @@ def test_the_cache_compiles_each_distinct_spec_once():
     assert cache.compiles == 2 and bad.key == ConstraintSpec("regex", "(", "regex").key
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_parallel_decisions_always_end_in_valid_text(grammar, seed):
+@pytest.mark.parametrize("jump", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_parallel_decisions_always_end_in_valid_text(grammar, seed, jump):
     """A 'model' proposing random characters everywhere (the frontier's drawn from the grammar's mask), a
     'rule' committing a random subset of the masked positions each step: the guard keeps the text valid and
     the blocks still commit several tokens in some steps."""
@@ -173,9 +174,10 @@ def test_random_parallel_decisions_always_end_in_valid_text(grammar, seed):
             commit = masked & (rng.random(block) < 0.6)
             if not commit.any():
                 commit[np.flatnonzero(masked)[0]] = True
-            d = guard_decision(g, out, bs, be, masked, tokens, commit, np.zeros(block, bool), done=False)
+            d = guard_decision(g, out, bs, be, masked, tokens, commit, np.zeros(block, bool), done=False,
+                               jump=jump)
             blk = out[bs:be]
-            blk[d.commit] = tokens[d.commit]
+            blk[d.commit] = d.tokens[d.commit]
             blk[d.remask] = MASK
             multi += int(d.commit.sum()) > 1
         if g.ended:
@@ -185,3 +187,18 @@ def test_random_parallel_decisions_always_end_in_valid_text(grammar, seed):
     assert re.fullmatch(REGEX, text(out[:end])), text(out)
     assert (out[:end] != MASK).all()
     assert multi > 0
+
+
+def test_jump_forward_commits_what_the_grammar_forces(grammar):
+    g = CanvasGuard(grammar, MASK)
+    before = canvas("________")
+    masked = before == MASK
+    commit = np.zeros(8, bool)
+    commit[0] = True
+    d = guard_decision(g, before, 0, 8, masked, canvas("y_______"), commit, np.zeros(8, bool), done=False)
+    # after 'y' the grammar forces 'es, ': committed in the same step, no forward asked
+    assert text(d.tokens[d.commit]) == "yes, " and d.forced == 4 and g.checked == 5
+    off = CanvasGuard(grammar, MASK)
+    d = guard_decision(off, before, 0, 8, masked, canvas("y_______"), commit, np.zeros(8, bool), done=False,
+                       jump=False)
+    assert text(d.tokens[d.commit]) == "y" and d.forced == 0

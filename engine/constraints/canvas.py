@@ -72,6 +72,19 @@ class CanvasGuard:
         self.seconds += time.perf_counter() - t0
         return mask
 
+    def forced(self) -> int | None:
+        """The token the frontier must hold when the grammar allows exactly one (a stop id when only the end
+        of text is allowed), else None: written without asking the model (jump-forward)."""
+        if self.ended:
+            return None
+        mask = self.allowed()
+        ids = np.flatnonzero(mask)
+        if ids.size == 1:
+            return int(ids[0])
+        if ids.size and np.isin(ids, self.stop_ids).all():
+            return int(self.stop_ids[0])
+        return None
+
     def rollback_to(self, pos: int) -> None:
         """Forget the grammar's acceptance of positions ``[pos, checked)`` (an edit at ``pos``)."""
         if pos < self.checked:
@@ -111,40 +124,60 @@ class CanvasGuard:
 @dataclass
 class GuardedDecision:
     """A rule's decision after the grammar's check: ``commit`` and ``edit`` (bool [L], block-relative: the
-    ones that stand), ``remask`` (bool [L]: positions committed in earlier steps that go back to the mask)
-    and ``done`` (nothing masked after it, no edit pending: the rule's own flag, cleared by any remask)."""
+    ones that stand), ``tokens`` (the step's tokens, with those the grammar forced written in), ``remask``
+    (bool [L]: positions committed in earlier steps that go back to the mask), ``done`` (nothing masked
+    after it, no edit pending: the rule's own flag, cleared by any remask) and ``forced`` (positions
+    committed because the grammar allowed one token only)."""
 
     commit: np.ndarray
     edit: np.ndarray
+    tokens: np.ndarray
     remask: np.ndarray
     done: bool
+    forced: int = 0
 
 
 def guard_decision(guard: CanvasGuard, out: np.ndarray, block_start: int, block_end: int, masked: np.ndarray,
-                   tokens: np.ndarray, commit: np.ndarray, edit: np.ndarray, done: bool) -> GuardedDecision:
+                   tokens: np.ndarray, commit: np.ndarray, edit: np.ndarray, done: bool,
+                   jump: bool = True) -> GuardedDecision:
     """Apply one step's decision (block-relative ``commit`` / ``edit`` of ``tokens``; ``masked``: the
     block's masked positions before the step) through ``guard``. ``out`` is the output canvas before the
-    step (output-relative; the block is ``out[block_start:block_end]``); it is not modified."""
+    step (output-relative; the block is ``out[block_start:block_end]``); it is not modified. ``jump``: a
+    masked frontier whose token the grammar forces is committed too, and so on while it forces one
+    (jump-forward: the fixed parts of a format cost no forward)."""
     size = block_end - block_start
     after = np.array(out, copy=True)
+    tokens = np.array(tokens[:size], copy=True)
     write = commit | edit
     block = after[block_start:block_end]
-    block[write] = tokens[:size][write]
+    block[write] = tokens[write]
     edited = np.flatnonzero(edit)
     if edited.size:
         guard.rollback_to(block_start + int(edited[0]))
-    bad = guard.check(after, block_end) - block_start
     commit, edit = commit.copy(), edit.copy()
     remask = np.zeros(size, dtype=bool)
-    if bad.size:
-        drop = np.zeros(size, dtype=bool)
-        drop[bad] = True
-        fresh = drop & commit  # this step's own provisional tokens: simply not committed
-        commit &= ~drop
-        edit &= ~drop
-        remask = drop & ~fresh  # committed before (or edited now): back to the mask
-        done = False
-    return GuardedDecision(commit, edit, remask, bool(done and not (masked & ~commit).any()))
+    forced = 0
+    while True:
+        bad = guard.check(after, block_end) - block_start
+        if bad.size:
+            drop = np.zeros(size, dtype=bool)
+            drop[bad] = True
+            fresh = drop & commit  # this step's own provisional tokens: simply not committed
+            commit &= ~drop
+            edit &= ~drop
+            remask = drop & ~fresh  # committed before (or edited now): back to the mask
+            done = False
+            break
+        p = guard.checked - block_start
+        if not jump or not 0 <= p < size or block[p] != guard.mask_id:
+            break
+        t = guard.forced()
+        if t is None:
+            break
+        block[p] = tokens[p] = t
+        commit[p] = True
+        forced += 1
+    return GuardedDecision(commit, edit, tokens, remask, bool(done and not (masked & ~commit).any()), forced)
 
 
 # ---------------------------------------------------------------- the sequence's side (engine/sequence.py)
@@ -189,4 +222,6 @@ def guard_block(guard: CanvasGuard, canvas: np.ndarray, out_start: int, span: tu
                        decision.done)
     if g.remask.any():
         canvas[bs:be][g.remask] = guard.mask_id
+    if g.forced:
+        tokens[: be - bs][g.commit] = g.tokens[g.commit]  # the forced tokens, written with the rule's commits
     return Decision(g.commit, g.edit, g.done), g.remask
