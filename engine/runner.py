@@ -107,12 +107,16 @@ class TorchRunner:
 
     @torch.inference_mode()
     def run(self, inputs: list[StepInput], rows: list[torch.Tensor | None] | None = None,
-            sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None) -> list[StepOutput]:
+            sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None,
+            allowed: list[tuple[int, torch.Tensor] | None] | None = None) -> list[StepOutput]:
         """Forward every step. ``rows``: per step, the host indices of the logits rows whose
         (confidence, token) the caller needs (None: none); they come back in ``StepOutput.top1``.
         ``sampling``: per step, None (greedy: the argmax) or (params, positions): its tokens are sampled
         with ``params`` (temperature > 0), row i's noise seeded by (params.seed, positions[i]), the
-        absolute position it predicts (``Sequence.decode_sampling``); None: every step is greedy."""
+        absolute position it predicts (``Sequence.decode_sampling``); None: every step is greedy.
+        ``allowed``: per step, None or (row, bool [vocab]): that row (an index into the step's ``rows``) may
+        only hold the allowed tokens (a structured output's grammar frontier, ``Sequence.decode_allowed``):
+        its other logits are -inf before its (confidence, token) is taken."""
         outputs: list[StepOutput | None] = [None] * len(inputs)
         picked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, conf, token) on the device
         for whole in group_by_length(inputs):
@@ -123,7 +127,8 @@ class TorchRunner:
                     outputs[i] = out
                 if rows is not None:
                     picked += self._top1(hidden, [rows[i] for i in group], group, row_of,
-                                         None if sampling is None else [sampling[i] for i in group])
+                                         None if sampling is None else [sampling[i] for i in group],
+                                         None if allowed is None else [allowed[i] for i in group])
         if picked:
             self._fetch(outputs, picked)
         return outputs  # type: ignore[return-value]
@@ -157,7 +162,8 @@ class TorchRunner:
         return out
 
     def _top1(self, hidden: torch.Tensor, rows: list[torch.Tensor | None], ids: list[int],
-              row_of: list[int], sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None
+              row_of: list[int], sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None,
+              allowed: list[tuple[int, torch.Tensor] | None] | None = None
               ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(confidence, token) of the requested rows of one forward (``hidden`` [R, T, H]; ``rows[k]``: step
         k's rows, or None; ``row_of[k]``: its row of the batch), computed together: one index copy to the
@@ -170,8 +176,15 @@ class TorchRunner:
         flat = torch.cat([r + row_of[k] * t_max for k, r in want])  # rows of hidden flattened to [R * T, H]
         sel = hidden.reshape(-1, hidden.shape[-1])[self._to_device(flat)]
         logits = self.head(sel)
-        conf, tok = confidence(logits, self.cfg.mask_token_id, overwrite=True)
         counts = [len(r) for _, r in want]
+        if allowed is not None:  # grammar frontiers: the rows' disallowed tokens out
+            at = 0
+            for (k, _), n in zip(want, counts):
+                if allowed[k] is not None:
+                    row, mask = allowed[k]
+                    logits[at + row].masked_fill_(~self._to_device(mask), float("-inf"))
+                at += n
+        conf, tok = confidence(logits, self.cfg.mask_token_id, overwrite=True)
         out = [(ids[k], c, t) for (k, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
         if sampling is not None:
             samp = [s if (s := sampling[k]) is not None and s[0].samples else None for k, _ in want]

@@ -143,6 +143,7 @@ class Sequence:
         self.lookahead_blocks = 0  # masked blocks that lookahead round appends
         self.last_confidences: torch.Tensor | None = None  # the last step's confidences of masked positions
         self._decode_masked: torch.Tensor | None = None  # the block's masked positions when decode_rows ran
+        self.guard = None  # structured outputs: the grammar's CanvasGuard (engine/constraints; Engine.add_request)
         # the last denoising step's (round, block span, positions committed, their tokens): the canvas view
         self.last_commit: tuple[int, tuple[int, int], np.ndarray, np.ndarray] | None = None
 
@@ -209,6 +210,37 @@ class Sequence:
             return None
         return self.sampling, self._decode_masked
 
+    def decode_allowed(self) -> tuple[int, torch.Tensor] | None:
+        """After ``decode_rows``: with a constraint, (the index among those rows of the grammar's frontier,
+        the bool [vocab] mask of the tokens it may hold) for the runner to mask that row's logits with, else
+        None (engine/constraints/canvas.py)."""
+        if self.guard is None or self._decode_masked is None:
+            return None
+        from engine.constraints.canvas import frontier_row
+
+        i = frontier_row(self.guard, self._decode_masked.numpy(), self.out_start)
+        return None if i is None else (i, torch.from_numpy(self.guard.allowed()))
+
+    def _guarded(self, span: tuple[int, int], masked: np.ndarray, tok: np.ndarray, chosen: np.ndarray):
+        """The rule's choice checked by the grammar (engine/constraints/canvas.py ``guard_block``): the block's
+        commits that stand (bool, block-relative), the block's tokens (forced ones written in) and the
+        positions remasked (bool, block-relative; already masked on the canvas)."""
+        from engine.constraints.canvas import guard_block
+        from engine.decoding.base import Decision
+
+        bs, be = span
+        n = be - bs
+        before = self._np[bs:be] == self.cfg.mask_token_id
+        tokens = np.full(n, -1, dtype=np.int64)
+        tokens[masked - bs] = tok
+        commit = np.zeros(n, dtype=bool)
+        commit[masked[chosen] - bs] = True
+        dec, remask = guard_block(self.guard, self._np, self.out_start, span, before, tokens,
+                                  Decision(commit, np.zeros(n, dtype=bool), False))
+        if remask.any() and self.logprobs is not None:
+            self.logprobs[np.flatnonzero(remask) + bs - self.out_start] = np.nan
+        return dec.commit, tokens, remask
+
     # ---- applying its result --------------------------------------------------------
     def apply(self, step: StepInput, logits: torch.Tensor | None, fresh: torch.Tensor,
               top1: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepReport:
@@ -233,6 +265,11 @@ class Sequence:
         masked = self._masked(span) if top1 is None else self._decode_masked
         if top1 is None:
             rows = logits[masked - self.cfg.logits_shift - q_start]
+            if self.guard is not None:
+                self._decode_masked = masked
+                front = self.decode_allowed()
+                if front is not None:
+                    rows[front[0]] = rows[front[0]].masked_fill(~front[1].to(rows.device), float("-inf"))
             sp = self.sampling
             top1 = (confidence(rows, self.cfg.mask_token_id) if sp is None else
                     sample(rows, sp.temperature, sp.top_k, sp.top_p, noise_seeds(sp.seed, masked),
@@ -240,15 +277,27 @@ class Sequence:
         conf, tok = top1
         self.last_confidences = conf
         chosen = self.rule.select(conf, self.step_in_block, self.masked_at_start, self.threshold).cpu().numpy()
-        positions, tokens = masked.cpu().numpy()[chosen], tok.cpu().numpy()[chosen]
-        self._np[positions] = tokens
-        if self.logprobs is not None:  # the committed tokens' probabilities in this round's distribution
-            probs = conf.float().cpu().numpy()[chosen]
-            self.logprobs[positions - self.out_start] = np.log(np.maximum(probs, LOGPROB_FLOOR))
+        if self.guard is not None:  # structured outputs: the grammar checks the rule's choice
+            commit, btok, remask = self._guarded(span, masked.cpu().numpy(), tok.cpu().numpy(), chosen)
+            positions = np.flatnonzero(commit) + span[0]
+            tokens = btok[commit]
+            self._np[positions] = tokens
+            if self.logprobs is not None:
+                by_pos = dict(zip(masked.cpu().numpy().tolist(), conf.float().cpu().numpy().tolist()))
+                probs = np.array([by_pos.get(int(p), 1.0) for p in positions], dtype=np.float32)
+                self.logprobs[positions - self.out_start] = np.log(np.maximum(probs, LOGPROB_FLOOR))
+            block_done = not (self._np[span[0]:span[1]] == self.cfg.mask_token_id).any()
+            committed = len(positions)
+        else:
+            positions, tokens = masked.cpu().numpy()[chosen], tok.cpu().numpy()[chosen]
+            self._np[positions] = tokens
+            if self.logprobs is not None:  # the committed tokens' probabilities in this round's distribution
+                probs = conf.float().cpu().numpy()[chosen]
+                self.logprobs[positions - self.out_start] = np.log(np.maximum(probs, LOGPROB_FLOOR))
+            committed = int(chosen.sum())
+            block_done = committed == chosen.size
         self.last_commit = (self.rounds, span, positions, tokens)
         self.step_in_block += 1
-        committed = int(chosen.sum())
-        block_done = committed == chosen.size
         finished = self._check_finished()
         if block_done and not finished:
             self._next_block(span)

@@ -51,8 +51,12 @@ SCHEMAS: dict[str, tuple[dict, object]] = {
                                                                             "items": {"$ref": "#/$defs/t"}}}}},
                    "$ref": "#/$defs/t"}, {"kids": [{"kids": []}]}),
     "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 2]),
+    # JSON forbids raw control characters in strings (RFC 8259): the invalid document holds a raw U+0018
+    "bounded string, no raw control chars": ({"type": "string", "maxLength": 6}, "ab"),
+    "string, no raw control chars": ({"type": "string"}, "ab"),
 }
-BAD = {'enum': '{"color": "pink"}',
+BAD = {"bounded string, no raw control chars": '"a\x18"', "string, no raw control chars": '"a\x18"',
+       'enum': '{"color": "pink"}',
        'boolean': '{"ok": 1}',
        'bounded integer': '{"n": 100}',
        'bounded string': '{"s": "abcdefghi"}',

@@ -71,7 +71,9 @@ def run(engine, examples, constrained: bool, threshold: float | None, max_tokens
 def summary(rows: list[dict]) -> dict:
     n = len(rows)
     rounds = sum(r["rounds"] for r in rows)
+    stopped = [r for r in rows if r["finish"] == "stop"]
     return {"n": n, "valid": sum(r["valid"] for r in rows) / n, "acc": sum(r["ok"] for r in rows) / n,
+            "valid_stop": sum(r["valid"] for r in stopped) / max(len(stopped), 1), "stopped": len(stopped),
             "fpt": rounds / sum(r["tokens"] for r in rows), "remasked": sum(r["remasked"] for r in rows) / n,
             "grammar_us_per_round": 1e6 * sum(r["grammar_s"] for r in rows) / max(rounds, 1)}
 
@@ -81,23 +83,31 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-bd")
     ap.add_argument("--n", type=int, default=40, help="held-out examples per category")
     ap.add_argument("--threshold", type=float, default=None, help="the unmasking threshold (default: the rule's)")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=168)
+    ap.add_argument("--no-jump", action="store_true", help="no jump-forward (forced tokens wait for the model)")
     args = ap.parse_args()
+    if args.no_jump:
+        import engine.constraints.canvas as canvas
+
+        canvas.JUMP = False
     from engine.loading import load_engine
 
-    engine = load_engine(args.model, slots=len(CATEGORIES) * args.n)
+    engine = load_engine(args.model, max_slots=len(CATEGORIES) * args.n)
     examples = heldout_set(len(CATEGORIES) * args.n)
     results = {mode: run(engine, examples, mode == "constrained", args.threshold, args.max_tokens)
                for mode in ("free", "constrained")}
-    print(f"model {args.model}, {len(examples)} held-out prompts, threshold {args.threshold or 'default'}")
-    print("| category | n | valid free | valid constrained | accuracy free | accuracy constrained | "
-          "forwards/token free | forwards/token constrained | ratio | remasked/request | grammar us/round |")
+    print(f"model {args.model}, {len(examples)} held-out prompts, threshold {args.threshold or 'default'}, "
+          f"max_tokens {args.max_tokens}, jump-forward {'off' if args.no_jump else 'on'}")
+    print("| category | n | valid free | valid constrained (of those ending by stop) | accuracy free | "
+          "accuracy constrained | forwards/token free | forwards/token constrained | ratio | remasked/request | "
+          "grammar us/round |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for cat in [*CATEGORIES, "all"]:
         pick = [i for i, ex in enumerate(examples) if cat == "all" or ex.category == cat]
         f = summary([results["free"]["rows"][i] for i in pick])
         c = summary([results["constrained"]["rows"][i] for i in pick])
-        print(f"| {cat} | {f['n']} | {f['valid']:.0%} | {c['valid']:.0%} | {f['acc']:.0%} | {c['acc']:.0%} | "
+        print(f"| {cat} | {f['n']} | {f['valid']:.0%} | {c['valid']:.0%} ({c['valid_stop']:.0%} of {c['stopped']}) | "
+              f"{f['acc']:.0%} | {c['acc']:.0%} | "
               f"{f['fpt']:.3f} | {c['fpt']:.3f} | {c['fpt'] / f['fpt']:.2f} | {c['remasked']:.1f} | "
               f"{c['grammar_us_per_round']:.0f} |")
     for mode, r in results.items():

@@ -135,7 +135,7 @@ def test_what_the_vocabulary_cannot_write_is_refused_at_compile():
     assert info.value.param == "response_format"
     with pytest.raises(GrammarError) as info:
         Grammar.compile(ConstraintSpec("regex", "(", "guided_regex"), VOCAB)
-    assert info.value.param == "guided_regex" and "parenthesis" in str(info.value)
+    assert info.value.param == "guided_regex" and "unclosed" in str(info.value)
 
 
 def test_the_cache_compiles_each_distinct_spec_once():

@@ -183,6 +183,7 @@ def guard_decision(guard: CanvasGuard, out: np.ndarray, block_start: int, block_
 # ---------------------------------------------------------------- the sequence's side (engine/sequence.py)
 
 _VOCABS: dict[tuple, object] = {}
+JUMP = True  # jump-forward in the engine's guards (scripts/structured_bench.py --no-jump measures without)
 
 
 def make_guard(constraint: dict, tokenizer, vocab_size: int, stop_ids, mask_id: int, committed=()) -> CanvasGuard:
@@ -219,7 +220,7 @@ def guard_block(guard: CanvasGuard, canvas: np.ndarray, out_start: int, span: tu
     bs, be = span
     out = canvas[out_start:]
     g = guard_decision(guard, out, bs - out_start, be - out_start, masked, tokens, decision.commit, decision.edit,
-                       decision.done)
+                       decision.done, jump=JUMP)
     if g.remask.any():
         canvas[bs:be][g.remask] = guard.mask_id
     if g.forced:

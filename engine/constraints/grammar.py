@@ -51,6 +51,14 @@ class Vocab:
         if not self.stop_ids:
             raise ValueError("a Vocab needs the ids that end the text (stop_ids)")
 
+    def text(self, token: int) -> str:
+        """Token ``token``'s text ("" for a special or padding id)."""
+        if self.pieces is not None:
+            return self.pieces[token] or ""
+        if token >= len(self.hf):
+            return ""
+        return self.hf.decode([token], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
     @classmethod
     def of(cls, tokenizer, size: int, stop_ids) -> Vocab:
         """The vocabulary of one of engine/tokenizer.py's tokenizers (``HFTokenizer``: its ``tok``;
@@ -182,9 +190,10 @@ def _xgr_compile(spec: ConstraintSpec, vocab: Vocab):
     comp = _xgr_compiler(vocab)
     ws = spec.any_whitespace
     if spec.kind == "json_schema":
-        return comp.compile_json_schema(spec.value, any_whitespace=ws, strict_mode=True)
+        return comp.compile_json_schema(spec.value, any_whitespace=ws, strict_mode=True, max_whitespace_cnt=16)
     if spec.kind == "json_object":
-        return comp.compile_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=False)
+        return comp.compile_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=False,
+                                        max_whitespace_cnt=16)
     if spec.kind == "regex":
         return comp.compile_regex(spec.value)
     if spec.kind == "choice":
@@ -246,13 +255,18 @@ def _llg_tokenizer(vocab: Vocab):
     return t
 
 
+# JSON's whitespace between tokens: flexible, but at most this many characters per gap (unbounded, a weak model
+# can spend its whole budget on whitespace and never close the document); compact: none at all
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+
+
 def _llg_compile(spec: ConstraintSpec, vocab: Vocab) -> str:
     llg = _llg()
-    if spec.kind == "json_schema":
-        schema = spec.value if spec.any_whitespace else _compact(spec.value)
-        text = llg.grammar_from("json_schema", schema)
-    elif spec.kind == "json_object":
-        text = llg.grammar_from("json_schema", '{"type": "object"}')
+    if spec.kind in ("json_schema", "json_object"):
+        schema = spec.value if spec.kind == "json_schema" else '{"type": "object"}'
+        options = ({"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE} if spec.any_whitespace
+                   else {"whitespace_flexible": False})
+        text = llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
     elif spec.kind in ("regex", "choice"):
         text = llg.grammar_from(spec.kind, spec.value)
     else:
@@ -261,15 +275,6 @@ def _llg_compile(spec: ConstraintSpec, vocab: Vocab) -> str:
     if error:
         raise ValueError(error)
     return text
-
-
-def _compact(schema: str) -> str:
-    import json
-
-    d = json.loads(schema)
-    if isinstance(d, dict):
-        d = {**d, "x-guidance": {**d.get("x-guidance", {}), "whitespace_flexible": False}}
-    return json.dumps(d)
 
 
 class LLGuidanceMatcher:
@@ -329,7 +334,7 @@ class LLGuidanceMatcher:
 # ---------------------------------------------------------------- the interface
 
 BACKENDS = ("xgrammar", "llguidance")
-DEFAULT_BACKEND = "xgrammar"
+DEFAULT_BACKEND = "llguidance"
 
 
 @dataclass(frozen=True, eq=False)
@@ -353,11 +358,25 @@ class Grammar:
         except Exception as exc:  # each engine raises its own kinds (RuntimeError, ValueError, ...)
             raise GrammarError(_first_line(exc), spec.param) from None
         grammar = cls(spec, vocab, backend, compiled)
-        m = grammar.matcher()
-        if not m.fill_mask().any():
+        if not grammar._writable():
             raise GrammarError("this model's vocabulary cannot write any text the constraint allows",
                                spec.param)
         return grammar
+
+    def _writable(self, steps: int = 4) -> bool:
+        """Whether the vocabulary can write more than whitespace at the start: some token is allowed, and not
+        only whitespace for ``steps`` tokens (JSON's optional leading whitespace on a vocabulary without
+        braces or quotes would otherwise pass)."""
+        m = self.matcher()
+        stops = set(self.vocab.stop_ids)
+        for _ in range(steps):
+            ids = np.flatnonzero(m.fill_mask())
+            if ids.size == 0:
+                return False
+            if any(int(t) in stops or not self.vocab.text(int(t)).isspace() for t in ids[:4096]):
+                return True
+            m.accept(int(ids[0]))
+        return False
 
     def matcher(self) -> Matcher:
         if self.backend == "xgrammar":
@@ -368,7 +387,8 @@ class Grammar:
 def _first_line(exc: Exception) -> str:
     """An engine's error as one line for a client: without xgrammar's ``[time] file.cc:line:`` prefix."""
     text = str(exc).strip() or type(exc).__name__
-    return re.sub(r"^\[[0-9:]+\]\s*\S+:\d+:\s*", "", text.splitlines()[0])[:500]
+    text = re.sub(r"^\[[0-9:]+\]\s*\S+:\d+:\s*", "", text)
+    return re.sub(r"\s+", " ", text)[:500]
 
 
 class GrammarCache:

@@ -1,0 +1,113 @@
+"""Structured outputs through the engine (issue 42 items 2 and 3): the embedded tiny-bd model under a regular
+expression or choices (its vocabulary has no braces or quotes: no JSON), a request resumed from its committed
+prefix, and JSON schemas on the random-weight SDAR test checkpoint (byte-level BPE), whose documents must
+validate although the model knows nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from engine.commands import SamplingParams
+from engine.constraints.spec import ConstraintSpec
+from tasksuite import _prose_pattern, heldout_set
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from engine.loading import load_engine
+
+    return load_engine("tiny-bd", max_slots=16)
+
+
+def run(engine, prompts, params):
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while not all(s.finished for s in seqs):
+        engine.step()
+    outs = [(engine.output(s), s) for s in seqs]
+    for s in seqs:
+        engine.sequences.pop(s.seq_id, None)
+    return outs
+
+
+def prose(n: int = 4):
+    return [ex for ex in heldout_set(60) if ex.category == "prose"][:n]
+
+
+def test_a_regex_holds_where_the_free_model_breaks_it(tiny):
+    """At threshold 0.5 tiny-bd commits the story's code digits together and writes 111 (the task's trap):
+    the story's own regular language (codes 110, 101, 011) is then broken. Constrained, every story parses
+    and ends with finish_reason stop, and several tokens still commit per step."""
+    exs = prose()
+    specs = [ConstraintSpec("regex", _prose_pattern(ex.prompt.split()[1], int(ex.prompt.split()[2])).pattern)
+             for ex in exs]
+    free = run(tiny, [ex.prompt for ex in exs], [SamplingParams(max_tokens=168, threshold=0.5)] * len(exs))
+    held = run(tiny, [ex.prompt for ex in exs],
+               [SamplingParams(max_tokens=168, threshold=0.5, constraint=s.to_dict()) for s in specs])
+    assert not all(re.fullmatch(s.value, o.text) for s, (o, _) in zip(specs, free))  # the trap bites freely
+    for spec, (out, seq) in zip(specs, held):
+        assert out.finish_reason == "stop" and re.fullmatch(spec.value, out.text), out.text
+        assert seq.guard.remasked >= 0 and seq.rounds < len(out.token_ids)  # parallel: fewer rounds than tokens
+
+
+def test_choices_override_the_models_answer(tiny):
+    exs = [ex for ex in heldout_set(30) if ex.category == "choice"][:4]
+    spec = ConstraintSpec.choice(["yes", "no"])
+    outs = run(tiny, [ex.prompt for ex in exs], [SamplingParams(max_tokens=8, constraint=spec.to_dict())] * 4)
+    for out, _ in outs:
+        assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+def test_a_resumed_request_rebuilds_its_grammar_from_the_committed_prefix(tiny):
+    ex = prose(1)[0]
+    spec = ConstraintSpec("regex", _prose_pattern(ex.prompt.split()[1], int(ex.prompt.split()[2])).pattern)
+    params = SamplingParams(max_tokens=168, threshold=0.5, constraint=spec.to_dict())
+    (whole, _), = run(tiny, [ex.prompt], [params])
+    prefix = whole.token_ids[:13]  # a resume elsewhere after 13 tokens (mid-block)
+    seq = tiny.add_request(ex.prompt, params, committed=prefix)
+    assert seq.guard.checked == 13
+    while not seq.finished:
+        tiny.step()
+    out = tiny.output(seq)
+    tiny.sequences.pop(seq.seq_id, None)
+    assert out.token_ids[:13] == prefix and re.fullmatch(spec.value, out.text) and out.finish_reason == "stop"
+    bad = tiny.tokenizer.encode("the cat was purple.")
+    with pytest.raises(ValueError, match="breaks the constraint"):
+        tiny.add_request(ex.prompt, params, committed=bad)
+
+
+FINITE = {  # the issue's finite schemas: enums, booleans, bounded integers and strings, patterns, nesting, arrays
+    "type": "object", "additionalProperties": False,
+    "required": ["answer", "n", "ok", "tag", "xs", "inner"],
+    "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "ok": {"type": "boolean"}, "tag": {"type": "string", "pattern": "^[a-z]{2,4}$"},
+                   "xs": {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 3},
+                   "inner": {"type": "object", "additionalProperties": False, "required": ["name"],
+                             "properties": {"name": {"type": "string", "maxLength": 6}}}}}
+
+
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory):
+    from engine.loading import load_engine
+    from tests.checkpoints import build_checkpoint
+
+    return load_engine(str(build_checkpoint("sdar", tmp_path_factory.mktemp("sdar") / "sdar")), max_slots=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threshold", [0.9, 0.1])
+def test_json_schemas_validate_on_a_model_that_knows_nothing(sdar, threshold):
+    jsonschema = pytest.importorskip("jsonschema")
+    specs = [ConstraintSpec.json_schema(FINITE, any_whitespace=False),
+             ConstraintSpec.json_schema({"type": "array", "items": {"type": "object", "properties": {
+                 "name": {"const": "get_time"}, "parameters": {"type": "object", "properties": {
+                     "zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}},
+                 "required": ["name", "parameters"], "additionalProperties": False}, "minItems": 1, "maxItems": 2},
+                 any_whitespace=False)]
+    outs = run(sdar, ["hello"] * len(specs),
+               [SamplingParams(max_tokens=200, threshold=threshold, constraint=s.to_dict()) for s in specs])
+    for spec, (out, _) in zip(specs, outs):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), spec.schema)  # strict JSON: no raw control characters either
