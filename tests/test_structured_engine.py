@@ -111,3 +111,40 @@ def test_json_schemas_validate_on_a_model_that_knows_nothing(sdar, threshold):
     for spec, (out, _) in zip(specs, outs):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), spec.schema)  # strict JSON: no raw control characters either
+
+
+@pytest.mark.slow
+def test_a_constrained_request_resumed_after_its_replica_dies_still_parses():
+    """Item 3: the constraint travels in the add's params; the replica that takes over rebuilds the grammar from
+    the committed prefix (and checks the resumed block's tail as its frontier reaches it)."""
+    import asyncio
+
+    from tests.builders import collect, make_dispatcher, make_replica, submit
+
+    exs = prose(4)
+    specs = [ConstraintSpec("regex", _prose_pattern(ex.prompt.split()[1], int(ex.prompt.split()[2])).pattern,
+                            "guided_regex") for ex in exs]
+
+    async def main():
+        reps = [make_replica(slots=4), make_replica(slots=4)]
+        d = make_dispatcher()
+        for i, r in enumerate(reps):
+            await d.connect(f"s{i}", 1, **r.info())
+        streams = [submit(d, f"c{i}", ex.prompt, 160, threshold=0.5, sampling={"constraint": s.to_dict()})
+                   for i, (ex, s) in enumerate(zip(exs, specs))]
+        victims = [rid for rid, lv in d.live.items() if lv.state.instance == 0]
+        for _ in range(300):  # kill instance 0 once some of its requests have committed text
+            await asyncio.sleep(0.01)
+            if any(d.live.get(r) is not None and d.live[r].committed for r in victims):
+                break
+        reps[0].close()
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        reps[1].close()
+        return d, victims, results
+
+    d, victims, results = asyncio.run(main())
+    assert victims and d.stats["failed_over"] >= 1
+    for spec, (text, last) in zip(specs, results):
+        assert last["type"] == "done" and last["finish_reason"] == "stop", last
+        assert text == last["text"] and re.fullmatch(spec.value, text), text
+    assert sum(last["resumes"] for _, last in results) >= 1
