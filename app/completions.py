@@ -86,6 +86,18 @@ class CompletionService:
         self.max_model_len = min(cfg.http.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
         self._vocab = None  # the grammar engine's view of the vocabulary (built on the first constraint)
+        self._decoding_base = None  # the server's decoding rule (``decoding_base``), made on first use
+
+    @property
+    def decoding_base(self):
+        """The replicas' decoding rule (engine.decoding over the checkpoint's: ``engine.loading.engine_rule``),
+        which a request's ``decoding_config`` without ``decoding`` configures: checked here as there."""
+        if self._decoding_base is None:
+            from engine.loading import engine_rule, resolve_model
+
+            e = self.cfg.engine
+            self._decoding_base = engine_rule(resolve_model(e.model, e.revision), e.decoding, e.decoding_config)
+        return self._decoding_base
 
     # ---- one request ---------------------------------------------------------------------
     async def serve(self, kind: str, request):
@@ -122,7 +134,8 @@ class CompletionService:
                                 max_tokens_limit=key.max_tokens_limit(http.max_tokens_limit),
                                 default_max_tokens=http.default_max_tokens
                                 or int(self.model_cfg.extra.get("gen_length", 128)),
-                                vocab_size=self.model_cfg.vocab_size, max_n=http.max_n, request_id=rid)
+                                vocab_size=self.model_cfg.vocab_size, max_n=http.max_n, request_id=rid,
+                                decoding_base=self.decoding_base)
         key.check_priority(req.priority)
         if req.chat_template is not None and not http.trust_request_chat_template:
             raise api.invalid("This server does not accept a request's own 'chat_template' (its operator may allow "
@@ -231,6 +244,10 @@ class CompletionService:
             out["logprobs"] = True
         if req.constraint is not None:
             out["constraint"] = req.constraint.to_dict()
+        if req.decoding is not None:  # the request's own rule (vLLM-style extra fields), over the server's
+            out["decoding"] = req.decoding
+        if req.decoding_config is not None:
+            out["decoding_config"] = req.decoding_config
         if out["temperature"] > 0 and out["seed"] is None:
             out["seed"] = secrets.randbits(63)
         return out

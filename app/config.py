@@ -18,7 +18,7 @@ layout (``slots:`` at the top) is refused with the section it moved to.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -223,6 +223,13 @@ class EngineArgs(_Section):
     round_timeout_s: float = Field(120.0, gt=0, description="a round running longer than this fails the "
                                                             "replica's health check (a hung rank): Serve "
                                                             "replaces it and its requests resume elsewhere")
+    decoding: str | None = Field(None, description="the decoding rule every request uses unless it names its own "
+                                                   "(engine/decoding/: threshold, low_confidence, joint_threshold, "
+                                                   "entropy_bound, hierarchical, credit, ...); default: the "
+                                                   "checkpoint's (its generation_config.json), else threshold")
+    decoding_config: dict[str, Any] | None = Field(None, description="the rule's configuration (its fields, e.g. "
+                                                                     "{edit_threshold: 0.9}); without decoding it "
+                                                                     "configures the checkpoint's rule")
 
     @field_validator("dtype")
     @classmethod
@@ -237,6 +244,16 @@ class EngineArgs(_Section):
         if v not in ("none", "prefix", "dual"):
             raise ValueError("cache must be none, prefix or dual")
         return v
+
+    @model_validator(mode="after")
+    def _decoding(self):
+        """A named rule and its config are checked here (an unknown rule, an unknown field, a value out of
+        range); a config without a name configures the checkpoint's rule, checked as the engine starts."""
+        if self.decoding is not None:
+            from engine.commands import resolve_rule  # the rules import without torch
+
+            resolve_rule(None, self.decoding, self.decoding_config, where="engine.")
+        return self
 
     def torch_dtype(self):
         import torch

@@ -19,6 +19,7 @@ def engine_kwargs(cfg: AppConfig) -> dict:
     """The ``Engine``'s arguments from the config (every rank's the same)."""
     e = cfg.engine
     return dict(cache=e.cache, max_slots=e.slots, default_gen_length=cfg.http.default_max_tokens,
+                rule=e.decoding, decoding_config=e.decoding_config,  # over the checkpoint's (engine.loading)
                 max_gen_length=cfg.http.max_tokens_limit, kv_slot_tokens=e.kv_slot_tokens,
                 cuda_graphs=None if e.cuda_graphs else False,  # None: where they apply (not on a TP shard)
                 **kv_pool_args(e, cfg.resources.gpu_share))  # a replica sharing its GPUs takes its share
@@ -30,7 +31,7 @@ def start_engine(cfg: AppConfig, rank: int = 0, world: int = 1, init_method: str
     ``init_method`` (``tcp://host:port``; NCCL on cuda, gloo on cpu) and its engine holds its shard of the
     checkpoint's model. Every rank of a group must call it: joining waits for the others."""
     from engine.engine import Engine
-    from engine.loading import load_engine, resolve_model
+    from engine.loading import engine_rule, load_engine, resolve_model
     from engine.models.loader import load_model
     from engine.models.tensor_parallel import all_reduce_sum, shard_model
     from engine.tokenizer import load_tokenizer
@@ -49,4 +50,6 @@ def start_engine(cfg: AppConfig, rank: int = 0, world: int = 1, init_method: str
                             timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     path = resolve_model(e.model)
     model = shard_model(load_model(path, dtype=e.torch_dtype()), rank, world, all_reduce_sum())
-    return Engine(model.to(e.device), load_tokenizer(path), device=e.device, **engine_kwargs(cfg))
+    kwargs = engine_kwargs(cfg)
+    rule = engine_rule(path, kwargs.pop("rule"), kwargs.pop("decoding_config"))
+    return Engine(model.to(e.device), load_tokenizer(path), device=e.device, rule=rule, **kwargs)

@@ -181,3 +181,33 @@ class Lookahead:
 
 
 Command = Add | Abort | Thresholds | Lookahead
+
+
+def resolve_rule(base: Any, name: str | None, config: dict[str, Any] | None, where: str = ""):
+    """The decoding rule a level of choice makes of the level below (``base``, a rule or None: ``threshold``
+    with its defaults): the request over the server's rule, the server's over the checkpoint's. No name and no
+    config: ``base`` itself. A config without a name, or with ``base``'s own name, configures ``base`` (its
+    config updated); another name starts from that rule's defaults. ``where`` prefixes the field names in the
+    ValueError an unknown rule (``<where>decoding``) or a bad config value (``<where>decoding_config``)
+    raises."""
+    from engine.decoding import RULES  # torch-free: the ingress validates with it too
+
+    if base is None:
+        base = RULES.make("threshold")
+    if name is None and not config:
+        return base
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"{where}decoding must be a rule's name, got {name!r}")
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"{where}decoding_config must be an object, got {config!r}")
+    if name is None or name == base.name:
+        name, config = base.name, {**base.config(), **(config or {})}
+    try:
+        RULES.factory(name)
+    except ValueError:
+        raise ValueError(f"{where}decoding: unknown decoding rule {name!r}; known: {', '.join(sorted(RULES))}") \
+            from None
+    try:
+        return RULES.make(name, **(config or {}))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}decoding_config: {exc}") from None

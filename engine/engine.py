@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import secrets
 import time
@@ -24,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.batch import run_model
-from engine.commands import Resume
-from engine.decoding import UnmaskRule, make_rule
+from engine.commands import Resume, resolve_rule
+from engine.decoding import DecodingRule
 from engine.kv_cache import ApproxCache, ExactCache, KVPool
 from engine.memory import forward_bytes, kv_bytes_per_token
 from engine.models.transformer import DLMTransformer
@@ -64,13 +65,13 @@ class Output:
 
 
 class Engine:
-    def __init__(self, model: DLMTransformer, tokenizer, rule: UnmaskRule | str = "threshold",
+    def __init__(self, model: DLMTransformer, tokenizer, rule: DecodingRule | str | None = None,
                  cache: str = "dual", max_slots: int = 32, device: str = "cpu",
                  default_gen_length: int | None = None, max_gen_length: int = 1024,
                  kv_slots: int | None = None, kv_slot_tokens: int | None = None,
                  cuda_graphs: bool | None = None, kv_memory_bytes: int | None = None,
                  kv_memory_fraction: float | None = None, kv_residents_max: int | None = None,
-                 round_memory_bytes: int | None = None) -> None:
+                 round_memory_bytes: int | None = None, decoding_config: dict | None = None) -> None:
         """The KV pool (engine/kv_cache.py): ``kv_slots`` x ``kv_slot_tokens`` positions, allocated once on
         ``device``. A slot has room for ``POOL_PROMPT_TOKENS`` of prompt and the default generation
         length (at most the model's context) unless ``kv_slot_tokens`` says otherwise; a longer request's
@@ -91,7 +92,11 @@ class Engine:
         # ids that end every request's output besides the model's EOS (a checkpoint's generation_config EOS
         # ids and end-of-turn token, from its tokenizer adapter); a request adds its own stop_token_ids
         self.stop_ids: tuple[int, ...] = tuple(getattr(tokenizer, "stop_ids", ()))
-        self.rule = make_rule(rule) if isinstance(rule, str) else rule
+        # the instance's decoding rule (engine/decoding/): ``rule`` by name (None: threshold) with
+        # ``decoding_config``, or a rule; a request may name another or configure this one (``rule_for``)
+        self.rule = resolve_rule(rule if not isinstance(rule, str) else None, rule if isinstance(rule, str) else None,
+                                 decoding_config)
+        self._rules: dict[str, DecodingRule] = {}  # the requests' own rules, by their name and config
         if cache not in ("none", "prefix", "dual"):
             raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {cache!r}")
         self.cache = cache
@@ -214,7 +219,7 @@ class Engine:
                              f"context of {self.cfg.max_position_embeddings} tokens")
         block_causal = self.cfg.attention == "block_causal"
         cache_mode = "exact" if block_causal else (params.cache or self.cache)
-        seq = Sequence(next(self._ids), ids, self.cfg, self.rule, gen_len, cache_mode, max_tokens,
+        seq = Sequence(next(self._ids), ids, self.cfg, self.rule_for(params), gen_len, cache_mode, max_tokens,
                        threshold=params.threshold, arrival=time.monotonic(),
                        prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
                        committed=list(committed or ()), params=params, resume=resume,
@@ -226,6 +231,20 @@ class Engine:
                                    (self.cfg.eos_token_id, *self.stop_ids), self.cfg.mask_token_id, committed or ())
         self.sequences[seq.seq_id] = seq
         return seq
+
+    def rule_for(self, params: SamplingParams) -> DecodingRule:
+        """A request's decoding rule: its ``decoding`` and ``decoding_config`` over the engine's rule (precedence
+        request > server > checkpoint > ``threshold``: ``engine.commands.resolve_rule``); a ValueError naming
+        ``decoding`` or ``decoding_config`` for an unknown rule or a bad value."""
+        if params.decoding is None and not params.decoding_config:
+            return self.rule
+        key = json.dumps([params.decoding, params.decoding_config], sort_keys=True, default=str)
+        rule = self._rules.get(key)
+        if rule is None:
+            rule = resolve_rule(self.rule, params.decoding, params.decoding_config)
+            if len(self._rules) < 256:
+                self._rules[key] = rule
+        return rule
 
     def abort(self, seq_id: int) -> None:
         seq = self.sequences.pop(seq_id, None)
@@ -270,15 +289,17 @@ class Engine:
             return []
         rows = [seq.decode_rows(inp) for seq, inp in zip(plan, inputs)]
         sampling = [seq.decode_sampling() if r is not None else None for seq, r in zip(plan, rows)]
+        stats = [seq.decode_stats() if r is not None else None for seq, r in zip(plan, rows)]
         allowed = [seq.decode_allowed() if r is not None else None for seq, r in zip(plan, rows)]
         return self.runner.run(ran, rows, sampling if any(s is not None for s in sampling) else None,
+                               stats if any(s is not None for s in stats) else None,
                                allowed=allowed if any(a is not None for a in allowed) else None)
 
     def _postprocess(self, plan: list[Sequence], inputs: list[StepInput], ran: list[StepInput],
                      outputs: list) -> list[StepReport]:
         """Each sequence applies its step's results (the runner returned the decode rows' results already on
         the host, so no logits are needed here); then the observer sees the round."""
-        reports = [seq.apply(inp, None, out.fresh[:, :, :, :len(inp.ids)], out.top1)
+        reports = [seq.apply(inp, None, out.fresh[:, :, :, :len(inp.ids)], out.top1, out.stats)
                    for seq, inp, out in zip(plan, inputs, outputs)]
         self.observer.round_done([ObservedStep(*s) for s in zip(plan, inputs, ran, outputs, reports)])
         return reports

@@ -43,16 +43,34 @@ def resolve_model(name_or_path: str, revision: str | None = None) -> Path:
                             f"({', '.join(DEFAULT_MODELS)}), not a local directory and not a hub id (org/name)")
 
 
+def engine_rule(path: Path | None, rule=None, decoding_config: dict | None = None):
+    """The instance's decoding rule: the server's (``rule``, a name or a rule, with ``decoding_config``) over the
+    checkpoint's at ``path`` (``engine.models.loader.checkpoint_decoding``) over ``threshold``
+    (``engine.commands.resolve_rule``); a ValueError naming the field for an unknown rule or a bad value."""
+    from engine.commands import resolve_rule
+    from engine.models.loader import checkpoint_decoding
+
+    if rule is not None and not isinstance(rule, str):
+        return rule if not decoding_config else resolve_rule(rule, None, decoding_config, where="engine.")
+    named = checkpoint_decoding(path) if path is not None else None
+    base = None if named is None else resolve_rule(None, *named, where=f"{path}: ")
+    return resolve_rule(base, rule, decoding_config, where="engine.")
+
+
 def load_engine(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **engine_kwargs):
+    """An ``Engine`` for a model; its decoding rule: ``rule`` (a name or a rule) and ``decoding_config`` among
+    ``engine_kwargs`` over the checkpoint's (``engine_rule``)."""
     from engine.engine import Engine
     from engine.models.loader import load_model
     from engine.tokenizer import load_tokenizer
 
+    rule, config = engine_kwargs.pop("rule", None), engine_kwargs.pop("decoding_config", None)
     if is_preset(name_or_path):
         from engine.models.presets import IdTokenizer, build_preset
 
         model = build_preset(name_or_path, device=device, dtype=dtype)
-        return Engine(model, IdTokenizer(model.config), device=device, **engine_kwargs)
+        return Engine(model, IdTokenizer(model.config), device=device, rule=engine_rule(None, rule, config),
+                      **engine_kwargs)
     path = resolve_model(name_or_path)
     model = load_model(path, dtype=dtype, device=device)
-    return Engine(model, load_tokenizer(path), device=device, **engine_kwargs)
+    return Engine(model, load_tokenizer(path), device=device, rule=engine_rule(path, rule, config), **engine_kwargs)

@@ -488,6 +488,8 @@ class RoundLoop:
         if logprobs is not None:
             item.logprobs = logprobs[tr.sent:]
         tr.sent = max(tr.sent, len(ids))
+        if not finished and (seq.rule.edits or seq.rule_state):  # a resume elsewhere continues the block exactly
+            item.resume = seq.resume_state(tr.sent)
         if tr.seq is not None and (view := tr.seq.canvas_step()) is not None and view["step"] > tr.canvas_step:
             tr.canvas_step = view["step"]
             item.canvas = view

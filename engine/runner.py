@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from engine.batch import Batch, Replayer, run_model
-from engine.decoding import confidence, noise_seeds, sample
+from engine.decoding import confidence, entropy, noise_seeds, penalise_previous, sample, token_prob
 from engine.kv_cache import KVPool
 from engine.memory import forward_bytes, kv_bytes_per_token
 from engine.models.flops import forward_flops, linear_weights
@@ -38,7 +38,7 @@ from engine.models.fused import choose as choose_elementwise
 from engine.models.layouts import emulating
 from engine.models.masks import allowed, attends_all
 from engine.models.transformer import DLMTransformer
-from engine.sequence import SamplingParams, StepInput
+from engine.sequence import RowStats, SamplingParams, StepInput
 
 BALANCE = {"cuda": 150.0, "cpu": 10.0}  # FLOPs per byte of memory traffic (see TorchRunner.fill_pays)
 
@@ -53,6 +53,8 @@ class StepOutput:
     fresh: torch.Tensor  # [layers, 2, kv_heads, T, head_dim]
     head: Callable[[torch.Tensor], torch.Tensor]  # the LM head (counts its FLOPs)
     top1: tuple[torch.Tensor, torch.Tensor] | None = None  # host (confidence, token) of the requested rows
+    # host statistics of the requested rows its decoding rule asked for (``RowStats``): "entropy", "current_prob"
+    stats: dict[str, torch.Tensor] | None = None
     _logits: torch.Tensor | None = None
 
     @property
@@ -108,15 +110,19 @@ class TorchRunner:
     @torch.inference_mode()
     def run(self, inputs: list[StepInput], rows: list[torch.Tensor | None] | None = None,
             sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None,
+            stats: list[RowStats | None] | None = None,
             allowed: list[tuple[int, torch.Tensor] | None] | None = None) -> list[StepOutput]:
         """Forward every step. ``rows``: per step, the host indices of the logits rows whose
         (confidence, token) the caller needs (None: none); they come back in ``StepOutput.top1``.
         ``sampling``: per step, None (greedy: the argmax) or (params, positions): its tokens are sampled
         with ``params`` (temperature > 0), row i's noise seeded by (params.seed, positions[i]), the
         absolute position it predicts (``Sequence.decode_sampling``); None: every step is greedy.
+        ``stats``: per step, what its decoding rule needs of its rows beyond (confidence, token)
+        (``Sequence.decode_stats``: entropy, the canvas token's probability, a repetition penalty applied
+        first); they come back in ``StepOutput.stats``, fetched with the rest in the round's one transfer.
         ``allowed``: per step, None or (row, bool [vocab]): that row (an index into the step's ``rows``) may
         only hold the allowed tokens (a structured output's grammar frontier, ``Sequence.decode_allowed``):
-        its other logits are -inf before its (confidence, token) is taken."""
+        its other logits are -inf before its (confidence, token) and statistics are taken."""
         outputs: list[StepOutput | None] = [None] * len(inputs)
         picked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, conf, token) on the device
         for whole in group_by_length(inputs):
@@ -128,6 +134,7 @@ class TorchRunner:
                 if rows is not None:
                     picked += self._top1(hidden, [rows[i] for i in group], group, row_of,
                                          None if sampling is None else [sampling[i] for i in group],
+                                         None if stats is None else [stats[i] for i in group],
                                          None if allowed is None else [allowed[i] for i in group])
         if picked:
             self._fetch(outputs, picked)
@@ -163,12 +170,13 @@ class TorchRunner:
 
     def _top1(self, hidden: torch.Tensor, rows: list[torch.Tensor | None], ids: list[int],
               row_of: list[int], sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None,
-              allowed: list[tuple[int, torch.Tensor] | None] | None = None
-              ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+              stats: list[RowStats | None] | None = None,
+              allowed: list[tuple[int, torch.Tensor] | None] | None = None) -> list[tuple]:
         """(confidence, token) of the requested rows of one forward (``hidden`` [R, T, H]; ``rows[k]``: step
         k's rows, or None; ``row_of[k]``: its row of the batch), computed together: one index copy to the
         device, one LM head. Tagged ``ids``. ``sampling[k]``: step k's (params, positions) when it samples
-        (see ``run``); its rows' argmax is replaced by a sample (``_sample``)."""
+        (see ``run``); its rows' argmax is replaced by a sample (``_sample``). ``stats[k]``: what step k's
+        rule needs besides (``_row_stats``). Each entry: (id, conf, token, stats dict or None)."""
         want = [(k, r) for k, r in enumerate(rows) if r is not None]
         if not want:
             return []
@@ -177,6 +185,9 @@ class TorchRunner:
         sel = hidden.reshape(-1, hidden.shape[-1])[self._to_device(flat)]
         logits = self.head(sel)
         counts = [len(r) for _, r in want]
+        asked = None if stats is None else [stats[k] for k, _ in want]
+        if asked is not None and any(a is not None and a.penalty > 0 for a in asked):
+            logits = self._penalise(logits, asked, counts)
         if allowed is not None:  # grammar frontiers: the rows' disallowed tokens out
             at = 0
             for (k, _), n in zip(want, counts):
@@ -185,12 +196,38 @@ class TorchRunner:
                     logits[at + row].masked_fill_(~self._to_device(mask), float("-inf"))
                 at += n
         conf, tok = confidence(logits, self.cfg.mask_token_id, overwrite=True)
-        out = [(ids[k], c, t) for (k, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
+        out = [(ids[k], c, t, None) for (k, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
         if sampling is not None:
             samp = [s if (s := sampling[k]) is not None and s[0].samples else None for k, _ in want]
             if any(s is not None for s in samp):
                 self._sample(logits, out, samp, counts)
+        if asked is not None and any(a is not None for a in asked):
+            self._row_stats(logits, out, asked, counts)
         return out
+
+    def _penalise(self, logits: torch.Tensor, asked: list[RowStats | None], counts: list[int]) -> torch.Tensor:
+        """``logits`` with each asking step's repetition penalty applied to its rows (``penalise_previous``:
+        the canvas token just before each row's position loses ``penalty``), before any proposal is made."""
+        parts = list(logits.split(counts))
+        for j, a in enumerate(asked):
+            if a is not None and a.penalty > 0 and a.prev is not None:
+                parts[j] = penalise_previous(parts[j], self._to_device(a.prev), a.penalty)
+        return torch.cat(parts)
+
+    def _row_stats(self, logits: torch.Tensor, out: list[tuple], asked: list[RowStats | None],
+                   counts: list[int]) -> None:
+        """Add, in ``out``, each asking step's statistics of its rows of ``logits`` (the mask column already
+        -inf: the distribution ``confidence`` reads): "entropy" (nats) and "current_prob" (the probability of
+        the token now on the canvas at each row's position)."""
+        for j, (a, part) in enumerate(zip(asked, logits.split(counts))):
+            if a is None:
+                continue
+            got = {}
+            if a.entropy:
+                got["entropy"] = entropy(part)
+            if a.current is not None:
+                got["current_prob"] = token_prob(part, self._to_device(a.current))
+            out[j] = (*out[j][:3], got or None)
 
     def _sample(self, logits: torch.Tensor, out: list[tuple[int, torch.Tensor, torch.Tensor]],
                 sampling: list[tuple[SamplingParams, torch.Tensor] | None], counts: list[int]) -> None:
@@ -213,15 +250,24 @@ class TorchRunner:
             seeds += noise_seeds(params.seed, positions)
         conf, tok = sample(picked, torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p), seeds)
         for j, c, t in zip(which, conf.split(sizes), tok.split(sizes)):
-            out[j] = (out[j][0], c, t)
+            out[j] = (out[j][0], c, t, out[j][3])
 
     def _fetch(self, outputs: list[StepOutput], picked) -> None:
-        """One device-to-host copy for every step's (confidence, token): the round's only wait."""
-        conf = torch.cat([c for _, c, _ in picked]).cpu()
-        tok = torch.cat([t for _, _, t in picked]).cpu()
-        counts = [len(c) for _, c, _ in picked]
-        for (i, _, _), c, t in zip(picked, conf.split(counts), tok.split(counts)):
+        """One device-to-host copy for every step's (confidence, token) and the statistics its rule asked for
+        (floats together, tokens apart): the round's only wait."""
+        floats = [c for _, c, _, _ in picked]
+        for _, _, _, got in picked:
+            if got is not None:
+                floats += [v.float() for v in got.values()]
+        values = torch.cat(floats).cpu()
+        tok = torch.cat([t for _, _, t, _ in picked]).cpu()
+        n = len(picked)
+        parts = values.split([len(f) for f in floats])
+        conf, extra = parts[:n], iter(parts[n:])
+        for (i, _, _, got), c, t in zip(picked, conf, tok.split([len(c) for c in conf])):
             outputs[i].top1 = (c, t)
+            if got is not None:
+                outputs[i].stats = {name: next(extra) for name in got}
 
     @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

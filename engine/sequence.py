@@ -9,13 +9,24 @@ confidences; the sequence only reports whether a block or the request is done.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from engine.commands import MASKED, SAMPLING_EPS, Resume, SamplingParams  # noqa: F401 (SamplingParams: its old home)
-from engine.decoding import UnmaskRule, confidence, noise_seeds, sample
+from engine.decoding import (
+    NEEDS_ALL_ROWS,
+    NEEDS_CANVAS,
+    NEEDS_CURRENT_PROB,
+    NEEDS_ENTROPY,
+    BlockStep,
+    DecodingRule,
+    confidence,
+    noise_seeds,
+    sample,
+)
 from engine.kv_cache import ApproxCache, ExactCache
 from engine.models.config import ModelConfig
 from engine.scheduler.types import StepKind
@@ -40,6 +51,17 @@ class StepInput:
     slot: int | None = None  # the runner's KV pool slot holding the context, when the cache has one
 
 
+@dataclass(frozen=True)
+class RowStats:
+    """What a step's decoding rule needs of its decode rows beyond (confidence, token) (``rule.needs``), asked
+    of the runner (``Sequence.decode_stats``), which returns them in ``StepOutput.stats``."""
+
+    entropy: bool = False  # "entropy": each row's entropy (nats)
+    current: torch.Tensor | None = None  # host [rows]: the canvas token at each row's position ("current_prob")
+    prev: torch.Tensor | None = None  # host [rows]: the canvas token just before each row's position (penalty)
+    penalty: float = 0.0  # subtracted from each row's logit of ``prev`` before the proposals (joint_threshold)
+
+
 @dataclass
 class StepReport:
     seq_id: int
@@ -57,7 +79,7 @@ class Sequence:
     seq_id: int
     prompt_ids: list[int]
     cfg: ModelConfig
-    rule: UnmaskRule
+    rule: DecodingRule
     gen_len: int
     cache_mode: str  # 'exact' | 'none' | 'prefix' | 'dual'
     max_tokens: int
@@ -142,10 +164,21 @@ class Sequence:
         self.refine_at = 1  # the round after which it is refined (2: the engine's lookahead runs first)
         self.lookahead_blocks = 0  # masked blocks that lookahead round appends
         self.last_confidences: torch.Tensor | None = None  # the last step's confidences of masked positions
-        self._decode_masked: torch.Tensor | None = None  # the block's masked positions when decode_rows ran
+        self._decode_pos: torch.Tensor | None = None  # the block positions decode_rows named (absolute)
+        # the decoding rule (the request's: Engine.rule_for) and what it needs of each step
+        self._all_rows = NEEDS_ALL_ROWS in self.rule.needs
+        self._wants_canvas = NEEDS_CANVAS in self.rule.needs
+        penalty = float(getattr(self.rule, "penalty_lambda", 0.0))
+        wants_entropy, wants_current = NEEDS_ENTROPY in self.rule.needs, NEEDS_CURRENT_PROB in self.rule.needs
+        self._row_stats = (wants_entropy, wants_current, penalty) if wants_entropy or wants_current or penalty > 0 \
+            else None
+        self._knob_of: tuple[float | None, float | None] = (None, None)  # (threshold, the rule's knob for it)
+        # the rule's state for the current block (JSON values: carried by a resume); edits made so far
+        self.rule_state: dict = {} if self.resume is None else dict(self.resume.state)
+        self.edits = 0
         self.guard = None  # structured outputs: the grammar's CanvasGuard (engine/constraints; Engine.add_request)
         # the last denoising step's (round, block span, positions committed, their tokens): the canvas view
-        self.last_commit: tuple[int, tuple[int, int], np.ndarray, np.ndarray] | None = None
+        self.last_commit: tuple | None = None  # (round, span, committed positions, tokens, edited positions, tokens)
 
     # ---- what the scheduler needs -------------------------------------------------
     @property
@@ -194,59 +227,66 @@ class Sequence:
         return self._query(start, be, kind, self.cache.context(start, be))
 
     def decode_rows(self, step: StepInput) -> torch.Tensor | None:
-        """Rows of ``step``'s logits that predict the current block's masked positions, in order (host
-        tensor), or None for a prefill step. The runner turns these rows into (confidence, token) for
-        the whole round at once, so the round waits on the device once, not once per request."""
+        """Rows of ``step``'s logits that predict the current block's positions its rule decides on, in order
+        (host tensor): the masked ones, or every output position of the block when the rule needs "all_rows"
+        (an editing rule); None for a prefill step. The runner turns these rows into (confidence, token), and
+        the statistics ``decode_stats`` asks for, for the whole round at once, so the round waits on the device
+        once, not once per request."""
         if step.kind is StepKind.PREFILL:
             return None
-        self._decode_masked = self._masked(self.blocks[self.block_idx])  # apply() reuses it
-        return torch.from_numpy(self._decode_masked.numpy() - (self.cfg.logits_shift + int(step.pos[0])))
+        bs, be = self.blocks[self.block_idx]
+        self._decode_pos = torch.arange(bs, be) if self._all_rows else self._masked((bs, be))  # apply() reuses it
+        return self._decode_pos - (self.cfg.logits_shift + int(step.pos[0]))
 
     def decode_sampling(self) -> tuple[SamplingParams, torch.Tensor] | None:
         """After ``decode_rows`` named rows: (sampling params, the absolute positions those rows predict,
         host) when this request samples its tokens, else None (greedy). The runner seeds each row's noise
         with (params.seed, position)."""
-        if self.sampling is None or self._decode_masked is None:
+        if self.sampling is None or self._decode_pos is None:
             return None
-        return self.sampling, self._decode_masked
+        return self.sampling, self._decode_pos
+
+    def decode_stats(self) -> RowStats | None:
+        """After ``decode_rows``: what this request's rule needs of those rows beyond (confidence, token)
+        (``rule.needs``: "entropy", "current_prob"; joint_threshold's repetition penalty), else None."""
+        if self._row_stats is None or self._decode_pos is None:
+            return None
+        entropy, current, penalty = self._row_stats
+        pos = self._decode_pos.numpy()
+        return RowStats(entropy, torch.from_numpy(self._np[pos].copy()) if current else None,
+                        torch.from_numpy(self._np[pos - 1].copy()) if penalty > 0 else None, penalty)
 
     def decode_allowed(self) -> tuple[int, torch.Tensor] | None:
         """After ``decode_rows``: with a constraint, (the index among those rows of the grammar's frontier,
         the bool [vocab] mask of the tokens it may hold) for the runner to mask that row's logits with, else
         None (engine/constraints/canvas.py)."""
-        if self.guard is None or self._decode_masked is None:
+        if self.guard is None or self._decode_pos is None:
             return None
         from engine.constraints.canvas import frontier_row
 
-        i = frontier_row(self.guard, self._decode_masked.numpy(), self.out_start)
+        i = frontier_row(self.guard, self._decode_pos.numpy(), self.out_start)
         return None if i is None else (i, torch.from_numpy(self.guard.allowed()))
 
-    def _guarded(self, span: tuple[int, int], masked: np.ndarray, tok: np.ndarray, chosen: np.ndarray):
-        """The rule's choice checked by the grammar (engine/constraints/canvas.py ``guard_block``): the block's
-        commits that stand (bool, block-relative), the block's tokens (forced ones written in) and the
+    def _guarded(self, span: tuple[int, int], masked: np.ndarray, tokens: np.ndarray, dec):
+        """The rule's decision checked by the grammar (engine/constraints/canvas.py ``guard_block``): the
+        decision that stands (tokens the grammar forces written into ``tokens`` and committed) and the block
         positions remasked (bool, block-relative; already masked on the canvas)."""
         from engine.constraints.canvas import guard_block
-        from engine.decoding.base import Decision
 
-        bs, be = span
-        n = be - bs
-        before = self._np[bs:be] == self.cfg.mask_token_id
-        tokens = np.full(n, -1, dtype=np.int64)
-        tokens[masked - bs] = tok
-        commit = np.zeros(n, dtype=bool)
-        commit[masked[chosen] - bs] = True
-        dec, remask = guard_block(self.guard, self._np, self.out_start, span, before, tokens,
-                                  Decision(commit, np.zeros(n, dtype=bool), False))
+        dec, remask = guard_block(self.guard, self._np, self.out_start, span, masked, tokens, dec)
         if remask.any() and self.logprobs is not None:
-            self.logprobs[np.flatnonzero(remask) + bs - self.out_start] = np.nan
-        return dec.commit, tokens, remask
+            self.logprobs[np.flatnonzero(remask) + span[0] - self.out_start] = np.nan
+        return dec, remask
 
     # ---- applying its result --------------------------------------------------------
     def apply(self, step: StepInput, logits: torch.Tensor | None, fresh: torch.Tensor,
-              top1: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepReport:
+              top1: tuple[torch.Tensor, torch.Tensor] | None = None,
+              stats: dict[str, torch.Tensor] | None = None) -> StepReport:
         """logits [T, V] and fresh K/V [layers, 2, kv_heads, T, head_dim] of ``step``. ``top1``: the
-        (confidence, token) of the rows ``decode_rows(step)`` named, already on the host; without it
-        they are computed here from ``logits`` (which may be None when ``top1`` is given)."""
+        (confidence, token) of the rows ``decode_rows(step)`` named, already on the host, with ``stats`` the
+        statistics ``decode_stats`` asked for; without it they are computed here from ``logits`` (which may be
+        None when ``top1`` is given). The rule decides on a ``BlockStep`` of the current block; its
+        ``Decision``'s commits and edits are written to the canvas."""
         self.history.append(step.kind)
         q_start = int(step.pos[0])
         if step.kind is StepKind.PREFILL:
@@ -262,47 +302,95 @@ class Sequence:
             self.cache.refresh(fresh)
             self.needs_recompute = False
         span = self.blocks[self.block_idx]
-        masked = self._masked(span) if top1 is None else self._decode_masked
         if top1 is None:
-            rows = logits[masked - self.cfg.logits_shift - q_start]
-            if self.guard is not None:
-                self._decode_masked = masked
-                front = self.decode_allowed()
-                if front is not None:
-                    rows[front[0]] = rows[front[0]].masked_fill(~front[1].to(rows.device), float("-inf"))
-            sp = self.sampling
-            top1 = (confidence(rows, self.cfg.mask_token_id) if sp is None else
-                    sample(rows, sp.temperature, sp.top_k, sp.top_p, noise_seeds(sp.seed, masked),
-                           self.cfg.mask_token_id))
-        conf, tok = top1
-        self.last_confidences = conf
-        chosen = self.rule.select(conf, self.step_in_block, self.masked_at_start, self.threshold).cpu().numpy()
-        if self.guard is not None:  # structured outputs: the grammar checks the rule's choice
-            commit, btok, remask = self._guarded(span, masked.cpu().numpy(), tok.cpu().numpy(), chosen)
-            positions = np.flatnonzero(commit) + span[0]
-            tokens = btok[commit]
-            self._np[positions] = tokens
-            if self.logprobs is not None:
-                by_pos = dict(zip(masked.cpu().numpy().tolist(), conf.float().cpu().numpy().tolist()))
-                probs = np.array([by_pos.get(int(p), 1.0) for p in positions], dtype=np.float32)
-                self.logprobs[positions - self.out_start] = np.log(np.maximum(probs, LOGPROB_FLOOR))
-            block_done = not (self._np[span[0]:span[1]] == self.cfg.mask_token_id).any()
-            committed = len(positions)
+            self.decode_rows(step)
+            top1, stats = self._top1_from(logits, q_start)
+        return self._decide(span, top1, stats, len(step.ids), step.kind)
+
+    def _top1_from(self, logits: torch.Tensor, q_start: int) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+        """(confidence, token) and the rule's statistics of the decoded rows, from a step's logits (what the
+        runner computes for a round, here for one step)."""
+        from engine.decoding import entropy, penalise_previous, token_prob
+
+        rows = logits[self._decode_pos - self.cfg.logits_shift - q_start]
+        asked = self.decode_stats()
+        if asked is not None and asked.penalty > 0:
+            rows = penalise_previous(rows, asked.prev, asked.penalty)
+        front = self.decode_allowed()  # structured outputs: the grammar's frontier row
+        if front is not None:
+            rows = rows.clone()
+            rows[front[0]] = rows[front[0]].masked_fill(~front[1].to(rows.device), float("-inf"))
+        sp = self.sampling
+        top1 = (confidence(rows, self.cfg.mask_token_id) if sp is None else
+                sample(rows, sp.temperature, sp.top_k, sp.top_p, noise_seeds(sp.seed, self._decode_pos),
+                       self.cfg.mask_token_id))
+        stats = {}
+        if asked is not None and asked.entropy:
+            stats["entropy"] = entropy(rows, self.cfg.mask_token_id)
+        if asked is not None and asked.current is not None:
+            stats["current_prob"] = token_prob(rows, asked.current, self.cfg.mask_token_id)
+        return top1, stats
+
+    def _knob(self) -> float | None:
+        """The rule's knob for this step: the request's threshold (the router's level) through ``knob_at``."""
+        if self.threshold is None:
+            return None
+        if self._knob_of[0] != self.threshold:
+            self._knob_of = (self.threshold, self.rule.knob_at(self.threshold))
+        return self._knob_of[1]
+
+    def _decide(self, span: tuple[int, int], top1, stats: dict | None, n_query: int, kind: StepKind) -> StepReport:
+        bs, be = span
+        conf_t, tok_t = top1
+        canvas = self._np[bs:be]
+        masked = canvas == self.cfg.mask_token_id
+        idx = self._decode_pos.numpy() - bs
+        n = be - bs
+        tokens = np.full(n, -1, dtype=np.int64)
+        conf = np.zeros(n, dtype=np.float32)
+        tokens[idx] = tok_t.numpy()
+        conf[idx] = conf_t.float().numpy()
+        extra = {}
+        for name, v in (stats or {}).items():
+            full = np.zeros(n, dtype=np.float32)
+            full[idx] = v.float().numpy()
+            extra[name] = full
+        rule = self.rule
+        bstep = BlockStep(masked, ~masked, tokens, conf, extra.get("current_prob"), extra.get("entropy"),
+                          self.step_in_block, self.masked_at_start, self._knob(), self.rule_state,
+                          canvas.copy() if self._wants_canvas else None)
+        dec = rule.decide(bstep)
+        if self.guard is not None:  # structured outputs: the grammar checks the decision (engine/constraints)
+            dec, remask = self._guarded(span, masked, tokens, dec)
+            masked = masked | remask
+        commit, edit = dec.commit, dec.edit
+        if (commit & ~masked).any() or (edit & (masked | commit)).any() or (edit.any() and not rule.edits):
+            raise ValueError(f"decoding rule {rule.name!r} committed a position that was not masked or edited one "
+                             "it may not")
+        left = masked & ~commit
+        if rule.edits:
+            block_done = bool(dec.done)
+            if block_done and left.any():
+                raise ValueError(f"decoding rule {rule.name!r} ended a block with positions still masked")
         else:
-            positions, tokens = masked.cpu().numpy()[chosen], tok.cpu().numpy()[chosen]
-            self._np[positions] = tokens
-            if self.logprobs is not None:  # the committed tokens' probabilities in this round's distribution
-                probs = conf.float().cpu().numpy()[chosen]
-                self.logprobs[positions - self.out_start] = np.log(np.maximum(probs, LOGPROB_FLOOR))
-            committed = int(chosen.sum())
-            block_done = committed == chosen.size
-        self.last_commit = (self.rounds, span, positions, tokens)
+            block_done = not left.any()
+        write = np.flatnonzero(commit | edit)
+        positions, written = write + bs, tokens[write]
+        self._np[positions] = written
+        if self.logprobs is not None:  # the written tokens' probabilities in this round's distribution
+            self.logprobs[positions - self.out_start] = np.log(np.maximum(conf[write], LOGPROB_FLOOR))
+        self.last_confidences = conf_t if not self._all_rows else conf_t[torch.from_numpy(masked[idx])]
+        chosen = np.flatnonzero(commit)
+        edited = np.flatnonzero(edit)
+        self.edits += len(edited)
+        self.last_commit = (self.rounds, span, chosen + bs, tokens[chosen], edited + bs, tokens[edited])
         self.step_in_block += 1
-        finished = self._check_finished()
+        committed = len(chosen)
+        finished = self._check_finished() if block_done or not rule.edits else False
         if block_done and not finished:
             self._next_block(span)
-        return StepReport(self.seq_id, step.kind, len(step.ids), committed, block_done, finished,
-                          self.threshold, conf)
+        return StepReport(self.seq_id, kind, n_query, committed, block_done, finished, self.threshold,
+                          self.last_confidences)
 
     def _next_block(self, span: tuple[int, int]) -> None:
         b = self.cfg.block_size
@@ -312,6 +400,7 @@ class Sequence:
             self.needs_recompute = True
         self.block_idx += 1
         self.step_in_block = 0
+        self.rule_state = {}  # the rule's state is per block
         if self.block_idx < len(self.blocks):
             self.masked_at_start = self._masked(self.blocks[self.block_idx]).numel()
 
@@ -339,9 +428,18 @@ class Sequence:
         """The log-probabilities of the first ``n`` output tokens (None unless asked for: ``params.logprobs``)."""
         return None if self.logprobs is None else [float(v) for v in self.logprobs[:n]]
 
+    def final_end(self) -> int:
+        """The output positions (from 0) that no later step may change: all of them once finished; with an
+        editing rule, those before the current block (whose edits are not over); else all (a committed token
+        never changes)."""
+        if self.finished or not self.rule.edits or self.block_idx >= len(self.blocks):
+            return self.max_tokens
+        return min(self.blocks[self.block_idx][0] - self.out_start, self.max_tokens)
+
     def output_ids(self) -> list[int]:
-        """Committed output tokens so far (up to the first mask, EOS or other stop id)."""
-        out = self.tokens[self.out_start : self.out_start + self.max_tokens].tolist()
+        """Committed output tokens so far that are final (up to the first mask, EOS or other stop id; with an
+        editing rule, not into a block still editing: ``final_end``)."""
+        out = self.tokens[self.out_start : self.out_start + self.final_end()].tolist()
         if self.finished:
             return out[: self.n_out]
         keep = []
@@ -355,15 +453,36 @@ class Sequence:
     def canvas(self) -> list[int]:
         return self.tokens[self.out_start : self.out_end].tolist()
 
+    def resume_state(self, sent: int) -> Resume | None:
+        """Where the current block stands after the first ``sent`` output tokens (those its receiver has: at
+        most ``output_ids()``), for a resume elsewhere to continue exactly (engine/commands.py); None once
+        finished."""
+        if self.finished or self.block_idx >= len(self.blocks):
+            return None
+        start, end = self.out_start + sent, self.blocks[self.block_idx][1]
+        if not self.blocks[self.block_idx][0] <= start <= end:
+            raise ValueError(f"{sent} output tokens do not end in the current block")
+        tail = self._np[start:end]
+        mask = tail == self.cfg.mask_token_id
+        lp = [] if self.logprobs is None else np.where(mask, 0.0, np.nan_to_num(
+            self.logprobs[start - self.out_start : end - self.out_start])).tolist()
+        return Resume(np.where(mask, MASKED, tail).tolist(), self.step_in_block, self.masked_at_start,
+                      json.loads(json.dumps(self.rule_state)), lp)
+
     def canvas_step(self) -> dict | None:
         """The last denoising step on the canvas (output-relative positions): its round, the block it
         worked on, the positions it committed with their token ids, the block's positions still masked,
-        the threshold it used and the canvas length. None before the first denoising step."""
+        the threshold it used and the canvas length; with an editing rule, the positions it rewrote
+        (``edited``) and the rule's name. None before the first denoising step."""
         if self.last_commit is None:
             return None
-        rounds, (bs, be), positions, tokens = self.last_commit
+        rounds, (bs, be), positions, tokens, edited, edit_tokens = self.last_commit
         s = self.out_start
         masked = np.flatnonzero(self._np[bs:be] == self.cfg.mask_token_id) + (bs - s)
-        return {"step": rounds, "block": [bs - s, be - s],
+        view = {"step": rounds, "block": [bs - s, be - s],
                 "committed": [[int(p) - s, int(t)] for p, t in zip(positions, tokens)],
                 "masked": masked.tolist(), "threshold": self.threshold, "length": self.gen_len}
+        if self.rule.edits:  # an editing rule's rewrites of committed positions, and the rule
+            view["edited"] = [[int(p) - s, int(t)] for p, t in zip(edited, edit_tokens)]
+            view["decoding"] = self.rule.name
+        return view

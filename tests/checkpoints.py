@@ -595,6 +595,32 @@ def build_checkpoint(arch: str, directory: str | Path, *, chat_template: bool = 
     return directory
 
 
+# LLaDA2.1's quality mode as its card gives it (threshold 0.7, editing threshold 0.5), the post-edit steps bounded
+# low so the tiny fixture's blocks close quickly
+LLADA21_DECODING = {"threshold": 0.7, "edit_threshold": 0.5, "max_post_edit_steps": 2}
+
+
+def build_llada21_checkpoint(llada2: str | Path, directory: str | Path, *, named: bool = True) -> Path:
+    """A LLaDA2.1-format checkpoint in ``directory``: the LLaDA2 one built at ``llada2`` (``build_checkpoint(
+    "llada2", ...)``: the same architecture, weights and tokenizer, linked, not rebuilt) with an editing
+    ``generation_config.json``: naming ``joint_threshold`` and its config (``"decoding"``, ``"decoding_config"``:
+    ``LLADA21_DECODING``), or with ``named=False`` LLaDA2.1's own generate arguments (``threshold``,
+    ``editing_threshold``, ``max_post_steps``)."""
+    src, directory = Path(llada2), Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "generation_config.json" and not (directory / f.name).exists():
+            (directory / f.name).symlink_to(f.resolve())
+    gen = json.loads((src / "generation_config.json").read_text())
+    if named:
+        gen.update(decoding="joint_threshold", decoding_config=dict(LLADA21_DECODING))
+    else:
+        gen.update(threshold=LLADA21_DECODING["threshold"], editing_threshold=LLADA21_DECODING["edit_threshold"],
+                   max_post_steps=LLADA21_DECODING["max_post_edit_steps"])
+    (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return directory
+
+
 def special_ids(directory: str | Path) -> dict[str, int]:
     """{"mask", "eos", "end_of_turn", "bos", "pad"} -> id, read from a built checkpoint's tokenizer.json
     (its family from config.json's architectures)."""

@@ -644,11 +644,12 @@ def test_null_optional_fields_are_defaults():
 IMPLEMENTED = {
     "completion": {"model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k",
                    "seed", "stop", "stop_token_ids", "n", "user", "slo_ms", "priority", "threshold", "echo",
-                   "ignore_eos", "logprobs", *STRUCTURED_FIELDS},
+                   "ignore_eos", "logprobs", *STRUCTURED_FIELDS, "decoding", "decoding_config"},
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature",
              "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "user", "safety_identifier",
              "add_generation_prompt", "slo_ms", "priority", "threshold", "ignore_eos", "chat_template", "logprobs",
-             *STRUCTURED_FIELDS, "response_format", "tools", "tool_choice", "parallel_tool_calls"},
+             *STRUCTURED_FIELDS, "response_format", "tools", "tool_choice", "parallel_tool_calls", "decoding",
+             "decoding_config"},
 }
 
 

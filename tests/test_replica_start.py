@@ -36,8 +36,11 @@ def test_engine_kwargs_come_from_the_engine_and_http_sections():
                     http={"max_tokens_limit": 200, "default_max_tokens": 64})
     kw = startup.engine_kwargs(cfg)
     assert kw == {"cache": "prefix", "max_slots": 4, "default_gen_length": 64, "max_gen_length": 200,
-                  "kv_slot_tokens": 300, "cuda_graphs": False, **kv_pool_args(cfg.engine)}
+                  "kv_slot_tokens": 300, "cuda_graphs": False, "rule": None, "decoding_config": None,
+                  **kv_pool_args(cfg.engine)}
     assert startup.engine_kwargs(AppConfig())["cuda_graphs"] is None  # where they apply
+    kw = startup.engine_kwargs(AppConfig(engine={"decoding": "credit", "decoding_config": {"alpha": 0.5}}))
+    assert kw["rule"] == "credit" and kw["decoding_config"] == {"alpha": 0.5}
 
 
 def test_start_engine_refuses_a_rank_outside_its_group_or_without_a_group():

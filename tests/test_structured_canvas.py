@@ -110,9 +110,13 @@ def test_edits_roll_the_grammar_back_and_are_checked(grammar):
     assert ok.edit[5] and not ok.remask.any() and g.checked == 7  # '9' in place of '1': accepted again
     after = canvas("yes, 92_")
     edit[:] = False
-    edit[1] = True  # 'yxs': rejected, with what follows in the block
+    edit[1] = True  # 'yxs': refused; the 'e' it would replace still fits, so the edit is dropped
     bad = guard_decision(g, after, 0, 8, after == MASK, canvas("yxs, 92_"), np.zeros(8, bool), edit, done=False)
-    assert not bad.edit.any() and np.flatnonzero(bad.remask).tolist() == [1, 2, 3, 4, 5, 6] and g.checked == 1
+    assert not bad.edit.any() and not bad.remask.any() and g.checked == 7
+    edit[:] = False
+    edit[0] = True  # 'nes': 'n' is accepted, then the unedited 'e' no longer fits: it and what follows go back
+    moved = guard_decision(g, after, 0, 8, after == MASK, canvas("nes, 92_"), np.zeros(8, bool), edit, done=False)
+    assert moved.edit[0] and np.flatnonzero(moved.remask).tolist() == [1, 2, 3, 4, 5, 6] and g.checked == 1
 
 
 def test_a_resumed_guard_is_rebuilt_from_the_committed_prefix(grammar):
@@ -202,3 +206,17 @@ def test_jump_forward_commits_what_the_grammar_forces(grammar):
     d = guard_decision(off, before, 0, 8, masked, canvas("y_______"), commit, np.zeros(8, bool), done=False,
                        jump=False)
     assert text(d.tokens[d.commit]) == "y" and d.forced == 0
+
+
+@pytest.mark.parametrize("regex,text", [("yes", "yes"), ("a+", "aaa")])
+def test_rollback_across_the_end_of_text(regex, text, grammar):
+    """Rolling back over an accepted end of text (an edit that reaches back) restores the state before it,
+    whether the grammar had stopped by itself ("yes") or could have gone on ("a+")."""
+    g = Grammar.compile(ConstraintSpec("regex", regex), VOCAB, grammar.backend)
+    m = g.matcher()
+    assert m.accept_prefix([*ids(text), EOS]) == len(text) + 1 and m.ended()
+    m.rollback(2)
+    assert m.accepted == len(text) - 1 and not m.ended()
+    fresh = g.matcher()
+    fresh.accept_prefix(ids(text[:-1]))
+    assert (m.fill_mask() == fresh.fill_mask()).all() and m.accept(TOK.vocab[text[-1]]) and m.accept(EOS)

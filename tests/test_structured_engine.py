@@ -148,3 +148,17 @@ def test_a_constrained_request_resumed_after_its_replica_dies_still_parses():
         assert last["type"] == "done" and last["finish_reason"] == "stop", last
         assert text == last["text"] and re.fullmatch(spec.value, text), text
     assert sum(last["resumes"] for _, last in results) >= 1
+
+
+def test_every_decoding_rule_keeps_the_text_valid(tiny):
+    """The guard wraps whatever rule decides (engine/decoding's seam), the editing joint_threshold included
+    (an edit the grammar refuses is dropped)."""
+    from engine.decoding import RULES
+
+    ex = prose(2)[1]
+    spec = ConstraintSpec("regex", _prose_pattern(ex.prompt.split()[1], int(ex.prompt.split()[2])).pattern)
+    names = sorted(RULES)
+    outs = run(tiny, [ex.prompt] * len(names),
+               [SamplingParams(max_tokens=168, decoding=name, constraint=spec.to_dict()) for name in names])
+    for name, (out, _) in zip(names, outs):
+        assert out.finish_reason == "stop" and re.fullmatch(spec.value, out.text), (name, out.text)

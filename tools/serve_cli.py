@@ -113,6 +113,13 @@ def build_doc(args) -> tuple[dict, Path]:
         http["max_model_len"] = args.max_model_len
     if (origins := _origins(args.allowed_origins)) is not None:
         http["allowed_origins"] = origins
+    if getattr(args, "decoding", None) is not None:
+        engine["decoding"] = args.decoding
+    if getattr(args, "decoding_config", None) is not None:
+        try:
+            engine["decoding_config"] = json.loads(args.decoding_config)
+        except ValueError as exc:
+            raise ValueError(f"--decoding-config must be a JSON object: {exc}") from None
     if args.device is not None or "device" not in engine:
         engine["device"] = pick_device(args.device or "auto")
         gpus = res.get("gpus_per_rank", 0)
@@ -127,6 +134,10 @@ def build_doc(args) -> tuple[dict, Path]:
         AppConfig.model_validate(app_args)
     except ValidationError as exc:
         raise ValueError(f"the serve config is not valid: {exc}") from None
+    if "decoding" in engine or "decoding_config" in engine:  # over the checkpoint's rule, as the engine will
+        from engine.loading import engine_rule
+
+        engine_rule(path, engine.get("decoding"), engine.get("decoding_config"))
     return doc, path
 
 
@@ -221,6 +232,13 @@ def add_parsers(sub) -> None:
                    help="auto (default unless --config sets engine.device): cuda when torch sees a GPU, with one "
                         "GPU per TP rank; cpu: none")
     s.add_argument("--revision", help="a hub id's branch, tag or commit (default: main)")
+    s.add_argument("--decoding", metavar="NAME",
+                   help="the decoding rule of every request that names none (engine.decoding: threshold, "
+                        "low_confidence, joint_threshold, entropy_bound, hierarchical, credit, ...; default: the "
+                        "checkpoint's, else threshold)")
+    s.add_argument("--decoding-config", metavar="JSON",
+                   help="the rule's configuration as a JSON object (engine.decoding_config), e.g. "
+                        "'{\"edit_threshold\": 0.9}'; without --decoding it configures the checkpoint's rule")
     s.add_argument("--address", help="the Ray cluster to join (as `serve run --address`; default: RAY_ADDRESS, "
                                      "a cluster `ray start` runs here, else a new one; `local`: always new)")
     s.add_argument("--dry-run", action="store_true", help="print the serve config (YAML) and exit; "

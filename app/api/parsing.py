@@ -67,6 +67,8 @@ class GenRequest:
     chat_template: str | None = None  # chat: this request's template instead of the server's
     constraint: ConstraintSpec | None = None  # what the text must be (structured outputs); None: any text
     tools: Tools = field(default_factory=Tools)  # chat: the tools, tool_choice and parallel_tool_calls
+    decoding: str | None = None  # the decoding rule by name (engine/decoding/); None: the server's
+    decoding_config: dict | None = None  # its configuration (without ``decoding``: the server's rule's)
 
     @property
     def prompt(self) -> str | list[int]:
@@ -392,13 +394,37 @@ def _sampling(req: Any, vocab_size: int | None, max_n: int = 1) -> dict:
                                                                         vocab_size))
 
 
+def _decoding(name: str | None, config: dict | None, base: Any) -> dict:
+    """A request's decoding rule and configuration, checked as the engine will make it (``resolve_rule``: the
+    request's over the server's): an unknown rule is a 400 naming ``decoding``, an unknown field or a value out
+    of range one naming ``decoding_config.<field>``."""
+    if name is None and config is None:
+        return {}
+    from engine.commands import resolve_rule  # the rules import without torch
+
+    try:
+        resolve_rule(base, name, config)
+    except ValueError as exc:
+        msg = str(exc)
+        if msg.startswith("decoding:"):
+            raise invalid(f"Invalid value for 'decoding': {msg.split(': ', 1)[1]}.", param="decoding",
+                          code="invalid_value") from None
+        detail = msg.split(": ", 1)[1] if ": " in msg else msg
+        field = next((k for k in (config or {}) if detail.startswith(f"{k} ") or f"field {k!r}" in detail), None)
+        param = "decoding_config" if field is None else f"decoding_config.{field}"
+        raise invalid(f"Invalid value for '{param}': {detail}.", param=param, code="invalid_value") from None
+    return {"decoding": name, "decoding_config": None if config is None else dict(config)}
+
+
 def parse_request(kind: str, body: bytes | str, *, known_models: list[str], max_tokens_limit: int,
                   default_max_tokens: int, vocab_size: int | None = None, max_n: int = 1,
-                  request_id: str | None = None) -> GenRequest:
+                  request_id: str | None = None, decoding_base: Any = None) -> GenRequest:
     """Validate a raw completion (``kind="completion"``) or chat (``kind="chat"``) body; raise :class:`APIError`.
 
     Token ids (prompts, ``stop_token_ids``) must be below ``vocab_size`` when it is given; ``n`` at most
-    ``max_n``. The request's id is ``request_id`` (the ``X-Request-ID`` it is answered with), else a new one."""
+    ``max_n``. The request's id is ``request_id`` (the ``X-Request-ID`` it is answered with), else a new one.
+    ``decoding_base``: the server's decoding rule (a request's ``decoding_config`` without ``decoding``
+    configures it; None: ``threshold``)."""
     if kind not in ("completion", "chat"):
         raise ValueError(f"unknown request kind {kind!r}")
     data = _load_json(body)
@@ -436,6 +462,7 @@ def parse_request(kind: str, body: bytes | str, *, known_models: list[str], max_
     extra["constraint"] = constraint
     model = _resolve_model(req.model, known_models)
     sampling = _sampling(req, vocab_size, max_n)
+    sampling.update(_decoding(req.decoding, req.decoding_config, decoding_base))
     return GenRequest(
         request_id=request_id or prefix + uuid.uuid4().hex, kind=kind, model=model, prompts=prompts, messages=messages,
         max_tokens=_max_tokens(max_tokens, limit_param, max_tokens_limit, default_max_tokens),

@@ -178,6 +178,12 @@ class _CommonRequest(BaseModel):
     threshold: float | None = Field(default=None, allow_inf_nan=False,
                                     json_schema_extra={"exclusiveMinimum": 0, "maximum": 1},
                                     description="Remask: a fixed confidence threshold for parallel unmasking")
+    decoding: str | None = Field(None, description="Remask: the decoding rule by name (threshold, low_confidence, "
+                                                   "joint_threshold, entropy_bound, hierarchical, credit, ...); "
+                                                   "absent: the server's", json_schema_extra={"minLength": 1})
+    decoding_config: dict[str, Any] | None = Field(None, description="Remask: the decoding rule's configuration "
+                                                                     "(its fields, e.g. edit_threshold); without "
+                                                                     "`decoding` it configures the server's rule")
 
 
 _JSON_SCHEMA_VALUE = {"anyOf": [{"type": "object"}, {"type": "boolean"}, {"type": "string"}],

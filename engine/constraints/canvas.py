@@ -121,6 +121,26 @@ class CanvasGuard:
         return tail
 
 
+def _replay_edits(guard: CanvasGuard, out: np.ndarray, after: np.ndarray, block_start: int, block_end: int,
+                  edit: np.ndarray) -> None:
+    """Walk the grammar over the edited run: an edit the grammar refuses is dropped when the token it would
+    have replaced is still accepted there (the edit is undone in ``after`` and ``edit``); anything else it
+    refuses is left for ``check`` to remask. Dropping rather than remasking a refused edit keeps an editing
+    rule from rewriting the same valid token into the same invalid one block after block."""
+    m, mask = guard.matcher, guard.mask_id
+    p = guard.checked
+    while p < block_end and after[p] != mask and not guard.ended:
+        if m.accept(int(after[p])):
+            p += 1
+        elif block_start <= p and edit[p - block_start] and out[p] != mask and m.accept(int(out[p])):
+            edit[p - block_start] = False
+            after[p] = out[p]
+            p += 1
+        else:
+            break
+        guard.checked = p
+
+
 @dataclass
 class GuardedDecision:
     """A rule's decision after the grammar's check: ``commit`` and ``edit`` (bool [L], block-relative: the
@@ -151,10 +171,11 @@ def guard_decision(guard: CanvasGuard, out: np.ndarray, block_start: int, block_
     write = commit | edit
     block = after[block_start:block_end]
     block[write] = tokens[write]
-    edited = np.flatnonzero(edit)
-    if edited.size:
-        guard.rollback_to(block_start + int(edited[0]))
     commit, edit = commit.copy(), edit.copy()
+    edited = np.flatnonzero(edit)
+    if edited.size:  # the grammar rolls back to the first edit and takes the edited run again
+        guard.rollback_to(block_start + int(edited[0]))
+        _replay_edits(guard, out, after, block_start, block_end, edit)
     remask = np.zeros(size, dtype=bool)
     forced = 0
     while True:

@@ -285,6 +285,7 @@ class LLGuidanceMatcher:
         self._stops = stops
         self._n = 0
         self._ended = False  # a stop id accepted (llguidance's is_stopped also means "nothing more may come")
+        self._stop_pushed = False  # that stop id is in llguidance's own history (to roll back with the rest)
 
     @property
     def accepted(self) -> int:
@@ -308,7 +309,9 @@ class LLGuidanceMatcher:
             raise RuntimeError(f"llguidance refused tokens it validated: {self._m.get_error()}")
         self._n += n
         if n < len(tokens) and tokens[n] in self._stops and self._m.is_accepting():
-            # a stop id where the grammar may end: validate_tokens does not count it, consuming it stops
+            # a stop id where the grammar may end: validate_tokens does not count it, consuming it stops (and
+            # enters llguidance's history only when the grammar had not stopped by itself)
+            self._stop_pushed = not self._m.is_stopped()
             if not self._m.consume_token(tokens[n]):
                 raise RuntimeError(f"llguidance refused a stop where it accepts: {self._m.get_error()}")
             self._n += 1
@@ -320,7 +323,9 @@ class LLGuidanceMatcher:
         if n:
             if not 0 < n <= self._n:
                 raise ValueError(f"cannot roll back {n} of {self._n} accepted tokens")
-            self._m.rollback(n)
+            inner = n - (1 if self._ended and not self._stop_pushed else 0)
+            if inner:
+                self._m.rollback(inner)
             self._n -= n
             self._ended = False
 

@@ -382,3 +382,32 @@ def load_model(
             arch.prepare(model)
     _load_shards(model, _plan(weight_files(directory), arch.rename, model), dtype, device)
     return model.eval()
+
+
+# LLaDA2.1's own generation arguments (its model card's generate(): threshold, editing_threshold,
+# max_post_steps) -> joint_threshold's fields, for a generation_config.json that names them without a rule
+_LLADA21_EDITING = {"threshold": "threshold", "editing_threshold": "edit_threshold",
+                    "max_post_steps": "max_post_edit_steps"}
+
+
+def checkpoint_decoding(path: str | Path) -> tuple[str, dict] | None:
+    """The decoding rule a checkpoint directory names, and its configuration, or None (``threshold``):
+    ``"decoding"`` (a rule's registered name) and ``"decoding_config"`` (its fields) in ``generation_config.json``,
+    else in ``config.json``; or LLaDA2.1's editing arguments in ``generation_config.json``
+    (``editing_threshold`` set, with ``threshold`` and ``max_post_steps``): ``joint_threshold``. The rule is
+    checked when the engine makes it (an unknown rule or a bad value is a ValueError naming the field)."""
+    directory = Path(path)
+    for name in ("generation_config.json", "config.json"):
+        file = directory / name
+        data = json.loads(file.read_text()) if file.is_file() else {}
+        if data.get("decoding") is not None or data.get("decoding_config") is not None:
+            rule, config = data.get("decoding"), data.get("decoding_config")
+            if rule is not None and not isinstance(rule, str):
+                raise ValueError(f"{file}: decoding must be a rule's name, got {rule!r}")
+            if config is not None and not isinstance(config, dict):
+                raise ValueError(f"{file}: decoding_config must be an object, got {config!r}")
+            return rule or "threshold", dict(config or {})
+        if name == "generation_config.json" and data.get("editing_threshold") is not None:
+            return "joint_threshold", {field: data[key] for key, field in _LLADA21_EDITING.items()
+                                       if data.get(key) is not None}
+    return None
