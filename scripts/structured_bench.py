@@ -85,7 +85,12 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=None, help="the unmasking threshold (default: the rule's)")
     ap.add_argument("--max-tokens", type=int, default=168)
     ap.add_argument("--no-jump", action="store_true", help="no jump-forward (forced tokens wait for the model)")
+    ap.add_argument("--backend", choices=["llguidance", "xgrammar"], default=None, help="the grammar engine")
     args = ap.parse_args()
+    if args.backend:
+        import engine.constraints.grammar as grammar
+
+        grammar.DEFAULT_BACKEND = args.backend
     if args.no_jump:
         import engine.constraints.canvas as canvas
 
@@ -97,7 +102,8 @@ def main() -> None:
     results = {mode: run(engine, examples, mode == "constrained", args.threshold, args.max_tokens)
                for mode in ("free", "constrained")}
     print(f"model {args.model}, {len(examples)} held-out prompts, threshold {args.threshold or 'default'}, "
-          f"max_tokens {args.max_tokens}, jump-forward {'off' if args.no_jump else 'on'}")
+          f"max_tokens {args.max_tokens}, jump-forward {'off' if args.no_jump else 'on'}, "
+          f"backend {args.backend or 'default'}")
     print("| category | n | valid free | valid constrained (of those ending by stop) | accuracy free | "
           "accuracy constrained | forwards/token free | forwards/token constrained | ratio | remasked/request | "
           "grammar us/round |")

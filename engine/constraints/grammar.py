@@ -353,9 +353,10 @@ class Grammar:
     compiled: Any
 
     @classmethod
-    def compile(cls, spec: ConstraintSpec, vocab: Vocab, backend: str = DEFAULT_BACKEND) -> Grammar:
+    def compile(cls, spec: ConstraintSpec, vocab: Vocab, backend: str | None = None) -> Grammar:
         """Compile ``spec`` (a ``GrammarError`` naming ``spec.param`` when it does not compile, or when the
         vocabulary cannot write its first token)."""
+        backend = backend or DEFAULT_BACKEND
         if backend not in BACKENDS:
             raise ValueError(f"unknown grammar backend {backend!r}; known: {', '.join(BACKENDS)}")
         try:
@@ -407,7 +408,8 @@ class GrammarCache:
         self._lock = threading.Lock()
         self.compiles = 0
 
-    def get(self, spec: ConstraintSpec, vocab: Vocab, backend: str = DEFAULT_BACKEND) -> Grammar:
+    def get(self, spec: ConstraintSpec, vocab: Vocab, backend: str | None = None) -> Grammar:
+        backend = backend or DEFAULT_BACKEND
         key = (spec.key, vocab.key, backend)
         with self._lock:
             hit = self._items.get(key)
@@ -431,6 +433,6 @@ class GrammarCache:
 CACHE = GrammarCache()
 
 
-def compile_cached(spec: ConstraintSpec, vocab: Vocab, backend: str = DEFAULT_BACKEND) -> Grammar:
-    """``spec`` compiled for ``vocab`` once per process (``CACHE``)."""
+def compile_cached(spec: ConstraintSpec, vocab: Vocab, backend: str | None = None) -> Grammar:
+    """``spec`` compiled for ``vocab`` once per process (``CACHE``; ``backend``: ``DEFAULT_BACKEND``)."""
     return CACHE.get(spec, vocab, backend)
