@@ -267,13 +267,13 @@ class Sequence:
         i = frontier_row(self.guard, self._decode_pos.numpy(), self.out_start)
         return None if i is None else (i, torch.from_numpy(self.guard.allowed()))
 
-    def _guarded(self, span: tuple[int, int], masked: np.ndarray, tokens: np.ndarray, dec):
+    def _guarded(self, span: tuple[int, int], masked: np.ndarray, tokens: np.ndarray, dec, conf: np.ndarray):
         """The rule's decision checked by the grammar (engine/constraints/canvas.py ``guard_block``): the
         decision that stands (tokens the grammar forces written into ``tokens`` and committed) and the block
         positions remasked (bool, block-relative; already masked on the canvas)."""
         from engine.constraints.canvas import guard_block
 
-        dec, remask = guard_block(self.guard, self._np, self.out_start, span, masked, tokens, dec)
+        dec, remask = guard_block(self.guard, self._np, self.out_start, span, masked, tokens, dec, conf)
         if remask.any() and self.logprobs is not None:
             self.logprobs[np.flatnonzero(remask) + span[0] - self.out_start] = np.nan
         return dec, remask
@@ -361,7 +361,7 @@ class Sequence:
                           canvas.copy() if self._wants_canvas else None)
         dec = rule.decide(bstep)
         if self.guard is not None:  # structured outputs: the grammar checks the decision (engine/constraints)
-            dec, remask = self._guarded(span, masked, tokens, dec)
+            dec, remask = self._guarded(span, masked, tokens, dec, conf)
             masked = masked | remask
         commit, edit = dec.commit, dec.edit
         if (commit & ~masked).any() or (edit & (masked | commit)).any() or (edit.any() and not rule.edits):

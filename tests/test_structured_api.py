@@ -101,6 +101,7 @@ def test_response_format():
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+    ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
 ])
 def test_bad_constraint_fields_are_400s_naming_them(body, param):
     refused("chat", {"messages": USER, **body}, param)

@@ -162,3 +162,16 @@ def test_every_decoding_rule_keeps_the_text_valid(tiny):
                [SamplingParams(max_tokens=168, decoding=name, constraint=spec.to_dict()) for name in names])
     for name, (out, _) in zip(names, outs):
         assert out.finish_reason == "stop" and re.fullmatch(spec.value, out.text), (name, out.text)
+
+
+def test_logprobs_under_a_constraint(tiny):
+    """Each token's log-probability is under the distribution it was chosen from: the frontier's masked to the
+    grammar, a token the grammar forced (jump-forward) at probability 1."""
+    import math
+
+    ex = prose(1)[0]
+    spec = ConstraintSpec("regex", _prose_pattern(ex.prompt.split()[1], int(ex.prompt.split()[2])).pattern)
+    (out, _), = run(tiny, [ex.prompt], [SamplingParams(max_tokens=168, logprobs=True, constraint=spec.to_dict())])
+    assert len(out.logprobs) == len(out.token_ids)
+    assert all(math.isfinite(lp) and lp <= 0 for lp in out.logprobs)
+    assert any(lp == 0 for lp in out.logprobs)  # some of the story's fixed words were forced

@@ -460,6 +460,9 @@ def parse_request(kind: str, body: bytes | str, *, known_models: list[str], max_
         extra["tools"] = tools
         constraint = constraint or implied
     extra["constraint"] = constraint
+    if constraint is not None and req.ignore_eos:
+        raise invalid("'ignore_eos' cannot be combined with a structured-output constraint: the text ends where "
+                      "the constraint is complete.", param="ignore_eos", code="invalid_value")
     model = _resolve_model(req.model, known_models)
     sampling = _sampling(req, vocab_size, max_n)
     sampling.update(_decoding(req.decoding, req.decoding_config, decoding_base))

@@ -232,10 +232,12 @@ def frontier_row(guard: CanvasGuard, positions: np.ndarray, out_start: int) -> i
 
 
 def guard_block(guard: CanvasGuard, canvas: np.ndarray, out_start: int, span: tuple[int, int], masked: np.ndarray,
-                tokens: np.ndarray, decision):
+                tokens: np.ndarray, decision, conf: np.ndarray | None = None):
     """A rule's ``Decision`` for the block ``span`` (absolute) of the sequence's ``canvas`` (the whole token
     array: prompt, then output; modified in place: remasked positions get the mask id) checked by the guard:
-    the ``Decision`` that stands, and the block positions remasked (bool, block-relative)."""
+    the ``Decision`` that stands, and the block positions remasked (bool, block-relative). Tokens the grammar
+    forced are written into ``tokens`` (and a probability of 1 into ``conf``: the constrained distribution's,
+    as the frontier's own confidence is)."""
     from engine.decoding.base import Decision
 
     bs, be = span
@@ -245,5 +247,8 @@ def guard_block(guard: CanvasGuard, canvas: np.ndarray, out_start: int, span: tu
     if g.remask.any():
         canvas[bs:be][g.remask] = guard.mask_id
     if g.forced:
+        forced = g.commit & (g.tokens != tokens[: be - bs])
         tokens[: be - bs][g.commit] = g.tokens[g.commit]  # the forced tokens, written with the rule's commits
+        if conf is not None:
+            conf[: be - bs][forced | (g.commit & ~decision.commit)] = 1.0
     return Decision(g.commit, g.edit, g.done), g.remask
