@@ -76,6 +76,7 @@ class BenchPrompt:
     category: str = CUSTOM
     answer: str = ""
     constraint: dict | None = None  # structured outputs: the body fields that constrain it (e.g. guided_regex)
+    language: dict | None = None  # the constraint its answer is checked against, sent or not
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------------------
@@ -267,7 +268,8 @@ def structured_prompts(tok, name: str, n: int, seed: int = 0, ratio: float = 1.0
     order = list(range(len(out)))
     random.Random(seed).shuffle(order)
     keep = set(order[: round(ratio * len(out))])
-    return [p if i in keep else replace(p, constraint=None) for i, p in enumerate(out)]
+    return [replace(p, language=p.constraint, constraint=p.constraint if i in keep else None)
+            for i, p in enumerate(out)]
 
 
 def _answer_regex(category: str, prompt: str) -> str:
@@ -488,6 +490,8 @@ def format_table(res: dict, metrics: list[str], percentiles: list[float]) -> str
         lines.append(_line("Answer accuracy:", x["accuracy"], ".3f"))
     if x.get("structured_valid") is not None:
         lines.append(_line("Structured outputs valid:", x["structured_valid"], ".3f"))
+    if x.get("structured_valid_all") is not None:
+        lines.append(_line("Answers valid (all):", x["structured_valid_all"], ".3f"))
     if x.get("slo_attainment") is not None:
         lines.append(_line("SLO attainment:", x["slo_attainment"], ".3f"))
     lines.append(_line("Send lag mean / max (ms):", f"{x.get('mean_send_lag_ms') or 0:.3f} / "
@@ -705,11 +709,13 @@ def run(args, out=None) -> tuple[dict, bool]:
     res.update({"request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
                 "burstiness": args.burstiness, "max_concurrency": args.max_concurrency})
     res.update(vllm_metrics(results, [p.prompt_len for p in prompts], duration, tok, metrics, percentiles, goodput))
-    checked = [valid_structured(p.constraint, r.text) for p, r in zip(prompts, results)
-               if p.constraint is not None and r.ok]
+    checked = [(p.constraint is not None, valid_structured(p.language, r.text)) for p, r in zip(prompts, results)
+               if p.language is not None and r.ok]
+    sent = [v for c, v in checked if c]
     res["remask"] = {**remask_extras(results, duration, trace, model_name), "ignore_eos": args.ignore_eos,
                      "structured_requests": sum(p.constraint is not None for p in prompts),
-                     "structured_valid": None if not checked else sum(checked) / len(checked),
+                     "structured_valid": None if not sent else sum(sent) / len(sent),
+                     "structured_valid_all": None if not checked else sum(v for _, v in checked) / len(checked),
                      "endpoint": path, "base_url": base, "interrupted": doc["interrupted"],
                      "goodput_bounds": goodput, "started_at": time.time()}
     print(format_table(res, metrics, percentiles), file=out)

@@ -38,7 +38,7 @@ def test_regex_and_choice_datasets_and_the_ratio(tok):
     assert {p.category for p in choice} == {"choice"}
     assert all(p.constraint == {"guided_choice": ["a", "b", "c", "d"]} for p in choice)
     half = structured_prompts(tok, "regex", 20, seed=1, ratio=0.5)
-    assert sum(p.constraint is not None for p in half) == 10
+    assert sum(p.constraint is not None for p in half) == 10 and all(p.language for p in half)
     trace = build_trace(half, np.zeros(20), "completion", {"temperature": 0}, "s-")
     assert all(t.extra.get("temperature") == 0 for t in trace)
     assert [("guided_regex" in t.extra) for t in trace] == [p.constraint is not None for p in half]
