@@ -91,6 +91,7 @@ class Dispatcher:
         self.max_resumes, self.dead_after_s, self.park_s = max_resumes, dead_after_s, park_s
         self.on_batch, self.on_migration = on_batch, on_migration
         self.on_arrival, self.on_instances = on_arrival, on_instances
+        self.default_decoding = "threshold"  # the replicas' decoding rule, for requests that name none (the front's)
         self.learning = learning
         self.instances: dict[int, InstanceLink] = {}
         self.by_replica: dict[str, int] = {}
@@ -308,6 +309,7 @@ class Dispatcher:
         # the governor counts a request whose SLO the client set; a client-fixed threshold is never the router's
         state = RequestState(req_id, now, now + slo_s, prompt_tokens, canvas_tokens, self.block_tokens, priority,
                              self.full_sequence, fixed_threshold=threshold, counted=slo_ms is not None)
+        state.decoding = params.decoding or self.default_decoding  # the rule whose knob the router moves
         live = LiveRequest(req_id, list(prompt_ids), max_tokens, state, asyncio.Queue(), now,
                      OutputText(self.decode, stop), params, canvas)
         if threshold is not None:

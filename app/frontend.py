@@ -88,6 +88,8 @@ class Frontend:
             self._planner = planner
         self.completions = CompletionService(cfg, self.model_cfg, self.tokenizer, self.dispatcher, self.gate,
                                              self.metrics, self.outcomes, self._planner)
+        # the replicas' decoding rule (the server's over the checkpoint's): the router moves its knob
+        self.dispatcher.default_decoding = self.completions.decoding_base.name
         self.started = time.time()
         self.gc_pauses = gc_pauses.PauseTimer(self.metrics.collected)
         if tune_process:

@@ -100,6 +100,9 @@ class RequestState:
     migrations: int = 0
     # the cluster driver's (cluster/driver.py)
     fixed_threshold: float | None = None  # the client's own threshold: the router never changes it
+    # the request's decoding rule (engine.decoding.RULES): the router's threshold is its candidate level, which
+    # the rule turns into its own knob (cluster.thresholds.knob_for); steps are estimated for that knob
+    decoding: str = "threshold"
     attempt: int = 0  # placements so far: progress or arrivals of an older attempt are stale
     counted: bool = True  # its SLO counts in the admission governor's attainment (the client set it)
     epoch: int = -1  # the governor's epoch it was admitted in (-1: not counted)

@@ -4,13 +4,51 @@ Candidate thresholds are kept highest first; a request's allowed set is
 always a suffix ``thresholds[cap:]`` (lower thresholds mean fewer steps and
 less load, so whenever a threshold fits, every lower one fits too), and the
 lowest threshold is always allowed.
+
+Every decoding rule is under this control, not only the threshold rule: a
+candidate threshold is a *level* on one scale for all rules (higher: slower
+and more careful), and a request's rule turns the level it is given into its
+own knob, monotonically in its slower direction as the level rises
+(``engine.decoding`` rules' ``knob_at``; ``knob_for`` here): the threshold
+itself for ``threshold``, ``joint_threshold``, ``hierarchical`` and
+``credit``; gamma = -ln(level) for ``entropy_bound``; k = round(8 (1 -
+level)), at least 1, for ``low_confidence``. So Alg. 1 and Alg. 2 pick a
+level exactly as they pick a threshold, a lower level under load moves every
+rule's knob in its faster direction (a lower threshold, a higher gamma or
+k), and the step estimates per candidate are the request's rule's at the
+knob of each level (``RequestState.decoding``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cluster.estimator import feature_row
 from cluster.state import RequestState
+from predictors.features import decoding_columns, rule_knob
+
+
+def knob_for(rule: str, level: float) -> float:
+    """The knob of decoding rule ``rule`` (a registered name) at the router's candidate ``level``."""
+    return rule_knob(rule, level)
+
+
+def rule_knobs(rule: str, levels: Sequence[float]) -> tuple[float, ...]:
+    """``knob_for`` of each candidate level (the router's thresholds, highest first)."""
+    return tuple(knob_for(rule, t) for t in levels)
+
+
+def decoding_row(state: RequestState, level: float) -> list[float]:
+    """A decoding-aware step model's row of ``state`` at candidate ``level``: its step features
+    (``cluster.estimator.feature_row``) and then its rule's code and knob at the level
+    (``predictors.features.RULE_FEATURES``). ``FeatureStepEstimator(model, thresholds, row=decoding_row)``
+    asks such a model about every candidate for the request's own rule."""
+    return feature_row(state, level) + decoding_columns(state.decoding, level)
+
+
+def request_knob(req: RequestState) -> float | None:
+    """The knob the request's rule decodes with at its current threshold (None before the router chose one)."""
+    return None if req.threshold is None else knob_for(req.decoding, req.threshold)
 
 
 def choose_threshold(est: Sequence[float], cap: int, budget_ms: float, step_ms: float,

@@ -2,8 +2,12 @@
 
 The sequence decides *what* its next step is (prefill a prompt block, denoise
 its current block, recompute the full sequence or take a cached step); the
-scheduler decides *whether* it runs this round. Unmasking rules only see
-confidences; the sequence only reports whether a block or the request is done.
+scheduler decides *whether* it runs this round. Its decoding rule (engine/decoding/)
+sees one ``BlockStep`` of the current block per step (the proposals, the statistics
+it needs, its per-block state) and answers a ``Decision`` (commits, edits, done),
+which the sequence writes to the canvas; the sequence reports whether a block or
+the request is done, publishes only final tokens (``output_ids``) and can hand its
+block's state to another engine (``resume_state``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,14 @@
   builds them after each step (``state_row``), they travel to the ingress as
   they are (``app.protocol``), and the router's step estimators turn them back
   into model rows (``cluster.estimator.feature_row``).
+- Decoding rule (``RULE_FEATURES``): a decoding-aware step model's rows carry
+  two more columns after the eleven, the request's rule (``rule_code``) and
+  its knob at the row's threshold (the router's candidate level, turned into
+  the rule's knob by ``knob_at``), so it learns steps as a function of (rule,
+  knob). ``with_decoding`` appends them; a model trained on the eleven alone
+  reads the first eleven columns of a wider row (``predictors.step``), and for
+  the threshold rule the extra columns say nothing new (its knob is the
+  threshold).
 
 numpy; torch only inside the functions on a step's tensors (``confidence_stats``,
 ``expected_blocks``), so the router, which never imports torch, shares
@@ -17,6 +25,7 @@ numpy; torch only inside the functions on a step's tensors (``confidence_stats``
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -28,6 +37,11 @@ if TYPE_CHECKING:
 
 ADMISSION_FEATURES = ("words", "newlines", "tokens", "threshold")
 DEFAULT_THRESHOLD = 0.9
+RULE_FEATURES = ("rule", "knob")  # after STEP_FEATURES in a decoding-aware step model's rows
+# each rule's code in the "rule" column: fixed, never reordered (trained models read them); a rule not listed
+# gets a stable code of its own from its name (``rule_code``)
+RULE_CODES = ("threshold", "dynamic", "low_confidence", "joint_threshold", "entropy_bound", "hierarchical",
+              "credit")
 
 
 class StepFeatures(NamedTuple):
@@ -134,6 +148,42 @@ def with_thresholds(rows: np.ndarray, thresholds: Sequence[float]) -> np.ndarray
     out = np.repeat(rows, m, axis=0)
     out[:, 0] = np.tile(np.asarray(thresholds, dtype=np.float64), len(rows))
     return out
+
+
+def rule_code(rule: str) -> float:
+    """The "rule" column's value for decoding rule ``rule``: its index in ``RULE_CODES``, or for a rule not
+    listed there 100 + a stable hash of its name below 900 (never one of the listed codes)."""
+    if rule in RULE_CODES:
+        return float(RULE_CODES.index(rule))
+    import zlib
+
+    return float(100 + zlib.crc32(rule.encode()) % 900)
+
+
+@functools.lru_cache(maxsize=64)
+def _rule(name: str):
+    from engine.decoding import make_rule
+
+    return make_rule(name)
+
+
+def rule_knob(rule: str, level: float) -> float:
+    """Decoding rule ``rule``'s knob at the router's candidate ``level`` (a threshold; ``knob_at``)."""
+    return float(_rule(rule).knob_at(level))
+
+
+def decoding_columns(rule: str, level: float) -> list[float]:
+    """The ``RULE_FEATURES`` columns of a row of a request decoded by ``rule`` at the router's candidate
+    ``level`` (a threshold): the rule's code and its knob at that level."""
+    return [rule_code(rule), rule_knob(rule, level)]
+
+
+def with_decoding(rows: np.ndarray, rule: str) -> np.ndarray:
+    """Rows of STEP_FEATURES (threshold first: the candidate level) with the ``RULE_FEATURES`` columns of
+    ``rule`` appended: shape [n, 13]."""
+    rows = np.atleast_2d(np.asarray(rows, dtype=np.float64))
+    extra = np.array([decoding_columns(rule, float(t)) for t in rows[:, 0]]).reshape(len(rows), 2)
+    return np.concatenate([rows[:, : len(STEP_FEATURES)], extra], axis=1)
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:

@@ -1,6 +1,9 @@
 """The step predictor (DiLaServe): a gradient-boosted model on the eleven
 step features (``features.STEP_FEATURES``) predicting a request's remaining
-denoising steps, asked once per candidate threshold.
+denoising steps, asked once per candidate threshold. Trained on rows with the
+two decoding-rule columns appended (``features.RULE_FEATURES``: the rule and
+its knob), it learns steps as a function of (rule, knob); a model trained on
+the eleven alone reads the first eleven columns of any wider row.
 
 Online use: re-predict every ``interval`` steps from the request's current
 state and count down in between. ``choose_interval`` picks the coarsest
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from predictors.features import with_thresholds
+from predictors.features import with_decoding, with_thresholds
 
 PARAMS = {"objective": "regression", "num_leaves": 31, "learning_rate": 0.08, "min_data_in_leaf": 20,
           "verbose": -1, "num_threads": 1, "deterministic": True, "seed": 0}
@@ -35,17 +38,30 @@ class StepPredictor:
         data = lgb.Dataset(np.asarray(rows, dtype=np.float64), np.log(np.asarray(remaining, dtype=np.float64)))
         return cls(lgb.train({**PARAMS, "seed": seed}, data, num_boost_round=TREES))
 
+    @property
+    def width(self) -> int:
+        """The columns the model was trained on (11: the step features; 13: with the decoding rule's)."""
+        return int(self.booster.num_feature())
+
     def predict_rows(self, rows: np.ndarray) -> np.ndarray:
-        """Remaining steps (>= 1) for state rows that carry their own threshold."""
+        """Remaining steps (>= 1) for state rows that carry their own threshold (and, for a decoding-aware
+        model, their rule and knob; columns past the model's width are not read)."""
         rows = np.asarray(rows, dtype=np.float64)
         if not len(rows):
             return np.zeros(0)
+        rows = np.atleast_2d(rows)
+        if rows.shape[1] > self.width:
+            rows = rows[:, : self.width]
         return np.maximum(np.exp(self.booster.predict(rows, num_threads=1)), 1.0)
 
-    def predict(self, rows: np.ndarray, thresholds: Sequence[float]) -> np.ndarray:
-        """[n, m]: remaining steps of each request under each candidate threshold."""
+    def predict(self, rows: np.ndarray, thresholds: Sequence[float], rule: str | None = None) -> np.ndarray:
+        """[n, m]: remaining steps of each request under each candidate threshold (a level: with ``rule``,
+        the rule's knob at it, ``features.with_decoding``)."""
         rows = np.atleast_2d(np.asarray(rows, dtype=np.float64))
-        return self.predict_rows(with_thresholds(rows, thresholds)).reshape(len(rows), len(thresholds))
+        asked = with_thresholds(rows, thresholds)
+        if rule is not None:
+            asked = with_decoding(asked, rule)
+        return self.predict_rows(asked).reshape(len(rows), len(thresholds))
 
     def save(self, path: str | Path) -> None:
         self.booster.save_model(str(path))

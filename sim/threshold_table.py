@@ -13,6 +13,12 @@ step, as the router chose it (``step_thresholds`` maps a schedule over
 progress to the model's own steps): that is how mixed-threshold requests of
 the cluster simulator get real answers (see sim/cluster.py). Results are
 memoised per process, so policies that made the same choices share them.
+
+Tables are per decoding rule (``rule``, ``config``): a candidate threshold is the router's level, which
+the rule turns into its own knob (``engine.decoding`` rules' ``knob_at``: the threshold rule's is the
+threshold itself, ``entropy_bound``'s gamma = -ln(level), ...), so a rule's table holds its rounds and
+answers at the knob of each level, and the simulator's steps follow (rule, knob). The ``threshold``
+rule's table is today's (same key, same cache file).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class ThresholdTable:
     categories: tuple[str, ...]
     rounds: tuple[tuple[int, ...], ...]  # [prompt][threshold]
     correct: tuple[tuple[bool, ...], ...]  # [prompt][threshold]
+    decoding: str = "threshold"  # the decoding rule the rounds were measured with (thresholds: its levels)
+    config: tuple[tuple[str, object], ...] = ()  # the rule's other settings (sorted items)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -41,40 +49,60 @@ class ThresholdTable:
     def accuracy(self, ti: int) -> float:
         return sum(c[ti] for c in self.correct) / len(self.correct)
 
+    def knobs(self) -> tuple[float, ...]:
+        """The rule's knob at each of the table's thresholds (levels)."""
+        from engine.decoding import make_rule
+
+        rule = make_rule(self.decoding, **dict(self.config))
+        return tuple(rule.knob_at(t) for t in self.thresholds)
+
     def to_dict(self) -> dict:
-        return {"model": self.model, "thresholds": self.thresholds, "prompts": self.prompts,
-                "categories": self.categories, "rounds": self.rounds, "correct": self.correct}
+        out = {"model": self.model, "thresholds": self.thresholds, "prompts": self.prompts,
+               "categories": self.categories, "rounds": self.rounds, "correct": self.correct}
+        if self.decoding != "threshold" or self.config:
+            out.update(decoding=self.decoding, config=dict(self.config))
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> ThresholdTable:
         return cls(d["model"], tuple(d["thresholds"]), tuple(d["prompts"]), tuple(d["categories"]),
-                   tuple(tuple(r) for r in d["rounds"]), tuple(tuple(bool(x) for x in c) for c in d["correct"]))
+                   tuple(tuple(r) for r in d["rounds"]), tuple(tuple(bool(x) for x in c) for c in d["correct"]),
+                   d.get("decoding", "threshold"), tuple(sorted((d.get("config") or {}).items())))
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("REMASK_CACHE_DIR") or Path.home() / ".cache" / "remask")
 
 
-def _key(model: str, n: int, seed: int, thresholds: tuple[float, ...]) -> str:
+def _key(model: str, n: int, seed: int, thresholds: tuple[float, ...], rule: str = "threshold",
+         config: dict | None = None) -> str:
     from engine.loading import resolve_model
 
     path = resolve_model(model)
-    h = hashlib.sha256(f"{model}|{n}|{seed}|{thresholds}|v1".encode())
+    text = f"{model}|{n}|{seed}|{thresholds}|v1"
+    if rule != "threshold" or config:  # the threshold rule's key (and cache file) is today's
+        text += f"|{rule}|{json.dumps(config or {}, sort_keys=True)}"
+    h = hashlib.sha256(text.encode())
     for f in sorted(path.glob("*")):
         h.update(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}".encode())
     return h.hexdigest()[:16]
 
 
 def load_table(model: str = "tiny-bd", n: int = 400, seed: int = 2026,
-               thresholds: tuple[float, ...] = THRESHOLDS, progress: bool = False) -> ThresholdTable:
-    """The cached table, built on first use."""
-    path = cache_dir() / f"threshold-table-{model}-{_key(model, n, seed, thresholds)}.json"
+               thresholds: tuple[float, ...] = THRESHOLDS, progress: bool = False, rule: str = "threshold",
+               config: dict | None = None) -> ThresholdTable:
+    """The cached table of decoding rule ``rule`` (configured by ``config``), built on first use."""
+    if rule != "threshold" or config:
+        from engine.decoding import make_rule
+
+        make_rule(rule, **(config or {}))  # a bad rule fails before anything is built
+    path = cache_dir() / f"threshold-table-{model}-{_key(model, n, seed, thresholds, rule, config)}.json"
     if path.exists():
         try:
             return ThresholdTable.from_dict(json.loads(path.read_text()))
         except (KeyError, TypeError, ValueError):
             pass  # rebuild a corrupt cache file
-    table = build_table(model, n, seed, thresholds, progress)
+    table = build_table(model, n, seed, thresholds, progress, rule, config)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(table.to_dict()))
@@ -82,12 +110,24 @@ def load_table(model: str = "tiny-bd", n: int = 400, seed: int = 2026,
     return table
 
 
-def build_table(model: str, n: int, seed: int, thresholds: tuple[float, ...], progress: bool = False) -> ThresholdTable:
-    import tasksuite as tasks
+def _engine(model: str, max_slots: int, rule: str, config: tuple | dict):
     from engine.loading import load_engine
+
+    if rule == "threshold" and not config:
+        return load_engine(model, max_slots=max_slots)
+    from engine.decoding import make_rule
+
+    return load_engine(model, max_slots=max_slots, rule=make_rule(rule, **dict(config)))
+
+
+def build_table(model: str, n: int, seed: int, thresholds: tuple[float, ...], progress: bool = False,
+                rule: str = "threshold", config: dict | None = None) -> ThresholdTable:
+    """Each prompt decoded by ``rule`` at each threshold (the request's level: the rule decodes with its
+    knob at it)."""
+    import tasksuite as tasks
     from engine.sequence import SamplingParams
 
-    engine = load_engine(model, max_slots=64)
+    engine = _engine(model, 64, rule, config or {})
     examples = tasks.heldout_set(n, seed)
     rounds, correct = [[] for _ in examples], [[] for _ in examples]
     for t in thresholds:
@@ -97,7 +137,7 @@ def build_table(model: str, n: int, seed: int, thresholds: tuple[float, ...], pr
             correct[i].append(ex.check(out.text))
     return ThresholdTable(model, tuple(thresholds), tuple(e.prompt for e in examples),
                           tuple(e.category for e in examples), tuple(tuple(r) for r in rounds),
-                          tuple(tuple(c) for c in correct))
+                          tuple(tuple(c) for c in correct), rule, tuple(sorted((config or {}).items())))
 
 
 def threshold_at(schedule: list[tuple[float, float]], progress: float) -> float:
@@ -129,12 +169,11 @@ def replay(table: ThresholdTable, jobs: list[tuple[int, tuple[float, ...]]], mod
     """Decode prompt ``jobs[k][0]`` of the table with threshold ``jobs[k][1][i]`` at its i-th decoding
     step (the last one repeating); returns whether each answer is right."""
     import tasksuite as tasks
-    from engine.loading import load_engine
     from engine.sequence import SamplingParams
 
     if not jobs:
         return []
-    engine = load_engine(model or table.model, max_slots=max_slots)
+    engine = _engine(model or table.model, max_slots, table.decoding, table.config)
     live, done = [], {}
     for k, (p, steps) in enumerate(jobs):
         live.append((k, p, steps, engine.add_request(table.prompts[p], SamplingParams(threshold=steps[0]))))

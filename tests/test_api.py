@@ -651,6 +651,8 @@ IMPLEMENTED = {
              *STRUCTURED_FIELDS, "response_format", "tools", "tool_choice", "parallel_tool_calls", "decoding",
              "decoding_config"},
 }
+DECODING = {"decoding", "decoding_config"}  # Remask's decoding rule per request (engine/decoding/)
+IMPLEMENTED = {kind: fields | DECODING for kind, fields in IMPLEMENTED.items()}
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])

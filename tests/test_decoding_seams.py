@@ -149,6 +149,7 @@ async def _front_and_replica(engine, model: str = "tiny-bd"):
     fe = Frontend(AppConfig(engine={"model": model, "slots": 4}, router={"predictors": "off"}))
     await fe.dispatcher.connect("r0", 1, **rep.info())
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_web(lambda: fe)), base_url="http://front")
+    client.front = fe
     return client, rep
 
 
@@ -290,6 +291,7 @@ def test_the_llada21_fixture_is_served_with_joint_threshold_end_to_end(llada21):
 
     async def main():
         client, rep = await _front_and_replica(engine, str(llada21))
+        assert client.front.dispatcher.default_decoding == "joint_threshold"  # the rule whose knob the router moves
         try:
             # a threshold near 0 commits a block in one step (random weights are never confident), then edits
             chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16, "temperature": 0,
@@ -307,3 +309,57 @@ def test_the_llada21_fixture_is_served_with_joint_threshold_end_to_end(llada21):
             rep.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["joint_threshold", "credit"])
+def test_a_failover_carries_the_block_state_and_ends_as_the_uninterrupted_run(tiny_bd, rule):
+    """Through the ingress: a request whose instance is lost in the middle of a block is resumed on the other
+    with its committed tokens and the block's state from its last step item (canvas, counters, the rule's
+    state: joint_threshold's edits, credit's credit), and ends with the uninterrupted run's text."""
+    import time as clock
+
+    from app.replica import ReplicaServer
+    from engine.engine import Engine
+    from engine.instance import Instance
+    from tests.builders import collect, make_dispatcher, submit
+
+    p = dataclasses.replace(params(rule, True, max_tokens=32), threshold=0.7)
+    want = Engine(tiny_bd.model, tiny_bd.tokenizer, max_slots=4).generate([PROMPTS[0]], p)[0].text
+
+    def replica(slow: bool):
+        inst = Instance(Engine(tiny_bd.model, tiny_bd.tokenizer, max_slots=4), slots=4)
+        if slow:  # rounds slow enough for the test to catch the request inside a block
+            step = inst.step
+            inst.step = lambda only=None: (clock.sleep(0.03), step(only))[1]
+        return ReplicaServer(inst, tick_s=0.2)
+
+    async def main():
+        reps = [replica(True), replica(True)]
+        d = make_dispatcher()
+        for i, r in enumerate(reps):
+            await d.connect(f"f{i}", 1, **r.info())
+        sent = []
+        for inst in d.instances.values():
+            inst.link.send = (lambda send: lambda msg: (sent.append(msg), send(msg))[1])(inst.link.send)
+        stream = submit(d, "q", PROMPTS[0], 32, threshold=0.7, sampling={
+            "temperature": 1.0, "seed": p.seed, "decoding": rule, "decoding_config": p.decoding_config})
+        task = asyncio.ensure_future(collect(stream))
+        live = d.live["q"]
+        assert live.state.decoding == rule  # the router moves this rule's knob
+        deadline = clock.monotonic() + 30
+        while not (live.resume is not None and live.committed and live.resume.step_in_block >= 1
+                   and any(t >= 0 for t in live.resume.tail)):
+            assert clock.monotonic() < deadline and not task.done(), "no mid-block state to resume from"
+            await asyncio.sleep(0.002)
+        d.drop(live.state.instance, "lost (test)")
+        text, last = await task
+        for r in reps:
+            r.close()
+        return text, last, sent
+
+    text, last, sent = asyncio.run(main())
+    adds = [m for m in sent if type(m).__name__ == "Add"]
+    assert len(adds) == 2 and adds[1].resume is not None and adds[1].committed  # resumed with the block's state
+    assert adds[1].params.decoding == rule and last["type"] == "done" and last["resumes"] == 1
+    assert text == last["text"] == want

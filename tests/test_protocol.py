@@ -264,7 +264,8 @@ def test_the_router_reads_a_step_item_s_features_by_name_and_asks_the_estimator_
     (add,) = link.sent
     assert isinstance(add, Add) and add.prompt_ids == [1, 2, 3]
     state = d.router.requests["a"]
-    f = StepFeatures(add.params.threshold or 0.9, float(state.output_tokens), 0.25, 0.5, 7.0, 3.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+    f = StepFeatures(add.params.threshold or 0.9, float(state.output_tokens), 0.25, 0.5, 7.0, 3.0, 0.1, 0.2, 0.3,
+                     0.4, 0.5)
     d.handle_batch(0, decode(encode(ProgressBatch(time.time(), 1, 10.0, {"denoise": 1}, items=[
         AcceptedItem("a", 0.1, 3, add.attempt), StepItem("a", [4, 5], 1, False, features=f, attempt=add.attempt)]))))
     assert (state.progress, state.block_progress, state.blocks_left, state.step_in_block) == (0.25, 0.5, 7, 3)

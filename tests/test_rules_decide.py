@@ -231,7 +231,7 @@ def stable_logits() -> np.ndarray:
     return x * 0.5
 
 
-@pytest.mark.parametrize("t", [0.5, 0.8, 0.9, 0.95])
+@pytest.mark.parametrize("t", [0.0, 0.5, 0.8, 0.9, 0.95, 1.0])
 def test_credit_matches_dinfer_on_steady_predictions(t):
     logits = stable_logits()
     ref_commits, ref_canvas = ref_credit_block(logits, t)

@@ -9,6 +9,13 @@ from engine.argtypes import category_mix as _mix
 from engine.argtypes import thresholds as _thresholds
 
 
+def _knobs(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--knobs must be comma-separated numbers, got {text!r}") from None
+
+
 def cmd_train_default(args) -> int:
     from engine.loading import DEFAULT_MODELS, DEFAULTS_DIR
     from tools.training import average_checkpoints, train, train_default
@@ -34,10 +41,58 @@ def cmd_train_default(args) -> int:
     return 0
 
 
+def _decoding_config(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--decoding-config must be a JSON object: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--decoding-config must be a JSON object, got {text!r}")
+    return cfg
+
+
+def _eval_decoding(args) -> int:
+    from engine.decoding import make_rule
+    from engine.loading import load_engine
+    from tools.evaluate import matched_speedup, plot_frontiers, sweep_all, sweep_rule
+
+    config = _decoding_config(args.decoding_config)
+    if args.decoding != "all":
+        make_rule(args.decoding, **config)  # an unknown rule or a bad value fails before the model loads
+    elif config or args.knobs:
+        raise ValueError("--decoding all sweeps each rule's default knobs: no --decoding-config or --knobs")
+    engine = load_engine(args.model, device=args.device, cache=args.cache, max_slots=args.slots)
+    progress = not args.quiet
+    if args.decoding == "all":
+        sweeps = sweep_all(engine, n=args.n, seed=args.seed, progress=progress)
+    else:
+        sweeps = {args.decoding: sweep_rule(engine, args.decoding, config, args.knobs, n=args.n, seed=args.seed,
+                                            progress=progress)}
+    if args.plot:
+        plot_frontiers(sweeps, f"{args.model}: accuracy against forwards per token, per decoding rule", args.plot)
+    if args.json:
+        out = {"model": args.model, "n": args.n, "seed": args.seed, "sweeps": sweeps}
+        if "threshold" in sweeps and len(sweeps) > 1:
+            out["matched_speedup"] = matched_speedup(sweeps)
+        print(json.dumps(out))
+    else:
+        for label, results in sweeps.items():
+            for r in results:
+                print(f"{label:26s} {r['knob']} {r['value']:<6g}: accuracy {r['accuracy']:.3f}  mean rounds "
+                      f"{r['mean_rounds']:.2f}  forwards/token {r['forwards_per_token']:.3f}")
+    return 0
+
+
 def cmd_eval(args) -> int:
     from engine.loading import load_engine
     from tools.evaluate import evaluate
 
+    if args.decoding:
+        return _eval_decoding(args)
+    if args.decoding_config or args.knobs or args.plot:
+        raise ValueError("--decoding-config, --knobs and --plot go with --decoding")
     engine = load_engine(args.model, device=args.device, cache=args.cache, max_slots=args.slots)
     results = evaluate(engine, args.thresholds, n=args.n, seed=args.seed, progress=not args.quiet)
     if args.json:
@@ -82,4 +137,9 @@ def add_parsers(sub) -> None:
     e.add_argument("--slots", type=int, default=64)
     e.add_argument("--device", default="cpu")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.add_argument("--decoding", help="sweep this decoding rule's knob instead of thresholds ('all': every rule)")
+    e.add_argument("--decoding-config", help="the rule's other settings, a JSON object, e.g. "
+                                             "'{\"edit_threshold\": 0.5}'")
+    e.add_argument("--knobs", type=_knobs, help="the knob values to sweep (default: the rule's own sweep)")
+    e.add_argument("--plot", help="write the rules' accuracy/forwards-per-token frontiers to this PNG")
     e.set_defaults(func=cmd_eval)
