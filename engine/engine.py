@@ -225,10 +225,9 @@ class Engine:
                        committed=list(committed or ()), params=params, resume=resume,
                        stop_ids=(*(() if params.ignore_eos else self.stop_ids), *params.stop_token_ids))
         if params.constraint is not None:  # structured outputs: the grammar's guard on the canvas
-            from engine.constraints.canvas import make_guard
+            from engine.constraints.canvas import CanvasGuard, engine_grammar
 
-            seq.guard = make_guard(params.constraint, self.tokenizer, self.cfg.vocab_size,
-                                   (self.cfg.eos_token_id, *self.stop_ids), self.cfg.mask_token_id, committed or ())
+            seq.guard = CanvasGuard(engine_grammar(self, params.constraint), self.cfg.mask_token_id, committed or ())
         self.sequences[seq.seq_id] = seq
         return seq
 

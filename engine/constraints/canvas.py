@@ -207,9 +207,9 @@ _VOCABS: dict[tuple, object] = {}
 JUMP = True  # jump-forward in the engine's guards (scripts/structured_bench.py --no-jump measures without)
 
 
-def make_guard(constraint: dict, tokenizer, vocab_size: int, stop_ids, mask_id: int, committed=()) -> CanvasGuard:
-    """A request's guard from its ``SamplingParams.constraint``: compiled once per distinct spec and
-    vocabulary (``compile_cached``), its state rebuilt from the ``committed`` output tokens (a resume)."""
+def compile_for(constraint: dict, tokenizer, vocab_size: int, stop_ids) -> Grammar:
+    """A ``SamplingParams.constraint`` compiled for a model's vocabulary, once per distinct spec and vocabulary
+    (``compile_cached``): a replica calls it as an add arrives, so its round loop finds it compiled."""
     from engine.constraints.grammar import Vocab, compile_cached
     from engine.constraints.spec import ConstraintSpec
 
@@ -218,7 +218,19 @@ def make_guard(constraint: dict, tokenizer, vocab_size: int, stop_ids, mask_id: 
     vocab = _VOCABS.get(key)
     if vocab is None:
         vocab = _VOCABS[key] = Vocab.of(tokenizer, vocab_size, stops)
-    return CanvasGuard(compile_cached(ConstraintSpec.from_dict(constraint), vocab), mask_id, committed)
+    return compile_cached(ConstraintSpec.from_dict(constraint), vocab)
+
+
+def engine_grammar(engine, constraint: dict) -> Grammar:
+    """``compile_for`` with an ``engine.engine.Engine``'s tokenizer, vocabulary width and stop ids."""
+    return compile_for(constraint, engine.tokenizer, engine.cfg.vocab_size, (engine.cfg.eos_token_id,
+                                                                             *engine.stop_ids))
+
+
+def make_guard(constraint: dict, tokenizer, vocab_size: int, stop_ids, mask_id: int, committed=()) -> CanvasGuard:
+    """A request's guard from its ``SamplingParams.constraint`` (``compile_for``), its state rebuilt from the
+    ``committed`` output tokens (a resume)."""
+    return CanvasGuard(compile_for(constraint, tokenizer, vocab_size, stop_ids), mask_id, committed)
 
 
 def frontier_row(guard: CanvasGuard, positions: np.ndarray, out_start: int) -> int | None:
