@@ -199,3 +199,16 @@ def test_a_replica_refuses_a_constraint_it_cannot_compile_and_goes_on():
     (_, refused), (text, good) = asyncio.run(main())
     assert refused["type"] == "error" and refused["status"] == 400 and "constraint" in refused["message"]
     assert good["type"] == "done" and text in ("b", "c")
+
+
+def test_sampled_tokens_keep_the_text_valid(tiny):
+    """With temperature the frontier's token is drawn from the grammar-masked distribution (the runner masks
+    the row before sampling), and the provisional ones are checked as with greedy decoding."""
+    exs = prose(3)
+    specs = [ConstraintSpec("regex", _prose_pattern(ex.prompt.split()[1], int(ex.prompt.split()[2])).pattern)
+             for ex in exs]
+    outs = run(tiny, [ex.prompt for ex in exs], [SamplingParams(max_tokens=168, threshold=0.5, temperature=1.0,
+                                                                seed=7 + i, constraint=s.to_dict())
+                                                 for i, s in enumerate(specs)])
+    for spec, (out, _) in zip(specs, outs):
+        assert out.finish_reason == "stop" and re.fullmatch(spec.value, out.text), out.text
