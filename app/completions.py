@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app import api
 from app.api.schemas import INT64_MIN
+from app.api.structured import ToolCallStream, parse_tool_calls, tool_call
 from app.auth import ApiKey
 from app.config import AppConfig
 from app.gate import Gate, client_address
@@ -84,6 +85,7 @@ class CompletionService:
         self.chars_per_token = chars_per_token(tokenizer)  # the cheap length check before tokenizing
         self.max_model_len = min(cfg.http.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
+        self._vocab = None  # the grammar engine's view of the vocabulary (built on the first constraint)
         self._decoding_base = None  # the server's decoding rule (``decoding_base``), made on first use
 
     @property
@@ -155,6 +157,8 @@ class CompletionService:
         if req.kind == "chat":
             template = req.chat_template or self.cfg.http.chat_template
             kw = {"chat_template": template} if template else {}
+            if req.tools.tools:  # the template's ``tools`` variable, where it has one
+                kw["tools"] = req.tools.tools
             try:
                 return [self.tokenizer.chat_ids(req.messages, b, add_generation_prompt=req.add_generation_prompt,
                                                 **kw)]
@@ -164,6 +168,29 @@ class CompletionService:
                 raise api.invalid(f"The chat template failed to render the messages: {exc}",
                                   param="chat_template", code="invalid_chat_template") from None
         return [self.tokenizer.completion_ids(p, b) for p in req.prompts]
+
+    def vocab(self):
+        """The grammar engines' view of the model's vocabulary (its stop ids end a constrained text)."""
+        if self._vocab is None:
+            from engine.constraints import Vocab
+
+            tok = self.tokenizer
+            stops = getattr(tok, "stop_ids", None) or (tok.eos_token_id,)
+            self._vocab = Vocab.of(tok, self.model_cfg.vocab_size, stops)
+        return self._vocab
+
+    def check_constraint(self, req: api.GenRequest) -> None:
+        """Compile the request's constraint (once per distinct one: ``engine.constraints.compile_cached``); a
+        400 naming its field when it does not compile. Runs off the event loop."""
+        if req.constraint is None:
+            return
+        from engine.constraints import GrammarError, compile_cached
+
+        try:
+            compile_cached(req.constraint, self.vocab())
+        except GrammarError as err:
+            param = err.param or req.constraint.param
+            raise api.invalid(f"Invalid '{param}': {err}", param=param, code="invalid_constraint") from None
 
     def context_room(self, req: api.GenRequest) -> int:
         """Prompt tokens the model's context leaves beside the request's canvas (whole blocks)."""
@@ -215,6 +242,8 @@ class CompletionService:
             out["ignore_eos"] = True
         if req.logprobs:
             out["logprobs"] = True
+        if req.constraint is not None:
+            out["constraint"] = req.constraint.to_dict()
         if req.decoding is not None:  # the request's own rule (vLLM-style extra fields), over the server's
             out["decoding"] = req.decoding
         if req.decoding_config is not None:
@@ -266,6 +295,8 @@ class CompletionService:
         streams: list = []
         try:
             req = self.parse(kind, await self.gate.body(request), key, rid)
+            if req.constraint is not None:
+                await asyncio.to_thread(self.check_constraint, req)
             prompts = await asyncio.to_thread(self.prompt_ids, req)
             for ids in prompts:
                 self.check_prompt(ids, req, key)
@@ -338,7 +369,15 @@ class CompletionService:
             if req.logprobs else None
         if req.kind == "completion":
             return api.completion_response(req, choices, prompt_tokens, completion_tokens, logprobs)
-        return api.chat_choices_response(req, choices, prompt_tokens, completion_tokens, logprobs)
+        calls = None
+        if req.tools.choice != "none":  # tool calls out of each answer's text
+            calls, shaped = [], []
+            for text, reason in choices:
+                content, found = parse_tool_calls(text, req.tools)
+                calls.append([tool_call(name, args) for name, args in found])
+                shaped.append((content if found else text, "tool_calls" if found and reason == "stop" else reason))
+            choices = shaped
+        return api.chat_choices_response(req, choices, prompt_tokens, completion_tokens, logprobs, calls)
 
     def logprobs(self, req: api.GenRequest, ids: list[int], logprobs: list, text: str | None = None,
                  offset: int = 0) -> dict:
@@ -390,6 +429,8 @@ class CompletionService:
         open_, dones, failed = len(streams), {}, False
         offsets = [len(e) for e in echoes] if echoes else [0] * len(streams)  # each choice's text so far
         gap, errors = self.metrics.gap_timer(), 0
+        # chat with tools: each choice's text becomes content or tool-call deltas
+        calls = [ToolCallStream(req.tools) for _ in streams] if chat and req.tools.choice != "none" else None
         try:
             for index in range(len(streams)):
                 if chat:
@@ -406,14 +447,26 @@ class CompletionService:
                     if req.logprobs and "token_ids" in event:
                         lp = self.logprobs(req, event["token_ids"], event["logprobs"], offset=offsets[index])
                         offsets[index] += sum(len(t) for t in lp.get("tokens", ()))
+                    if calls is not None:
+                        for delta in calls[index].push(event["text"]):
+                            yield api.sse(api.chat_chunk(req, delta.get("content"), index=index,
+                                                         tool_calls=delta.get("tool_calls")))
+                        continue
                     yield api.sse(api.chat_chunk(req, event["text"], index=index, logprobs=lp) if chat
                                   else api.completion_chunk(req, event["text"], index=index, logprobs=lp))
                 elif event["type"] == "canvas":
                     yield api.sse(api.canvas_chunk(req, event["canvas"], index=index))
                 elif event["type"] == "done":
                     dones[index] = event
-                    yield api.sse(api.chat_chunk(req, finish_reason=event["finish_reason"], index=index) if chat
-                                  else api.completion_chunk(req, "", event["finish_reason"], index=index))
+                    reason = event["finish_reason"]
+                    if calls is not None:
+                        for delta in calls[index].finish():
+                            yield api.sse(api.chat_chunk(req, delta.get("content"), index=index,
+                                                         tool_calls=delta.get("tool_calls")))
+                        if calls[index].calls and reason == "stop":
+                            reason = "tool_calls"
+                    yield api.sse(api.chat_chunk(req, finish_reason=reason, index=index) if chat
+                                  else api.completion_chunk(req, "", reason, index=index))
                 elif event["type"] == "error":
                     failed = True
                     errors += 1

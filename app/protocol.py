@@ -48,9 +48,9 @@ from engine.progress import AcceptedItem, Done, ErrorItem, Item, ProgressBatch, 
 from predictors.features import STEP_FEATURES, StepFeatures
 
 # of this protocol (1: the untyped dicts before it; 2: an add's max_tokens, threshold and sampling apart; 3: one
-# ``params``, the engine's SamplingParams, with the decoding rule, and the resume state); bump it with any change a
-# peer would misread
-VERSION = 3
+# ``params``, the engine's SamplingParams, with the decoding rule, and the resume state; 4: the params' structured-
+# output constraint); bump it with any change a peer would misread
+VERSION = 4
 
 # the op names: nothing else in the tree spells them
 HELLO = "hello"
@@ -269,7 +269,8 @@ class _Record:
 _DONE = _Record(Done, finish_reason=_STR, rounds=_INT, completion_tokens=_INT)
 _SAMPLING = _Record(SamplingParams, max_tokens=_optional(_INT), threshold=_optional(_FLOAT), cache=_optional(_STR),
                     temperature=_FLOAT, top_p=_FLOAT, top_k=_INT, seed=_optional(_INT), stop_token_ids=_ID_TUPLE,
-                    ignore_eos=_BOOL, logprobs=_BOOL, decoding=_optional(_STR), decoding_config=_optional(_OBJECT))
+                    ignore_eos=_BOOL, logprobs=_BOOL, decoding=_optional(_STR), decoding_config=_optional(_OBJECT),
+                    constraint=_optional(_OBJECT))
 _RESUME = _Record(Resume, tail=_IDS, step_in_block=_INT, masked_at_start=_INT, state=_OBJECT, logprobs=_FLOATS)
 
 # progress items: their kind (an array's first value) and record

@@ -150,6 +150,13 @@ class ReplicaServer:
             return self._refuse_add(conn_id, rid, "this replica is shutting down", 429, msg.attempt)
         if not self._claim(conn_id, rid):
             return
+        if msg.params.constraint is not None:  # compiled here (once per schema), not in the round loop
+            from engine.constraints.canvas import engine_grammar
+
+            try:
+                engine_grammar(self.loop.instance.engine, msg.params.constraint)
+            except Exception as exc:  # a constraint this replica cannot compile: refused, the channel goes on
+                return self.loop.reject(rid, f"malformed request: constraint: {exc}", 400, msg.attempt)
         try:
             self.loop.put(msg)  # the engine's own command (engine/commands.py): its deadline from slo_left_s
         except Overloaded as exc:

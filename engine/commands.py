@@ -49,6 +49,9 @@ class SamplingParams:
     # engine's rule.
     decoding: str | None = None
     decoding_config: dict[str, Any] | None = None
+    # structured outputs: what the text must be (``engine.constraints.ConstraintSpec.to_dict()``), enforced on
+    # the canvas by the sequence's grammar guard (engine/constraints/canvas.py); None: any text
+    constraint: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(self.stop_token_ids)  # a JSON list is welcome
@@ -81,6 +84,10 @@ class SamplingParams:
             raise ValueError(f"decoding must be a rule's name (a string), got {self.decoding!r}")
         if self.decoding_config is not None and not isinstance(self.decoding_config, dict):
             raise ValueError(f"decoding_config must be an object, got {self.decoding_config!r}")
+        if self.constraint is not None:
+            from engine.constraints.spec import ConstraintSpec
+
+            ConstraintSpec.from_dict(self.constraint)  # a ValueError naming what is wrong
 
     _CONVERT = {"max_tokens": int, "threshold": float, "temperature": float, "top_p": float, "top_k": int,
                 "seed": int}
@@ -108,7 +115,7 @@ class SamplingParams:
                     if not isinstance(v, str):
                         raise TypeError(f"expected a string, got {type(v).__name__}")
                     kw[k] = v
-                else:  # decoding_config
+                else:  # decoding_config, constraint
                     if not isinstance(v, dict):
                         raise TypeError(f"expected an object, got {type(v).__name__}")
                     kw[k] = dict(v)

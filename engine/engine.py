@@ -224,6 +224,10 @@ class Engine:
                        prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
                        committed=list(committed or ()), params=params, resume=resume,
                        stop_ids=(*(() if params.ignore_eos else self.stop_ids), *params.stop_token_ids))
+        if params.constraint is not None:  # structured outputs: the grammar's guard on the canvas
+            from engine.constraints.canvas import CanvasGuard, engine_grammar
+
+            seq.guard = CanvasGuard(engine_grammar(self, params.constraint), self.cfg.mask_token_id, committed or ())
         self.sequences[seq.seq_id] = seq
         return seq
 
@@ -285,8 +289,10 @@ class Engine:
         rows = [seq.decode_rows(inp) for seq, inp in zip(plan, inputs)]
         sampling = [seq.decode_sampling() if r is not None else None for seq, r in zip(plan, rows)]
         stats = [seq.decode_stats() if r is not None else None for seq, r in zip(plan, rows)]
+        allowed = [seq.decode_allowed() if r is not None else None for seq, r in zip(plan, rows)]
         return self.runner.run(ran, rows, sampling if any(s is not None for s in sampling) else None,
-                               stats if any(s is not None for s in stats) else None)
+                               stats if any(s is not None for s in stats) else None,
+                               allowed=allowed if any(a is not None for a in allowed) else None)
 
     def _postprocess(self, plan: list[Sequence], inputs: list[StepInput], ran: list[StepInput],
                      outputs: list) -> list[StepReport]:

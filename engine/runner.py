@@ -119,7 +119,8 @@ class TorchRunner:
     @torch.inference_mode()
     def run(self, inputs: list[StepInput], rows: list[torch.Tensor | None] | None = None,
             sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None,
-            stats: list[RowStats | None] | None = None) -> list[StepOutput]:
+            stats: list[RowStats | None] | None = None,
+            allowed: list[tuple[int, torch.Tensor] | None] | None = None) -> list[StepOutput]:
         """Forward every step. ``rows``: per step, the host indices of the logits rows whose
         (confidence, token) the caller needs (None: none); they come back in ``StepOutput.top1``.
         ``sampling``: per step, None (greedy: the argmax) or (params, positions): its tokens are sampled
@@ -127,7 +128,10 @@ class TorchRunner:
         absolute position it predicts (``Sequence.decode_sampling``); None: every step is greedy.
         ``stats``: per step, what its decoding rule needs of its rows beyond (confidence, token)
         (``Sequence.decode_stats``: entropy, the canvas token's probability, a repetition penalty applied
-        first); they come back in ``StepOutput.stats``, fetched with the rest in the round's one transfer."""
+        first); they come back in ``StepOutput.stats``, fetched with the rest in the round's one transfer.
+        ``allowed``: per step, None or (row, bool [vocab]): that row (an index into the step's ``rows``) may
+        only hold the allowed tokens (a structured output's grammar frontier, ``Sequence.decode_allowed``):
+        its other logits are -inf before its (confidence, token) and statistics are taken."""
         outputs: list[StepOutput | None] = [None] * len(inputs)
         picked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, conf, token) on the device
         for whole in self._groups(inputs):
@@ -139,7 +143,8 @@ class TorchRunner:
                 if rows is not None:
                     picked += self._top1(hidden, [rows[i] for i in group], group, row_of,
                                          None if sampling is None else [sampling[i] for i in group],
-                                         None if stats is None else [stats[i] for i in group])
+                                         None if stats is None else [stats[i] for i in group],
+                                         None if allowed is None else [allowed[i] for i in group])
         if picked:
             self._fetch(outputs, picked)
         return outputs  # type: ignore[return-value]
@@ -219,7 +224,8 @@ class TorchRunner:
 
     def _top1(self, hidden: torch.Tensor, rows: list[torch.Tensor | None], ids: list[int],
               row_of: list[int], sampling: list[tuple[SamplingParams, torch.Tensor] | None] | None = None,
-              stats: list[RowStats | None] | None = None) -> list[tuple]:
+              stats: list[RowStats | None] | None = None,
+              allowed: list[tuple[int, torch.Tensor] | None] | None = None) -> list[tuple]:
         """(confidence, token) of the requested rows of one forward (``hidden`` [R, T, H]; ``rows[k]``: step
         k's rows, or None), computed together: one index copy to the device, one LM head. Tagged ``ids``.
         ``row_of[k]``: where step k's first row lies in ``hidden``'s rows
@@ -236,6 +242,13 @@ class TorchRunner:
         asked = None if stats is None else [stats[k] for k, _ in want]
         if asked is not None and any(a is not None and a.penalty > 0 for a in asked):
             logits = self._penalise(logits, asked, counts)
+        if allowed is not None:  # grammar frontiers: the rows' disallowed tokens out
+            at = 0
+            for (k, _), n in zip(want, counts):
+                if allowed[k] is not None:
+                    row, mask = allowed[k]
+                    logits[at + row].masked_fill_(~self._to_device(mask), float("-inf"))
+                at += n
         conf, tok = confidence(logits, self.cfg.mask_token_id, overwrite=True)
         out = [(ids[k], c, t, None) for (k, _), c, t in zip(want, conf.split(counts), tok.split(counts))]
         if sampling is not None:

@@ -180,6 +180,7 @@ class Sequence:
         # the rule's state for the current block (JSON values: carried by a resume); edits made so far
         self.rule_state: dict = {} if self.resume is None else dict(self.resume.state)
         self.edits = 0
+        self.guard = None  # structured outputs: the grammar's CanvasGuard (engine/constraints; Engine.add_request)
         # the last denoising step's (round, block span, positions committed, their tokens): the canvas view
         self.last_commit: tuple | None = None  # (round, span, committed positions, tokens, edited positions, tokens)
 
@@ -259,6 +260,28 @@ class Sequence:
         return RowStats(entropy, torch.from_numpy(self._np[pos].copy()) if current else None,
                         torch.from_numpy(self._np[pos - 1].copy()) if penalty > 0 else None, penalty)
 
+    def decode_allowed(self) -> tuple[int, torch.Tensor] | None:
+        """After ``decode_rows``: with a constraint, (the index among those rows of the grammar's frontier,
+        the bool [vocab] mask of the tokens it may hold) for the runner to mask that row's logits with, else
+        None (engine/constraints/canvas.py)."""
+        if self.guard is None or self._decode_pos is None:
+            return None
+        from engine.constraints.canvas import frontier_row
+
+        i = frontier_row(self.guard, self._decode_pos.numpy(), self.out_start)
+        return None if i is None else (i, torch.from_numpy(self.guard.allowed()))
+
+    def _guarded(self, span: tuple[int, int], masked: np.ndarray, tokens: np.ndarray, dec, conf: np.ndarray):
+        """The rule's decision checked by the grammar (engine/constraints/canvas.py ``guard_block``): the
+        decision that stands (tokens the grammar forces written into ``tokens`` and committed) and the block
+        positions remasked (bool, block-relative; already masked on the canvas)."""
+        from engine.constraints.canvas import guard_block
+
+        dec, remask = guard_block(self.guard, self._np, self.out_start, span, masked, tokens, dec, conf)
+        if remask.any() and self.logprobs is not None:
+            self.logprobs[np.flatnonzero(remask) + span[0] - self.out_start] = np.nan
+        return dec, remask
+
     # ---- applying its result --------------------------------------------------------
     def apply(self, step: StepInput, logits: torch.Tensor | None, fresh: torch.Tensor,
               top1: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -297,6 +320,10 @@ class Sequence:
         asked = self.decode_stats()
         if asked is not None and asked.penalty > 0:
             rows = penalise_previous(rows, asked.prev, asked.penalty)
+        front = self.decode_allowed()  # structured outputs: the grammar's frontier row
+        if front is not None:
+            rows = rows.clone()
+            rows[front[0]] = rows[front[0]].masked_fill(~front[1].to(rows.device), float("-inf"))
         sp = self.sampling
         top1 = (confidence(rows, self.cfg.mask_token_id) if sp is None else
                 sample(rows, sp.temperature, sp.top_k, sp.top_p, noise_seeds(sp.seed, self._decode_pos),
@@ -337,6 +364,9 @@ class Sequence:
                           self.step_in_block, self.masked_at_start, self._knob(), self.rule_state,
                           canvas.copy() if self._wants_canvas else None)
         dec = rule.decide(bstep)
+        if self.guard is not None:  # structured outputs: the grammar checks the decision (engine/constraints)
+            dec, remask = self._guarded(span, masked, tokens, dec, conf)
+            masked = masked | remask
         commit, edit = dec.commit, dec.edit
         if (commit & ~masked).any() or (edit & (masked | commit)).any() or (edit.any() and not rule.edits):
             raise ValueError(f"decoding rule {rule.name!r} committed a position that was not masked or edited one "

@@ -70,11 +70,13 @@ class CharTokenizer:
         return self.prompt_ids(prompt, block_size) if isinstance(prompt, str) else list(prompt)
 
     def chat_ids(self, messages: list[dict], block_size: int, add_generation_prompt: bool = True,
-                 add_special_tokens: bool = False, chat_template: str | None = None) -> list[int]:
+                 add_special_tokens: bool = False, chat_template: str | None = None,
+                 tools: list[dict] | None = None) -> list[int]:
         """A chat for an embedded model: its messages' contents joined by newlines (or the text
-        ``chat_template`` renders), in ``prompt_ids``'s format (which has its own specials)."""
+        ``chat_template`` renders, with ``tools`` in its ``tools`` variable), in ``prompt_ids``'s format
+        (which has its own specials). The built-in format has no place for tools."""
         if chat_template is not None:
-            return self.prompt_ids(render_chat(chat_template, messages, add_generation_prompt), block_size)
+            return self.prompt_ids(render_chat(chat_template, messages, add_generation_prompt, tools), block_size)
         return self.prompt_ids("\n".join(m["content"] for m in messages), block_size)
 
     def save(self, directory: str | Path) -> None:
@@ -163,19 +165,21 @@ class HFTokenizer:
         return list(self.tok(prompt, add_special_tokens=True)["input_ids"])
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
-                  chat_template: str | None = None) -> str:
+                  chat_template: str | None = None, tools: list[dict] | None = None) -> str:
         """The chat as the model reads it: ``chat_template`` when given, else its own template, else the plain
-        format (``plain_chat``)."""
+        format (``plain_chat``). ``tools`` (OpenAI's function definitions) fill the template's ``tools``
+        variable, where it has one."""
         if chat_template is not None or self.has_chat_template:
             return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                chat_template=chat_template)
+                                                chat_template=chat_template, tools=tools or None)
         return (self.bos_token or "") + plain_chat(messages, add_generation_prompt)
 
     def chat_ids(self, messages: list[dict], block_size: int = 0, add_generation_prompt: bool = True,
-                 add_special_tokens: bool = False, chat_template: str | None = None) -> list[int]:
+                 add_special_tokens: bool = False, chat_template: str | None = None,
+                 tools: list[dict] | None = None) -> list[int]:
         """A chat's ids; the template (``chat_template``, else the checkpoint's) writes the special tokens it
         wants (``add_special_tokens``: the tokenizer's own too, e.g. a BOS, as vLLM's ``/tokenize`` offers)."""
-        text = self.chat_text(messages, add_generation_prompt, chat_template)
+        text = self.chat_text(messages, add_generation_prompt, chat_template, tools)
         return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def prompt_ids(self, prompt: str, block_size: int) -> list[int]:
@@ -198,13 +202,15 @@ class HFTokenizer:
         return ids[0] if ids and ids[0] in special else None
 
 
-def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
     """A Jinja chat template rendered in a sandbox (as Hugging Face renders them), for a tokenizer without
-    ``apply_chat_template``."""
+    ``apply_chat_template``; ``tools`` in its ``tools`` variable (None without tools, as Hugging Face)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            tools=tools or None)
 
 
 PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}

@@ -15,6 +15,12 @@ and ``--max-concurrency`` gate as ``remask loadgen replay``).
   ``sharegpt``: a local ShareGPT JSON file (first turn the prompt, second turn's length the output
   length, vLLM's length filters). ``jsonl`` (vLLM's ``custom``): one ``{"prompt": ...}`` (or Remask's
   ``{"messages": [...]}``) a line. ``remask``: held-out task-suite prompts whose answers are checked.
+  Structured outputs, as vLLM's structured-output benchmark names them: ``json`` (its prompt "Generate an
+  example of a user profile given the following schema: ...", the schema of ``--json-schema-path`` or a
+  built-in finite user profile, sent as ``structured_outputs.json``), ``regex`` and ``choice`` (held-out
+  task-suite prompts with the regular language or the choices of their category's answers, which the
+  embedded models can write: their vocabulary has no braces or quotes); ``--structured-output-ratio`` of the
+  requests carry the constraint, and the validity of each constrained answer is counted.
   Nothing is downloaded.
 - **Arrivals** as vLLM draws them: gamma gaps of shape ``--burstiness`` (1: Poisson) and mean
   ``1/--request-rate``, rescaled so the last request goes out at ``num_prompts / rate``; ``inf``: all at once.
@@ -24,8 +30,8 @@ and ``--max-concurrency`` gate as ``remask loadgen replay``).
   count of the text); a request is good when its TTFT, TPOT (0 with one token) and E2EL are within every
   ``--goodput`` bound. Empty metrics are 0, as in vLLM.
 - **Remask's extras** stay, under the result's ``remask`` key and in a last block of the table: errors by
-  kind, answer accuracy (``--dataset-name remask``), per-request SLOs (``--slo-ms``) and their
-  attainment, send lag and the wait for a concurrency slot.
+  kind, answer accuracy (``--dataset-name remask``, ``regex``, ``choice``), structured-output validity,
+  per-request SLOs (``--slo-ms``) and their attainment, send lag and the wait for a concurrency slot.
 """
 
 from __future__ import annotations
@@ -46,7 +52,15 @@ from loadgen.metrics import parse_goodput, pct_name, summarize
 from loadgen.trace import CUSTOM, PROMPT_KEYS, TraceRequest, _jsonl, _prompt_error
 
 BACKENDS = {"openai": "completion", "openai-chat": "chat"}
-DATASETS = ("random", "sharegpt", "jsonl", "custom", "remask")  # custom: vLLM's name for jsonl
+DATASETS = ("random", "sharegpt", "jsonl", "custom", "remask", "json", "regex", "choice")  # custom: vLLM's jsonl
+STRUCTURED = ("json", "regex", "choice")  # the structured-output datasets
+# vLLM's structured-output benchmark prompts a user profile for a schema; this one is finite (every field bounded)
+USER_PROFILE = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "active"],
+                "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 24},
+                               "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                               "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"},
+                               "active": {"type": "boolean"},
+                               "role": {"enum": ["admin", "user", "guest"]}}}
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 HEADERS = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
            "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
@@ -61,6 +75,8 @@ class BenchPrompt:
     messages: list[dict] | None = None  # a JSONL line's own chat
     category: str = CUSTOM
     answer: str = ""
+    constraint: dict | None = None  # structured outputs: the body fields that constrain it (e.g. guided_regex)
+    language: dict | None = None  # the constraint its answer is checked against, sent or not
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------------------
@@ -218,6 +234,76 @@ def remask_prompts(tok, n: int, seed: int = 0) -> list[BenchPrompt]:
             for r in synth(SynthConfig(n=n, arrivals="burst", seed=seed))]
 
 
+def structured_prompts(tok, name: str, n: int, seed: int = 0, ratio: float = 1.0, schema_path: str | None = None,
+                       output_len: int = 256) -> list[BenchPrompt]:
+    """The structured-output datasets (``STRUCTURED``): ``json``, vLLM's user-profile prompt for a JSON schema
+    (``schema_path``, else ``USER_PROFILE``) with ``output_len`` tokens at most; ``regex`` and ``choice``,
+    held-out task-suite prompts with their category's language (scripts/structured_bench.py's). A fraction
+    ``ratio`` of them (the first, after a shuffle with ``seed``) carry their constraint."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"--structured-output-ratio must be in [0, 1], got {ratio}")
+    if name == "json":
+        schema = USER_PROFILE
+        if schema_path is not None:
+            try:
+                schema = json.loads(Path(schema_path).read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"--json-schema-path {schema_path}: not a JSON schema file ({exc})") from None
+        text = f"Generate an example of a user profile given the following schema: {json.dumps(schema)}"
+        out = [BenchPrompt(text, count_tokens(tok, text), output_len, category="json",
+                           constraint={"structured_outputs": {"json": schema}}) for _ in range(n)]
+    else:
+        out = []
+        for p in remask_prompts(tok, n * 4, seed):
+            if name == "choice" and p.category != "choice":
+                continue
+            if name == "choice":
+                p.constraint = {"guided_choice": ["a", "b", "c", "d"]}
+            else:
+                p.constraint = {"guided_regex": _answer_regex(p.category, p.prompt)}
+            out.append(p)
+            if len(out) == n:
+                break
+        out = _oversample(out, n, seed, False, f"--dataset-name {name}")
+    order = list(range(len(out)))
+    random.Random(seed).shuffle(order)
+    keep = set(order[: round(ratio * len(out))])
+    return [replace(p, language=p.constraint, constraint=p.constraint if i in keep else None)
+            for i, p in enumerate(out)]
+
+
+def _answer_regex(category: str, prompt: str) -> str:
+    from tasksuite import _prose_pattern
+
+    if category == "prose":
+        return _prose_pattern(prompt.split()[1], int(prompt.split()[2])).pattern
+    return {"choice": "[abcd]", "arith": "[0-9]{1,3}", "reverse": "[a-z]{3,6}", "lookup": "[0-9]{2}"}[category]
+
+
+def valid_structured(constraint: dict, text: str) -> bool:
+    """Whether ``text`` is a sentence of ``constraint`` (the body fields a structured prompt sent): the regex
+    matches it whole, it is one of the choices, or it is a JSON document that the schema's grammar accepts
+    (engine.constraints, on its characters)."""
+    import re
+
+    if "guided_regex" in constraint:
+        return re.fullmatch(constraint["guided_regex"], text) is not None
+    if "guided_choice" in constraint:
+        return text in constraint["guided_choice"]
+    schema = constraint["structured_outputs"]["json"]
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    from engine.constraints import ConstraintSpec, Grammar, Vocab
+
+    pieces = tuple(sorted(set(text)))
+    vocab = Vocab(len(pieces) + 1, (len(pieces),), f"bench:{pieces}", pieces=(*pieces, None))
+    matcher = Grammar.compile(ConstraintSpec.json_schema(schema), vocab).matcher()
+    ids = [pieces.index(c) for c in text] + [len(pieces)]
+    return matcher.accept_prefix(ids) == len(ids)
+
+
 # ---- arrivals and the trace ------------------------------------------------------------------------------------
 
 
@@ -249,7 +335,8 @@ def build_trace(prompts: list[BenchPrompt], offsets: np.ndarray, endpoint: str, 
             request_id=f"{prefix}{i}", arrival_s=float(t), endpoint="chat" if chat else "completion",
             max_tokens=p.output_len, category=p.category, answer=p.answer, prompt=None if chat else p.prompt,
             messages=(p.messages or [{"role": "user", "content": p.prompt}]) if chat else None,
-            threshold=threshold, slo_ms=slo, input_len=p.prompt_len, output_len=p.output_len, extra=dict(extra)))
+            threshold=threshold, slo_ms=slo, input_len=p.prompt_len, output_len=p.output_len,
+            extra={**extra, **(p.constraint or {})}))
     return out
 
 
@@ -401,6 +488,10 @@ def format_table(res: dict, metrics: list[str], percentiles: list[float]) -> str
         lines.append(_line("Errors by kind:", json.dumps(x["errors_by_kind"])))
     if x.get("accuracy") is not None:
         lines.append(_line("Answer accuracy:", x["accuracy"], ".3f"))
+    if x.get("structured_valid") is not None:
+        lines.append(_line("Structured outputs valid:", x["structured_valid"], ".3f"))
+    if x.get("structured_valid_all") is not None:
+        lines.append(_line("Answers valid (all):", x["structured_valid_all"], ".3f"))
     if x.get("slo_attainment") is not None:
         lines.append(_line("SLO attainment:", x["slo_attainment"], ".3f"))
     lines.append(_line("Send lag mean / max (ms):", f"{x.get('mean_send_lag_ms') or 0:.3f} / "
@@ -503,7 +594,7 @@ def validate(args) -> None:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     if not args.burstiness > 0:
         raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
-    if args.dataset_name in ("random", "remask") and args.dataset_path is not None:
+    if args.dataset_name in ("random", "remask", *STRUCTURED) and args.dataset_path is not None:
         raise ValueError(f"--dataset-name {args.dataset_name} takes no --dataset-path "
                          "(a file is --dataset-name sharegpt or jsonl)")
     if args.dataset_name in ("sharegpt", "jsonl", "custom") and not args.dataset_path:
@@ -522,6 +613,9 @@ def load_prompts(args, tok) -> list[BenchPrompt]:
     if args.dataset_name in ("jsonl", "custom"):
         return jsonl_prompts(args.dataset_path, tok, args.num_prompts, args.custom_output_len, args.seed,
                              not args.disable_shuffle, args.no_oversample)
+    if args.dataset_name in STRUCTURED:
+        return structured_prompts(tok, args.dataset_name, args.num_prompts, args.seed, args.structured_output_ratio,
+                                  args.json_schema_path, args.structured_output_len)
     return remask_prompts(tok, args.num_prompts, args.seed)
 
 
@@ -615,7 +709,13 @@ def run(args, out=None) -> tuple[dict, bool]:
     res.update({"request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
                 "burstiness": args.burstiness, "max_concurrency": args.max_concurrency})
     res.update(vllm_metrics(results, [p.prompt_len for p in prompts], duration, tok, metrics, percentiles, goodput))
+    checked = [(p.constraint is not None, valid_structured(p.language, r.text)) for p, r in zip(prompts, results)
+               if p.language is not None and r.ok]
+    sent = [v for c, v in checked if c]
     res["remask"] = {**remask_extras(results, duration, trace, model_name), "ignore_eos": args.ignore_eos,
+                     "structured_requests": sum(p.constraint is not None for p in prompts),
+                     "structured_valid": None if not sent else sum(sent) / len(sent),
+                     "structured_valid_all": None if not checked else sum(v for _, v in checked) / len(checked),
                      "endpoint": path, "base_url": base, "interrupted": doc["interrupted"],
                      "goodput_bounds": goodput, "started_at": time.time()}
     print(format_table(res, metrics, percentiles), file=out)
@@ -649,6 +749,10 @@ def add_parser(sub) -> None:
     b.add_argument("--dataset-name", default="random", choices=DATASETS,
                    help="random; sharegpt or jsonl (custom) from --dataset-path; remask: checked task prompts")
     b.add_argument("--dataset-path", help="local ShareGPT JSON or JSONL file (nothing is downloaded)")
+    b.add_argument("--json-schema-path", help="json: the JSON schema file (default: a finite user profile)")
+    b.add_argument("--structured-output-ratio", type=float, default=1.0,
+                   help="json, regex, choice: the fraction of requests that carry the constraint")
+    b.add_argument("--structured-output-len", type=int, default=256, help="json: max_tokens of each request")
     b.add_argument("--random-input-len", type=int, default=None,
                    help=f"prompt tokens (default {RANDOM_INPUT_LEN}, or less when the served model's "
                         "max_model_len is smaller)")

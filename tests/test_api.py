@@ -37,6 +37,7 @@ from app.api import (
     usage_chunk,
     version_response,
 )
+from app.api.schemas import STRUCTURED_FIELDS
 
 MODELS = ["dream-tiny", "llada-tiny"]
 LIMIT = 256
@@ -244,19 +245,14 @@ def test_api_error_shapes():
 VLLM_BAD = {"repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 4, "use_beam_search": True, "length_penalty": 0.5,
             "skip_special_tokens": False, "spaces_between_special_tokens": False, "include_stop_str_in_output": True,
             "truncate_prompt_tokens": 16, "prompt_logprobs": 1, "allowed_token_ids": [1, 2], "bad_words": ["x"],
-            "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
-            "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}}, "logits_processors": ["x"],
-            "return_tokens_as_token_ids": True, "detokenize": False, "no_stop_trim": True, "regex": "a",
-            "json_schema": {"type": "object"}, "ebnf": "root ::= 'a'", "lora_path": "adapter",
-            "return_hidden_states": True}
+            "logits_processors": ["x"], "return_tokens_as_token_ids": True, "detokenize": False,
+            "no_stop_trim": True, "lora_path": "adapter", "return_hidden_states": True}
 COMPLETION_BAD = {"best_of": 2, "frequency_penalty": 0.5, "presence_penalty": -1, "add_special_tokens": False,
                   "logit_bias": {"50": -100}, "suffix": "end", **VLLM_BAD}
 CHAT_BAD = {"best_of": 2, "top_logprobs": 3, "add_special_tokens": True,
             "chat_template_kwargs": {"enable_thinking": True},
             **VLLM_BAD, "frequency_penalty": 0.5, "presence_penalty": 1, "logit_bias": {"50": 5},
-            "response_format": {"type": "json_object"},
-            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-            "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+            "functions": [{"name": "f"}], "function_call": "auto",
             "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
             "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "service_tier": "flex",
             "store": True, "metadata": {"k": "v"}, "web_search_options": {}, "verbosity": "low",
@@ -295,7 +291,7 @@ def test_numeric_and_empty_defaults_accepted(kind, field, value):
     # JSON booleans are not numbers (and numbers are not booleans): not the default, refused
     ("completion", "frequency_penalty", False), ("completion", "best_of", True), ("completion", "min_p", False),
     ("chat", "top_logprobs", False), ("chat", "store", 0), ("completion", "suffix", False),
-    ("chat", "response_format", {"type": "text", "x": 1}), ("chat", "modalities", "text"),
+    ("chat", "modalities", "text"),
 ])
 def test_lookalike_defaults_refused(kind, field, value):
     expect_error(kind, body_of(kind, **{field: value}), param=field, code="unsupported_parameter")
@@ -357,8 +353,7 @@ def test_message_fields():
     assert parse("chat", {"messages": [{"role": "user", "content": "a", "name": None}]}).messages == USER
 
 
-@pytest.mark.parametrize("field,value", [("tool_calls", [{"id": "c", "type": "function"}]),
-                                         ("tool_call_id", "c"), ("function_call", {"name": "f"}),
+@pytest.mark.parametrize("field,value", [("function_call", {"name": "f"}),
                                          ("refusal", "no"), ("audio", {"id": "a"}), ("annotations", [{}])])
 def test_message_unsupported_fields(field, value):
     assert field in MESSAGE_NOOPS
@@ -548,7 +543,7 @@ def test_developer_is_system():
     assert req.messages == [{"role": "system", "content": "Rules."}, *USER]
 
 
-@pytest.mark.parametrize("role", ["tool", "function"])
+@pytest.mark.parametrize("role", ["function"])
 def test_tool_roles_refused(role):
     body = {"messages": [*USER, {"role": role, "content": "b", "tool_call_id": None}]}
     err = expect_error("chat", body, param="messages.1.role", code="unsupported_value")
@@ -649,10 +644,12 @@ def test_null_optional_fields_are_defaults():
 IMPLEMENTED = {
     "completion": {"model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k",
                    "seed", "stop", "stop_token_ids", "n", "user", "slo_ms", "priority", "threshold", "echo",
-                   "ignore_eos", "logprobs"},
+                   "ignore_eos", "logprobs", *STRUCTURED_FIELDS, "decoding", "decoding_config"},
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature",
              "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "user", "safety_identifier",
-             "add_generation_prompt", "slo_ms", "priority", "threshold", "ignore_eos", "chat_template", "logprobs"},
+             "add_generation_prompt", "slo_ms", "priority", "threshold", "ignore_eos", "chat_template", "logprobs",
+             *STRUCTURED_FIELDS, "response_format", "tools", "tool_choice", "parallel_tool_calls", "decoding",
+             "decoding_config"},
 }
 DECODING = {"decoding", "decoding_config"}  # Remask's decoding rule per request (engine/decoding/)
 IMPLEMENTED = {kind: fields | DECODING for kind, fields in IMPLEMENTED.items()}
@@ -765,7 +762,8 @@ def test_tokenize_messages():
     ({"messages": USER, "continue_final_message": True}, 400, "continue_final_message", "unsupported_parameter"),
     ({"messages": USER, "chat_template": "x"}, 400, "chat_template", "unknown_parameter"),
     ({"messages": []}, 400, "messages", "empty_array"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role", "unsupported_value"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.tool_call_id", "missing_required_parameter"),
+    ({"messages": [{"role": "function", "content": "x"}]}, 400, "messages.0.role", "unsupported_value"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "model_not_found"),
 ])
 def test_tokenize_errors(body, status, param, code):

@@ -4,6 +4,8 @@
 - :mod:`app.api.schemas`: the request models, the fields accepted only at a neutral value, the JSON schemas;
 - :mod:`app.api.parsing`: a raw body to a :class:`GenRequest` (:func:`parse_request`, :func:`parse_tokenize`,
   :func:`parse_detokenize`);
+- :mod:`app.api.structured`: structured outputs (``response_format``, vLLM's ``guided_*`` and
+  ``structured_outputs``) as one constraint, and tools (``tools``, ``tool_choice``, tool calls out of text);
 - :mod:`app.api.responses`: responses, stream chunks and server-sent events.
 
 The shapes follow the OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) so

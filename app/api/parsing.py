@@ -32,6 +32,8 @@ from app.api.schemas import (
     _is_int,
     _same,
 )
+from app.api.structured import Tools, constraint_of, tools_of
+from engine.constraints.spec import ConstraintSpec
 
 
 @dataclass
@@ -63,6 +65,8 @@ class GenRequest:
     ignore_eos: bool = False  # decode to max_tokens past the model's end of text
     echo: bool = False  # completions: the prompt before each choice's text
     chat_template: str | None = None  # chat: this request's template instead of the server's
+    constraint: ConstraintSpec | None = None  # what the text must be (structured outputs); None: any text
+    tools: Tools = field(default_factory=Tools)  # chat: the tools, tool_choice and parallel_tool_calls
     decoding: str | None = None  # the decoding rule by name (engine/decoding/); None: the server's
     decoding_config: dict | None = None  # its configuration (without ``decoding``: the server's rule's)
 
@@ -200,7 +204,7 @@ def _content(value: Any, param: str) -> str:
     if isinstance(value, str):
         return value
     if value is None:
-        raise _type_error(param, "a string or an array of text parts (tool calls are not supported)", value)
+        raise _type_error(param, "a string or an array of text parts", value)
     if not isinstance(value, list):
         raise _type_error(param, "a string or an array of text parts", value)
     if not value:
@@ -246,29 +250,78 @@ def _messages(value: Any) -> list[dict]:
             if key in MESSAGE_NOOPS:
                 if not any(_same(item, ok) for ok in MESSAGE_NOOPS[key]):
                     raise unsupported(f"{param}.{key}", MESSAGE_NOOPS[key])
-            elif key not in ("role", "content", "name"):
+            elif key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 raise unknown(f"{param}.{key}")
         if "role" not in msg:
             raise _missing(f"{param}.role")
         role = msg["role"]
         if not isinstance(role, str):
             raise _type_error(f"{param}.role", "a string", role)
-        if role in ("tool", "function"):
-            raise invalid(f"Remask does not support '{role}' messages (nor tool calls).", param=f"{param}.role",
-                          code="unsupported_value")
+        if role == "function":
+            raise invalid("Remask does not support the legacy 'function' messages: send 'tool' messages.",
+                          param=f"{param}.role", code="unsupported_value")
         if role not in INPUT_ROLES:
             raise _value_error(f"{param}.role", f"{role!r}. Supported values are: "
                                                 f"{', '.join(repr(r) for r in INPUT_ROLES)}.")
-        if "content" not in msg:
+        calls = _message_tool_calls(msg.get("tool_calls"), f"{param}.tool_calls", role)
+        if msg.get("tool_call_id") is not None and role != "tool":
+            raise invalid(f"Invalid '{param}.tool_call_id': only a 'tool' message answers a tool call.",
+                          param=f"{param}.tool_call_id", code="invalid_value")
+        if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
+            raise (_missing(f"{param}.tool_call_id") if msg.get("tool_call_id") is None
+                   else _type_error(f"{param}.tool_call_id", "a string", msg["tool_call_id"]))
+        if msg.get("content") is None and calls:
+            content = ""  # an assistant turn that only called tools
+        elif "content" not in msg:
             raise _missing(f"{param}.content")
-        entry = {"role": "system" if role == "developer" else role, "content": _content(msg["content"],
-                                                                                         f"{param}.content")}
+        else:
+            content = _content(msg["content"], f"{param}.content")
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            entry["tool_call_id"] = msg["tool_call_id"]
         name = msg.get("name")
         if name is not None:
             if not isinstance(name, str):
                 raise _type_error(f"{param}.name", "a string", name)
             entry["name"] = name
         out.append(entry)
+    return out
+
+
+def _message_tool_calls(value: Any, param: str, role: str) -> list[dict]:
+    """An assistant message's ``tool_calls`` (as the client's own responses carry them), for the template."""
+    if value is None or value == []:
+        return []
+    if role != "assistant":
+        raise invalid(f"Invalid '{param}': only an assistant message carries tool calls.", param=param,
+                      code="invalid_value")
+    if not isinstance(value, list):
+        raise _type_error(param, "an array of tool calls", value)
+    out = []
+    for j, call in enumerate(value):
+        where = f"{param}.{j}"
+        if not isinstance(call, dict):
+            raise _type_error(where, "an object", call)
+        for key in call:
+            if key not in ("id", "type", "function", "index"):
+                raise unknown(f"{where}.{key}")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise (_missing(f"{where}.function") if fn is None else _type_error(f"{where}.function", "an object",
+                                                                                 fn))
+        for key in ("name", "arguments"):
+            if not isinstance(fn.get(key), str):
+                raise (_missing(f"{where}.function.{key}") if key not in fn
+                       else _type_error(f"{where}.function.{key}", "a string", fn[key]))
+        for key in fn:
+            if key not in ("name", "arguments"):
+                raise unknown(f"{where}.function.{key}")
+        if not isinstance(call.get("id"), str):
+            raise _missing(f"{where}.id") if "id" not in call else _type_error(f"{where}.id", "a string", call["id"])
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
     return out
 
 
@@ -396,6 +449,20 @@ def parse_request(kind: str, body: bytes | str, *, known_models: list[str], max_
         max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
         add_generation_prompt = req.add_generation_prompt is not False
         prefix, extra = "chatcmpl-", {"chat_template": req.chat_template, "logprobs": bool(req.logprobs)}
+    constraint = constraint_of(data, kind)
+    if kind == "chat":
+        tools = tools_of(data)
+        implied = tools.constraint()
+        if implied is not None and constraint is not None:
+            raise invalid(f"tool_choice {tools.choice if tools.choice != 'named' else 'naming a function'!r} "
+                          f"constrains the answer to tool calls: it cannot be combined with "
+                          f"'{constraint.param.split('.')[0]}'.", param="tool_choice", code="invalid_value")
+        extra["tools"] = tools
+        constraint = constraint or implied
+    extra["constraint"] = constraint
+    if constraint is not None and req.ignore_eos:
+        raise invalid("'ignore_eos' cannot be combined with a structured-output constraint: the text ends where "
+                      "the constraint is complete.", param="ignore_eos", code="invalid_value")
     model = _resolve_model(req.model, known_models)
     sampling = _sampling(req, vocab_size, max_n)
     sampling.update(_decoding(req.decoding, req.decoding_config, decoding_base))

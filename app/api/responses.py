@@ -42,15 +42,24 @@ def chat_response(req: GenRequest, text: str, finish_reason: str, prompt_tokens:
 
 
 def chat_choices_response(req: GenRequest, choices: list[tuple[str, str]], prompt_tokens: int,
-                          completion_tokens: int, logprobs: list[dict | None] | None = None) -> dict:
+                          completion_tokens: int, logprobs: list[dict | None] | None = None,
+                          tool_calls: list[list[dict]] | None = None) -> dict:
     """A non-streamed ``chat.completion`` object: ``choices`` are ``(text, finish_reason)`` by index;
-    ``logprobs``: each choice's logprobs object."""
+    ``logprobs``: each choice's logprobs object; ``tool_calls``: each choice's calls (``tool_call``), its
+    message then has them, and its text (None when empty) as content."""
     lps = logprobs or [None] * len(choices)
+    calls = tool_calls or [[]] * len(choices)
     out = _envelope(req, "chat.completion", [
-        {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}
-        for i, ((text, reason), lp) in enumerate(zip(choices, lps))])
+        {"index": i, "message": _message(text, tc), "logprobs": lp, "finish_reason": reason}
+        for i, ((text, reason), lp, tc) in enumerate(zip(choices, lps, calls))])
     out["usage"] = usage_dict(prompt_tokens, completion_tokens)
     return out
+
+
+def _message(text: str | None, tool_calls: list[dict]) -> dict:
+    if not tool_calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
 
 
 def completion_logprobs(tokens: list[str], logprobs: list[float | None], offset: int = 0) -> dict:
@@ -86,13 +95,18 @@ def completion_chunk(req: GenRequest, text_delta: str, finish_reason: str | None
 
 
 def chat_chunk(req: GenRequest, delta_text: str | None = None, finish_reason: str | None = None,
-               role: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
-    """One ``chat.completion.chunk``; the first carries ``delta.role == "assistant"`` (``role=True``)."""
+               role: bool = False, index: int = 0, logprobs: dict | None = None,
+               tool_calls: list[dict] | None = None) -> dict:
+    """One ``chat.completion.chunk``; the first carries ``delta.role == "assistant"`` (``role=True``);
+    ``tool_calls``: tool-call deltas (each with its ``index``; the first of a call has its ``id``, ``type``
+    and ``function.name``, later ones pieces of ``function.arguments``)."""
     delta: dict[str, Any] = {}
     if role:
         delta["role"] = "assistant"
-    if delta_text is not None or role:
+    if delta_text is not None or (role and tool_calls is None):
         delta["content"] = delta_text if delta_text is not None else ""
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _with_null_usage(req, _envelope(req, "chat.completion.chunk", [choice]))
 

@@ -7,8 +7,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model
 
-CHAT_ROLES = ("system", "user", "assistant")  # the roles of a parsed chat
-INPUT_ROLES = ("system", "developer", "user", "assistant")  # the roles a request may send ("developer": system)
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles of a parsed chat
+INPUT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles a request may send ("developer":
+# system)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_STOP = 4  # stop strings (OpenAI's limit)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -29,11 +30,9 @@ VLLM_NOOPS: dict[str, tuple] = {
     "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "use_beam_search": (None, False),
     "length_penalty": (None, 1), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "include_stop_str_in_output": (None, False), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
-    "allowed_token_ids": (None,), "bad_words": (None, []), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,), "logits_processors": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False), "detokenize": (None, True), "no_stop_trim": (None, False),
-    "regex": (None,), "json_schema": (None,), "ebnf": (None,), "lora_path": (None,),
-    "return_hidden_states": (None, False),
+    "lora_path": (None,), "return_hidden_states": (None, False),
 }
 COMPLETION_NOOPS: dict[str, tuple] = {
     "best_of": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
@@ -43,8 +42,7 @@ COMPLETION_NOOPS: dict[str, tuple] = {
 CHAT_NOOPS: dict[str, tuple] = {
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
     "top_logprobs": (None, 0), "add_special_tokens": (None, False),
-    "chat_template_kwargs": (None, {}), **VLLM_NOOPS, "response_format": (None, {"type": "text"}),
-    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "functions": (None,),
+    "chat_template_kwargs": (None, {}), **VLLM_NOOPS, "functions": (None,),
     "function_call": (None,), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
     "metadata": (None,), "web_search_options": (None,), "verbosity": (None,), "prompt_cache_key": (None,),
@@ -53,9 +51,15 @@ CHAT_NOOPS: dict[str, tuple] = {
 # Fields of one chat message besides role, content and name (what the client's own response messages carry
 # when a conversation is sent back: ``message.model_dump()`` has them as null).
 MESSAGE_NOOPS: dict[str, tuple] = {
-    "tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,), "refusal": (None,),
-    "audio": (None,), "annotations": (None, []),
+    "function_call": (None,), "refusal": (None,), "audio": (None,), "annotations": (None, []),
 }
+# Structured outputs (app/api/structured.py): the fields that constrain a request's text, on both endpoints
+# (vLLM's guided_* and structured_outputs, SGLang's regex, json_schema and ebnf); chat adds response_format.
+# At most one of them per request.
+STRUCTURED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                     "regex", "json_schema", "ebnf")
+STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+                           "disable_fallback", "disable_additional_properties", "whitespace_pattern")
 TOKENIZE_NOOPS: dict[str, tuple] = {"return_token_strs": (None, False)}
 # stream_options keys Remask implements; any other is refused as unknown. ``include_canvas`` is Remask's
 # extension: a ``remask_canvas`` chunk per denoising step (``canvas_chunk``).
@@ -106,15 +110,30 @@ def _noop_schema(values: tuple) -> dict:
     return {"enum": list(values), "description": "not supported by Remask: only this default is accepted"}
 
 
+_TOOL_CALL_SCHEMA = {
+    "type": "object", "required": ["id", "type", "function"], "additionalProperties": False,
+    "properties": {"id": {"type": "string"}, "type": {"const": "function"}, "index": {"type": "integer"},
+                   "function": {"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+                                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
 _MESSAGE_SCHEMA = {
-    "type": "object", "required": ["role", "content"], "additionalProperties": False,
+    "type": "object", "required": ["role"], "additionalProperties": False,
     "properties": {
-        "role": {"enum": list(CHAT_ROLES), "description": "'developer' is accepted too, as 'system'; tool "
-                                                          "messages are not supported"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART, "minItems": 1}],
-                    "description": "a string or an array of text parts (joined with newlines)"},
+        "role": {"enum": list(CHAT_ROLES), "description": "'developer' is accepted too, as 'system'"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART, "minItems": 1},
+                              {"type": "null"}],
+                    "description": "a string or an array of text parts (joined with newlines); null or absent "
+                                   "only in an assistant message with tool_calls"},
         "name": {"anyOf": [{"type": "string"}, {"type": "null"}], "description": "passed to the chat template"},
-        **{k: _noop_schema(v) for k, v in MESSAGE_NOOPS.items()}}}
+        "tool_calls": {"anyOf": [{"type": "array", "items": _TOOL_CALL_SCHEMA}, {"type": "null"}],
+                       "description": "an assistant message's tool calls (passed to the chat template)"},
+        "tool_call_id": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                         "description": "a tool message: the call it answers"},
+        **{k: _noop_schema(v) for k, v in MESSAGE_NOOPS.items()}},
+    "allOf": [{"if": {"properties": {"role": {"const": "tool"}}},
+               "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}},
+              {"anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                         {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array",
+                                                                                    "minItems": 1}}}]}]}
 # an anyOf of one: the shape older clients of this schema read (messages -> anyOf[0] -> items)
 _MESSAGES_SCHEMA = {"anyOf": [{"type": "array", "items": _MESSAGE_SCHEMA, "minItems": 1}]}
 
@@ -167,6 +186,64 @@ class _CommonRequest(BaseModel):
                                                                      "`decoding` it configures the server's rule")
 
 
+_JSON_SCHEMA_VALUE = {"anyOf": [{"type": "object"}, {"type": "boolean"}, {"type": "string"}],
+                      "description": "a JSON schema (an object, or its JSON text)"}
+_STRUCTURED_SCHEMAS = {
+    "guided_json": {**_JSON_SCHEMA_VALUE, "description": "vLLM's: the text is a JSON document this schema "
+                                                         "accepts (an object, or its JSON text)"},
+    "guided_regex": {"type": "string", "description": "vLLM's: the text matches this regular expression"},
+    "guided_choice": {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                      "description": "vLLM's: the text is one of these strings"},
+    "guided_grammar": {"type": "string", "minLength": 1,
+                       "description": "vLLM's: the text is a sentence of this EBNF (GBNF) grammar, from rule root"},
+    "structured_outputs": {
+        "type": "object", "additionalProperties": False,
+        "description": "vLLM's: exactly one of json, regex, choice, grammar, json_object",
+        "properties": {"json": _JSON_SCHEMA_VALUE, "regex": {"type": "string"},
+                       "choice": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                       "grammar": {"type": "string", "minLength": 1}, "json_object": {"type": "boolean"},
+                       "disable_any_whitespace": {"type": "boolean"}, "disable_fallback": {"type": "boolean"},
+                       "disable_additional_properties": {"type": "boolean"},
+                       "whitespace_pattern": {"type": "null"}}},
+    "regex": {"type": "string", "description": "SGLang's: as guided_regex"},
+    "json_schema": {"type": "string", "description": "SGLang's: a JSON schema's text, as guided_json"},
+    "ebnf": {"type": "string", "minLength": 1, "description": "SGLang's: as guided_grammar"},
+}
+_RESPONSE_FORMAT_SCHEMA = {"anyOf": [
+    {"type": "object", "required": ["type"], "additionalProperties": False,
+     "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+     "properties": {"type": {"const": "json_schema"}, "json_schema": {
+         "type": "object", "required": ["name"], "additionalProperties": False,
+         "properties": {"name": {"type": "string"}, "description": {"type": "string"},
+                        "schema": {"type": "object"}, "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}}}},
+    {"type": "null"}],
+    "description": "text (the default), json_object (any JSON object) or json_schema (a document its schema "
+                   "accepts); enforced while decoding"}
+_FUNCTION_SCHEMA = {"type": "object", "required": ["name"], "additionalProperties": False,
+                    "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 64,
+                                            "pattern": "^[a-zA-Z0-9_-]+$"},
+                                   "description": {"type": "string"}, "parameters": {"type": "object"},
+                                   "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}}
+_TOOLS_SCHEMA = {"anyOf": [{"type": "array", "items": {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False,
+    "properties": {"type": {"const": "function"}, "function": _FUNCTION_SCHEMA}}}, {"type": "null"}],
+    "description": "functions the model may call (shown to it through the chat template's tools variable)"}
+_TOOL_CHOICE_SCHEMA = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"], "additionalProperties": False,
+     "properties": {"type": {"const": "function"}, "function": {
+         "type": "object", "required": ["name"], "additionalProperties": False,
+         "properties": {"name": {"type": "string"}}}}},
+    {"type": "null"}],
+    "description": "none, auto (the default with tools), required (at least one call, enforced) or a named "
+                   "function (its arguments enforced)"}
+
+
+def _structured_fields() -> dict[str, Any]:
+    return {k: (Annotated[Any, WithJsonSchema(v)], None) for k, v in _STRUCTURED_SCHEMAS.items()}
+
+
 class _CompletionFields(_CommonRequest):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"required": ["prompt"]})
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = None
@@ -190,16 +267,27 @@ class _ChatFields(_CommonRequest):
                                                         "instead of the server's", json_schema_extra={"minLength": 1})
 
 
-def _with_noops(name: str, base: type[BaseModel], noops: dict[str, tuple], doc: str) -> type[BaseModel]:
+_CHAT_STRUCTURED: dict[str, Any] = {
+    "response_format": (Annotated[Any, WithJsonSchema(_RESPONSE_FORMAT_SCHEMA)], None),
+    "tools": (Annotated[Any, WithJsonSchema(_TOOLS_SCHEMA)], None),
+    "tool_choice": (Annotated[Any, WithJsonSchema(_TOOL_CHOICE_SCHEMA)], None),
+    "parallel_tool_calls": (Annotated[Any, WithJsonSchema(
+        {"anyOf": [{"type": "boolean"}, {"type": "null"}],
+         "description": "false: at most one tool call (required and auto)"})], None),
+}
+
+
+def _with_noops(name: str, base: type[BaseModel], noops: dict[str, tuple], doc: str,
+                extra: dict[str, Any] | None = None) -> type[BaseModel]:
     fields: dict[str, Any] = {k: (Annotated[Any, WithJsonSchema(_noop_schema(v))], None) for k, v in noops.items()}
-    return create_model(name, __base__=base, __doc__=doc, **fields)
+    return create_model(name, __base__=base, __doc__=doc, **_structured_fields(), **(extra or {}), **fields)
 
 
 CompletionRequest = _with_noops("CompletionRequest", _CompletionFields, COMPLETION_NOOPS,
                                 "``POST /v1/completions``.")
 ChatCompletionRequest = _with_noops("ChatCompletionRequest", _ChatFields, CHAT_NOOPS,
                                     "``POST /v1/chat/completions``; ``max_completion_tokens`` is read when "
-                                    "``max_tokens`` is absent.")
+                                    "``max_tokens`` is absent.", _CHAT_STRUCTURED)
 
 
 class _TokenizeCommon(BaseModel):
