@@ -20,8 +20,9 @@ def serve(model: str, slots: int):
     import uvicorn
 
     from app.config import AppConfig
-    from app.frontend import Frontend, build_web
+    from app.frontend import Frontend
     from app.replica import ReplicaServer
+    from app.routes import build_web
     from engine.instance import Instance
     from engine.loading import load_engine
 

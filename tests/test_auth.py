@@ -174,8 +174,8 @@ def test_request_schema_documents_the_parser(kind, required):
     assert props["threshold"]["exclusiveMinimum"] == 0 and props["threshold"]["maximum"] == 1
     if kind == "chat":
         message = props["messages"]["anyOf"][0]["items"]
-        assert message["properties"]["role"]["enum"] == ["system", "user", "assistant"]
-        assert set(message["required"]) == {"role", "content"}
+        assert message["properties"]["role"]["enum"] == ["system", "user", "assistant", "tool"]  # tool: a call's result
+        assert set(message["required"]) == {"role"}  # an assistant message with tool_calls may have no content
 
 
 def test_a_hashed_key_authenticates_once_hashed_and_holds_no_key(monkeypatch):

@@ -437,9 +437,9 @@ def test_hf_seeded_sampling_is_reproducible_and_temperature_changes_the_answer(h
 
 
 @pytest.mark.parametrize("extra,param", [({"logit_bias": {"5": 10}}, "logit_bias"),
-                                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                                         ({"frequency_penalty": 0.5}, "frequency_penalty"),
                                          ({"presence_penalty": 0.5}, "presence_penalty"),
-                                         ({"extra_body": {"guided_json": {}}}, "guided_json")])
+                                         ({"extra_body": {"min_p": 0.1}}, "min_p")])
 def test_hf_unsupported_parameters_are_refused(hf_client, extra, param):
     import openai
 

@@ -209,7 +209,8 @@ class FakeStream:
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory):
-    from app.frontend import Frontend, build_web
+    from app.frontend import Frontend
+    from app.routes import build_web
     from tests.checkpoints import build_checkpoint
 
     path = build_checkpoint("sdar", tmp_path_factory.mktemp("structured") / "sdar")

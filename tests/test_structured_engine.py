@@ -157,7 +157,7 @@ def test_every_decoding_rule_keeps_the_text_valid(tiny):
 
     ex = prose(2)[1]
     spec = ConstraintSpec("regex", _prose_pattern(ex.prompt.split()[1], int(ex.prompt.split()[2])).pattern)
-    names = sorted(RULES)
+    names = sorted(r for r in RULES if not getattr(RULES[r], "canvas_rule", False))  # renoise: DiffusionGemma's
     outs = run(tiny, [ex.prompt] * len(names),
                [SamplingParams(max_tokens=168, decoding=name, constraint=spec.to_dict()) for name in names])
     for name, (out, _) in zip(names, outs):

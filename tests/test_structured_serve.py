@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 def serve(model: str, body):
     """Run ``body(sdk)`` against the front of ``model`` (a name or a directory) with one replica."""
     from app.config import AppConfig
-    from app.frontend import Frontend, build_web
+    from app.frontend import Frontend
     from app.replica import ReplicaServer
+    from app.routes import build_web
     from engine.instance import Instance
     from engine.loading import load_engine
 
