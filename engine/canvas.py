@@ -101,6 +101,8 @@ class CanvasSequence:
     finish_reason: str | None = None
     text: OutputText | None = None  # the answer's text as canvases finish (stop strings applied)
     unread: str = ""  # text not yet read (``CanvasEngine.read``)
+    rule: RenoiseRule | None = None  # its own rule (a request's decoding_config); None: the engine's
+    stop_ids: frozenset[int] | None = None  # ids that end its output; None: the engine's
 
     @property
     def next_kind(self) -> str:
@@ -249,7 +251,7 @@ class CanvasEngine:
     def denoise_logits(self, seq: CanvasSequence, raw: torch.Tensor) -> tuple[CanvasDecision, torch.Tensor]:
         """The rule's part of a denoising step on the raw logits [L, V]: temperature, sampling and noise drawn
         from (seed, canvas index, step) in that order (as transformers draws them), then the rule's decision."""
-        rule = self.rule
+        rule = seq.rule or self.rule
         gen = renoise.canvas_generator(seq.seed, seq.canvas_index, seq.step_in_canvas, raw.device)
         out = renoise.propose(raw, rule.temperature(seq.step_in_canvas), gen)
         fresh = renoise.noise(raw.shape[0], raw.shape[1], gen, raw.device)
@@ -265,7 +267,8 @@ class CanvasEngine:
         seq.steps_per_canvas.append(seq.step_in_canvas)
         seq.canvas, seq.self_conditioning, seq.step_in_canvas, seq.state = None, None, 0, {}
         seq.canvas_index += 1
-        cut = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
+        stops = self.stop_ids if seq.stop_ids is None else seq.stop_ids
+        cut = next((i for i, t in enumerate(tokens) if t in stops), None)
         before = len(seq.output_ids)
         room = seq.max_tokens - before
         if cut is not None and cut < room:
