@@ -130,16 +130,18 @@ def test_a_resumed_request_ends_as_the_uninterrupted_one(served, dg_dir, seeded)
     assert fresh.output(again).token_ids == whole.token_ids
 
 
-async def _front(engine, model: str):
-    """The HTTP front (as the Ingress builds it, without Ray) and an in-process replica of ``engine``."""
+async def _front(engine, model: str, replicas=None):
+    """The HTTP front (as the Ingress builds it, without Ray) and an in-process replica of ``engine`` (or the
+    ``replicas`` given), connected."""
     from app.config import AppConfig
     from app.frontend import Frontend, build_web
     from app.replica import ReplicaServer
     from engine.instance import Instance
 
-    rep = ReplicaServer(Instance(engine, slots=4), tick_s=0.2)
+    rep = ReplicaServer(Instance(engine, slots=4), tick_s=0.2) if replicas is None else None
     fe = Frontend(AppConfig(engine={"model": model, "slots": 4}, router={"predictors": "off"}))
-    await fe.dispatcher.connect("r0", 1, **rep.info())
+    for i, r in enumerate([rep] if replicas is None else replicas):
+        await fe.dispatcher.connect(f"r{i}", 1, **r.info())
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_web(lambda: fe)), base_url="http://front")
     return http, rep, fe
 
@@ -207,3 +209,61 @@ def test_serve_dry_run_of_the_hub_id_writes_a_valid_config(dg_dir, tmp_path, mon
     assert cfg.http.max_tokens_limit == 512  # the fixture's context
     assert main(["serve", HUB_ID, "--dry-run", "--decoding", "threshold"]) == 2
     assert "masked-diffusion" in capsys.readouterr().err
+
+
+def test_a_failover_resumes_from_the_published_canvases_with_the_engine_s_seed(served, dg_dir):
+    """Through the ingress: a request without a seed, its instance lost after its first canvas was published,
+    is resumed on the other instance from that canvas and its last resume state (the seed its first engine
+    drew), and ends with the text an uninterrupted run with that seed gives."""
+    import copy
+    import time as clock
+
+    from app.replica import ReplicaServer
+    from engine.canvas_serving import CanvasServeEngine
+    from engine.instance import Instance
+
+    def replica():
+        inst = Instance(CanvasServeEngine(served.model, served.tokenizer), slots=4)
+        step = inst.step  # rounds slow enough for the test to catch the request between two canvases
+        inst.step = lambda only=None: (clock.sleep(0.01), step(only))[1]
+        return ReplicaServer(inst, tick_s=0.2)
+
+    ids = served.tokenizer.completion_ids(PROMPT, 0)
+
+    async def main():
+        reps = [replica(), replica()]
+        http, _, fe = await _front(served, str(dg_dir), reps)
+        d = fe.dispatcher
+        sent = []
+        for inst in d.instances.values():
+            inst.link.send = (lambda send: lambda msg: (sent.append(copy.deepcopy(msg)), send(msg))[1])(
+                inst.link.send)  # copied: the dispatcher extends a request's committed list in place
+        task = asyncio.ensure_future(_collect(d.submit("q", ids, 24, prompt_text=PROMPT, threshold=0.7)))
+        live = d.live["q"]
+        deadline = clock.monotonic() + 30
+        while not (live.committed and live.resume is not None):
+            assert clock.monotonic() < deadline and not task.done(), "no published canvas to resume from"
+            await asyncio.sleep(0.002)
+        d.drop(live.state.instance, "lost (test)")
+        text, last = await task
+        await http.aclose()
+        for r in reps:
+            r.close()
+        return text, last, sent
+
+    text, last, sent = asyncio.run(main())
+    adds = [m for m in sent if type(m).__name__ == "Add"]
+    assert len(adds) == 2 and adds[0].params.seed is None and adds[0].resume is None
+    assert len(adds[1].committed) in (8, 16)  # whole canvases: what was published
+    seed = adds[1].resume.state["seed"]
+    want = offline(served, ids, 24, seed)
+    assert last["type"] == "done" and last["resumes"] == 1 and text == last["text"] == want.text
+
+
+async def _collect(stream) -> tuple[str, dict]:
+    text, last = "", None
+    async for event in stream:
+        if event["type"] == "delta":
+            text += event["text"]
+        last = event
+    return text, last
