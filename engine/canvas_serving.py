@@ -40,6 +40,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -70,14 +71,20 @@ class CanvasObserver:
         del self.steps_per_canvas[:-4096]
 
 
-class _NoPool:
-    """The runner's face a canvas engine shows to ``Instance`` and the round loop: no KV pool, no graphs."""
+class _CanvasRunner:
+    """The runner's face a canvas engine shows to ``Instance``, the round loop and the profiler
+    (engine/profiling.py): no KV pool, no CUDA graphs, no round memory budget; ``forwards`` counts the model's
+    forwards (encoder and decoder)."""
 
     pool = None
     graphs = None
+    transient_budget = None
+    pooled = 0  # forwards over a KV pool: none
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.forwards = 0
+        self.model = SimpleNamespace(elementwise=None)  # the masked models' fused-elementwise flag: not used
 
 
 @dataclass
@@ -201,7 +208,7 @@ class CanvasServeEngine:
         self.max_slots = max_slots
         self.default_gen_length = default_gen_length or int(self.dg_cfg.generation.get("max_new_tokens", 256))
         self.max_gen_length = max_gen_length
-        self.runner = _NoPool(next(model.parameters()).dtype)
+        self.runner = _CanvasRunner(next(model.parameters()).dtype)
         self.kv_pool_budget = {"slots": 0, "source": "none: each canvas request holds its own encoder cache"}
         self.observer = CanvasObserver()
         self.sequences: dict[int, ServedCanvas] = {}
@@ -309,6 +316,7 @@ class CanvasServeEngine:
         denoise = [s for s in plan if s.next_kind() is StepKind.DENOISE]
         encoded = {s.seq_id: sum(map(len, s.inner.pending)) for s in plan}
         steps_before = {s.seq_id: s.inner.prefill_steps for s in denoise}
+        self.runner.forwards += max((len(s.inner.pending) for s in plan), default=0) + bool(denoise)
         self.canvas._prefill([s.inner for s in prefill + [d for d in denoise if d.inner.pending]])
         for s in denoise:  # a canvas's encoder pass is part of the next canvas's first step, not a prefill
             s.inner.prefill_steps = steps_before[s.seq_id]

@@ -130,7 +130,7 @@ def test_a_resumed_request_ends_as_the_uninterrupted_one(served, dg_dir, seeded)
     assert fresh.output(again).token_ids == whole.token_ids
 
 
-async def _front(engine, model: str, replicas=None):
+async def _front(engine, model: str, replicas=None, predictors: str = "off"):
     """The HTTP front (as the Ingress builds it, without Ray) and an in-process replica of ``engine`` (or the
     ``replicas`` given), connected."""
     from app.config import AppConfig
@@ -139,7 +139,7 @@ async def _front(engine, model: str, replicas=None):
     from engine.instance import Instance
 
     rep = ReplicaServer(Instance(engine, slots=4), tick_s=0.2) if replicas is None else None
-    fe = Frontend(AppConfig(engine={"model": model, "slots": 4}, router={"predictors": "off"}))
+    fe = Frontend(AppConfig(engine={"model": model, "slots": 4}, router={"predictors": predictors}))
     for i, r in enumerate([rep] if replicas is None else replicas):
         await fe.dispatcher.connect(f"r{i}", 1, **r.info())
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_web(lambda: fe)), base_url="http://front")
