@@ -153,8 +153,9 @@ class ServedCanvas:
         return self.inner.state
 
     def admission_rounds(self) -> float:
-        """Its denoising rounds if every canvas left ran to the rule's step cap (an upper bound)."""
-        return float((len(self.blocks) - self.block_idx) * self.rule.max_denoising_steps)
+        """Its denoising rounds if every canvas of its budget ran to the rule's step cap (an upper bound; as
+        ``len(blocks)`` for a masked request, ``Instance`` scales it to the canvases left)."""
+        return float(len(self.blocks) * self.rule.max_denoising_steps)
 
     def next_kind(self) -> StepKind:
         return StepKind.PREFILL if self.inner.prefill_steps == 0 else StepKind.DENOISE

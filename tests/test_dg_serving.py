@@ -79,6 +79,9 @@ def test_load_engine_serves_the_family_through_the_instance(served, dg_dir):
     assert got.prefill_steps == 1 and got.rounds == sum(want.steps_per_canvas)
     assert refined == want.steps_per_canvas[0] * 3  # the first canvas's steps, for each of its canvases
     assert seq.finished and served.observer.steps_per_canvas
+    resumed = inst.add_request("r", PROMPT, SamplingParams(max_tokens=20, seed=7), committed=got.token_ids[:8])
+    assert resumed.est_rounds == 2 * 6  # the canvases left at the step cap
+    inst.abort("r")
     with pytest.raises(ValueError, match="engine.decoding: 'threshold' decodes masked-diffusion blocks"):
         load_engine(str(dg_dir), rule="threshold")
     with pytest.raises(ValueError, match="decoding: 'threshold' decodes masked-diffusion blocks"):
