@@ -28,8 +28,10 @@ streaming, failover and the router's knob reach DiffusionGemma without a special
   step): the same text as the uninterrupted run. A request without a seed gets one at admission, kept in its
   ``params`` (and in its resume state), so a reset or a failover keeps it too.
 
-No KV pool (each request's cache is its own ``DGCache``: sliding-window layers keep their window), no CUDA
-graphs, no tensor parallelism here yet: ``kv_pool_budget`` says so.
+Tensor parallelism: each rank's engine holds its shard (``diffusion_gemma.shard``); rank 0's ``Instance``
+mirrors its commands and plans to the followers (``engine.instance.Follower``) as for the other families, the
+seed rank 0 drew among them. No KV pool (each request's cache is its own ``DGCache``: sliding-window layers
+keep their window; ``kv_pool_budget`` says so), no CUDA graphs.
 """
 
 from __future__ import annotations
@@ -264,6 +266,9 @@ class CanvasServeEngine:
         params.validate(self.max_gen_length)
         if params.threshold is not None and not 0.0 <= params.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {params.threshold}")
+        if params.logprobs:
+            raise ValueError("logprobs: not served for DiffusionGemma (a canvas's tokens are its last step's argmax, "
+                             "not draws with a probability)")
         if resume is not None and resume.tail:
             raise ValueError("resume.tail must be empty for a DiffusionGemma request (its current canvas is replayed)")
         if params.seed is None:  # drawn once and kept: a reset or a resume elsewhere draws the same noise

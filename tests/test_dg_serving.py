@@ -86,6 +86,8 @@ def test_load_engine_serves_the_family_through_the_instance(served, dg_dir):
         load_engine(str(dg_dir), rule="threshold")
     with pytest.raises(ValueError, match="decoding: 'threshold' decodes masked-diffusion blocks"):
         served.add_request(PROMPT, SamplingParams(decoding="threshold"))
+    with pytest.raises(ValueError, match="logprobs: not served for DiffusionGemma"):
+        served.add_request(PROMPT, SamplingParams(logprobs=True))
     with pytest.raises(ValueError, match="images are not served"):
         served.add_request([5, served.dg_cfg.image_token_id])
 
@@ -270,3 +272,40 @@ async def _collect(stream) -> tuple[str, dict]:
             text += event["text"]
         last = event
     return text, last
+
+
+def test_a_tensor_parallel_instance_gives_tp1s_text(served):
+    """TP 2 as a replica runs it (``deployments.startup`` shards the model with ``diffusion_gemma.shard``): rank 0's
+    ``Instance`` mirrors its commands and plans to a ``Follower`` rank (a thread here, its all-reduce a barrier),
+    which runs the same rounds on its shard; rank 0's answers are TP 1's, with the seed rank 0 drew sent along."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.canvas_serving import CanvasServeEngine
+    from engine.instance import Follower, Instance
+    from engine.models import diffusion_gemma as dg
+    from tests.test_diffusion_gemma import _ThreadAllReduce
+
+    ar = _ThreadAllReduce(2)
+    ranks = [CanvasServeEngine(dg.shard(served.model, r, 2, ar.for_rank(r)), served.tokenizer) for r in range(2)]
+    follower = Follower(ranks[1])
+    pool = ThreadPoolExecutor(1)
+
+    adds = {}
+
+    def mirror(commands, plan):
+        adds.update({c.req_id: c for c in commands if type(c).__name__ == "Add"})
+        done = pool.submit(follower.step, commands, plan)
+        return done.result
+
+    inst = Instance(ranks[0], slots=4, mirror=mirror, followers_alive=lambda: True)
+    inst.add_request("s", PROMPT, SamplingParams(max_tokens=20, seed=4))
+    inst.add_request("u", "Name a colour.", SamplingParams(max_tokens=12))  # rank 0 draws its seed
+    inst.set_threshold("s", 0.6)
+    try:
+        out = inst.run()
+    finally:
+        pool.shutdown()
+    assert not follower.seqs  # the follower finished them too
+    assert out["s"].token_ids == offline(served, PROMPT, 20, 4, bound=served.rule.knob_at(0.6)).token_ids
+    seed = adds["u"].params.seed
+    assert seed is not None and out["u"].token_ids == offline(served, "Name a colour.", 12, seed).token_ids
