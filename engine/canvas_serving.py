@@ -320,6 +320,21 @@ class CanvasServeEngine:
                 seq.inner.params = dataclasses.replace(seq.inner.params, entropy_bound=knob)
         prefill = [s for s in plan if s.next_kind() is StepKind.PREFILL]
         denoise = [s for s in plan if s.next_kind() is StepKind.DENOISE]
+        try:
+            reports, comp = self._step(plan, prefill, denoise)
+        except BaseException:
+            # an encoder pass writes its request's cache in place before the round's last forward: every request
+            # of a failed round counts as touched (its history grew; ``Instance.step``), so it starts over from its
+            # committed canvases, whose replay with the same draws gives the same text
+            for seq in plan:
+                seq.history.append(seq.next_kind())
+            raise
+        self.observer.round_done(plan, reports)
+        self.rounds += bool(plan)
+        return EngineRound(reports, time.perf_counter() - t0, comp)
+
+    def _step(self, plan: list[ServedCanvas], prefill: list[ServedCanvas],
+              denoise: list[ServedCanvas]) -> tuple[list[StepReport], list[tuple[str, int, int]]]:
         encoded = {s.seq_id: sum(map(len, s.inner.pending)) for s in plan}
         steps_before = {s.seq_id: s.inner.prefill_steps for s in denoise}
         self.runner.forwards += max((len(s.inner.pending) for s in plan), default=0) + bool(denoise)
@@ -347,9 +362,7 @@ class CanvasServeEngine:
                 seq._stepped(StepKind.PREFILL)
                 reports.append(StepReport(seq.seq_id, StepKind.PREFILL, encoded[seq.seq_id], 0, False, False))
                 comp.append((StepKind.PREFILL.value, encoded[seq.seq_id], 0))
-        self.observer.round_done(plan, reports)
-        self.rounds += bool(plan)
-        return EngineRound(reports, time.perf_counter() - t0, comp)
+        return reports, comp
 
     # ---- outputs -----------------------------------------------------------------------------
     def output(self, seq: ServedCanvas) -> Output:

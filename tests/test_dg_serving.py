@@ -309,3 +309,28 @@ def test_a_tensor_parallel_instance_gives_tp1s_text(served):
     assert out["s"].token_ids == offline(served, PROMPT, 20, 4, bound=served.rule.knob_at(0.6)).token_ids
     seed = adds["u"].params.seed
     assert seed is not None and out["u"].token_ids == offline(served, "Name a colour.", 12, seed).token_ids
+
+
+def test_a_failed_round_touches_its_requests_and_a_reset_gives_the_same_text(served, monkeypatch):
+    """A round whose decoder forward raises after its encoder passes wrote their caches: every request of it is
+    touched (``RoundFailed.touched``), and each, started over from its committed canvases (``Instance.reset``,
+    as the round loop does), ends with the text the uninterrupted run gives."""
+    from engine.instance import Instance, RoundFailed
+
+    inst = Instance(served, slots=4)
+    inst.add_request("f", PROMPT, SamplingParams(max_tokens=20, seed=2))
+    inst.step()  # its prompt's encoder pass
+    while inst.seqs["f"].block_idx < 1:
+        inst.step()
+    inst.add_request("g", "Name a colour.", SamplingParams(max_tokens=12, seed=8))
+    decode = served.model.decode
+    monkeypatch.setattr(served.model, "decode", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RoundFailed) as failed:
+        inst.step()  # g's prefill ran, f's canvas encode ran, then f's decoder forward failed
+    monkeypatch.setattr(served.model, "decode", decode)
+    assert sorted(failed.value.touched) == ["f", "g"]
+    for rid in failed.value.touched:
+        inst.reset(rid, len(inst.seqs[rid].output_ids()))
+    out = inst.run()
+    assert out["f"].token_ids == offline(served, PROMPT, 20, 2).token_ids
+    assert out["g"].token_ids == offline(served, "Name a colour.", 12, 8).token_ids
