@@ -171,6 +171,10 @@ def test_completions_and_streamed_chat_through_the_openai_client(served, dg_dir)
             stream = await client.completions.create(model=model, prompt=PROMPT, max_tokens=16, seed=5, stream=True,
                                                      extra_body=level)
             assert "".join([c.choices[0].text async for c in stream if c.choices]) == want.text
+            stop = want.text[5:7]  # a stop string inside a canvas ends the text before it
+            cut = await client.completions.create(model=model, prompt=PROMPT, max_tokens=16, seed=5, stop=[stop],
+                                                  extra_body=level)
+            assert cut.choices[0].text == want.text[: want.text.find(stop)] and cut.choices[0].finish_reason == "stop"
             chat = {"model": model, "messages": colour, "max_tokens": 20, "seed": 9,
                     "extra_body": {"threshold": 0.5}}  # a faster level: a higher bound
             plain = await client.chat.completions.create(**chat)
