@@ -287,9 +287,8 @@ def test_a_tensor_parallel_instance_gives_tp1s_text(served):
     from engine.canvas_serving import CanvasServeEngine
     from engine.instance import Follower, Instance
     from engine.models import diffusion_gemma as dg
-    from tests.test_diffusion_gemma import _ThreadAllReduce
 
-    ar = _ThreadAllReduce(2)
+    ar = _ThreadSum(2)
     ranks = [CanvasServeEngine(dg.shard(served.model, r, 2, ar.for_rank(r)), served.tokenizer) for r in range(2)]
     follower = Follower(ranks[1])
     pool = ThreadPoolExecutor(1)
@@ -338,3 +337,25 @@ def test_a_failed_round_touches_its_requests_and_a_reset_gives_the_same_text(ser
     out = inst.run()
     assert out["f"].token_ids == offline(served, PROMPT, 20, 2).token_ids
     assert out["g"].token_ids == offline(served, "Name a colour.", 12, 8).token_ids
+
+
+class _ThreadSum:
+    """An all-reduce among ``world`` rank threads: each rank's partial deposited, summed in rank order."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.parts = [None] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+    def for_rank(self, rank: int):
+        def reduce(x):
+            self.parts[rank] = x
+            self.barrier.wait()
+            total = self.parts[0]
+            for p in self.parts[1:]:
+                total = total + p
+            self.barrier.wait()
+            return total
+
+        return reduce
