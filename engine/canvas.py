@@ -20,9 +20,10 @@ the current canvas from its first step (the same draws give the same canvas: the
 at the cost of the steps replayed; tests/test_diffusion_gemma.py checks it in float32). A request without a seed
 gets one at admission.
 
-This is its own sequence type (``CanvasSequence``) beside the masked-diffusion ``Sequence``; the engine's round
-loop can batch its steps with other requests' once it dispatches on the step kind (the hooks it needs are listed
-in docs/engine.md). ``CanvasEngine`` runs it on its own today (the offline ``remask generate`` path): each step,
+This is its own sequence type (``CanvasSequence``) beside the masked-diffusion ``Sequence``; served, it runs under
+``engine.canvas_serving.CanvasServeEngine``, which gives the instance stack (scheduler, round loop, replica) the
+``Engine`` interface over this engine. ``CanvasEngine`` also runs on its own (the offline ``remask generate``
+path): each step,
 the requests with tokens to encode run their encoder passes (one per request) and all the others' canvases go
 through one decoder forward together, their caches left-padded to the longest (``DiffusionGemma.decode``); the
 encoder passes of several requests likewise go through one forward (``DiffusionGemma.encode_many``).
