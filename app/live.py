@@ -96,6 +96,7 @@ class LiveRequest:
         self.resume = item.resume  # its block's state after these ids (None: a resume restarts the block)
         if self.first_step is None:
             self.first_step = now
+        ended = item.done
         view = item.canvas
         if view is not None and self.canvas:
             view = {**view, "committed": [[p, t, decode([t])] for p, t in view["committed"]],
@@ -115,6 +116,8 @@ class LiveRequest:
                 self.emit(self.out.push(ids), now)
             if self.out.stopped and item.done is None:  # a stop string: the rest is not wanted
                 return Done("stop", st.steps_done, len(self.committed)), True
+            if self.out.stopped and ended.finish_reason == "length":  # a stop string in its last tokens ended it
+                ended = Done("stop", ended.rounds, ended.completion_tokens)
         # a block-causal model's prefill steps denoise nothing (the step that ran was heavy)
         f = item.features
         if full_sequence or not st.next_heavy:
@@ -128,7 +131,7 @@ class LiveRequest:
         else:
             st.progress = len(self.committed) / max(st.output_tokens, 1)
             st.blocks_left = max(1, -(-(st.output_tokens - len(self.committed)) // block_tokens))
-        return item.done, False
+        return ended, False
 
 
 class RequestStream:

@@ -92,6 +92,10 @@ class Denoiser:
         from predictors.features import state_row
 
         mode = self.cfg.router.predictors
+        if getattr(self.instance.engine, "canvas", None) is not None:  # DiffusionGemma (engine/canvas_serving.py)
+            log.info("canvas requests: no work predictors' step rows (their features are a masked block's); the "
+                     "instance refines a request's estimate from its first canvas's steps")
+            return None
         if mode in ("auto", "shipped"):
             try:
                 load_predictors(self.cfg.engine.model).attach(self.instance, lookahead=self.cfg.engine.lookahead_blocks)

@@ -31,7 +31,7 @@ def start_engine(cfg: AppConfig, rank: int = 0, world: int = 1, init_method: str
     ``init_method`` (``tcp://host:port``; NCCL on cuda, gloo on cpu) and its engine holds its shard of the
     checkpoint's model. Every rank of a group must call it: joining waits for the others."""
     from engine.engine import Engine
-    from engine.loading import engine_rule, load_engine, resolve_model
+    from engine.loading import engine_rule, is_canvas_model, load_engine, resolve_model
     from engine.models.loader import load_model
     from engine.models.tensor_parallel import all_reduce_sum, shard_model
     from engine.tokenizer import load_tokenizer
@@ -49,7 +49,13 @@ def start_engine(cfg: AppConfig, rank: int = 0, world: int = 1, init_method: str
                             rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     path = resolve_model(e.model)
-    model = shard_model(load_model(path, dtype=e.torch_dtype()), rank, world, all_reduce_sum())
     kwargs = engine_kwargs(cfg)
     rule = engine_rule(path, kwargs.pop("rule"), kwargs.pop("decoding_config"))
+    if is_canvas_model(path):  # DiffusionGemma: its own shards (heads, MLP and expert columns) and engine
+        from engine.canvas_serving import CanvasServeEngine
+        from engine.models import diffusion_gemma as dg
+
+        part = dg.shard(dg.load(path, dtype=e.torch_dtype()), rank, world, all_reduce_sum())
+        return CanvasServeEngine(part.to(e.device), load_tokenizer(path), device=e.device, rule=rule, **kwargs)
+    model = shard_model(load_model(path, dtype=e.torch_dtype()), rank, world, all_reduce_sum())
     return Engine(model.to(e.device), load_tokenizer(path), device=e.device, rule=rule, **kwargs)

@@ -20,9 +20,10 @@ the current canvas from its first step (the same draws give the same canvas: the
 at the cost of the steps replayed; tests/test_diffusion_gemma.py checks it in float32). A request without a seed
 gets one at admission.
 
-This is its own sequence type (``CanvasSequence``) beside the masked-diffusion ``Sequence``; the engine's round
-loop can batch its steps with other requests' once it dispatches on the step kind (the hooks it needs are listed
-in docs/engine.md). ``CanvasEngine`` runs it on its own today (the offline ``remask generate`` path): each step,
+This is its own sequence type (``CanvasSequence``) beside the masked-diffusion ``Sequence``; served, it runs under
+``engine.canvas_serving.CanvasServeEngine``, which gives the instance stack (scheduler, round loop, replica) the
+``Engine`` interface over this engine. ``CanvasEngine`` also runs on its own (the offline ``remask generate``
+path): each step,
 the requests with tokens to encode run their encoder passes (one per request) and all the others' canvases go
 through one decoder forward together, their caches left-padded to the longest (``DiffusionGemma.decode``); the
 encoder passes of several requests likewise go through one forward (``DiffusionGemma.encode_many``).
@@ -101,6 +102,8 @@ class CanvasSequence:
     finish_reason: str | None = None
     text: OutputText | None = None  # the answer's text as canvases finish (stop strings applied)
     unread: str = ""  # text not yet read (``CanvasEngine.read``)
+    rule: RenoiseRule | None = None  # its own rule (a request's decoding_config); None: the engine's
+    stop_ids: frozenset[int] | None = None  # ids that end its output; None: the engine's
 
     @property
     def next_kind(self) -> str:
@@ -249,7 +252,7 @@ class CanvasEngine:
     def denoise_logits(self, seq: CanvasSequence, raw: torch.Tensor) -> tuple[CanvasDecision, torch.Tensor]:
         """The rule's part of a denoising step on the raw logits [L, V]: temperature, sampling and noise drawn
         from (seed, canvas index, step) in that order (as transformers draws them), then the rule's decision."""
-        rule = self.rule
+        rule = seq.rule or self.rule
         gen = renoise.canvas_generator(seq.seed, seq.canvas_index, seq.step_in_canvas, raw.device)
         out = renoise.propose(raw, rule.temperature(seq.step_in_canvas), gen)
         fresh = renoise.noise(raw.shape[0], raw.shape[1], gen, raw.device)
@@ -265,7 +268,8 @@ class CanvasEngine:
         seq.steps_per_canvas.append(seq.step_in_canvas)
         seq.canvas, seq.self_conditioning, seq.step_in_canvas, seq.state = None, None, 0, {}
         seq.canvas_index += 1
-        cut = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
+        stops = self.stop_ids if seq.stop_ids is None else seq.stop_ids
+        cut = next((i for i, t in enumerate(tokens) if t in stops), None)
         before = len(seq.output_ids)
         room = seq.max_tokens - before
         if cut is not None and cut < room:

@@ -58,7 +58,10 @@ class RoundFailed(RuntimeError):
 
 
 def blocks_estimate(seq: Sequence) -> float:
-    return float(len(seq.blocks))
+    """One round per output block; a sequence that knows better says so (``admission_rounds``: a canvas
+    request's canvases times its rule's step cap, engine/canvas_serving.py)."""
+    rounds = getattr(seq, "admission_rounds", None)
+    return float(rounds()) if rounds is not None else float(len(seq.blocks))
 
 
 class Instance:

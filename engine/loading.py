@@ -54,12 +54,31 @@ def engine_rule(path: Path | None, rule=None, decoding_config: dict | None = Non
         return rule if not decoding_config else resolve_rule(rule, None, decoding_config, where="engine.")
     named = checkpoint_decoding(path) if path is not None else None
     base = None if named is None else resolve_rule(None, *named, where=f"{path}: ")
-    return resolve_rule(base, rule, decoding_config, where="engine.")
+    if base is None and path is not None and is_canvas_model(path):  # DiffusionGemma: renoise, its generation's
+        from engine.decoding.renoise import RenoiseRule
+        from engine.models.diffusion_gemma import read_config
+
+        base = RenoiseRule.from_generation(read_config(path).generation)
+    chosen = resolve_rule(base, rule, decoding_config, where="engine.")
+    if path is not None and base is not None and getattr(base, "canvas_rule", False) \
+            and not getattr(chosen, "canvas_rule", False):
+        raise ValueError(f"engine.decoding: {chosen.name!r} decodes masked-diffusion blocks; {path} is a "
+                         f"DiffusionGemma model, whose canvases decode with {base.name!r}")
+    return chosen
+
+
+def is_canvas_model(path: Path) -> bool:
+    """Whether the checkpoint directory at ``path`` holds a canvas (DiffusionGemma) model."""
+    from engine.canvas import is_diffusion_gemma
+
+    return is_diffusion_gemma(path)
 
 
 def load_engine(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **engine_kwargs):
     """An ``Engine`` for a model; its decoding rule: ``rule`` (a name or a rule) and ``decoding_config`` among
-    ``engine_kwargs`` over the checkpoint's (``engine_rule``)."""
+    ``engine_kwargs`` over the checkpoint's (``engine_rule``). A DiffusionGemma checkpoint gets a
+    ``CanvasServeEngine`` (engine/canvas_serving.py: the same interface, canvas requests; the KV pool, CUDA
+    graph and cache arguments do not apply to it)."""
     from engine.engine import Engine
     from engine.models.loader import load_model
     from engine.tokenizer import load_tokenizer
@@ -72,5 +91,10 @@ def load_engine(name_or_path: str, device: str = "cpu", dtype: torch.dtype = tor
         return Engine(model, IdTokenizer(model.config), device=device, rule=engine_rule(None, rule, config),
                       **engine_kwargs)
     path = resolve_model(name_or_path)
+    if is_canvas_model(path):
+        from engine.canvas_serving import CanvasServeEngine
+
+        return CanvasServeEngine.load(path, device=device, dtype=dtype, rule=engine_rule(path, rule, config),
+                                      **engine_kwargs)
     model = load_model(path, dtype=dtype, device=device)
     return Engine(model, load_tokenizer(path), device=device, rule=engine_rule(path, rule, config), **engine_kwargs)

@@ -1,0 +1,361 @@
+"""DiffusionGemma served through the instance stack (engine/canvas_serving.py, issue 41's serving criterion):
+
+- ``load_engine`` on a DiffusionGemma checkpoint (built by transformers: tests/checkpoints.py) gives a
+  ``CanvasServeEngine`` that answers as the offline ``CanvasEngine`` does, through ``Instance`` (the DWISE
+  scheduler) too: one prompt prefill, then denoising rounds; the first canvas's steps refine the estimate;
+- the router's level reaches the renoise rule as its entropy bound (``knob_at``); a masked rule is refused;
+- the HTTP front with an in-process replica serves completions and streamed chat through the openai client:
+  the streamed deltas join to the plain answer and to the offline engine's; an image content part is a 400;
+- a seeded request (and one without a seed: the engine's draw travels in its resume state) resumed on a fresh
+  engine from its published canvases ends as the uninterrupted run;
+- ``remask serve google/diffusiongemma-26B-A4B-it --dry-run`` from an offline hub cache writes a serve config
+  the app's config class accepts, whose model resolves to the cached checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from engine.commands import SamplingParams
+
+PROMPT = "What is 2+2?"
+HUB_ID = "google/diffusiongemma-26B-A4B-it"
+
+
+@pytest.fixture(scope="module")
+def dg_dir(tmp_path_factory):
+    from tests.checkpoints import build_diffusion_gemma
+
+    return build_diffusion_gemma(tmp_path_factory.mktemp("dgserve") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def served(dg_dir):
+    from engine.loading import load_engine
+
+    return load_engine(str(dg_dir), max_slots=4)
+
+
+def offline(engine, prompt: str | list[int], max_tokens: int, seed: int, bound: float | None = None):
+    """The offline CanvasEngine's answer (engine/canvas.py) for the same model, prompt (text: as a chat turn;
+    else token ids) and seed."""
+    from engine.canvas import CanvasEngine, CanvasParams
+
+    ref = CanvasEngine(engine.model, engine.tokenizer)
+    ids = engine.tokenizer.prompt_ids(prompt, 0) if isinstance(prompt, str) else prompt
+    return ref.generate([ids], CanvasParams(max_tokens=max_tokens, seed=seed, entropy_bound=bound))[0]
+
+
+def test_load_engine_serves_the_family_through_the_instance(served, dg_dir):
+    from engine.canvas_serving import CanvasServeEngine
+    from engine.instance import Instance
+    from engine.loading import load_engine
+    from engine.scheduler.types import StepKind
+
+    assert isinstance(served, CanvasServeEngine) and served.rule.name == "renoise"
+    assert served.rule.max_denoising_steps == 6  # the checkpoint's generation_config.json
+    want = offline(served, PROMPT, 20, 7)
+    inst = Instance(served, slots=4)
+    req = inst.add_request("a", PROMPT, SamplingParams(max_tokens=20, seed=7))
+    inst.add_request("b", "Name a colour.", SamplingParams(max_tokens=20, seed=3))
+    # admission: its canvases (20 tokens over canvases of 8: 3) at the rule's step cap
+    assert req.est_rounds == 3 * 6 and req.prompt_blocks == 1
+    seq = inst.seqs["a"]
+    plan, _, _ = inst.step()
+    assert [s.kind for s in plan.slots] == [StepKind.PREFILL] * 2  # the prompts' encoder passes, one round
+    refined = None
+    while "a" not in inst.outputs:
+        plan, result, _ = inst.step()
+        assert {s.kind for s in plan.slots} == {StepKind.DENOISE}
+        out = next((o for o in result.outcomes if o.req_id == "a"), None)
+        if out is not None and out.refined_rounds is not None:
+            refined = out.refined_rounds
+    inst.run()
+    got = inst.outputs["a"]
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert got.prefill_steps == 1 and got.rounds == sum(want.steps_per_canvas)
+    assert refined == want.steps_per_canvas[0] * 3  # the first canvas's steps, for each of its canvases
+    assert seq.finished and served.observer.steps_per_canvas
+    resumed = inst.add_request("r", PROMPT, SamplingParams(max_tokens=20, seed=7), committed=got.token_ids[:8])
+    assert resumed.est_rounds == 2 * 6  # the canvases left at the step cap
+    inst.abort("r")
+    with pytest.raises(ValueError, match="engine.decoding: 'threshold' decodes masked-diffusion blocks"):
+        load_engine(str(dg_dir), rule="threshold")
+    with pytest.raises(ValueError, match="decoding: 'threshold' decodes masked-diffusion blocks"):
+        served.add_request(PROMPT, SamplingParams(decoding="threshold"))
+    with pytest.raises(ValueError, match="logprobs: not served for DiffusionGemma"):
+        served.add_request(PROMPT, SamplingParams(logprobs=True))
+    with pytest.raises(ValueError, match="images are not served"):
+        served.add_request([5, served.dg_cfg.image_token_id])
+
+
+def test_the_router_level_is_the_entropy_bound(served):
+    """The level (threshold) moves the renoise rule's bound through knob_at: a lower level, a higher bound
+    (faster); the answer is the offline engine's at that bound."""
+    from engine.instance import Instance
+
+    rule = served.rule
+    assert rule.knob_at(0.5) > rule.knob_at(0.7) > rule.knob_at(0.9)
+    assert rule.knob_at(0.7) == pytest.approx(rule.entropy_bound)
+    inst = Instance(served, slots=4)
+    inst.add_request("k", PROMPT, SamplingParams(max_tokens=8, seed=5, threshold=0.9))
+    inst.step()
+    inst.set_threshold("k", 0.2)  # the router's answer: from the next round on
+    inst.step()
+    assert inst.seqs["k"].inner.params.entropy_bound == pytest.approx(rule.knob_at(0.2))
+    inst.run()
+    want = offline(served, PROMPT, 8, 5, bound=rule.knob_at(0.2))
+    assert inst.outputs["k"].token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_a_resumed_request_ends_as_the_uninterrupted_one(served, dg_dir, seeded):
+    """Paused in its second canvas, resumed on a fresh engine from what its replica published (whole canvases)
+    and its resume state: the same text. Without a seed, the engine's draw travels in the resume state."""
+    from engine.loading import load_engine
+
+    params = SamplingParams(max_tokens=20, seed=11 if seeded else None)
+    seq = served.add_request(PROMPT, params)
+    while not seq.finished and not (seq.block_idx == 1 and seq.step_in_block == 2):
+        served.step([seq])
+    assert not seq.finished, "the fixture's answer ended in its first canvas"
+    committed, state = seq.output_ids(), seq.resume_state(len(seq.output_ids()))
+    assert len(committed) == 8 and state.tail == []
+    while not seq.finished:
+        served.step([seq])
+    whole = served.output(seq)
+    served.sequences.pop(seq.seq_id)
+    fresh = load_engine(str(dg_dir))
+    again = fresh.add_request(PROMPT, params, committed=committed, resume=state)
+    while not again.finished:
+        fresh.step([again])
+    assert fresh.output(again).token_ids == whole.token_ids
+
+
+async def _front(engine, model: str, replicas=None, predictors: str = "off"):
+    """The HTTP front (as the Ingress builds it, without Ray) and an in-process replica of ``engine`` (or the
+    ``replicas`` given), connected."""
+    from app.config import AppConfig
+    from app.frontend import Frontend, build_web
+    from app.replica import ReplicaServer
+    from engine.instance import Instance
+
+    rep = ReplicaServer(Instance(engine, slots=4), tick_s=0.2) if replicas is None else None
+    fe = Frontend(AppConfig(engine={"model": model, "slots": 4}, router={"predictors": predictors}))
+    for i, r in enumerate([rep] if replicas is None else replicas):
+        await fe.dispatcher.connect(f"r{i}", 1, **r.info())
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_web(lambda: fe)), base_url="http://front")
+    return http, rep, fe
+
+
+@pytest.mark.slow  # about 3 s on 2 busy cores: a front, a replica and six requests
+def test_completions_and_streamed_chat_through_the_openai_client(served, dg_dir):
+    openai = pytest.importorskip("openai")
+    model = str(dg_dir)
+    tok = served.tokenizer
+    want = offline(served, tok.completion_ids(PROMPT, 0), 16, 5)  # the rule's own bound: level 0.7
+    colour = [{"role": "user", "content": "Name a colour."}]
+    want_chat = offline(served, tok.chat_ids(colour, 0), 20, 9, bound=served.rule.knob_at(0.5))
+
+    async def main():
+        http, rep, fe = await _front(served, model)
+        client = openai.AsyncOpenAI(base_url="http://front/v1", api_key="none", http_client=http, max_retries=0)
+        try:
+            assert fe.dispatcher.default_decoding == "renoise"
+            level = {"threshold": 0.7}  # the client fixes the router's level: the rule's configured bound
+            out = await client.completions.create(model=model, prompt=PROMPT, max_tokens=16, seed=5, extra_body=level)
+            assert out.choices[0].text == want.text and out.choices[0].finish_reason == want.finish_reason
+            stream = await client.completions.create(model=model, prompt=PROMPT, max_tokens=16, seed=5, stream=True,
+                                                     extra_body=level)
+            assert "".join([c.choices[0].text async for c in stream if c.choices]) == want.text
+            stop = want.text[5:7]  # a stop string inside a canvas ends the text before it
+            cut = await client.completions.create(model=model, prompt=PROMPT, max_tokens=16, seed=5, stop=[stop],
+                                                  extra_body=level)
+            assert cut.choices[0].text == want.text[: want.text.find(stop)] and cut.choices[0].finish_reason == "stop"
+            chat = {"model": model, "messages": colour, "max_tokens": 20, "seed": 9,
+                    "extra_body": {"threshold": 0.5}}  # a faster level: a higher bound
+            plain = await client.chat.completions.create(**chat)
+            assert plain.choices[0].message.content == want_chat.text
+            stream = await client.chat.completions.create(**chat, stream=True)
+            deltas = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+            assert "".join(deltas) == want_chat.text
+            # canvas by canvas: at most one piece of text per canvas of 8 tokens (and the final chunk)
+            assert 1 <= len([d for d in deltas if d]) <= 3
+            image = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+            r = await http.post("/v1/chat/completions", json=image)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.1.type"
+            r = await http.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 8,
+                                                         "decoding": "threshold"})
+            assert r.status_code == 400 and "decoding" in r.json()["error"]["message"], r.text
+        finally:
+            await http.aclose()
+            rep.close()
+
+    asyncio.run(main())
+
+
+def test_serve_dry_run_of_the_hub_id_writes_a_valid_config(dg_dir, tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from app.config import AppConfig
+    from engine.loading import resolve_model
+    from tests.hubcache import go_offline, lay_out
+    from tools.cli import main
+
+    lay_out(dg_dir, tmp_path / "home", HUB_ID)
+    go_offline(monkeypatch, tmp_path / "home")
+    assert main(["serve", HUB_ID, "--dry-run", "--device", "cpu"]) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    app = doc["applications"][0]
+    cfg = AppConfig.model_validate(app["args"])  # the app's own config class
+    assert cfg.engine.model == HUB_ID and app["import_path"] == "deployments.builder:build_app"
+    assert (resolve_model(cfg.engine.model) / "config.json").read_bytes() == (dg_dir / "config.json").read_bytes()
+    assert cfg.http.max_tokens_limit == 512  # the fixture's context
+    assert main(["serve", HUB_ID, "--dry-run", "--decoding", "threshold"]) == 2
+    assert "masked-diffusion" in capsys.readouterr().err
+
+
+def test_a_failover_resumes_from_the_published_canvases_with_the_engine_s_seed(served, dg_dir):
+    """Through the ingress: a request without a seed, its instance lost after its first canvas was published,
+    is resumed on the other instance from that canvas and its last resume state (the seed its first engine
+    drew), and ends with the text an uninterrupted run with that seed gives."""
+    import copy
+    import time as clock
+
+    from app.replica import ReplicaServer
+    from engine.canvas_serving import CanvasServeEngine
+    from engine.instance import Instance
+
+    def replica():
+        inst = Instance(CanvasServeEngine(served.model, served.tokenizer), slots=4)
+        step = inst.step  # rounds slow enough for the test to catch the request between two canvases
+        inst.step = lambda only=None: (clock.sleep(0.01), step(only))[1]
+        return ReplicaServer(inst, tick_s=0.2)
+
+    ids = served.tokenizer.completion_ids(PROMPT, 0)
+
+    async def main():
+        reps = [replica(), replica()]
+        http, _, fe = await _front(served, str(dg_dir), reps)
+        d = fe.dispatcher
+        sent = []
+        for inst in d.instances.values():
+            inst.link.send = (lambda send: lambda msg: (sent.append(copy.deepcopy(msg)), send(msg))[1])(
+                inst.link.send)  # copied: the dispatcher extends a request's committed list in place
+        task = asyncio.ensure_future(_collect(d.submit("q", ids, 24, prompt_text=PROMPT, threshold=0.7)))
+        live = d.live["q"]
+        deadline = clock.monotonic() + 30
+        while not (live.committed and live.resume is not None):
+            assert clock.monotonic() < deadline and not task.done(), "no published canvas to resume from"
+            await asyncio.sleep(0.002)
+        d.drop(live.state.instance, "lost (test)")
+        text, last = await task
+        await http.aclose()
+        for r in reps:
+            r.close()
+        return text, last, sent
+
+    text, last, sent = asyncio.run(main())
+    adds = [m for m in sent if type(m).__name__ == "Add"]
+    assert len(adds) == 2 and adds[0].params.seed is None and adds[0].resume is None
+    assert len(adds[1].committed) in (8, 16)  # whole canvases: what was published
+    seed = adds[1].resume.state["seed"]
+    want = offline(served, ids, 24, seed)
+    assert last["type"] == "done" and last["resumes"] == 1 and text == last["text"] == want.text
+
+
+async def _collect(stream) -> tuple[str, dict]:
+    text, last = "", None
+    async for event in stream:
+        if event["type"] == "delta":
+            text += event["text"]
+        last = event
+    return text, last
+
+
+def test_a_tensor_parallel_instance_gives_tp1s_text(served):
+    """TP 2 as a replica runs it (``deployments.startup`` shards the model with ``diffusion_gemma.shard``): rank 0's
+    ``Instance`` mirrors its commands and plans to a ``Follower`` rank (a thread here, its all-reduce a barrier),
+    which runs the same rounds on its shard; rank 0's answers are TP 1's, with the seed rank 0 drew sent along."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.canvas_serving import CanvasServeEngine
+    from engine.instance import Follower, Instance
+    from engine.models import diffusion_gemma as dg
+
+    ar = _ThreadSum(2)
+    ranks = [CanvasServeEngine(dg.shard(served.model, r, 2, ar.for_rank(r)), served.tokenizer) for r in range(2)]
+    follower = Follower(ranks[1])
+    pool = ThreadPoolExecutor(1)
+
+    adds = {}
+
+    def mirror(commands, plan):
+        adds.update({c.req_id: c for c in commands if type(c).__name__ == "Add"})
+        done = pool.submit(follower.step, commands, plan)
+        return done.result
+
+    inst = Instance(ranks[0], slots=4, mirror=mirror, followers_alive=lambda: True)
+    inst.add_request("s", PROMPT, SamplingParams(max_tokens=20, seed=4))
+    inst.add_request("u", "Name a colour.", SamplingParams(max_tokens=12))  # rank 0 draws its seed
+    inst.set_threshold("s", 0.6)
+    try:
+        out = inst.run()
+    finally:
+        pool.shutdown()
+    assert not follower.seqs  # the follower finished them too
+    assert out["s"].token_ids == offline(served, PROMPT, 20, 4, bound=served.rule.knob_at(0.6)).token_ids
+    seed = adds["u"].params.seed
+    assert seed is not None and out["u"].token_ids == offline(served, "Name a colour.", 12, seed).token_ids
+
+
+def test_a_failed_round_touches_its_requests_and_a_reset_gives_the_same_text(served, monkeypatch):
+    """A round whose decoder forward raises after its encoder passes wrote their caches: every request of it is
+    touched (``RoundFailed.touched``), and each, started over from its committed canvases (``Instance.reset``,
+    as the round loop does), ends with the text the uninterrupted run gives."""
+    from engine.instance import Instance, RoundFailed
+
+    inst = Instance(served, slots=4)
+    inst.add_request("f", PROMPT, SamplingParams(max_tokens=20, seed=2))
+    inst.step()  # its prompt's encoder pass
+    while inst.seqs["f"].block_idx < 1:
+        inst.step()
+    inst.add_request("g", "Name a colour.", SamplingParams(max_tokens=12, seed=8))
+    decode = served.model.decode
+    monkeypatch.setattr(served.model, "decode", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RoundFailed) as failed:
+        inst.step()  # g's prefill ran, f's canvas encode ran, then f's decoder forward failed
+    monkeypatch.setattr(served.model, "decode", decode)
+    assert sorted(failed.value.touched) == ["f", "g"]
+    for rid in failed.value.touched:
+        inst.reset(rid, len(inst.seqs[rid].output_ids()))
+    out = inst.run()
+    assert out["f"].token_ids == offline(served, PROMPT, 20, 2).token_ids
+    assert out["g"].token_ids == offline(served, "Name a colour.", 12, 8).token_ids
+
+
+class _ThreadSum:
+    """An all-reduce among ``world`` rank threads: each rank's partial deposited, summed in rank order."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.parts = [None] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+    def for_rank(self, rank: int):
+        def reduce(x):
+            self.parts[rank] = x
+            self.barrier.wait()
+            total = self.parts[0]
+            for p in self.parts[1:]:
+                total = total + p
+            self.barrier.wait()
+            return total
+
+        return reduce
