@@ -227,7 +227,7 @@ def test_renoise_rule_config_and_errors():
 
     rule = make_rule("renoise", entropy_bound=0.5, max_denoising_steps=4)
     assert rule.temperature(0) == pytest.approx(0.8) and rule.temperature(3) == pytest.approx(0.5)
-    assert rule.knob_at(0.7) == pytest.approx(0.5) and rule.knob_at(0.5) > rule.knob_at(0.9)
+    assert rule.knob_at(0.9) == pytest.approx(0.5) and rule.knob_at(0.5) > rule.knob_at(0.9)
     # sorted 0.01, 0.02, 0.5, 3.0: the sums without the largest are 0, 0.01, 0.03, 0.53
     assert renoise.eb_accept([0.5, 0.01, 0.02, 3.0], 0.1).tolist() == [True, True, True, False]
     assert renoise.eb_accept([5.0, 6.0], 0.1).tolist() == [True, False]  # the lowest one always

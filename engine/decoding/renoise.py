@@ -115,11 +115,12 @@ class RenoiseRule(RuleBase):
         real("confidence_threshold", self.confidence_threshold, 0.0, 1e6, lo_open=True)
 
     def knob_at(self, level: float) -> float:
-        """The router's level (0.5 ... 0.9, higher: slower) as a bound: the configured bound at 0.7, doubling
-        for every 0.1 below it and halving for every 0.1 above (clipped to the range)."""
+        """The router's level (0.5 ... 0.9, higher: slower) as a bound: the configured bound (the checkpoint's
+        quality) at 0.9, the router's top candidate and its level when it has no step estimates, doubling for
+        every 0.1 below it (faster) and halving above (clipped to the range)."""
         level = real("threshold", level, 0.0, 1.0)
         lo, hi = self.knob_range
-        return float(min(hi, max(lo, self.entropy_bound * 2.0 ** ((0.7 - level) * 10.0))))
+        return float(min(hi, max(lo, self.entropy_bound * 2.0 ** ((0.9 - level) * 10.0))))
 
     def temperature(self, step_in_block: int) -> float:
         """The temperature of step ``step_in_block`` (0 first): transformers counts the remaining steps
