@@ -391,7 +391,7 @@ class Dispatcher:
             st = live.state
             self.learning.finished(live.rows, live.row_steps, live.denoise_steps,
                                    [*st.extra["admission"], st.thresholds_used.mean or live.sent_threshold or 0.9],
-                                   st.output_tokens / st.block_tokens, st.threshold)
+                                   st.output_tokens / st.block_tokens, st.threshold, decoding=st.decoding)
         used = live.state.thresholds_used
         live.queue.put_nowait({
             "type": "done", "finish_reason": done.finish_reason, "text": live.out.text,

@@ -21,6 +21,7 @@ def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router
     step estimates."""
     from cluster import OnlineStepEstimator, RouterConfig, StepShape, TpLatencyModel
     from cluster.learning import build_learning
+    from cluster.thresholds import decoding_row
     from engine.latency_profile import load_tp_profiles
     from predictors.bundle import PredictorError
 
@@ -37,7 +38,8 @@ def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router
         except PredictorError as exc:
             log.warning("no step predictor (%s)", exc)
     if learning is not None:
-        estimator = OnlineStepEstimator(learning.step, thresholds, admission=learning.admission)
+        # rows with the request's rule and its knob at each level: the columns the step learner records
+        estimator = OnlineStepEstimator(learning.step, thresholds, row=decoding_row, admission=learning.admission)
     else:
         estimator = BlocksLeft(thresholds)
         if policy not in ("fixed-threshold", "infaas", "llumnix"):

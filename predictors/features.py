@@ -180,10 +180,31 @@ def decoding_columns(rule: str, level: float) -> list[float]:
 
 def with_decoding(rows: np.ndarray, rule: str) -> np.ndarray:
     """Rows of STEP_FEATURES (threshold first: the candidate level) with the ``RULE_FEATURES`` columns of
-    ``rule`` appended: shape [n, 13]."""
+    ``rule`` appended: shape [n, 13] (``decoding_columns`` of each row's level, computed once per distinct
+    level)."""
     rows = np.atleast_2d(np.asarray(rows, dtype=np.float64))
-    extra = np.array([decoding_columns(rule, float(t)) for t in rows[:, 0]]).reshape(len(rows), 2)
-    return np.concatenate([rows[:, : len(STEP_FEATURES)], extra], axis=1)
+    levels, inv = np.unique(rows[:, 0], return_inverse=True)
+    cols = np.array([decoding_columns(rule, float(t)) for t in levels], dtype=np.float64).reshape(len(levels), 2)
+    return np.concatenate([rows[:, : len(STEP_FEATURES)], cols[inv.reshape(-1)]], axis=1)
+
+
+def decoding_rows(rows, rule: str | None = None) -> np.ndarray:
+    """Step rows as a decoding-aware model reads them, [n, 13]: rows of the 11 ``STEP_FEATURES`` (a
+    replica's, or ``cluster.estimator.feature_row``'s) get ``rule``'s ``RULE_FEATURES`` columns
+    (``with_decoding``; no rule: ``threshold``, whose knob is the level), and 13-column rows (already
+    carrying theirs, ``cluster.thresholds.decoding_row``'s) stay as they are. Any other width is a
+    ValueError naming it."""
+    width = len(STEP_FEATURES)
+    x = np.asarray(rows, dtype=np.float64)
+    if x.size == 0:
+        return np.zeros((0, width + len(RULE_FEATURES)))
+    x = np.atleast_2d(x)
+    if x.ndim != 2 or x.shape[1] not in (width, width + len(RULE_FEATURES)):
+        raise ValueError(f"step rows have {width} columns (STEP_FEATURES) or {width + len(RULE_FEATURES)} "
+                         f"(with RULE_FEATURES): got shape {x.shape}")
+    if x.shape[1] == width:
+        return with_decoding(x, "threshold" if rule is None else rule)
+    return x
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:

@@ -2,7 +2,8 @@
 
 DiLaServe trains its step predictor online from about 100 requests. ``OnlineStepLearner`` does the
 same for the step predictor (``predictors.step``: the 11 ``STEP_FEATURES`` of a request after each
-step -> remaining steps) and ``OnlineAdmissionLearner`` for DWISE's admission predictor
+step and its decoding rule's two ``RULE_FEATURES`` columns, the rule and its knob at the row's level
+-> remaining steps) and ``OnlineAdmissionLearner`` for DWISE's admission predictor
 (``predictors.admission``: ``ADMISSION_FEATURES`` -> total rounds). Both
 
 - ``record`` each FINISHED request (its rows and true labels) into a window of the most recent
@@ -17,12 +18,21 @@ step -> remaining steps) and ``OnlineAdmissionLearner`` for DWISE's admission pr
 - predict with the model in service: before the first, a prior that needs no training (``describe``
   says which: "prior", "shipped" for a model given as ``start``, "online").
 
-The step prior: remaining tokens (output_len x (1 - progress)) over the tokens a step commits at the
-row's threshold, measured over the finished requests (per step, from the progress between
-consecutive rows). A lower threshold unmasks a superset of what a higher one does, so a threshold
-never measured takes the rate of the nearest measured higher one, and before any measurement a step
-commits 1 token (the least a step commits; no table is made up). The admission prior: one round per
-output block.
+The step prior: remaining tokens (output_len x (1 - progress)) over the tokens a step of the row's
+rule commits at the row's threshold (its level), measured over the finished requests (per rule and
+level, from the progress between consecutive rows). A lower level unmasks a superset of what a higher
+one does (every rule's knob moves in its faster direction as the level falls), so a level never
+measured takes the rate of the nearest measured higher one of the same rule, and before any
+measurement of the rule a step commits 1 token (the least a step commits; no table is made up). The
+admission prior: one round per output block.
+
+Rules: the step learner keeps 13-column rows (``features.decoding_rows``: the 11 step features, the
+rule's code and its knob at the row's level; the same columns ``cluster.thresholds.decoding_row`` asks
+with). A refit fits on all 13 when its training rows hold more than one rule, and on the first 11 when
+they hold one (its rule column is constant and its knob a function of the level: the 11 say it all,
+and threshold-only traffic gets exactly the model it got before rules had columns). Any model answers a
+13-column row (``StepPredictor`` reads the columns it was trained on), so a shipped 11-feature model
+serves until the first refit beats it.
 
 Only numpy and ``predictors.features`` (the feature names, Spearman) here; LightGBM and the model classes
 are imported by the fits (and by ``RefitWorker`` at its start).
@@ -40,12 +50,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from predictors.features import ADMISSION_FEATURES, STEP_FEATURES
+from predictors.features import ADMISSION_FEATURES, RULE_CODES, RULE_FEATURES, STEP_FEATURES, decoding_rows, rule_code
 from predictors.features import spearman as _spearman
 
 log = logging.getLogger(__name__)
 
 STEP_WIDTH = len(STEP_FEATURES)  # threshold, output_len, progress, ...
+RULE_COL = STEP_WIDTH  # the rule's code (``features.rule_code``); its knob follows
+DECODING_WIDTH = STEP_WIDTH + len(RULE_FEATURES)  # the rows the step learner keeps and predicts
+THRESHOLD_CODE = rule_code("threshold")
 ADMISSION_WIDTH = len(ADMISSION_FEATURES)  # words, newlines, tokens, threshold
 SCORE_ROWS = 10_000  # holdout rows a refit scores the two models on (a uniform sample when there are more)
 
@@ -241,14 +254,16 @@ def _scores(s: dict) -> dict:
 class OnlineStepLearner(_Learner):
     """DiLaServe's step predictor, learnt from finished requests (see the module's docstring).
 
-    ``record(rows, steps_done, total_steps)``: a finished request's step rows (``STEP_FEATURES``, one
-    after each of its steps but the last; ``steps_done[k]``: steps taken when row k was recorded,
-    default 1, 2, ...), labelled ``total_steps - steps_done[k]`` remaining steps. ``predict_rows`` is
-    ``StepPredictor.predict_rows``'s contract: remaining steps (>= 1) per row, which carries its own
-    threshold. ``start``, a shipped ``StepPredictor``, serves until an online model beats it.
+    ``record(rows, steps_done, total_steps, decoding=rule)``: a finished request's step rows
+    (``STEP_FEATURES``, one after each of its steps but the last, given the ``RULE_FEATURES`` columns of
+    its ``decoding`` rule, default ``threshold``; or 13-column rows that carry them; ``steps_done[k]``:
+    steps taken when row k was recorded, default 1, 2, ...), labelled ``total_steps - steps_done[k]``
+    remaining steps. ``predict_rows`` is ``StepPredictor.predict_rows``'s contract: remaining steps
+    (>= 1) per row, which carries its own threshold (and rule and knob: an 11-column row is the threshold
+    rule's). ``start``, a shipped ``StepPredictor``, serves until an online model beats it.
     """
 
-    width = STEP_WIDTH
+    width = DECODING_WIDTH
 
     def __init__(self, thresholds: Sequence[float] = (), *, window: int = 2000, refit_every: int = 50,
                  holdout: float = 0.2, min_requests: int = 100, start=None, seed: int = 0,
@@ -257,18 +272,24 @@ class OnlineStepLearner(_Learner):
                          seed=seed, early=early, recent=recent, start=start)
         self.thresholds = tuple(float(t) for t in thresholds)
         self.max_rows = max_rows
-        self._tokens: dict[float, list[float]] = {}  # threshold -> [tokens committed, steps]
-        self._rates: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))  # thresholds ascending, tokens/step
+        # rule code -> level -> [tokens committed, steps]; the measured rates per rule code: (levels ascending,
+        # tokens/step); the rule names seen, per code
+        self._tokens: dict[float, dict[float, list[float]]] = {}
+        self._rates: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+        self._names: dict[float, str] = {THRESHOLD_CODE: "threshold"}
 
     def record(self, rows: Sequence[Sequence[float]], steps_done: Sequence[int] | None, total_steps: int,
-               last_threshold: float | None = None) -> None:
+               last_threshold: float | None = None, decoding: str | None = None) -> None:
         """A finished request: its rows (after each step but the last) and its total steps.
         ``last_threshold``: the threshold of its steps after the last row (default: the last row's);
-        needed for the tokens-per-step measurement of a request with no rows (one step)."""
-        x = np.asarray(rows, dtype=np.float64).reshape(-1, STEP_WIDTH)
+        needed for the tokens-per-step measurement of a request with no rows (one step). ``decoding``: its
+        decoding rule (default ``threshold``), whose columns 11-column rows get (``features.decoding_rows``)."""
+        x = decoding_rows(rows, decoding)
         done = np.arange(1, len(x) + 1) if steps_done is None else np.asarray(steps_done, dtype=np.float64)
         if len(done) != len(x):
             raise ValueError(f"{len(x)} rows but {len(done)} step counts")
+        if decoding is not None:
+            self._names.setdefault(rule_code(decoding), decoding)
         self._measure(x, done, float(total_steps), last_threshold)
         keep = done < total_steps  # a row after the last step has nothing left to predict
         if keep.any():
@@ -278,10 +299,11 @@ class OnlineStepLearner(_Learner):
                 self.seen += 1
 
     def _measure(self, x: np.ndarray, done: np.ndarray, total: float, last_threshold: float | None) -> None:
-        """Tokens committed per step at each threshold, from the progress between consecutive rows (the steps
-        after the last row at ``last_threshold``, default the last row's)."""
+        """Tokens committed per step at each level of the request's rule, from the progress between
+        consecutive rows (the steps after the last row at ``last_threshold``, default the last row's)."""
         if not len(x):
             return  # no row: neither the output length nor the progress is known
+        code = float(x[-1, RULE_COL])
         prog = np.r_[0.0, x[:, 2]]
         tail_t = x[-1, 0] if last_threshold is None else last_threshold
         ts = np.round(np.r_[x[:, 0], tail_t], 4)
@@ -289,8 +311,8 @@ class OnlineStepLearner(_Learner):
         steps = np.r_[np.diff(np.r_[0.0, done]), total - done[-1]]
         uniq, inv = np.unique(ts, return_inverse=True)
         tok_sum, step_sum = np.bincount(inv, tokens), np.bincount(inv, np.maximum(steps, 0.0))
-        acc = self._tokens
         with self._lock:
+            acc = self._tokens.setdefault(code, {})
             for t, tok, st in zip(uniq.tolist(), tok_sum.tolist(), step_sum.tolist()):
                 if st > 0:
                     a = acc.setdefault(t, [0.0, 0.0])
@@ -298,9 +320,9 @@ class OnlineStepLearner(_Learner):
                     a[1] += st
             ts_ = sorted(acc)
             rates = [max(acc[t][0] / acc[t][1], 1.0) if acc[t][1] else 1.0 for t in ts_]
-            for i in range(len(ts_) - 2, -1, -1):  # a lower threshold commits at least as much as a higher one
+            for i in range(len(ts_) - 2, -1, -1):  # a lower level commits at least as much as a higher one
                 rates[i] = max(rates[i], rates[i + 1])
-            self._rates = (np.asarray(ts_), np.asarray(rates))
+            self._rates = {**self._rates, code: (np.asarray(ts_), np.asarray(rates))}  # swapped whole
 
     def _spec(self) -> dict:
         return {**super()._spec(), "thresholds": self.thresholds, "max_rows": self.max_rows}
@@ -311,32 +333,42 @@ class OnlineStepLearner(_Learner):
     def _set_prior_state(self, state) -> None:
         self._rates = state
 
-    def tokens_per_step(self, threshold: float) -> float:
-        """The prior's rate at ``threshold``: measured, else the nearest measured higher threshold's, else 1."""
-        return float(self._rate_of(np.asarray([float(threshold)]))[0])
+    def tokens_per_step(self, threshold: float, decoding: str = "threshold") -> float:
+        """The prior's rate for rule ``decoding`` at level ``threshold``: measured, else the nearest measured
+        higher level's, else 1."""
+        return float(self._rate_of(np.asarray([float(threshold)]), np.asarray([rule_code(decoding)]))[0])
 
-    def _rate_of(self, t: np.ndarray) -> np.ndarray:
-        ts, rates = self._rates
-        if not len(ts):
-            return np.ones(len(t))
-        i = np.searchsorted(ts, t - 1e-6)  # the first measured threshold >= t
-        return np.where(i < len(ts), rates[np.minimum(i, len(ts) - 1)], 1.0)
+    def _rate_of(self, t: np.ndarray, codes: np.ndarray) -> np.ndarray:
+        rates = self._rates
+        out = np.ones(len(t))
+        for code in np.unique(codes).tolist():
+            measured = rates.get(code)
+            if measured is None or not len(measured[0]):
+                continue
+            ts, r = measured
+            sel = codes == code
+            i = np.searchsorted(ts, t[sel] - 1e-6)  # the first measured level >= t
+            out[sel] = np.where(i < len(ts), r[np.minimum(i, len(ts) - 1)], 1.0)
+        return out
 
     def _prior(self, rows: np.ndarray, aux: np.ndarray | None = None) -> np.ndarray:
         left = rows[:, 1] * (1.0 - rows[:, 2])
-        return self._clip(left / self._rate_of(rows[:, 0]))
+        return self._clip(left / self._rate_of(rows[:, 0], rows[:, RULE_COL]))
 
     def predict_rows(self, rows) -> np.ndarray:
-        rows = np.asarray(rows, dtype=np.float64).reshape(-1, STEP_WIDTH)
+        rows = decoding_rows(rows)
         if not len(rows):
             return np.zeros(0)
         return self._predict(rows)
 
     def _fit(self, x, y, n_refits):
         """LightGBM on at most ``max_rows`` rows (a uniform sample: a request's consecutive rows say much the
-        same, and a fit's time grows with its rows)."""
+        same, and a fit's time grows with its rows), on all 13 columns when the rows hold more than one rule,
+        else on the 11 step features (one rule's code is constant and its knob a function of the level)."""
         from predictors.step import StepPredictor
 
+        if len(y) and np.all(x[:, RULE_COL] == x[0, RULE_COL]):
+            x = x[:, :STEP_WIDTH]
         if len(y) > self.max_rows:
             keep = np.sort(np.random.default_rng(self.seed + n_refits).choice(len(y), self.max_rows, replace=False))
             x, y = x[keep], y[keep]
@@ -345,10 +377,25 @@ class OnlineStepLearner(_Learner):
     def _model_predict(self, model, x):
         return model.predict_rows(x)
 
+    def _name(self, code: float) -> str:
+        """The rule of a code: as recorded, else the listed rule's (``features.RULE_CODES``), else the code."""
+        if code in self._names:
+            return self._names[code]
+        return RULE_CODES[int(code)] if code < len(RULE_CODES) and code == int(code) else f"{code:g}"
+
     def describe(self) -> dict:
+        """``tokens_per_step``: the threshold rule's measured rates; ``tokens_per_step_by_rule`` (when other
+        rules were measured): every rule's."""
         d = super().describe()
-        ts, rates = self._rates
-        d["tokens_per_step"] = {f"{t:g}": round(float(r), 3) for t, r in zip(ts, rates)}
+        rates = self._rates
+
+        def table(code):
+            ts, r = rates.get(code, ((), ()))
+            return {f"{t:g}": round(float(v), 3) for t, v in zip(ts, r)}
+
+        d["tokens_per_step"] = table(THRESHOLD_CODE)
+        if any(code != THRESHOLD_CODE for code in rates):
+            d["tokens_per_step_by_rule"] = {self._name(c): table(c) for c in sorted(rates)}
         return d
 
 

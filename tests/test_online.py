@@ -464,3 +464,76 @@ def test_table_estimator_memory_is_bounded():
     assert len(est._z) == 50 and "r499" in est._z and "r0" not in est._z
     est.forget("r499")  # Router.finish calls it
     assert "r499" not in est._z
+
+
+def rule_request(rng: np.random.Generator, rule: str):
+    """``request``'s relation, with ``credit`` committing twice the tokens a step of ``threshold`` commits at the
+    same level (half the steps): rows of the 11 step features, the rule passed beside them."""
+    t = float(rng.choice(TS))
+    rate = float(rng.choice([2.0, 4.0, 12.0])) * {0.9: 1.0, 0.8: 1.5, 0.7: 2.0}[t] * (2.0 if rule == "credit" else 1.0)
+    total = int(np.ceil(OUT / rate))
+    rows = []
+    for k in range(1, total):
+        p = min(k * rate / OUT, 1.0)
+        b = min(int(p * BLOCKS), BLOCKS)
+        rows.append([t, OUT, p, p * BLOCKS - b, BLOCKS - b, k % 4, 0.0, 0.0, 0.0, 0.0, 0.0])
+    return rows, list(range(1, total)), total
+
+
+def test_the_step_learner_learns_steps_per_rule_and_knob():
+    """Two rules at the same levels, one needing half the steps of the other: after a refit the online model
+    (13 columns: the rule's code and knob) predicts each rule's own remaining steps for the same state, in the
+    router too (``decoding_row``)."""
+    from cluster import OnlineStepEstimator, RequestState
+    from cluster.thresholds import decoding_row
+    from predictors.features import rule_code, with_decoding
+
+    rng = np.random.default_rng(2)
+    learner = OnlineStepLearner(TS, min_requests=100, max_rows=4000)
+    for i in range(120):
+        rule = ("threshold", "credit")[i % 2]
+        learner.record(*rule_request(rng, rule), decoding=rule)
+    rec = learner.refit()
+    assert rec["swapped"] and learner.source == "online" and learner._served.model.width == 13  # rule columns read
+    # the prior measured each rule's tokens a step apart (less than twice: a request's last step commits what is left)
+    assert learner.tokens_per_step(0.9, "credit") > 1.5 * learner.tokens_per_step(0.9)
+    assert set(learner.describe()["tokens_per_step_by_rule"]) == {"threshold", "credit"}
+    for rule in ("threshold", "credit"):
+        fresh = [rule_request(rng, rule) for _ in range(30)]
+        x, y = truth(fresh)
+        assert mape(learner.predict_rows(with_decoding(x, rule)), y) < 0.35, rule
+    state = [0.9, OUT, 0.25, 0.0, 6, 1, 0.0, 0.0, 0.0, 0.0, 0.0]
+    slow, fast = learner.predict_rows(with_decoding([state], "threshold"))[0], learner.predict_rows(
+        with_decoding([state], "credit"))[0]
+    assert 1.5 < slow / fast < 2.6, (slow, fast)  # half the steps, not one answer for both
+    est = OnlineStepEstimator(learner, TS, row=decoding_row)
+    a, b = RequestState("a", 0.0, 10.0, 40, OUT, 32), RequestState("b", 0.0, 10.0, 40, OUT, 32, decoding="credit")
+    for s in (a, b):
+        s.progress, s.blocks_left, s.step_in_block = 0.25, 6, 1
+    ea, eb = est.predict([a, b])
+    assert all(1.5 < p / q < 2.6 for p, q in zip(ea, eb)), (ea, eb)
+    assert decoding_row(b, 0.8)[-2:] == [rule_code("credit"), 0.8]  # the columns recorded: code, knob at the level
+
+
+def test_threshold_only_traffic_fits_the_eleven_step_features():
+    """One rule in the window: the fit reads the 11 step features (the rule's columns say nothing new), so
+    threshold-only traffic gets the model it got before rules had columns; rows recorded with the rule, without
+    one, or already carrying its columns are the same rows."""
+    from cluster.learning import LiveLearning
+    from predictors.features import with_decoding
+
+    rng = np.random.default_rng(3)
+    reqs = [request(rng) for _ in range(120)]
+    a, b = OnlineStepLearner(TS, min_requests=100), OnlineStepLearner(TS, min_requests=100)
+    live = LiveLearning(b, OnlineAdmissionLearner(), learn=False)
+    for rows, done, total in reqs:
+        a.record(rows, done, total)
+        live.finished(with_decoding(rows, "threshold").tolist(), done, total, [1.0, 0.0, 4.0, 0.9], BLOCKS, None,
+                      decoding="threshold")
+    a.refit(), b.refit()
+    assert a._served.model.width == 11 == b._served.model.width
+    x, _ = truth(reqs[:10])
+    assert np.array_equal(a.predict_rows(x), b.predict_rows(with_decoding(x, "threshold")))
+    assert "tokens_per_step_by_rule" not in a.describe()
+    with pytest.raises(ValueError, match="12"):
+        a.record([[0.9] * 12], None, 3)
