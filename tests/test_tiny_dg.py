@@ -189,3 +189,17 @@ def test_shipped_tiny_dg_exports_and_transformers_answers_as_remask(tmp_path, mo
     texts = _answers_match("engine/defaults/tiny-dg", out, monkeypatch, n=5, max_tokens=T.DG_CANVAS)
     examples = tasks.heldout_set(5)
     assert sum(ex.check(t) for ex, t in zip(examples, texts)) >= 2, texts  # a trained model: answers
+
+
+def test_remask_eval_on_a_canvas_model(small_dir, capsys):
+    import json
+
+    from tools.cli import main
+
+    assert main(["eval", "--model", str(small_dir), "--n", "2", "--entropy-bounds", "0.1,2", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["entropy_bound"] for r in out["results"]] == [0.1, 2.0] and out["results"][0]["requests"] == 2
+    assert main(["eval", "--model", str(small_dir), "--decoding", "threshold", "--quiet"]) == 2
+    assert "renoise" in capsys.readouterr().err
+    assert main(["eval", "--model", "tiny-bd", "--entropy-bounds", "0.1", "--quiet"]) == 2
+    assert "DiffusionGemma" in capsys.readouterr().err

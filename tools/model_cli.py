@@ -134,7 +134,7 @@ def cmd_eval(args) -> int:
 
     if not is_preset(args.model) and is_diffusion_gemma(path := resolve_model(args.model)):
         return _eval_canvas(args, path)
-    if args.entropy_bounds or args.transformers:
+    if getattr(args, "entropy_bounds", None) or getattr(args, "transformers", False):
         raise ValueError("--entropy-bounds and --transformers go with DiffusionGemma models (tiny-dg)")
     if args.decoding:
         return _eval_decoding(args)
