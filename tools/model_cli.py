@@ -18,7 +18,7 @@ def _knobs(text: str) -> list[float]:
 
 def cmd_train_default(args) -> int:
     from engine.loading import DEFAULT_MODELS, DEFAULTS_DIR
-    from tools.training import DG_BATCH, DG_RECIPE_STEPS, average_checkpoints, train, train_default, train_dg
+    from tools.training import DG_BATCH, average_checkpoints, train, train_default, train_default_dg, train_dg
 
     if args.average:
         if not args.out:
@@ -30,8 +30,11 @@ def cmd_train_default(args) -> int:
         out = args.out or str(DEFAULTS_DIR / name)
         if len(names) > 1 and args.out:
             out = f"{args.out}/{name}"
-        if name == "tiny-dg":  # a DiffusionGemma: uniform-state diffusion (tools/training.py, train_dg)
-            train_dg(out, steps=args.steps or DG_RECIPE_STEPS, minutes=args.minutes, seed=args.seed,
+        if name == "tiny-dg" and args.steps is None and args.init is None:  # the two phases of the shipped weights
+            train_default_dg(out, minutes=args.minutes, threads=args.threads, seed=args.seed,
+                             batch_size=args.batch_size or DG_BATCH, log_path=args.log)
+        elif name == "tiny-dg":  # a DiffusionGemma: uniform-state diffusion (tools/training.py, train_dg)
+            train_dg(out, steps=args.steps or 100_000, minutes=args.minutes, seed=args.seed,
                      batch_size=args.batch_size or DG_BATCH, lr=args.lr, threads=args.threads, init=args.init,
                      mix=args.mix, log_path=args.log)
         elif args.steps is None and args.init is None:  # the two-phase recipe of the shipped weights

@@ -381,7 +381,6 @@ DG_CANVAS = 32
 DG_PAD_WEIGHT = 0.3  # loss weight of the canvas's EOS padding after the answer's EOS
 DG_MAX_NEW_TOKENS = 6 * DG_CANVAS  # the longest answer of the suite (161 characters and EOS) fits in six canvases
 DG_BATCH = 16
-DG_RECIPE_STEPS = 100_000  # the shipped weights: --minutes ends the run first (README, "Training")
 DG_MIX = {"lookup": 0.3, "prose": 0.2, "arith": 0.2, "choice": 0.15, "reverse": 0.15}
 
 
@@ -560,3 +559,22 @@ def _save_dg(model, tok: CharTokenizer, out_dir: Path, step: int, seed: int) -> 
     dg.save_pretrained(copy, out_dir)
     tok.save(out_dir)
     (Path(out_dir) / "training.json").write_text(json.dumps({"steps": step, "seed": seed}) + "\n")
+
+
+# The recipe of the shipped tiny-dg: a phase at lr 2e-3, then one at lr 1e-3 continuing from it (each with its
+# own warmup and cosine). Step counts are those the shipped weights took on a shared 2-core CPU with one thread
+# (the runs were capped by wall time: 36 and 12 minutes; README, docs/engine.md "Training").
+DG_RECIPE_PHASES = (4000, 1400)
+
+
+def train_default_dg(out_dir: str | Path, steps: tuple[int, int] | None = None, minutes: float | None = None,
+                     threads: int | None = None, seed: int = 0, progress: bool = True, batch_size: int = DG_BATCH,
+                     log_path: str | Path | None = None) -> Path:
+    """Both phases of tiny-dg's recipe; ``minutes`` (optional) caps each phase's wall time."""
+    p1, p2 = steps or DG_RECIPE_PHASES
+    out_dir = Path(out_dir)
+    phase1 = out_dir.parent / f".{out_dir.name}-phase1"
+    train_dg(phase1, steps=p1, minutes=minutes, batch_size=batch_size, lr=2e-3, seed=seed, threads=threads,
+             progress=progress, log_path=log_path)
+    return train_dg(out_dir, steps=p2, minutes=minutes, batch_size=batch_size, lr=1e-3, seed=seed + 1,
+                    threads=threads, progress=progress, init=phase1, log_path=log_path)
