@@ -163,7 +163,7 @@ def test_export_and_transformers_generate_give_remasks_answers(small_dir, tmp_pa
     out = tmp_path / "exported"
     assert main(["export", str(small_dir), str(out)]) == 0
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
-    texts = _answers_match(small_dir, out, monkeypatch, n=3, max_tokens=2 * T.DG_CANVAS)
+    texts = _answers_match(small_dir, out, monkeypatch, n=2, max_tokens=2 * T.DG_CANVAS)
     assert any(texts)  # random weights, but some text before an EOS
 
 

@@ -32,11 +32,11 @@ def cmd_train_default(args) -> int:
             out = f"{args.out}/{name}"
         if name == "tiny-dg" and args.steps is None and args.init is None:  # the two phases of the shipped weights
             train_default_dg(out, minutes=args.minutes, threads=args.threads, seed=args.seed,
-                             batch_size=args.batch_size or DG_BATCH, log_path=args.log)
+                             batch_size=args.batch_size or DG_BATCH, log_path=args.log, device=args.device)
         elif name == "tiny-dg":  # a DiffusionGemma: uniform-state diffusion (tools/training.py, train_dg)
             train_dg(out, steps=args.steps or 100_000, minutes=args.minutes, seed=args.seed,
                      batch_size=args.batch_size or DG_BATCH, lr=args.lr, threads=args.threads, init=args.init,
-                     mix=args.mix, log_path=args.log)
+                     mix=args.mix, log_path=args.log, device=args.device)
         elif args.steps is None and args.init is None:  # the two-phase recipe of the shipped weights
             train_default(name, out, minutes=args.minutes, device=args.device, threads=args.threads, seed=args.seed,
                           batch_size=args.batch_size or 32)

@@ -468,6 +468,7 @@ def dg_loss(model, batch: DGBatch, self_condition: bool, gen: torch.Generator, t
         with torch.no_grad():
             first = model.decode(batch.canvas, padded)
             temp = t_range[0] + (t_range[1] - t_range[0]) * torch.rand(len(caches), 1, 1, generator=gen)
+            temp = temp.to(first.device)
             sc = model.soft_embeddings(first / temp)
     logits = model.decode(batch.canvas, padded, sc)
     ce = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none").view_as(batch.weights)
@@ -483,7 +484,8 @@ def dg_loss(model, batch: DGBatch, self_condition: bool, gen: torch.Generator, t
 def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = None, batch_size: int = 32,
              lr: float = 2e-3, seed: int = 0, threads: int | None = None, save_every_s: float = 300.0,
              log_path: str | Path | None = None, progress: bool = True, init: str | Path | None = None,
-             log_every: int = 50, mix: dict[str, float] | None = None, sc_fraction: float = 0.5) -> Path:
+             log_every: int = 50, mix: dict[str, float] | None = None, sc_fraction: float = 0.5,
+             device: str = "cpu") -> Path:
     """Train tiny-dg (the section's comment); progress is max(step / steps, elapsed / minutes), the learning rate
     a warmup and cosine over it. ``init`` continues from a tiny-dg checkpoint."""
     from tqdm import tqdm
@@ -499,13 +501,13 @@ def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = Non
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     tok = CharTokenizer.default()
     if init:
-        model = dg.load(init).train()
+        model = dg.load(init, device=device).train()
         for p in model.parameters():
             p.requires_grad_(True)
     else:
         model = dg.DiffusionGemma(dg_config(tok))
         dg_init(model)
-        model.train()
+        model = model.to(device).train()
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     out_dir = Path(out_dir)
@@ -523,6 +525,8 @@ def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = Non
         for g in opt.param_groups:
             g["lr"] = lr_at(frac, lr)
         batch = dg_batch([sample_mix(rng, mix) for _ in range(batch_size)], tok, rng, gen)
+        batch = DGBatch(batch.contexts, batch.canvas.to(device), batch.targets.to(device), batch.weights.to(device),
+                        batch.categories)
         loss, acc = dg_loss(model, batch, rng.random() < sc_fraction, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -569,12 +573,12 @@ DG_RECIPE_PHASES = (4000, 1400)
 
 def train_default_dg(out_dir: str | Path, steps: tuple[int, int] | None = None, minutes: float | None = None,
                      threads: int | None = None, seed: int = 0, progress: bool = True, batch_size: int = DG_BATCH,
-                     log_path: str | Path | None = None) -> Path:
+                     log_path: str | Path | None = None, device: str = "cpu") -> Path:
     """Both phases of tiny-dg's recipe; ``minutes`` (optional) caps each phase's wall time."""
     p1, p2 = steps or DG_RECIPE_PHASES
     out_dir = Path(out_dir)
     phase1 = out_dir.parent / f".{out_dir.name}-phase1"
     train_dg(phase1, steps=p1, minutes=minutes, batch_size=batch_size, lr=2e-3, seed=seed, threads=threads,
-             progress=progress, log_path=log_path)
+             progress=progress, log_path=log_path, device=device)
     return train_dg(out_dir, steps=p2, minutes=minutes, batch_size=batch_size, lr=1e-3, seed=seed + 1,
-                    threads=threads, progress=progress, init=phase1, log_path=log_path)
+                    threads=threads, progress=progress, init=phase1, log_path=log_path, device=device)
