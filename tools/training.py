@@ -568,7 +568,7 @@ def _save_dg(model, tok: CharTokenizer, out_dir: Path, step: int, seed: int) -> 
 # The recipe of the shipped tiny-dg: a phase at lr 2e-3, then one at lr 1e-3 continuing from it (each with its
 # own warmup and cosine). Step counts are those the shipped weights took on a shared 2-core CPU with one thread
 # (the runs were capped by wall time: 36 and 12 minutes; README, docs/engine.md "Training").
-DG_RECIPE_PHASES = (4000, 1400)
+DG_RECIPE_PHASES = (4222, 1771)
 
 
 def train_default_dg(out_dir: str | Path, steps: tuple[int, int] | None = None, minutes: float | None = None,
