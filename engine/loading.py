@@ -1,6 +1,6 @@
 """Resolve a model name or local path and build an engine for it.
 
-Embedded default models (``tiny-bd``, ``tiny-mdm``) ship inside the package;
+Embedded default models (``tiny-bd``, ``tiny-mdm``, and ``tiny-dg``: a DiffusionGemma) ship inside the package;
 model presets (``llada-8b-shape``, ...: random weights of a real shape, for
 profiles and benchmarks) are built in place; anything else must be a local
 HF-format directory or a hub id (``org/name``, resolved through the hub cache by
@@ -17,7 +17,7 @@ from engine.models.hub import is_hub_id, resolve_hub, snapshot_ref
 from engine.models.presets import is_preset
 
 DEFAULTS_DIR = Path(__file__).parent / "defaults"
-DEFAULT_MODELS = ("tiny-bd", "tiny-mdm")
+DEFAULT_MODELS = ("tiny-bd", "tiny-mdm", "tiny-dg")  # tiny-dg: a DiffusionGemma (engine/canvas.py)
 
 
 def resolve_model(name_or_path: str, revision: str | None = None) -> Path:

@@ -58,18 +58,19 @@ class CharTokenizer:
             out.append(tok)
         return "".join(out)
 
-    def prompt_ids(self, prompt: str, block_size: int) -> list[int]:
+    def prompt_ids(self, prompt: str, block_size: int = 1) -> list[int]:
         """The chat template: <bos> prompt <sep>, left-padded to a block boundary
-        so that the answer starts a block."""
+        so that the answer starts a block (no padding for a block size of 1 or 0: tiny-dg, whose canvases
+        follow the prompt wherever it ends)."""
         ids = [self.bos_token_id, *self.encode(prompt), self.sep_token_id]
-        pad = (-len(ids)) % block_size
+        pad = (-len(ids)) % block_size if block_size > 1 else 0
         return [self.pad_token_id] * pad + ids
 
-    def completion_ids(self, prompt: str | list[int], block_size: int) -> list[int]:
+    def completion_ids(self, prompt: str | list[int], block_size: int = 1) -> list[int]:
         """The embedded models keep their own format for completions too (``prompt_ids``)."""
         return self.prompt_ids(prompt, block_size) if isinstance(prompt, str) else list(prompt)
 
-    def chat_ids(self, messages: list[dict], block_size: int, add_generation_prompt: bool = True,
+    def chat_ids(self, messages: list[dict], block_size: int = 1, add_generation_prompt: bool = True,
                  add_special_tokens: bool = False, chat_template: str | None = None,
                  tools: list[dict] | None = None) -> list[int]:
         """A chat for an embedded model: its messages' contents joined by newlines (or the text

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import tasksuite as tasks
 from engine.decoding import RULES, make_rule
@@ -246,3 +247,105 @@ def markdown_rows(model: str, sweeps: dict[str, list[dict]]) -> list[str]:
                         f"{p['mean_rounds']:.2f} | {p['forwards_per_token']:.3f} | "
                         f"{1.0 / p['forwards_per_token']:.2f} |")
     return rows
+
+
+# ---- canvas models (DiffusionGemma: engine/canvas.py) ------------------------------------------------
+
+@dataclass(frozen=True)
+class _CanvasResult:
+    """A canvas request's outcome in ``_summary``'s terms: ``rounds`` its denoising steps (one decoder forward
+    each, all canvases; the encoder passes, the prefill, left out as for the masked models)."""
+
+    text: str
+    token_ids: list[int]
+    rounds: int
+
+
+def canvas_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A held-out prompt as a canvas model reads it: the character tokenizer's <bos> prompt <sep> (unpadded), or a
+    checkpoint tokenizer's chat template."""
+    return tokenizer.prompt_ids(prompt, 1)
+
+
+def evaluate_canvas(engine, bounds: Sequence[float | None] = (None,), n: int = 300, seed: int = 2026,
+                    progress: bool = False) -> list[dict]:
+    """``evaluate`` for a DiffusionGemma model: the held-out prompts as canvas requests through ``engine`` (a
+    ``CanvasEngine``, all requests stepped together), one result per entropy bound (None: the checkpoint's);
+    request i draws from seed ``seed + i``. ``mean_rounds`` is denoising steps per request; ``steps_per_canvas``
+    the mean over canvases."""
+    from engine.canvas import CanvasParams
+
+    examples = tasks.heldout_set(n, seed)
+    prompts = [canvas_prompt_ids(engine.tokenizer, e.prompt) for e in examples]
+    results = []
+    for bound in bounds:
+        seqs = [engine.add_request(ids, CanvasParams(seed=seed + i, entropy_bound=bound))
+                for i, ids in enumerate(prompts)]
+        bar = _bar(len(seqs), f"eval bound {bound if bound is not None else engine.rule.entropy_bound:g}", progress)
+        done = 0
+        while any(not s.finished for s in seqs):
+            engine.step(seqs)
+            now = sum(s.finished for s in seqs)
+            bar.update(now - done)
+            done = now
+        bar.close()
+        outs = [engine.output(s) for s in seqs]
+        for s in seqs:
+            engine.sequences.pop(s.seq_id, None)
+        canvases = [k for o in outs for k in o.steps_per_canvas]
+        summary = _summary(examples, [_CanvasResult(o.text, o.token_ids, sum(o.steps_per_canvas)) for o in outs])
+        results.append({"entropy_bound": bound if bound is not None else engine.rule.entropy_bound, **summary,
+                        "steps_per_canvas": round(statistics.mean(canvases), 3),
+                        "canvases_per_request": round(len(canvases) / len(outs), 3)})
+    return results
+
+
+def _bar(total: int, desc: str, progress: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not progress, mininterval=2.0)
+
+
+def evaluate_transformers(path, n: int = 300, seed: int = 2026, entropy_bound: float | None = None,
+                          progress: bool = False) -> dict:
+    """The same held-out prompts through transformers' own ``DiffusionGemmaForBlockDiffusion.generate`` on the
+    checkpoint at ``path`` (a DiffusionGemma directory, e.g. ``remask export``'s): prompts of equal length batched
+    together (no padding, so positions are those of a single prompt), its draws from torch's generator seeded by
+    ``seed``; the answer cut at the first EOS. The accuracy and mean decoder forwards per request, in
+    ``evaluate_canvas``'s terms (the draws differ from Remask's: the figures agree statistically)."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=torch.float32).eval()
+    stops = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+                else [model.generation_config.eos_token_id])
+    examples = tasks.heldout_set(n, seed)
+    prompts = [canvas_prompt_ids(tok, e.prompt) for e in examples]
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, ids in enumerate(prompts):
+        groups[len(ids)].append(i)
+    kwargs = {}
+    if entropy_bound is not None:
+        from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+        kwargs["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=float(entropy_bound))
+    torch.manual_seed(seed)
+    results: list[_CanvasResult | None] = [None] * n
+    bar = _bar(n, "transformers generate", progress)
+    with torch.no_grad():
+        for length, rows in sorted(groups.items()):
+            out = model.generate(torch.tensor([prompts[i] for i in rows]), **kwargs)
+            for row, i in enumerate(rows):
+                new = out.sequences[row, length:].tolist()
+                cut = next((j for j, t in enumerate(new) if t in stops), len(new))
+                # transformers reports tokens per forward: its non-pad tokens over the row's decoder forwards
+                valid = sum(t != model.generation_config.pad_token_id for t in new)
+                forwards = int(round(valid / float(out.tokens_per_forward[row]))) if valid else 0
+                results[i] = _CanvasResult(tok.decode(new[:cut]), new[:cut], forwards)
+            bar.update(len(rows))
+    bar.close()
+    return {"entropy_bound": model.generation_config.sampler_config.entropy_bound if entropy_bound is None
+            else entropy_bound, **_summary(examples, results)}

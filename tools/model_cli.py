@@ -18,7 +18,7 @@ def _knobs(text: str) -> list[float]:
 
 def cmd_train_default(args) -> int:
     from engine.loading import DEFAULT_MODELS, DEFAULTS_DIR
-    from tools.training import average_checkpoints, train, train_default
+    from tools.training import DG_BATCH, average_checkpoints, train, train_default, train_default_dg, train_dg
 
     if args.average:
         if not args.out:
@@ -30,12 +30,19 @@ def cmd_train_default(args) -> int:
         out = args.out or str(DEFAULTS_DIR / name)
         if len(names) > 1 and args.out:
             out = f"{args.out}/{name}"
-        if args.steps is None and args.init is None:  # the two-phase recipe of the shipped weights
+        if name == "tiny-dg" and args.steps is None and args.init is None:  # the two phases of the shipped weights
+            train_default_dg(out, minutes=args.minutes, threads=args.threads, seed=args.seed,
+                             batch_size=args.batch_size or DG_BATCH, log_path=args.log, device=args.device)
+        elif name == "tiny-dg":  # a DiffusionGemma: uniform-state diffusion (tools/training.py, train_dg)
+            train_dg(out, steps=args.steps or 100_000, minutes=args.minutes, seed=args.seed,
+                     batch_size=args.batch_size or DG_BATCH, lr=args.lr, threads=args.threads, init=args.init,
+                     mix=args.mix, log_path=args.log, device=args.device)
+        elif args.steps is None and args.init is None:  # the two-phase recipe of the shipped weights
             train_default(name, out, minutes=args.minutes, device=args.device, threads=args.threads, seed=args.seed,
-                          batch_size=args.batch_size)
+                          batch_size=args.batch_size or 32)
         else:
-            train(name, out, steps=args.steps or 20000, minutes=args.minutes, batch_size=args.batch_size, lr=args.lr,
-                  seed=args.seed, device=args.device, threads=args.threads, init=args.init, mix=args.mix,
+            train(name, out, steps=args.steps or 20000, minutes=args.minutes, batch_size=args.batch_size or 32,
+                  lr=args.lr, seed=args.seed, device=args.device, threads=args.threads, init=args.init, mix=args.mix,
                   lookup_canvas=args.lookup_canvas)
         print(f"saved {name} to {out}")
     return 0
@@ -85,10 +92,53 @@ def _eval_decoding(args) -> int:
     return 0
 
 
+def _eval_canvas(args, path) -> int:
+    """A DiffusionGemma model (tiny-dg, a checkpoint): its held-out accuracy and denoising steps through the
+    CanvasEngine, per entropy bound; with ``--transformers`` also transformers' own generate on the model exported
+    as an HF checkpoint (tools/evaluate.py ``evaluate_transformers``)."""
+    import tempfile
+
+    import torch
+
+    from engine.canvas import CanvasEngine
+    from engine.models import diffusion_gemma as dg
+    from tools.evaluate import evaluate_canvas, evaluate_transformers
+
+    if args.decoding or args.decoding_config or args.knobs or args.plot:
+        raise ValueError(f"{args.model} is a DiffusionGemma model: its rule is renoise, its knob --entropy-bounds")
+    engine = CanvasEngine.from_pretrained(path, device=args.device)
+    bounds = args.entropy_bounds or [None]
+    for b in bounds:
+        if b is not None:
+            engine.rule.check_knob(b)
+    results = evaluate_canvas(engine, bounds, n=args.n, seed=args.seed, progress=not args.quiet)
+    out = {"model": args.model, "n": args.n, "seed": args.seed, "results": results}
+    if args.transformers:
+        with tempfile.TemporaryDirectory() as tmp:
+            exported = dg.save_pretrained(dg.load(path, dtype=torch.float32), tmp, tokenizer_dir=path)
+            out["transformers"] = [evaluate_transformers(exported, n=args.n, seed=args.seed, entropy_bound=b,
+                                                         progress=not args.quiet) for b in bounds]
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for label, rows in (("remask", results), ("transformers", out.get("transformers", []))):
+        for r in rows:
+            cats = "  ".join(f"{c}={v['accuracy']:.2f}/{v['mean_rounds']:.1f}" for c, v in r["by_category"].items())
+            print(f"{label:12s} entropy bound {r['entropy_bound']:g}: accuracy {r['accuracy']:.3f}  mean steps "
+                  f"{r['mean_rounds']:.2f}  (max {r['rounds_max']})  [{cats}]")
+    return 0
+
+
 def cmd_eval(args) -> int:
-    from engine.loading import load_engine
+    from engine.canvas import is_diffusion_gemma
+    from engine.loading import load_engine, resolve_model
+    from engine.models.presets import is_preset
     from tools.evaluate import evaluate
 
+    if not is_preset(args.model) and is_diffusion_gemma(path := resolve_model(args.model)):
+        return _eval_canvas(args, path)
+    if getattr(args, "entropy_bounds", None) or getattr(args, "transformers", False):
+        raise ValueError("--entropy-bounds and --transformers go with DiffusionGemma models (tiny-dg)")
     if args.decoding:
         return _eval_decoding(args)
     if args.decoding_config or args.knobs or args.plot:
@@ -108,11 +158,11 @@ def cmd_eval(args) -> int:
 def add_parsers(sub) -> None:
     """Add ``train-default`` and ``eval`` to the ``remask`` sub-parsers."""
     t = sub.add_parser("train-default", help="train the embedded default models on the task suite")
-    t.add_argument("--model", default="all", choices=["all", "tiny-bd", "tiny-mdm"])
+    t.add_argument("--model", default="all", choices=["all", "tiny-bd", "tiny-mdm", "tiny-dg"])
     t.add_argument("--out", help="output directory (default: the shipped location)")
     t.add_argument("--steps", type=int, help="one phase of this many steps (default: the two-phase recipe)")
     t.add_argument("--minutes", type=float, help="wall-clock cap per phase; the schedule follows whichever ends first")
-    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--batch-size", type=int, help="examples per step (default: 32; tiny-dg 16)")
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
@@ -123,6 +173,7 @@ def add_parsers(sub) -> None:
                         "associative-recall task (repeated needles with masked digits)")
     t.add_argument("--lookup-canvas", type=int,
                    help="cap tiny-mdm's canvas at this many tokens for lookup and recall examples (faster steps)")
+    t.add_argument("--log", help="append a JSON line of loss and per-category accuracy every 50 steps (tiny-dg)")
     t.add_argument("--average", nargs="+", metavar="DIR",
                    help="write the weight average of these checkpoints to --out instead of training")
     t.set_defaults(func=cmd_train_default)
@@ -142,4 +193,9 @@ def add_parsers(sub) -> None:
                                              "'{\"edit_threshold\": 0.5}'")
     e.add_argument("--knobs", type=_knobs, help="the knob values to sweep (default: the rule's own sweep)")
     e.add_argument("--plot", help="write the rules' accuracy/forwards-per-token frontiers to this PNG")
+    e.add_argument("--entropy-bounds", type=_knobs,
+                   help="DiffusionGemma models (tiny-dg): the entropy bounds to evaluate (default: the checkpoint's)")
+    e.add_argument("--transformers", action="store_true",
+                   help="DiffusionGemma models: also transformers' own generate on the model exported as an HF "
+                        "checkpoint, on the same held-out prompts")
     e.set_defaults(func=cmd_eval)

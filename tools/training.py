@@ -360,3 +360,225 @@ def train_default(name: str, out_dir: str | Path, steps: tuple[int, int] | None 
           threads=threads, progress=progress)
     return train(name, out_dir, steps=p2, minutes=minutes, batch_size=batch_size, lr=1e-3, seed=seed + 1,
                  device=device, threads=threads, progress=progress, init=phase1, mix=PHASE2_MIX)
+
+
+# ---------------------------------------------------------------- tiny-dg: a DiffusionGemma of the task suite
+#
+# ``tiny-dg`` is a small model of the DiffusionGemma architecture (engine/models/diffusion_gemma.py): sliding and
+# full attention layers alternating (different head sizes and K/V heads, proportional partial RoPE on the full
+# layers), a dense MLP beside routed experts, self-conditioning, soft-capped tied logits. Its canvas is 32 tokens
+# (one canvas holds every answer of the suite but prose, which takes up to six). It is trained as the family is:
+# uniform-state diffusion. Each example is a prompt, the answer's earlier canvases clean (the encoder's causal
+# pass over both, exactly the K/V cache generation builds) and one canvas of the answer (EOS after its end)
+# corrupted by replacing each token, with probability t ~ U(0, 1), by a uniform random token; the decoder's loss
+# is the cross-entropy of the clean canvas at every position (a uniform-state model cannot tell which tokens are
+# noise, so it predicts them all). On half of the batches the decoder first runs without gradients and its
+# logits, divided by a temperature drawn from the sampler's range [t_min, t_max] as the generation loop's
+# processed logits are, are fed back as self-conditioning to a second pass that takes the loss (analog-bits
+# self-conditioning, as transformers' ``self_conditioning_mask`` docstring describes for training).
+
+DG_CANVAS = 32
+DG_PAD_WEIGHT = 0.3  # loss weight of the canvas's EOS padding after the answer's EOS
+DG_MAX_NEW_TOKENS = 6 * DG_CANVAS  # the longest answer of the suite (161 characters and EOS) fits in six canvases
+DG_BATCH = 16
+DG_MIX = {"lookup": 0.3, "prose": 0.2, "arith": 0.2, "choice": 0.15, "reverse": 0.15}
+
+
+def dg_config(tok: CharTokenizer):
+    """tiny-dg's architecture: four layers (sliding, full, sliding, full), window 64 (shorter than the suite's
+    longest prompts), 4 query heads; sliding layers 2 K/V heads of 32, full layers 1 K/V head of 64 (K = V);
+    a dense MLP of 256 beside 4 experts of 128 (top 2)."""
+    from engine.models import diffusion_gemma as dg
+
+    types = (dg.SLIDING, dg.FULL, dg.SLIDING, dg.FULL)
+    return dg.DiffusionGemmaConfig(
+        vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=256, num_heads=4, layer_types=types,
+        head_dims=tuple(32 if t == dg.SLIDING else 64 for t in types),
+        kv_heads=tuple(2 if t == dg.SLIDING else 1 for t in types), sliding_window=64, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=128,
+        ropes={dg.SLIDING: dg.Rope(10_000.0), dg.FULL: dg.Rope(1_000_000.0, "proportional", 0.25)},
+        canvas_length=DG_CANVAS, pad_token_id=tok.pad_token_id, eos_token_ids=(tok.eos_token_id,),
+        bos_token_id=tok.bos_token_id, max_position_embeddings=512,
+        image_token_id=tok.vocab_size,  # no image token in the vocabulary: an id no prompt holds (transformers
+        # reads one)
+        generation={**dg.GENERATION_DEFAULTS, "max_new_tokens": DG_MAX_NEW_TOKENS})
+
+
+def dg_prompt_ids(tok: CharTokenizer, prompt: str) -> list[int]:
+    """tiny-dg's prompt: <bos> prompt <sep>, unpadded (the chat template of its tokenizer; block size 1)."""
+    return tok.prompt_ids(prompt, 1)
+
+
+def dg_init(model) -> None:
+    """Initial weights: normal(0, 0.02) for projections, experts, router and embeddings (the embedding is the
+    tied LM head); norms and scales one."""
+    for name, p in model.named_parameters():
+        if name.endswith(("norm.weight", "layernorm.weight", "_layernorm_1.weight", "_layernorm_2.weight",
+                          ".scale", "per_expert_scale")) or "norm" in name.split(".")[-2]:
+            torch.nn.init.ones_(p)
+        else:
+            torch.nn.init.normal_(p, std=0.02)
+
+
+@dataclass
+class DGBatch:
+    contexts: list[list[int]]  # prompt + the answer's earlier canvases (the encoder's input), per row
+    canvas: torch.Tensor  # [N, L] the corrupted canvas
+    targets: torch.Tensor  # [N, L] the clean canvas
+    weights: torch.Tensor  # [N, L]
+    categories: list[str]
+
+
+def dg_example(ex: tasks.Example, tok: CharTokenizer, rng: random.Random, canvas: int = DG_CANVAS):
+    """(context, clean canvas, weights) of one example: one canvas of the answer (chosen uniformly), the
+    earlier ones clean in the context."""
+    ans = tok.encode(ex.answer) + [tok.eos_token_id]
+    n = -(-len(ans) // canvas)
+    full = _pad_eos(ans, n * canvas, tok.eos_token_id)
+    k = rng.randrange(n)
+    weights = [1.0] * len(ans) + [DG_PAD_WEIGHT] * (n * canvas - len(ans))
+    return (dg_prompt_ids(tok, ex.prompt) + full[:k * canvas], full[k * canvas:(k + 1) * canvas],
+            weights[k * canvas:(k + 1) * canvas])
+
+
+def dg_batch(examples: list[tasks.Example], tok: CharTokenizer, rng: random.Random, gen: torch.Generator
+             ) -> DGBatch:
+    rows = [dg_example(ex, tok, rng) for ex in examples]
+    clean = torch.tensor([r[1] for r in rows])
+    t = torch.rand(len(rows), 1, generator=gen)
+    noisy = torch.rand(clean.shape, generator=gen) < t
+    random_tokens = torch.randint(0, tok.vocab_size, clean.shape, generator=gen)
+    return DGBatch([r[0] for r in rows], torch.where(noisy, random_tokens, clean), clean,
+                   torch.tensor([r[2] for r in rows]), [ex.category for ex in examples])
+
+
+def dg_loss(model, batch: DGBatch, self_condition: bool, gen: torch.Generator, t_range=(0.4, 0.8)
+            ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The encoder's causal pass over each row's context into its cache, then the decoder over the corrupted
+    canvas (with self-conditioning from a first, gradient-free decoder pass when ``self_condition``); the
+    weighted cross-entropy against the clean canvas, and per category the fraction of canvas positions whose
+    argmax is right."""
+    from engine.models import diffusion_gemma as dg
+
+    caches = [dg.DGCache(model.config) for _ in batch.contexts]
+    model.encode_many(batch.contexts, caches)
+    padded = dg.PaddedCaches(caches, batch.canvas.shape[1], batch.canvas.device)
+    sc = None
+    if self_condition:
+        with torch.no_grad():
+            first = model.decode(batch.canvas, padded)
+            temp = t_range[0] + (t_range[1] - t_range[0]) * torch.rand(len(caches), 1, 1, generator=gen)
+            temp = temp.to(first.device)
+            sc = model.soft_embeddings(first / temp)
+    logits = model.decode(batch.canvas, padded, sc)
+    ce = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none").view_as(batch.weights)
+    loss = (ce * batch.weights).sum() / batch.weights.sum()
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == batch.targets).float().mean(-1)
+        stats: dict[str, list[float]] = {}
+        for i, c in enumerate(batch.categories):
+            stats.setdefault(c, []).append(float(hit[i]))
+    return loss, {c: sum(v) / len(v) for c, v in stats.items()}
+
+
+def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = None, batch_size: int = 32,
+             lr: float = 2e-3, seed: int = 0, threads: int | None = None, save_every_s: float = 300.0,
+             log_path: str | Path | None = None, progress: bool = True, init: str | Path | None = None,
+             log_every: int = 50, mix: dict[str, float] | None = None, sc_fraction: float = 0.5,
+             device: str = "cpu") -> Path:
+    """Train tiny-dg (the section's comment); progress is max(step / steps, elapsed / minutes), the learning rate
+    a warmup and cosine over it. ``init`` continues from a tiny-dg checkpoint."""
+    from tqdm import tqdm
+
+    from engine.models import diffusion_gemma as dg
+
+    mix = DG_MIX if mix is None else mix
+    if bad := set(mix) - set(tasks.CATEGORIES):
+        raise ValueError(f"unknown categories in mix: {sorted(bad)}; known: {', '.join(tasks.CATEGORIES)}")
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    tok = CharTokenizer.default()
+    if init:
+        model = dg.load(init, device=device).train()
+        for p in model.parameters():
+            p.requires_grad_(True)
+    else:
+        model = dg.DiffusionGemma(dg_config(tok))
+        dg_init(model)
+        model = model.to(device).train()
+    params = [p for p in model.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    out_dir = Path(out_dir)
+    log = open(log_path, "a") if log_path else None
+    start = last_save = time.time()
+    bar = tqdm(total=steps, desc="train tiny-dg", disable=not progress, mininterval=5.0)
+    ema: dict[str, float] = {}
+    step = 0
+    while True:
+        frac = step / steps
+        if minutes:
+            frac = max(frac, (time.time() - start) / (minutes * 60))
+        if frac >= 1.0:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(frac, lr)
+        batch = dg_batch([sample_mix(rng, mix) for _ in range(batch_size)], tok, rng, gen)
+        batch = DGBatch(batch.contexts, batch.canvas.to(device), batch.targets.to(device), batch.weights.to(device),
+                        batch.categories)
+        loss, acc = dg_loss(model, batch, rng.random() < sc_fraction, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        ema["loss"] = 0.95 * ema.get("loss", loss.item()) + 0.05 * loss.item()
+        for c, a in acc.items():
+            ema[c] = 0.95 * ema.get(c, a) + 0.05 * a
+        bar.update(1)
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{ema['loss']:.3f}")
+        if log and step % log_every == 0:
+            record = {"step": step, "elapsed_s": round(time.time() - start), "lr": opt.param_groups[0]["lr"]}
+            log.write(json.dumps({**record, **{k: round(v, 4) for k, v in ema.items()}}) + "\n")
+            log.flush()
+        if time.time() - last_save > save_every_s:
+            _save_dg(model, tok, out_dir, step, seed)
+            last_save = time.time()
+    bar.close()
+    _save_dg(model, tok, out_dir, step, seed)
+    if log:
+        log.close()
+    return out_dir
+
+
+def _save_dg(model, tok: CharTokenizer, out_dir: Path, step: int, seed: int) -> None:
+    """A ``DiffusionGemmaForBlockDiffusion`` checkpoint (the family's loader reads it; transformers loads it),
+    with the character tokenizer; ``training.json`` records the steps."""
+    from engine.models import diffusion_gemma as dg
+
+    copy = dg.DiffusionGemma(model.config)
+    copy.load_state_dict({k: v.detach().to("cpu") for k, v in model.state_dict().items()})
+    dg.save_pretrained(copy, out_dir)
+    tok.save(out_dir)
+    (Path(out_dir) / "training.json").write_text(json.dumps({"steps": step, "seed": seed}) + "\n")
+
+
+# The recipe of the shipped tiny-dg: a phase at lr 2e-3, then one at lr 1e-3 continuing from it (each with its
+# own warmup and cosine). Step counts are those the shipped weights took on a shared 2-core CPU with one thread
+# (the runs were capped by wall time: 36 and 12 minutes; README, docs/engine.md "Training").
+DG_RECIPE_PHASES = (4222, 1771)
+
+
+def train_default_dg(out_dir: str | Path, steps: tuple[int, int] | None = None, minutes: float | None = None,
+                     threads: int | None = None, seed: int = 0, progress: bool = True, batch_size: int = DG_BATCH,
+                     log_path: str | Path | None = None, device: str = "cpu") -> Path:
+    """Both phases of tiny-dg's recipe; ``minutes`` (optional) caps each phase's wall time."""
+    p1, p2 = steps or DG_RECIPE_PHASES
+    out_dir = Path(out_dir)
+    phase1 = out_dir.parent / f".{out_dir.name}-phase1"
+    train_dg(phase1, steps=p1, minutes=minutes, batch_size=batch_size, lr=2e-3, seed=seed, threads=threads,
+             progress=progress, log_path=log_path, device=device)
+    return train_dg(out_dir, steps=p2, minutes=minutes, batch_size=batch_size, lr=1e-3, seed=seed + 1,
+                    threads=threads, progress=progress, init=phase1, log_path=log_path, device=device)

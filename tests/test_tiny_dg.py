@@ -1,0 +1,207 @@
+"""tiny-dg: the embedded DiffusionGemma. Its training examples and loss, the canvas evaluation, and
+``remask export`` to a checkpoint on which transformers' own ``generate`` gives Remask's answers to held-out
+prompts when fed the same draws.
+
+The fast tests use a random model of tiny-dg's architecture, shrunk (tools/training.py ``dg_config``: sliding and
+full layers with their own head sizes and K/V heads, proportional RoPE, experts, the character tokenizer), with
+few denoising steps; the ``slow`` ones load the shipped weights.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import tasksuite as tasks
+from engine.decoding import renoise
+from engine.models import diffusion_gemma as dg
+from engine.tokenizer import CharTokenizer
+from tools import training as T
+from tools.evaluate import canvas_prompt_ids
+
+STEPS = 6  # denoising steps per canvas of the shrunk model
+
+
+def _shrunk(tok: CharTokenizer) -> dg.DiffusionGemmaConfig:
+    cfg = T.dg_config(tok)
+    return cfg.replace(hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                       head_dims=tuple(8 if t == dg.SLIDING else 16 for t in cfg.layer_types), sliding_window=8,
+                       generation={**cfg.generation, "max_denoising_steps": STEPS, "max_new_tokens": 2 * T.DG_CANVAS})
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    """A random tiny-dg-shaped checkpoint saved as training saves it (norms and scalars randomised, so that a
+    mix-up of any of them shows)."""
+    tok = CharTokenizer.default()
+    torch.manual_seed(0)
+    model = dg.DiffusionGemma(_shrunk(tok))
+    T.dg_init(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "scale" in name:
+                p.uniform_(0.5, 1.5)
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    out = tmp_path_factory.mktemp("tinydg") / "small"
+    T._save_dg(model, tok, out, step=0, seed=0)
+    return out
+
+
+def test_training_examples_hold_the_prompt_and_earlier_canvases(tok):
+    rng = random.Random(3)
+    ex = tasks.Example("prose", "story: cat 8", "x" * 40)  # two canvases of 32
+    seen = set()
+    for _ in range(20):
+        context, canvas, weights = T.dg_example(ex, tok, rng)
+        assert len(canvas) == len(weights) == T.DG_CANVAS
+        prompt = T.dg_prompt_ids(tok, ex.prompt)
+        assert context[:len(prompt)] == prompt and prompt[0] == tok.bos_token_id and prompt[-1] == tok.sep_token_id
+        k = (len(context) - len(prompt)) // T.DG_CANVAS
+        seen.add(k)
+        full = tok.encode(ex.answer) + [tok.eos_token_id] * (2 * T.DG_CANVAS - 40)
+        assert context[len(prompt):] == full[:k * T.DG_CANVAS] and canvas == full[k * T.DG_CANVAS:(k + 1) * 32]
+        assert weights.count(1.0) == (32 if k == 0 else 9)  # the answer and its EOS; the padding weighs less
+    assert seen == {0, 1}
+
+
+def test_corruption_is_uniform_noise_at_a_sampled_level(tok):
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    batch = T.dg_batch([tasks.sample(rng, "lookup") for _ in range(256)], tok, rng, gen)
+    changed = (batch.canvas != batch.targets).float().mean(1)
+    assert 0.3 < float(changed.mean()) < 0.6  # t ~ U(0, 1), a 63/64 chance that a drawn token differs
+    assert float(changed.min()) < 0.1 and float(changed.max()) > 0.85
+    assert int(batch.canvas.max()) < tok.vocab_size and int(batch.canvas.min()) >= 0
+
+
+def test_a_few_training_steps_lower_the_loss(small_dir, tmp_path):
+    out = T.train_dg(tmp_path / "m", steps=3, batch_size=4, progress=False, init=small_dir, lr=1e-3)
+    again = dg.load(out)
+    assert again.config == dg.load(small_dir).config
+    tok, rng, gen = CharTokenizer.default(), random.Random(1), torch.Generator().manual_seed(1)
+    batch = T.dg_batch([tasks.sample(rng, "arith") for _ in range(8)], tok, rng, gen)
+    model = dg.load(small_dir).train()
+    with torch.no_grad():
+        before, _ = T.dg_loss(model, batch, True, gen)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(5):
+        loss, acc = T.dg_loss(model, batch, False, gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss) < float(before) and set(acc) == {"arith"}
+
+
+def test_canvas_evaluation_counts_accuracy_and_steps(small_dir):
+    from engine.canvas import CanvasEngine
+    from tools.evaluate import evaluate_canvas
+
+    engine = CanvasEngine.from_pretrained(small_dir)
+    first, again = (evaluate_canvas(engine, [None, 5.0], n=5) for _ in range(2))
+    assert first == again  # each request's draws come from its seed
+    r = first[0]
+    assert r["entropy_bound"] == 0.1 and r["requests"] == 5 and 0.0 <= r["accuracy"] <= 1.0
+    assert 1 <= r["steps_per_canvas"] <= STEPS and r["mean_rounds"] >= r["steps_per_canvas"]
+    assert first[1]["steps_per_canvas"] <= r["steps_per_canvas"]  # a higher bound keeps more: no more steps
+
+
+def _same_draws(monkeypatch, seed: int) -> dict:
+    """transformers' global-generator draws taken from Remask's (seed, canvas, step) generators, in the order
+    its generate makes them: each canvas's initial noise (randint), then per step the sample (multinomial) and
+    the renoising noise (randint)."""
+    real_randint, real_multinomial = torch.randint, torch.multinomial
+    where = {"canvas": -1, "step": -1, "last": None, "gen": None}
+
+    def randint(low, high, size, **kw):
+        if where["last"] != "multinomial":  # a new canvas's initial noise
+            where["canvas"] += 1
+            where["step"] = -1
+            where["gen"] = renoise.canvas_generator(seed, where["canvas"], -1)
+        where["last"] = "randint"
+        return real_randint(low, high, (int(torch.Size(size).numel()),), generator=where["gen"]).reshape(size)
+
+    def multinomial(probs, num_samples, **kw):
+        where["step"] += 1
+        where["gen"] = renoise.canvas_generator(seed, where["canvas"], where["step"])
+        where["last"] = "multinomial"
+        return real_multinomial(probs, num_samples, generator=where["gen"])
+
+    monkeypatch.setattr(torch, "randint", randint)
+    monkeypatch.setattr(torch, "multinomial", multinomial)
+    return where
+
+
+def _answers_match(model_dir, exported, monkeypatch, n: int, max_tokens: int) -> list[str]:
+    """Remask's CanvasEngine and transformers' generate (on the exported checkpoint) on the first ``n`` held-out
+    prompts, request i with seed 100 + i: the same text."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from engine.canvas import CanvasEngine, CanvasParams
+
+    engine = CanvasEngine.from_pretrained(model_dir)
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(str(exported), dtype=torch.float32).eval()
+    texts = []
+    for i, ex in enumerate(tasks.heldout_set(n)):
+        ids = canvas_prompt_ids(engine.tokenizer, ex.prompt)
+        ours = engine.generate([ids], CanvasParams(seed=100 + i, max_tokens=max_tokens))[0]
+        _same_draws(monkeypatch, 100 + i)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens)
+        monkeypatch.undo()
+        new = out.sequences[0, len(ids):].tolist()
+        cut = next((j for j, t in enumerate(new) if t in engine.stop_ids), len(new))
+        assert engine.tokenizer.decode(new[:cut]) == ours.text, (ex.prompt, ours.text)
+        texts.append(ours.text)
+    return texts
+
+
+def test_export_and_transformers_generate_give_remasks_answers(small_dir, tmp_path, monkeypatch):
+    from tools.cli import main
+
+    out = tmp_path / "exported"
+    assert main(["export", str(small_dir), str(out)]) == 0
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    texts = _answers_match(small_dir, out, monkeypatch, n=2, max_tokens=2 * T.DG_CANVAS)
+    assert any(texts)  # random weights, but some text before an EOS
+
+
+def test_tiny_dg_is_an_embedded_model_of_the_family():
+    from engine.canvas import is_diffusion_gemma
+    from engine.loading import DEFAULT_MODELS, resolve_model
+
+    assert "tiny-dg" in DEFAULT_MODELS
+    path = resolve_model("tiny-dg")
+    assert is_diffusion_gemma(path)
+    cfg = dg.read_config(path)
+    assert cfg.layer_types == (dg.SLIDING, dg.FULL, dg.SLIDING, dg.FULL) and len(set(cfg.head_dims)) == 2
+    assert cfg.canvas_length == T.DG_CANVAS and cfg.vocab_size == CharTokenizer.default().vocab_size
+    assert cfg == T.dg_config(CharTokenizer.default())  # what train-default builds
+
+
+@pytest.mark.slow
+def test_shipped_tiny_dg_exports_and_transformers_answers_as_remask(tmp_path, monkeypatch):
+    from engine.loading import resolve_model
+    from tools.cli import main
+
+    out = tmp_path / "tiny-dg-hf"
+    assert main(["export", "tiny-dg", str(out)]) == 0
+    texts = _answers_match(resolve_model("tiny-dg"), out, monkeypatch, n=10, max_tokens=2 * T.DG_CANVAS)
+    examples = tasks.heldout_set(10)
+    assert all(len(t) == 1 and t in "abcd" for ex, t in zip(examples, texts) if ex.category == "choice"), texts
+    assert sum(ex.check(t) for ex, t in zip(examples, texts)) >= 1, texts  # trained: some right answers
+
+
+def test_remask_eval_on_a_canvas_model(small_dir, capsys):
+    import json
+
+    from tools.cli import main
+
+    assert main(["eval", "--model", str(small_dir), "--n", "2", "--entropy-bounds", "0.1,2", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["entropy_bound"] for r in out["results"]] == [0.1, 2.0] and out["results"][0]["requests"] == 2
+    assert main(["eval", "--model", str(small_dir), "--decoding", "threshold", "--quiet"]) == 2
+    assert "renoise" in capsys.readouterr().err
+    assert main(["eval", "--model", "tiny-bd", "--entropy-bounds", "0.1", "--quiet"]) == 2
+    assert "DiffusionGemma" in capsys.readouterr().err
