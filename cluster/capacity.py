@@ -81,5 +81,8 @@ def cluster_capacity(model: TpLatencyModel, instances: Sequence[InstanceState], 
         b = slo_batch(model, tp, slack, heavy_share)
         per_tp[tp] = b / mixed_ms(model, tp, b, heavy_share)  # steps per ms
     b = slo_batch(model, ref, slack, heavy_share)
-    heavy, light = step_costs(model, ref, b, heavy_share)
+    if model.shape.full_sequence:  # a recompute step runs as a forward of its own beside the cached steps
+        heavy, light = step_costs(model, ref, b, heavy_share)
+    else:  # a prefill step is one block, as long as a denoise step: the two share the round's forward
+        heavy, light = model.step_ms(ref, b, "prefill") / b, model.step_ms(ref, b, "denoise") / b
     return Capacity(b, heavy, light, sum(per_tp[inst.tp] for inst in instances) / per_tp[ref])
