@@ -124,8 +124,11 @@ def profile_instance(instance, name: str, budget_s: float = 3.0, batch_sizes: tu
     if batch_sizes is None:
         sizes = sorted({min(2**k, slots) for k in range(slots.bit_length() + 1)})
         batch_sizes = tuple(dict.fromkeys([sizes[0], sizes[-1], *sizes[1:-1]]))
+    # each batch untimed first: a replica's first rounds are cold (lazy initialisation, first allocations; on
+    # a loaded CPU about 1 s for a one-step round that takes 2-3 ms warm), and the router priced every round
+    # by them until calibration caught up
     prof = _profile(_InstanceRounds(instance), instance.engine, name, batch_sizes, rounds, False, (None,),
-                    max_tokens, budget_s)
+                    max_tokens, budget_s, warmup=True)
     prof.meta.update(slots=slots, budget_s=budget_s)
     return prof
 

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from engine.commands import SamplingParams
+from tests.builders import collect
 
 PROMPT = "What is 2+2?"
 HUB_ID = "google/diffusiongemma-26B-A4B-it"
@@ -248,7 +249,7 @@ def test_a_failover_resumes_from_the_published_canvases_with_the_engine_s_seed(s
         for inst in d.instances.values():
             inst.link.send = (lambda send: lambda msg: (sent.append(copy.deepcopy(msg)), send(msg))[1])(
                 inst.link.send)  # copied: the dispatcher extends a request's committed list in place
-        task = asyncio.ensure_future(_collect(d.submit("q", ids, 24, prompt_text=PROMPT, threshold=0.9)))
+        task = asyncio.ensure_future(collect(d.submit("q", ids, 24, prompt_text=PROMPT, threshold=0.9)))
         live = d.live["q"]
         deadline = clock.monotonic() + 30
         while not (live.committed and live.resume is not None):
@@ -268,15 +269,6 @@ def test_a_failover_resumes_from_the_published_canvases_with_the_engine_s_seed(s
     seed = adds[1].resume.state["seed"]
     want = offline(served, ids, 24, seed)
     assert last["type"] == "done" and last["resumes"] == 1 and text == last["text"] == want.text
-
-
-async def _collect(stream) -> tuple[str, dict]:
-    text, last = "", None
-    async for event in stream:
-        if event["type"] == "delta":
-            text += event["text"]
-        last = event
-    return text, last
 
 
 def test_a_tensor_parallel_instance_gives_tp1s_text(served):
