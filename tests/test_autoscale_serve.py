@@ -30,8 +30,8 @@ def app(ray_serve):
     from ray.serve.schema import ServeDeploySchema
 
     # admission off: this module checks the planner's transitions (no request parked, none failed); under
-    # make test's load a replica measures its start-time profile on cold, contended rounds (~1 s a round)
-    # and the router's admission shed about 1 request in 110 here (docs/router.md, "Known gaps"; replicas now time warm rounds)
+    # make test's load replicas timed their start-time profiles on cold rounds (~1 s a round; they time warm
+    # rounds now) and the router's admission shed about 1 request in 110 here (docs/router.md, "Known gaps")
     args = {"engine": {"model": "tiny-bd", "slots": 8}, "http": {"max_tokens_limit": 256},
             "router": {"shed_over_capacity": False},
             "resources": {"tp_degrees": [1, 2], "gpus_per_rank": 0.5},  # make-before-break by default
