@@ -18,7 +18,10 @@ import json
 from pathlib import Path
 
 SPECIALS = ["<pad>", "<eos>", "<mask>", "<bos>", "<sep>", "<unk>"]
-CHARS = list(" abcdefghijklmnopqrstuvwxyz0123456789.,:;?!=+-*()'\n")
+# The first 51 characters are the core task suite's; the last 7 write JSON and tool calls (structured outputs).
+# tiny-bd and tiny-mdm hold 64 embedding rows, so the 6 specials and 58 characters fill them exactly; a
+# checkpoint keeps the tokenizer.json it was trained with (tiny-mdm's has the first 51 characters only).
+CHARS = list(" abcdefghijklmnopqrstuvwxyz0123456789.,:;?!=+-*()'\n") + list('{}[]"_\\')
 PAD, EOS, MASK, BOS, SEP, UNK = range(6)
 
 
@@ -54,7 +57,7 @@ class CharTokenizer:
             if tok in SPECIALS:
                 if skip_special:
                     continue
-                tok = "_" if tok == "<mask>" else tok
+                tok = "░" if tok == "<mask>" else tok
             out.append(tok)
         return "".join(out)
 

@@ -14,18 +14,29 @@ heterogeneous and every answer can be checked:
 - ``lookup``: a long prompt of filler and a few ``key=value`` needles
   (one-letter keys, two-digit values), asking for one key's value.
 
+A sixth category, ``json``, answers as small JSON objects (structured
+outputs): ``json: max a3 b7 c1 d5`` is ``{"pick":"b","value":7}`` and
+``json: sort 7 2 9`` is ``{"items":[2,7,9]}``; any document equal to that
+object passes (whitespace and key order are free). It is kept out of
+``CATEGORIES`` (the core suite the published accuracy figures are over) and
+named in ``ALL_CATEGORIES``; ``JSON_SCHEMAS`` holds the JSON schema of each
+form, which ``json_schema_for`` picks for a prompt.
+
 Train and held-out examples are split by a hash of the prompt, so the
 held-out set is never trained on.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import zlib
 from dataclasses import dataclass
 
 CATEGORIES = ("choice", "arith", "reverse", "prose", "lookup")
+JSON = "json"
+ALL_CATEGORIES = (*CATEGORIES, JSON)
 NOUNS = ["cat", "dog", "fox", "owl", "bee", "cow", "pig", "hen", "elk", "ant", "yak", "emu"]
 FILLER = ["the sky is blue.", "it is late.", "we like tea.", "the road is long.", "rain fell.",
           "a bell rang.", "the sea is wide.", "all is calm."]
@@ -104,13 +115,51 @@ def _lookup(rng: random.Random) -> tuple[str, str]:
     return " ".join(items) + f" {key}?", value
 
 
-GENERATORS = {"choice": _choice, "arith": _arith, "reverse": _reverse, "prose": _prose, "lookup": _lookup}
+def _json(rng: random.Random) -> tuple[str, str]:
+    if rng.random() < 0.5:
+        prompt, pick = _choice(rng)  # "max: a3 b7 c1 d5", "b"
+        op, rest = prompt.split(": ", 1)
+        value = int(dict((item[0], item[1:]) for item in rest.split())[pick])
+        return f"json: {op} {rest}", json.dumps({"pick": pick, "value": value}, separators=(",", ":"))
+    items = rng.sample(range(10), rng.randint(3, 4))
+    return "json: sort " + " ".join(map(str, items)), json.dumps({"items": sorted(items)}, separators=(",", ":"))
+
+
+# The JSON schema of each form of the ``json`` category: finite (enums, a bounded integer, a bounded array).
+JSON_SCHEMAS = {
+    "pick": {"type": "object", "properties": {"pick": {"enum": ["a", "b", "c", "d"]},
+                                              "value": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["pick", "value"], "additionalProperties": False},
+    "items": {"type": "object", "properties": {"items": {"type": "array", "minItems": 3, "maxItems": 4,
+                                                         "items": {"type": "integer", "minimum": 0, "maximum": 9}}},
+              "required": ["items"], "additionalProperties": False},
+}
+
+
+def json_schema_for(prompt: str) -> dict:
+    """The schema of a ``json`` prompt's answers."""
+    return JSON_SCHEMAS["items" if prompt.startswith("json: sort ") else "pick"]
+
+
+def _json_answer(prompt: str) -> dict:
+    body = prompt[len("json: "):]
+    if body.startswith("sort "):
+        return {"items": sorted(int(v) for v in body.split()[1:])}
+    op, rest = body.split(" ", 1)
+    pick = _choice_answer(f"{op}: {rest}")
+    return {"pick": pick, "value": int(dict((item[0], item[1:]) for item in rest.split())[pick])}
+
+
+GENERATORS = {"choice": _choice, "arith": _arith, "reverse": _reverse, "prose": _prose, "lookup": _lookup,
+              JSON: _json}
 
 
 def sample(rng: random.Random, category: str | None = None, split: str = "train") -> Example:
-    """One example of ``category`` (uniform over categories when None)."""
+    """One example of ``category`` (uniform over the core categories when None)."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
+    if category is not None and category not in GENERATORS:
+        raise ValueError(f"unknown category {category!r}; known: {', '.join(ALL_CATEGORIES)}")
     while True:
         cat = category or rng.choice(CATEGORIES)
         prompt, answer = GENERATORS[cat](rng)
@@ -118,10 +167,10 @@ def sample(rng: random.Random, category: str | None = None, split: str = "train"
             return Example(cat, prompt, answer)
 
 
-def heldout_set(n: int, seed: int = 2026) -> list[Example]:
-    """The fixed held-out evaluation set: n examples, categories in turn."""
+def heldout_set(n: int, seed: int = 2026, categories: tuple[str, ...] = CATEGORIES) -> list[Example]:
+    """The fixed held-out evaluation set: n examples, ``categories`` in turn (the core five by default)."""
     rng = random.Random(seed)
-    return [sample(rng, CATEGORIES[i % len(CATEGORIES)], split="heldout") for i in range(n)]
+    return [sample(rng, categories[i % len(categories)], split="heldout") for i in range(n)]
 
 
 def _prose_pattern(noun: str, n: int) -> re.Pattern:
@@ -153,7 +202,14 @@ def check(category: str, prompt: str, output: str) -> bool:
         key = prompt.rsplit(" ", 1)[1].rstrip("?")
         m = re.search(rf"(?:^| ){key}=(\d+)\.", prompt)
         return bool(m) and out == m.group(1)
-    raise ValueError(f"unknown category {category!r}; known: {', '.join(CATEGORIES)}")
+    if category == JSON:
+        try:
+            doc = json.loads(out)
+        except ValueError:
+            return False
+        return type(doc) is dict and doc == _json_answer(prompt) and all(
+            type(v) is not bool for v in (doc.get("value"), *doc.get("items", ())))
+    raise ValueError(f"unknown category {category!r}; known: {', '.join(ALL_CATEGORIES)}")
 
 
 def _choice_answer(prompt: str) -> str:

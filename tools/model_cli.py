@@ -36,7 +36,7 @@ def cmd_train_default(args) -> int:
         elif name == "tiny-dg":  # a DiffusionGemma: uniform-state diffusion (tools/training.py, train_dg)
             train_dg(out, steps=args.steps or 100_000, minutes=args.minutes, seed=args.seed,
                      batch_size=args.batch_size or DG_BATCH, lr=args.lr, threads=args.threads, init=args.init,
-                     mix=args.mix, log_path=args.log, device=args.device)
+                     mix=args.mix, log_path=args.log, device=args.device, copies=args.copies)
         elif args.steps is None and args.init is None:  # the two-phase recipe of the shipped weights
             train_default(name, out, minutes=args.minutes, device=args.device, threads=args.threads, seed=args.seed,
                           batch_size=args.batch_size or 32)
@@ -173,6 +173,8 @@ def add_parsers(sub) -> None:
                         "associative-recall task (repeated needles with masked digits)")
     t.add_argument("--lookup-canvas", type=int,
                    help="cap tiny-mdm's canvas at this many tokens for lookup and recall examples (faster steps)")
+    t.add_argument("--copies", type=int, default=1,
+                   help="tiny-dg: noised copies of each example's canvas decoded over its one encoder pass")
     t.add_argument("--log", help="append a JSON line of loss and per-category accuracy every 50 steps (tiny-dg)")
     t.add_argument("--average", nargs="+", metavar="DIR",
                    help="write the weight average of these checkpoints to --out instead of training")

@@ -11,6 +11,7 @@ is served with the approximate cache.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -252,7 +253,7 @@ def train(
     ``build_rows``."""
     from tqdm import tqdm
 
-    known = (*tasks.CATEGORIES, RECALL)
+    known = (*tasks.ALL_CATEGORIES, RECALL)
     if mix and set(mix) - set(known):
         raise ValueError(f"unknown categories in mix: {sorted(set(mix) - set(known))}; known: {', '.join(known)}")
     if lookup_canvas is not None and (lookup_canvas < BLOCK or lookup_canvas % BLOCK):
@@ -441,15 +442,31 @@ def dg_example(ex: tasks.Example, tok: CharTokenizer, rng: random.Random, canvas
             weights[k * canvas:(k + 1) * canvas])
 
 
-def dg_batch(examples: list[tasks.Example], tok: CharTokenizer, rng: random.Random, gen: torch.Generator
-             ) -> DGBatch:
+def dg_batch(examples: list[tasks.Example], tok: CharTokenizer, rng: random.Random, gen: torch.Generator,
+             copies: int = 1) -> DGBatch:
+    """A batch: each example's context once, its canvas ``copies`` times (rows i * copies ... i * copies + copies
+    - 1), each copy noised at its own level t ~ U(0, 1)."""
     rows = [dg_example(ex, tok, rng) for ex in examples]
-    clean = torch.tensor([r[1] for r in rows])
-    t = torch.rand(len(rows), 1, generator=gen)
+    clean = torch.tensor([r[1] for r in rows]).repeat_interleave(copies, 0)
+    t = torch.rand(len(clean), 1, generator=gen)
     noisy = torch.rand(clean.shape, generator=gen) < t
     random_tokens = torch.randint(0, tok.vocab_size, clean.shape, generator=gen)
-    return DGBatch([r[0] for r in rows], torch.where(noisy, random_tokens, clean), clean,
-                   torch.tensor([r[2] for r in rows]), [ex.category for ex in examples])
+    weights = torch.tensor([r[2] for r in rows]).repeat_interleave(copies, 0)
+    return DGBatch([r[0] for r in rows], torch.where(noisy, random_tokens, clean), clean, weights,
+                   [ex.category for ex in examples for _ in range(copies)])
+
+
+def _repeat_caches(padded, copies: int):
+    """``padded`` (a ``PaddedCaches``) with each row repeated ``copies`` times: several canvases decoded over one
+    encoder pass (its gradient flows back through every copy)."""
+    if copies == 1:
+        return padded
+    out = copy.copy(padded)
+    out.lengths = [n for n in padded.lengths for _ in range(copies)]
+    out.key = None
+    out.pasts = [None if kv is None else tuple(x.repeat_interleave(copies, 0) for x in kv) for kv in padded.pasts]
+    out.masks = [None if m is None else m.repeat_interleave(copies, 0) for m in padded.masks]
+    return out
 
 
 def dg_loss(model, batch: DGBatch, self_condition: bool, gen: torch.Generator, t_range=(0.4, 0.8)
@@ -463,11 +480,12 @@ def dg_loss(model, batch: DGBatch, self_condition: bool, gen: torch.Generator, t
     caches = [dg.DGCache(model.config) for _ in batch.contexts]
     model.encode_many(batch.contexts, caches)
     padded = dg.PaddedCaches(caches, batch.canvas.shape[1], batch.canvas.device)
+    padded = _repeat_caches(padded, len(batch.canvas) // len(caches))
     sc = None
     if self_condition:
         with torch.no_grad():
             first = model.decode(batch.canvas, padded)
-            temp = t_range[0] + (t_range[1] - t_range[0]) * torch.rand(len(caches), 1, 1, generator=gen)
+            temp = t_range[0] + (t_range[1] - t_range[0]) * torch.rand(len(first), 1, 1, generator=gen)
             temp = temp.to(first.device)
             sc = model.soft_embeddings(first / temp)
     logits = model.decode(batch.canvas, padded, sc)
@@ -485,23 +503,27 @@ def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = Non
              lr: float = 2e-3, seed: int = 0, threads: int | None = None, save_every_s: float = 300.0,
              log_path: str | Path | None = None, progress: bool = True, init: str | Path | None = None,
              log_every: int = 50, mix: dict[str, float] | None = None, sc_fraction: float = 0.5,
-             device: str = "cpu") -> Path:
+             device: str = "cpu", copies: int = 1) -> Path:
     """Train tiny-dg (the section's comment); progress is max(step / steps, elapsed / minutes), the learning rate
-    a warmup and cosine over it. ``init`` continues from a tiny-dg checkpoint."""
+    a warmup and cosine over it. ``init`` continues from a tiny-dg checkpoint (one of a smaller vocabulary gets
+    the new ids' embedding rows, initialised as at the start); ``copies`` noised canvases per example share one
+    encoder pass (a batch then holds ``batch_size * copies`` canvases)."""
     from tqdm import tqdm
 
     from engine.models import diffusion_gemma as dg
 
     mix = DG_MIX if mix is None else mix
-    if bad := set(mix) - set(tasks.CATEGORIES):
-        raise ValueError(f"unknown categories in mix: {sorted(bad)}; known: {', '.join(tasks.CATEGORIES)}")
+    if bad := set(mix) - set(tasks.ALL_CATEGORIES):
+        raise ValueError(f"unknown categories in mix: {sorted(bad)}; known: {', '.join(tasks.ALL_CATEGORIES)}")
+    if copies < 1:
+        raise ValueError(f"copies must be at least 1, got {copies}")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     tok = CharTokenizer.default()
     if init:
-        model = dg.load(init, device=device).train()
+        model = _widen_vocab(dg.load(init), tok.vocab_size).to(device).train()
         for p in model.parameters():
             p.requires_grad_(True)
     else:
@@ -524,7 +546,7 @@ def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = Non
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(frac, lr)
-        batch = dg_batch([sample_mix(rng, mix) for _ in range(batch_size)], tok, rng, gen)
+        batch = dg_batch([sample_mix(rng, mix) for _ in range(batch_size)], tok, rng, gen, copies)
         batch = DGBatch(batch.contexts, batch.canvas.to(device), batch.targets.to(device), batch.weights.to(device),
                         batch.categories)
         loss, acc = dg_loss(model, batch, rng.random() < sc_fraction, gen)
@@ -551,6 +573,28 @@ def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = Non
     if log:
         log.close()
     return out_dir
+
+
+def _widen_vocab(model, vocab_size: int):
+    """``model`` with ``vocab_size`` ids: the rows it has kept, new rows normal(0, 0.02) (``dg_init``'s)."""
+    import dataclasses
+
+    from engine.models import diffusion_gemma as dg
+
+    old = model.config.vocab_size
+    if vocab_size == old:
+        return model
+    if vocab_size < old:
+        raise ValueError(f"the checkpoint has {old} ids, more than the tokenizer's {vocab_size}")
+    wide = dg.DiffusionGemma(dataclasses.replace(model.config, vocab_size=vocab_size, image_token_id=vocab_size))
+    state = model.state_dict()
+    for name, p in wide.state_dict().items():
+        if p.shape != state[name].shape:
+            grown = torch.empty(p.shape, dtype=p.dtype).normal_(std=0.02)
+            grown[:old] = state[name]
+            state[name] = grown
+    wide.load_state_dict(state)
+    return wide
 
 
 def _save_dg(model, tok: CharTokenizer, out_dir: Path, step: int, seed: int) -> None:
