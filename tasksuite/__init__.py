@@ -141,6 +141,25 @@ def json_schema_for(prompt: str) -> dict:
     return JSON_SCHEMAS["items" if prompt.startswith("json: sort ") else "pick"]
 
 
+def json_valid(prompt: str, text: str) -> bool:
+    """Does ``text`` parse as a JSON document that ``json_schema_for(prompt)`` accepts? (checked here by hand,
+    independently of any grammar engine: the schemas are finite and small)."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False
+
+    def digit(v) -> bool:
+        return type(v) is int and 0 <= v <= 9
+
+    if type(doc) is not dict:
+        return False
+    if prompt.startswith("json: sort "):
+        items = doc.get("items")
+        return set(doc) == {"items"} and type(items) is list and 3 <= len(items) <= 4 and all(map(digit, items))
+    return set(doc) == {"pick", "value"} and doc["pick"] in ("a", "b", "c", "d") and digit(doc["value"])
+
+
 def _json_answer(prompt: str) -> dict:
     body = prompt[len("json: "):]
     if body.startswith("sort "):

@@ -205,3 +205,41 @@ def test_remask_eval_on_a_canvas_model(small_dir, capsys):
     assert "renoise" in capsys.readouterr().err
     assert main(["eval", "--model", "tiny-bd", "--entropy-bounds", "0.1", "--quiet"]) == 2
     assert "DiffusionGemma" in capsys.readouterr().err
+
+
+def test_noised_copies_share_one_encoder_pass(small_dir, tok):
+    rng, gen = random.Random(2), torch.Generator().manual_seed(2)
+    examples = [tasks.sample(rng, c) for c in ("arith", "json", "reverse")]
+    batch = T.dg_batch(examples, tok, rng, gen, copies=4)
+    assert len(batch.contexts) == 3 and batch.canvas.shape == (12, T.DG_CANVAS)
+    assert batch.categories == [c for c in ("arith", "json", "reverse") for _ in range(4)]
+    clean = batch.targets.view(3, 4, -1)
+    assert bool((clean == clean[:, :1]).all())  # one clean canvas per example
+    assert len({tuple(r) for r in batch.canvas[:4].tolist()}) > 1  # each copy noised on its own
+    model = dg.load(small_dir)
+    with torch.no_grad():
+        loss, _ = T.dg_loss(model, batch, False, gen)
+        # the same rows with each context repeated (four encoder passes) give the same loss
+        repeated = T.DGBatch([c for c in batch.contexts for _ in range(4)], batch.canvas, batch.targets,
+                             batch.weights, batch.categories)
+        again, _ = T.dg_loss(model, repeated, False, gen)
+    assert torch.allclose(loss, again, atol=1e-5)
+
+
+def test_a_narrower_checkpoint_widens_to_the_tokenizer_and_keeps_its_ids(small_dir, tmp_path):
+    model = dg.load(small_dir)
+    narrow = dg.DiffusionGemma(model.config.replace(vocab_size=57, image_token_id=57))
+    state = {k: v[:57] if k in ("embed_tokens.weight", "lm_head.weight") else v
+             for k, v in model.state_dict().items()}
+    narrow.load_state_dict(state)
+    wide = T._widen_vocab(narrow, 64)
+    assert wide.config.vocab_size == 64 and wide.config.image_token_id == 64
+    assert wide.lm_head.weight is wide.embed_tokens.weight  # still tied
+    assert torch.equal(wide.embed_tokens.weight[:57], narrow.embed_tokens.weight)
+    assert float(wide.embed_tokens.weight[57:].detach().std()) < 0.05
+    with pytest.raises(ValueError, match="more than the tokenizer"):
+        T._widen_vocab(wide, 57)
+    dg.save_pretrained(narrow, tmp_path / "narrow")
+    out = T.train_dg(tmp_path / "w", steps=1, batch_size=2, progress=False, init=tmp_path / "narrow", copies=2,
+                     mix={"json": 1.0})
+    assert dg.read_config(out).vocab_size == CharTokenizer.default().vocab_size

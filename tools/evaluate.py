@@ -75,10 +75,10 @@ def _summary(examples, outs) -> dict:
 
 
 def evaluate(engine: Engine, thresholds: list[float], n: int = 300, seed: int = 2026,
-             progress: bool = False) -> list[dict]:
+             progress: bool = False, categories: Sequence[str] = tasks.CATEGORIES) -> list[dict]:
     """One result per threshold (the engine's rule at that per-request threshold): accuracy, mean rounds,
-    forwards per generated token and a per-category split."""
-    examples = tasks.heldout_set(n, seed)
+    forwards per generated token and a per-category split (held-out prompts of ``categories`` in turn)."""
+    examples = tasks.heldout_set(n, seed, tuple(categories))
     results = []
     for t in thresholds:
         outs = engine.generate([e.prompt for e in examples], SamplingParams(threshold=t), progress=progress)
@@ -95,7 +95,8 @@ def knob_sweep(rule: str) -> tuple[float, ...]:
 
 
 def sweep_rule(engine: Engine, rule: str, config: dict | None = None, knobs: Sequence[float] | None = None,
-               n: int = 300, seed: int = 2026, progress: bool = False) -> list[dict]:
+               n: int = 300, seed: int = 2026, progress: bool = False,
+               categories: Sequence[str] = tasks.CATEGORIES) -> list[dict]:
     """One result per knob value of decoding rule ``rule`` (configured by ``config``, whose own knob value,
     if any, the sweep replaces): the engine decodes the held-out set with the rule at that knob. The
     ``threshold`` rule with no other config goes through ``evaluate`` (today's per-request thresholds: its
@@ -107,8 +108,8 @@ def sweep_rule(engine: Engine, rule: str, config: dict | None = None, knobs: Seq
     rest = {k: v for k, v in base.config().items() if k != base.knob}
     if rule == "threshold" and not rest:
         return [{"decoding": rule, "config": {}, "knob": base.knob, "value": r["threshold"], **r}
-                for r in evaluate(engine, list(knobs), n, seed, progress)]
-    examples = tasks.heldout_set(n, seed)
+                for r in evaluate(engine, list(knobs), n, seed, progress, categories)]
+    examples = tasks.heldout_set(n, seed, tuple(categories))
     saved = engine.rule
     results = []
     try:
@@ -123,13 +124,14 @@ def sweep_rule(engine: Engine, rule: str, config: dict | None = None, knobs: Seq
 
 
 def sweep_all(engine: Engine, n: int = 300, seed: int = 2026, progress: bool = False,
-              sweeps: Sequence[tuple[str, str, dict]] = REPORT_SWEEPS) -> dict[str, list[dict]]:
+              sweeps: Sequence[tuple[str, str, dict]] = REPORT_SWEEPS,
+              categories: Sequence[str] = tasks.CATEGORIES) -> dict[str, list[dict]]:
     """``sweep_rule`` of each (label, rule, config) of ``sweeps`` at the rule's default knob sweep, by label;
     with every registered rule not in ``sweeps`` after them (but the whole-canvas rules, ``canvas_rule``, which
     decode DiffusionGemma canvases, not a masked model's blocks)."""
     todo = list(sweeps) + [(r, r, {}) for r in sorted(RULES) if r not in {rule for _, rule, _ in sweeps}
                            and not getattr(RULES[r], "canvas_rule", False)]
-    return {label: sweep_rule(engine, rule, config, n=n, seed=seed, progress=progress)
+    return {label: sweep_rule(engine, rule, config, n=n, seed=seed, progress=progress, categories=categories)
             for label, rule, config in todo}
 
 
@@ -268,14 +270,14 @@ def canvas_prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def evaluate_canvas(engine, bounds: Sequence[float | None] = (None,), n: int = 300, seed: int = 2026,
-                    progress: bool = False) -> list[dict]:
+                    progress: bool = False, categories: Sequence[str] = tasks.CATEGORIES) -> list[dict]:
     """``evaluate`` for a DiffusionGemma model: the held-out prompts as canvas requests through ``engine`` (a
     ``CanvasEngine``, all requests stepped together), one result per entropy bound (None: the checkpoint's);
     request i draws from seed ``seed + i``. ``mean_rounds`` is denoising steps per request; ``steps_per_canvas``
     the mean over canvases."""
     from engine.canvas import CanvasParams
 
-    examples = tasks.heldout_set(n, seed)
+    examples = tasks.heldout_set(n, seed, tuple(categories))
     prompts = [canvas_prompt_ids(engine.tokenizer, e.prompt) for e in examples]
     results = []
     for bound in bounds:
@@ -307,7 +309,7 @@ def _bar(total: int, desc: str, progress: bool):
 
 
 def evaluate_transformers(path, n: int = 300, seed: int = 2026, entropy_bound: float | None = None,
-                          progress: bool = False) -> dict:
+                          progress: bool = False, categories: Sequence[str] = tasks.CATEGORIES) -> dict:
     """The same held-out prompts through transformers' own ``DiffusionGemmaForBlockDiffusion.generate`` on the
     checkpoint at ``path`` (a DiffusionGemma directory, e.g. ``remask export``'s): prompts of equal length batched
     together (no padding, so positions are those of a single prompt), its draws from torch's generator seeded by
@@ -322,7 +324,7 @@ def evaluate_transformers(path, n: int = 300, seed: int = 2026, entropy_bound: f
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=torch.float32).eval()
     stops = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
                 else [model.generation_config.eos_token_id])
-    examples = tasks.heldout_set(n, seed)
+    examples = tasks.heldout_set(n, seed, tuple(categories))
     prompts = [canvas_prompt_ids(tok, e.prompt) for e in examples]
     groups: dict[int, list[int]] = defaultdict(list)
     for i, ids in enumerate(prompts):
