@@ -1,8 +1,10 @@
 """Structured outputs and tool calls end to end (issue 42's "done when", without Ray): the official ``openai``
 SDK against the HTTP front (``app.frontend``, as the Ingress builds it) connected to an in-process replica of a
-real engine: tiny-bd under guided_regex / guided_choice (plain and streamed), its refusal of JSON (its
-vocabulary has no braces or quotes), and the random-weight SDAR test checkpoint (byte-level BPE) answering
-JSON schemas and tool calls that validate although the model knows nothing."""
+real engine: tiny-bd under guided_regex / guided_choice (plain and streamed), and on both tiny-bd (trained on
+the task suite's json category, its character vocabulary) and the random-weight SDAR test checkpoint (byte-level
+BPE, a model that knows nothing): finite JSON schemas (enums, booleans, bounded integers and strings, patterns,
+nested objects, bounded arrays) and tool calls that validate, plain and streamed; tiny-mdm, whose vocabulary has
+no braces or quotes, refuses JSON with a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -60,17 +62,23 @@ def test_tiny_bd_regex_and_choice_plain_and_streamed():
         chat = await sdk.chat.completions.create(model=model, max_tokens=8, messages=[
             {"role": "user", "content": "max: a3 b7 c1 d5"}], extra_body={"guided_choice": ["yes", "no"]})
         out["choice"] = (chat.choices[0].message.content, chat.choices[0].finish_reason)
-        with pytest.raises(openai.BadRequestError) as info:
-            await sdk.chat.completions.create(model=model, max_tokens=8, messages=[{"role": "user", "content": "x"}],
-                                              response_format={"type": "json_object"})
-        out["json"] = info.value.body
         return out
 
     out = serve("tiny-bd", body)
     assert re.fullmatch(pattern, out["plain"][0]) and out["plain"][1] == "stop", out["plain"]
     assert out["streamed"] == out["plain"][0]
     assert out["choice"][0] in ("yes", "no") and out["choice"][1] == "stop"
-    assert out["json"]["param"] == "response_format" and "vocabulary" in out["json"]["message"]
+
+
+def test_a_vocabulary_without_braces_refuses_json_naming_the_field():
+    async def body(sdk, model):
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.chat.completions.create(model=model, max_tokens=8, messages=[{"role": "user", "content": "x"}],
+                                              response_format={"type": "json_object"})
+        return info.value.body
+
+    out = serve("tiny-mdm", body)  # its tokenizer.json: the 51 characters of the core task suite
+    assert out["param"] == "response_format" and "vocabulary" in out["message"]
 
 
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
@@ -79,16 +87,22 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {
         "type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": False}}}
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "n", "tags"],
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "n", "tags", "ok", "who"],
           "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
                          "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,3}$"},
-                                  "maxItems": 2}}}
+                                  "maxItems": 2},
+                         "ok": {"type": "boolean"},
+                         "who": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+                                 "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6},
+                                                "age": {"type": "integer", "minimum": 0, "maximum": 99}}}}}
 
 
-def test_json_and_tool_calls_on_a_byte_level_checkpoint(tmp_path):
+@pytest.mark.parametrize("model", ["sdar", "tiny-bd"])
+def test_json_schemas_and_tool_calls_validate(model, tmp_path):
+    """On the byte-level checkpoint (random weights) and on tiny-bd (its character vocabulary writes JSON)."""
     from tests.checkpoints import build_checkpoint
 
-    path = str(build_checkpoint("sdar", tmp_path / "sdar"))
+    path = str(build_checkpoint("sdar", tmp_path / "sdar")) if model == "sdar" else model
     user = [{"role": "user", "content": "hello"}]
 
     async def body(sdk, model):

@@ -88,3 +88,27 @@ def test_mix_accepts_recall_and_rejects_unknown_names(tmp_path):
     with pytest.raises(ValueError, match="multiple of 8"):
         training.train("tiny-mdm", tmp_path / "x", steps=1, batch_size=4, progress=False, lookup_canvas=12)
     assert not (tmp_path / "x").exists()  # refused before any work
+
+
+def test_new_ids_only_trains_the_new_rows_and_leaves_every_other_weight(tmp_path):
+    from engine.tokenizer import CHARS, SPECIALS
+
+    base = training.train("tiny-bd", tmp_path / "base", steps=1, batch_size=2, progress=False, seed=1)
+    narrow = CharTokenizer({t: i for i, t in enumerate(SPECIALS + CHARS[:51])})  # before the JSON characters
+    narrow.save(base)
+    fresh = training.new_ids(narrow, CharTokenizer.default())
+    assert fresh == list(range(57, 64))
+    out = training.train("tiny-bd", tmp_path / "json", steps=3, batch_size=4, progress=False, seed=2, init=base,
+                         new_ids_only=True, mix={"json": 1.0}, lr=1e-2)
+    before, after = load_remask(base).state_dict(), load_remask(out).state_dict()
+    for k in before:
+        if k in ("embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(before[k][:57], after[k][:57]), k  # AdamW's decay undone too
+            assert not torch.equal(before[k][57:], after[k][57:]), k
+        else:
+            assert torch.equal(before[k], after[k]), k
+    assert CharTokenizer.load(out).vocab == CharTokenizer.default().vocab
+    with pytest.raises(ValueError, match="no new rows"):
+        training.train("tiny-bd", tmp_path / "x", steps=1, batch_size=2, progress=False, init=out, new_ids_only=True)
+    with pytest.raises(ValueError, match="give init"):
+        training.train("tiny-bd", tmp_path / "x", steps=1, batch_size=2, progress=False, new_ids_only=True)

@@ -55,7 +55,8 @@ def cmd_train_default(args) -> int:
         else:
             train(name, out, steps=args.steps or 20000, minutes=args.minutes, batch_size=args.batch_size or 32,
                   lr=args.lr, seed=args.seed, device=args.device, threads=args.threads, init=args.init, mix=args.mix,
-                  lookup_canvas=args.lookup_canvas)
+                  lookup_canvas=args.lookup_canvas, new_ids_only=args.new_ids_only,
+                  distill=tuple(args.distill.split(",")) if args.distill else ())
         print(f"saved {name} to {out}")
     return 0
 
@@ -190,6 +191,12 @@ def add_parsers(sub) -> None:
                         "associative-recall task (repeated needles with masked digits)")
     t.add_argument("--lookup-canvas", type=int,
                    help="cap tiny-mdm's canvas at this many tokens for lookup and recall examples (faster steps)")
+    t.add_argument("--new-ids-only", action="store_true",
+                   help="tiny-bd/tiny-mdm with --init: train only the rows of the ids the checkpoint's tokenizer "
+                        "lacks (every other weight stays as it is)")
+    t.add_argument("--distill", help="with --init: these categories (comma-separated, e.g. "
+                                     "choice,arith,reverse,prose,lookup) fit the checkpoint's own distributions (KL) "
+                                     "instead of the answers, so their confidences stay where they were")
     t.add_argument("--copies", type=int, default=1,
                    help="tiny-dg: noised copies of each example's canvas decoded over its one encoder pass")
     t.add_argument("--log", help="append a JSON line of loss and per-category accuracy every 50 steps (tiny-dg)")

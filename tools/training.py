@@ -204,9 +204,18 @@ def bucketed_batches(name: str, tok: CharTokenizer, rng: random.Random, batch_si
             yield collate(name, chunk, tok)
 
 
-def loss_fn(model: DLMTransformer, batch: TrainingBatch) -> tuple[torch.Tensor, dict[str, float]]:
+def loss_fn(model: DLMTransformer, batch: TrainingBatch, teacher: DLMTransformer | None = None,
+            distill: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted cross-entropy at the target positions; rows of a ``distill`` category take the KL divergence
+    from ``teacher``'s distribution there instead."""
     logits, _, _ = model(batch.input_ids, batch.positions, batch.mask)
     ce = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none").view_as(batch.weights)
+    rows = [i for i, c in enumerate(batch.categories) if c in distill]
+    if teacher is not None and rows:
+        with torch.no_grad():
+            target = teacher(batch.input_ids[rows], batch.positions[rows], batch.mask[rows])[0].log_softmax(-1)
+        kl = F.kl_div(logits[rows].log_softmax(-1), target, log_target=True, reduction="none").sum(-1)
+        ce = ce.index_put((torch.tensor(rows, device=ce.device),), kl)
     on = batch.targets != -100
     w = batch.weights * on
     loss = (ce * w).sum() / w.sum().clamp(min=1)
@@ -244,13 +253,25 @@ def train(
     log_every: int = 200,
     mix: dict[str, float] | None = None,
     lookup_canvas: int | None = None,
+    new_ids_only: bool = False,
+    distill: tuple[str, ...] = (),
 ) -> Path:
     """Train one default model; progress is max(step / steps, elapsed / minutes).
 
     ``mix`` weights the task categories and the training-only ``recall`` task
     (uniform over the categories when None); ``init`` continues from a
     checkpoint (a later phase with its own schedule); ``lookup_canvas`` see
-    ``build_rows``."""
+    ``build_rows``. ``new_ids_only`` (with ``init``) trains only the embedding
+    and output rows of the ids the tokenizer has and the checkpoint's own
+    tokenizer lacks (``new_ids``): every other weight stays bit for bit, so
+    the model's hidden states on text without the new characters are the
+    checkpoint's, and so are its answers up to the softmax share of the new
+    rows (how the shipped tiny-bd learned JSON without moving the figures
+    its core answers feed). ``distill`` (with ``init``) names categories whose
+    examples are fitted to the checkpoint's own distributions instead of the
+    answers (the KL divergence from the frozen checkpoint at every target
+    position): learning a new category while the confidences on those stay
+    where they were, so their threshold trade-off holds."""
     from tqdm import tqdm
 
     known = (*tasks.ALL_CATEGORIES, RECALL)
@@ -272,7 +293,32 @@ def train(
             raise ValueError(f"{init} is not a {name} checkpoint")
     else:
         model = DLMTransformer(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    keep = None
+    if new_ids_only:
+        if not init:
+            raise ValueError("new_ids_only trains the new ids' rows of a checkpoint: give init")
+        fresh = new_ids(CharTokenizer.load(init), tok)
+        if not fresh:
+            raise ValueError(f"{init}'s tokenizer already has every id of the default tokenizer: no new rows")
+        rows = [model.embed_tokens.weight, model.lm_head.weight]
+        for prm in model.parameters():
+            prm.requires_grad_(False)
+        for prm in rows:
+            prm.requires_grad_(True)
+        old = torch.ones(rows[0].shape[0], dtype=torch.bool, device=device)
+        old[fresh] = False
+        keep = [(prm, old, prm.detach().clone()) for prm in rows]
+    teacher = None
+    if distill:
+        if not init:
+            raise ValueError("distill fits the init checkpoint's distributions: give init")
+        from engine.models.checkpoint import load_remask
+
+        teacher = load_remask(init).to(device).eval()
+        for prm in teacher.parameters():
+            prm.requires_grad_(False)
+    params = [prm for prm in model.parameters() if prm.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     out_dir = Path(out_dir)
     log = open(log_path, "a") if log_path else None
     start = last_save = time.time()
@@ -290,11 +336,15 @@ def train(
             g["lr"] = lr_at(frac, lr)
         batch = next(batches)
         batch = TrainingBatch(*(t.to(device) if torch.is_tensor(t) else t for t in vars(batch).values()))
-        loss, acc = loss_fn(model, batch)
+        loss, acc = loss_fn(model, batch, teacher, distill)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        if keep:
+            with torch.no_grad():  # the checkpoint's own rows exactly as they were (AdamW's decay included)
+                for prm, old, orig in keep:
+                    prm[old] = orig[old]
         step += 1
         ema["loss"] = 0.98 * ema.get("loss", loss.item()) + 0.02 * loss.item()
         for c, a in acc.items():
@@ -314,6 +364,14 @@ def train(
     if log:
         log.close()
     return out_dir
+
+
+def new_ids(before: CharTokenizer, after: CharTokenizer) -> list[int]:
+    """The ids of ``after`` whose token ``before`` lacks (``before``'s ids must be ``after``'s for the rest)."""
+    shared = {t: i for t, i in after.vocab.items() if t in before.vocab}
+    if any(before.vocab[t] != i for t, i in shared.items()):
+        raise ValueError("the tokenizers map a shared token to different ids")
+    return sorted(i for t, i in after.vocab.items() if t not in before.vocab)
 
 
 def _save(model: DLMTransformer, tok: CharTokenizer, out_dir: Path, step: int, seed: int) -> None:
