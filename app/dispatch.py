@@ -53,6 +53,7 @@ from cluster import Router
 from cluster.driver import Arrival, ClusterDriver, Move, Plan
 from engine.commands import SamplingParams
 from engine.tokenizer import OutputText
+from predictors.features import constraint_value
 
 if TYPE_CHECKING:
     from cluster.learning import LiveLearning
@@ -300,6 +301,7 @@ class Dispatcher:
             req_id, prompt_tokens, -(-max_tokens // self.block_tokens) * self.block_tokens,
             slo_ms / 1000.0 if slo_ms is not None else self.default_slo_s, priority, fixed_threshold=threshold,
             counted=slo_ms is not None, decoding=params.decoding or self.default_decoding,
+            constrained=constraint_value(params.constraint),
             admission=(float(len(prompt_text.split())), float(prompt_text.count("\n")), float(prompt_tokens))), now)
         if admission.shed:
             self.stats["shed"] += 1
@@ -391,7 +393,8 @@ class Dispatcher:
             st = live.state
             self.learning.finished(live.rows, live.row_steps, live.denoise_steps,
                                    [*st.extra["admission"], st.thresholds_used.mean or live.sent_threshold or 0.9],
-                                   st.output_tokens / st.block_tokens, st.threshold, decoding=st.decoding)
+                                   st.output_tokens / st.block_tokens, st.threshold, decoding=st.decoding,
+                                   constrained=st.constrained)
         used = live.state.thresholds_used
         live.queue.put_nowait({
             "type": "done", "finish_reason": done.finish_reason, "text": live.out.text,

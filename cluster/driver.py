@@ -67,6 +67,7 @@ class Arrival:
     counted: bool = True
     admission: tuple[float, ...] | None = None
     decoding: str = "threshold"  # its decoding rule (engine.decoding.RULES): whose knob the router's level moves
+    constrained: float = 0.0  # its text held to a grammar: 1 (predictors.features.constraint_value), free: 0
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ class ClusterDriver:
         state = RequestState(req.req_id, now, now + req.slo_s, req.prompt_tokens, req.output_tokens,
                              self.block_tokens, req.priority, self.full_sequence,
                              fixed_threshold=req.fixed_threshold, counted=req.counted)
-        state.decoding = req.decoding
+        state.decoding, state.constrained = req.decoding, float(req.constrained)
         if req.fixed_threshold is not None:
             state.threshold = req.fixed_threshold
         if req.admission is not None:

@@ -21,7 +21,7 @@ def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router
     step estimates."""
     from cluster import OnlineStepEstimator, RouterConfig, StepShape, TpLatencyModel
     from cluster.learning import build_learning
-    from cluster.thresholds import decoding_row
+    from cluster.thresholds import request_row
     from engine.latency_profile import load_tp_profiles
     from predictors.bundle import PredictorError
 
@@ -38,8 +38,9 @@ def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router
         except PredictorError as exc:
             log.warning("no step predictor (%s)", exc)
     if learning is not None:
-        # rows with the request's rule and its knob at each level: the columns the step learner records
-        estimator = OnlineStepEstimator(learning.step, thresholds, row=decoding_row, admission=learning.admission)
+        # rows with the request's rule, its knob at each level and its constraint: the columns the step learner
+        # records
+        estimator = OnlineStepEstimator(learning.step, thresholds, row=request_row, admission=learning.admission)
     else:
         estimator = BlocksLeft(thresholds)
         if policy not in ("fixed-threshold", "infaas", "llumnix"):

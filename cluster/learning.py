@@ -6,8 +6,9 @@ prompt features -> denoising rounds), and a ``RefitWorker`` that refits them in 
 thread here only hands it the new requests and swaps the answer in: no fit holds the ingress's GIL).
 The dispatcher hands it each finished request with its decoding rule (``finished``: O(1) appends, then a
 wake-up of the worker); the router reads the learners through ``OnlineStepEstimator`` at every estimate,
-its rows built by ``cluster.thresholds.decoding_row`` (the request's step features, its rule's code and
-its knob at each candidate level), so live-learned steps are a function of (rule, knob); a
+its rows built by ``cluster.thresholds.request_row`` (the request's step features, its rule's code and
+its knob at each candidate level, and whether a grammar holds its text), so live-learned steps are a
+function of (rule, knob, constraint); a
 refit swaps a better model in atomically. Shipped predictors, when the mode allows them, are the learners'
 starting point; without any, the learners' priors serve (measured tokens per step; one round per
 block) until the first model, so every adaptive mechanism runs on any checkpoint.
@@ -39,13 +40,16 @@ class LiveLearning:
         self.recorded = 0
 
     def finished(self, rows: list[list[float]], row_steps: list[int], total_steps: int, admission_row: list[float],
-                 blocks: float, last_threshold: float | None, decoding: str | None = None) -> None:
+                 blocks: float, last_threshold: float | None, decoding: str | None = None,
+                 constrained: float = 0.0) -> None:
         """A request finished after ``total_steps`` denoising steps: its step rows (after each denoising step
         but the last; ``row_steps[k]`` the steps done at row k: the replica's 11 step features), its
         admission row and output blocks. ``decoding``: its rule (``RequestState.decoding``; default
-        ``threshold``): the step learner keeps each row with the rule's code and knob at the row's level,
-        the columns the router asks with (``cluster.thresholds.decoding_row``)."""
-        self.step.record(rows, row_steps, total_steps, last_threshold=last_threshold, decoding=decoding)
+        ``threshold``) and ``constrained`` (``RequestState.constrained``: 1 when a grammar holds its text):
+        the step learner keeps each row with the rule's code and knob at the row's level and the constraint's
+        column, the columns the router asks with (``cluster.thresholds.request_row``)."""
+        self.step.record(rows, row_steps, total_steps, last_threshold=last_threshold, decoding=decoding,
+                         constrained=constrained)
         self.admission.record(admission_row, total_steps, blocks)
         self.recorded += 1
         if self.worker is not None:  # without learning the records only score the predictors in service

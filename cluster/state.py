@@ -103,6 +103,9 @@ class RequestState:
     # the request's decoding rule (engine.decoding.RULES): the router's threshold is its candidate level, which
     # the rule turns into its own knob (cluster.thresholds.knob_for); steps are estimated for that knob
     decoding: str = "threshold"
+    # whether its text is held to a grammar (predictors.features.constraint_value of its SamplingParams.constraint:
+    # 0 free, 1 constrained): a step-model column, as its rule is (a grammar changes the steps per token)
+    constrained: float = 0.0
     attempt: int = 0  # placements so far: progress or arrivals of an older attempt are stale
     counted: bool = True  # its SLO counts in the admission governor's attainment (the client set it)
     epoch: int = -1  # the governor's epoch it was admitted in (-1: not counted)

@@ -16,7 +16,9 @@ level)), at least 1, for ``low_confidence``. So Alg. 1 and Alg. 2 pick a
 level exactly as they pick a threshold, a lower level under load moves every
 rule's knob in its faster direction (a lower threshold, a higher gamma or
 k), and the step estimates per candidate are the request's rule's at the
-knob of each level (``RequestState.decoding``).
+knob of each level (``RequestState.decoding``); the rows they are asked with
+also say whether the request's text is held to a grammar (``request_row``:
+``RequestState.constrained``), which changes its steps per token.
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ def decoding_row(state: RequestState, level: float) -> list[float]:
     (``predictors.features.RULE_FEATURES``). ``FeatureStepEstimator(model, thresholds, row=decoding_row)``
     asks such a model about every candidate for the request's own rule."""
     return feature_row(state, level) + decoding_columns(state.decoding, level)
+
+
+def request_row(state: RequestState, level: float) -> list[float]:
+    """The row the router asks the step learner with, and the one it records, for ``state`` at candidate
+    ``level``: ``decoding_row``'s and then whether its text is held to a grammar
+    (``RequestState.constrained``: ``predictors.features.CONSTRAINT_FEATURES``), 14 columns. A model trained
+    on fewer columns reads its own first ones (``predictors.step.StepPredictor``)."""
+    return decoding_row(state, level) + [float(state.constrained)]
 
 
 def request_knob(req: RequestState) -> float | None:

@@ -40,6 +40,8 @@ DEFAULT_THRESHOLD = 0.9
 RULE_FEATURES = ("rule", "knob")  # after STEP_FEATURES in a decoding-aware step model's rows
 # each rule's code in the "rule" column: fixed, never reordered (trained models read them); a rule not listed
 # gets a stable code of its own from its name (``rule_code``)
+# after RULE_FEATURES: whether the request's text is held to a grammar (``constraint_value``)
+CONSTRAINT_FEATURES = ("constrained",)
 RULE_CODES = ("threshold", "dynamic", "low_confidence", "joint_threshold", "entropy_bound", "hierarchical",
               "credit")
 
@@ -188,22 +190,45 @@ def with_decoding(rows: np.ndarray, rule: str) -> np.ndarray:
     return np.concatenate([rows[:, : len(STEP_FEATURES)], cols[inv.reshape(-1)]], axis=1)
 
 
-def decoding_rows(rows, rule: str | None = None) -> np.ndarray:
-    """Step rows as a decoding-aware model reads them, [n, 13]: rows of the 11 ``STEP_FEATURES`` (a
+def constraint_value(constraint) -> float:
+    """The "constrained" column of a request whose ``SamplingParams.constraint`` is ``constraint`` (its dict,
+    a ``ConstraintSpec``, or None): 0.0 for free text, 1.0 for text held to a grammar (any kind: a JSON
+    schema, a regular expression, choices, a grammar, tool calls)."""
+    return 0.0 if constraint is None else 1.0
+
+
+def with_constraint(rows: np.ndarray, constrained: float | Sequence[float] = 0.0) -> np.ndarray:
+    """13-column rows (``STEP_FEATURES`` + ``RULE_FEATURES``) with the ``CONSTRAINT_FEATURES`` column appended:
+    [n, 14]; ``constrained`` one value for every row, or one per row."""
+    rows = np.atleast_2d(np.asarray(rows, dtype=np.float64))
+    col = np.broadcast_to(np.asarray(constrained, dtype=np.float64).reshape(-1, 1), (len(rows), 1))
+    return np.concatenate([rows[:, : len(STEP_FEATURES) + len(RULE_FEATURES)], col], axis=1)
+
+
+# the widths of step rows: the step features; with the rule's columns; with the constraint's too
+STEP_WIDTHS = (len(STEP_FEATURES), len(STEP_FEATURES) + len(RULE_FEATURES),
+               len(STEP_FEATURES) + len(RULE_FEATURES) + len(CONSTRAINT_FEATURES))
+
+
+def decoding_rows(rows, rule: str | None = None, constrained: float = 0.0) -> np.ndarray:
+    """Step rows as the online step learner keeps them, [n, 14]: rows of the 11 ``STEP_FEATURES`` (a
     replica's, or ``cluster.estimator.feature_row``'s) get ``rule``'s ``RULE_FEATURES`` columns
-    (``with_decoding``; no rule: ``threshold``, whose knob is the level), and 13-column rows (already
-    carrying theirs, ``cluster.thresholds.decoding_row``'s) stay as they are. Any other width is a
-    ValueError naming it."""
-    width = len(STEP_FEATURES)
+    (``with_decoding``; no rule: ``threshold``, whose knob is the level) and then the constraint's column
+    (``constrained``: ``constraint_value``, 0 free); 13-column rows (carrying their rule's,
+    ``cluster.thresholds.decoding_row``'s) get the constraint's; 14-column rows (carrying both,
+    ``cluster.thresholds.request_row``'s) stay as they are. Any other width is a ValueError naming it."""
+    width, wide = len(STEP_FEATURES), STEP_WIDTHS[-1]
     x = np.asarray(rows, dtype=np.float64)
     if x.size == 0:
-        return np.zeros((0, width + len(RULE_FEATURES)))
+        return np.zeros((0, wide))
     x = np.atleast_2d(x)
-    if x.ndim != 2 or x.shape[1] not in (width, width + len(RULE_FEATURES)):
-        raise ValueError(f"step rows have {width} columns (STEP_FEATURES) or {width + len(RULE_FEATURES)} "
-                         f"(with RULE_FEATURES): got shape {x.shape}")
+    if x.ndim != 2 or x.shape[1] not in STEP_WIDTHS:
+        raise ValueError(f"step rows have {width} columns (STEP_FEATURES), {STEP_WIDTHS[1]} (with RULE_FEATURES) "
+                         f"or {wide} (with CONSTRAINT_FEATURES too): got shape {x.shape}")
     if x.shape[1] == width:
-        return with_decoding(x, "threshold" if rule is None else rule)
+        x = with_decoding(x, "threshold" if rule is None else rule)
+    if x.shape[1] == STEP_WIDTHS[1]:
+        x = with_constraint(x, constrained)
     return x
 
 

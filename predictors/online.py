@@ -2,8 +2,9 @@
 
 DiLaServe trains its step predictor online from about 100 requests. ``OnlineStepLearner`` does the
 same for the step predictor (``predictors.step``: the 11 ``STEP_FEATURES`` of a request after each
-step and its decoding rule's two ``RULE_FEATURES`` columns, the rule and its knob at the row's level
--> remaining steps) and ``OnlineAdmissionLearner`` for DWISE's admission predictor
+step, its decoding rule's two ``RULE_FEATURES`` columns, the rule and its knob at the row's level, and
+its constraint's ``CONSTRAINT_FEATURES`` column, 1 when its text is held to a grammar -> remaining
+steps) and ``OnlineAdmissionLearner`` for DWISE's admission predictor
 (``predictors.admission``: ``ADMISSION_FEATURES`` -> total rounds). Both
 
 - ``record`` each FINISHED request (its rows and true labels) into a window of the most recent
@@ -19,20 +20,22 @@ step and its decoding rule's two ``RULE_FEATURES`` columns, the rule and its kno
   says which: "prior", "shipped" for a model given as ``start``, "online").
 
 The step prior: remaining tokens (output_len x (1 - progress)) over the tokens a step of the row's
-rule commits at the row's threshold (its level), measured over the finished requests (per rule and
-level, from the progress between consecutive rows). A lower level unmasks a superset of what a higher
+rule commits at the row's threshold (its level), measured over the finished requests (per rule,
+constraint column and level, from the progress between consecutive rows; a constrained request's rule
+never measured constrained takes the rule's free rates). A lower level unmasks a superset of what a higher
 one does (every rule's knob moves in its faster direction as the level falls), so a level never
 measured takes the rate of the nearest measured higher one of the same rule, and before any
 measurement of the rule a step commits 1 token (the least a step commits; no table is made up). The
 admission prior: one round per output block.
 
-Rules: the step learner keeps 13-column rows (``features.decoding_rows``: the 11 step features, the
-rule's code and its knob at the row's level; the same columns ``cluster.thresholds.decoding_row`` asks
-with). A refit fits on all 13 when its training rows hold more than one rule, and on the first 11 when
-they hold one (its rule column is constant and its knob a function of the level: the 11 say it all,
-and threshold-only traffic gets exactly the model it got before rules had columns). Any model answers a
-13-column row (``StepPredictor`` reads the columns it was trained on), so a shipped 11-feature model
-serves until the first refit beats it.
+Rules and constraints: the step learner keeps 14-column rows (``features.decoding_rows``: the 11 step
+features, the rule's code and its knob at the row's level, and the constraint's column; the same columns
+``cluster.thresholds.request_row`` asks with). A refit fits on all 14 when its training rows mix
+constrained and free requests; else on the first 13 when they hold more than one rule, and on the first
+11 when they hold one (its rule column is constant and its knob a function of the level: the 11 say it
+all, and free threshold-only traffic gets exactly the model it got before rules had columns). Any model
+answers a 14-column row (``StepPredictor`` reads the columns it was trained on, a prefix), so a shipped
+11- or 13-feature model serves until the first refit beats it.
 
 Only numpy and ``predictors.features`` (the feature names, Spearman) here; LightGBM and the model classes
 are imported by the fits (and by ``RefitWorker`` at its start).
@@ -50,14 +53,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from predictors.features import ADMISSION_FEATURES, RULE_CODES, RULE_FEATURES, STEP_FEATURES, decoding_rows, rule_code
+from predictors.features import (
+    ADMISSION_FEATURES,
+    CONSTRAINT_FEATURES,
+    RULE_CODES,
+    RULE_FEATURES,
+    STEP_FEATURES,
+    decoding_rows,
+    rule_code,
+)
 from predictors.features import spearman as _spearman
 
 log = logging.getLogger(__name__)
 
 STEP_WIDTH = len(STEP_FEATURES)  # threshold, output_len, progress, ...
 RULE_COL = STEP_WIDTH  # the rule's code (``features.rule_code``); its knob follows
-DECODING_WIDTH = STEP_WIDTH + len(RULE_FEATURES)  # the rows the step learner keeps and predicts
+DECODING_WIDTH = STEP_WIDTH + len(RULE_FEATURES)  # with the rule's columns
+CONSTRAINT_COL = DECODING_WIDTH  # 1 when the request's text is held to a grammar (``features.constraint_value``)
+ROW_WIDTH = DECODING_WIDTH + len(CONSTRAINT_FEATURES)  # the rows the step learner keeps and predicts
 THRESHOLD_CODE = rule_code("threshold")
 ADMISSION_WIDTH = len(ADMISSION_FEATURES)  # words, newlines, tokens, threshold
 SCORE_ROWS = 10_000  # holdout rows a refit scores the two models on (a uniform sample when there are more)
@@ -254,16 +267,18 @@ def _scores(s: dict) -> dict:
 class OnlineStepLearner(_Learner):
     """DiLaServe's step predictor, learnt from finished requests (see the module's docstring).
 
-    ``record(rows, steps_done, total_steps, decoding=rule)``: a finished request's step rows
+    ``record(rows, steps_done, total_steps, decoding=rule, constrained=c)``: a finished request's step rows
     (``STEP_FEATURES``, one after each of its steps but the last, given the ``RULE_FEATURES`` columns of
-    its ``decoding`` rule, default ``threshold``; or 13-column rows that carry them; ``steps_done[k]``:
-    steps taken when row k was recorded, default 1, 2, ...), labelled ``total_steps - steps_done[k]``
-    remaining steps. ``predict_rows`` is ``StepPredictor.predict_rows``'s contract: remaining steps
-    (>= 1) per row, which carries its own threshold (and rule and knob: an 11-column row is the threshold
-    rule's). ``start``, a shipped ``StepPredictor``, serves until an online model beats it.
+    its ``decoding`` rule, default ``threshold``, and the ``CONSTRAINT_FEATURES`` column ``constrained``,
+    default 0; or 13-column rows that carry the rule's, or 14-column rows that carry both;
+    ``steps_done[k]``: steps taken when row k was recorded, default 1, 2, ...), labelled
+    ``total_steps - steps_done[k]`` remaining steps. ``predict_rows`` is ``StepPredictor.predict_rows``'s
+    contract: remaining steps (>= 1) per row, which carries its own threshold (and rule, knob and
+    constraint: an 11-column row is a free request's of the threshold rule, a 13-column row a free one's).
+    ``start``, a shipped ``StepPredictor``, serves until an online model beats it.
     """
 
-    width = DECODING_WIDTH
+    width = ROW_WIDTH
 
     def __init__(self, thresholds: Sequence[float] = (), *, window: int = 2000, refit_every: int = 50,
                  holdout: float = 0.2, min_requests: int = 100, start=None, seed: int = 0,
@@ -272,19 +287,22 @@ class OnlineStepLearner(_Learner):
                          seed=seed, early=early, recent=recent, start=start)
         self.thresholds = tuple(float(t) for t in thresholds)
         self.max_rows = max_rows
-        # rule code -> level -> [tokens committed, steps]; the measured rates per rule code: (levels ascending,
-        # tokens/step); the rule names seen, per code
-        self._tokens: dict[float, dict[float, list[float]]] = {}
-        self._rates: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+        # (rule code, constraint column) -> level -> [tokens committed, steps]; the measured rates per (rule
+        # code, constraint column): (levels ascending, tokens/step); the rule names seen, per code
+        self._tokens: dict[tuple[float, float], dict[float, list[float]]] = {}
+        self._rates: dict[tuple[float, float], tuple[np.ndarray, np.ndarray]] = {}
         self._names: dict[float, str] = {THRESHOLD_CODE: "threshold"}
 
     def record(self, rows: Sequence[Sequence[float]], steps_done: Sequence[int] | None, total_steps: int,
-               last_threshold: float | None = None, decoding: str | None = None) -> None:
+               last_threshold: float | None = None, decoding: str | None = None,
+               constrained: float = 0.0) -> None:
         """A finished request: its rows (after each step but the last) and its total steps.
         ``last_threshold``: the threshold of its steps after the last row (default: the last row's);
         needed for the tokens-per-step measurement of a request with no rows (one step). ``decoding``: its
-        decoding rule (default ``threshold``), whose columns 11-column rows get (``features.decoding_rows``)."""
-        x = decoding_rows(rows, decoding)
+        decoding rule (default ``threshold``), whose columns 11-column rows get; ``constrained``: its
+        constraint's column (``features.constraint_value``; default 0, free), which 11- and 13-column rows
+        get (``features.decoding_rows``)."""
+        x = decoding_rows(rows, decoding, constrained)
         done = np.arange(1, len(x) + 1) if steps_done is None else np.asarray(steps_done, dtype=np.float64)
         if len(done) != len(x):
             raise ValueError(f"{len(x)} rows but {len(done)} step counts")
@@ -303,7 +321,7 @@ class OnlineStepLearner(_Learner):
         consecutive rows (the steps after the last row at ``last_threshold``, default the last row's)."""
         if not len(x):
             return  # no row: neither the output length nor the progress is known
-        code = float(x[-1, RULE_COL])
+        code = (float(x[-1, RULE_COL]), float(x[-1, CONSTRAINT_COL]))
         prog = np.r_[0.0, x[:, 2]]
         tail_t = x[-1, 0] if last_threshold is None else last_threshold
         ts = np.round(np.r_[x[:, 0], tail_t], 4)
@@ -333,27 +351,33 @@ class OnlineStepLearner(_Learner):
     def _set_prior_state(self, state) -> None:
         self._rates = state
 
-    def tokens_per_step(self, threshold: float, decoding: str = "threshold") -> float:
-        """The prior's rate for rule ``decoding`` at level ``threshold``: measured, else the nearest measured
-        higher level's, else 1."""
-        return float(self._rate_of(np.asarray([float(threshold)]), np.asarray([rule_code(decoding)]))[0])
+    def tokens_per_step(self, threshold: float, decoding: str = "threshold", constrained: float = 0.0) -> float:
+        """The prior's rate for rule ``decoding`` at level ``threshold`` (of requests whose constraint column is
+        ``constrained``; none measured: the rule's free ones): measured, else the nearest measured higher
+        level's, else 1."""
+        return float(self._rate_of(np.asarray([float(threshold)]), np.asarray([rule_code(decoding)]),
+                                   np.asarray([float(constrained)]))[0])
 
-    def _rate_of(self, t: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    def _rate_of(self, t: np.ndarray, codes: np.ndarray, cons: np.ndarray | None = None) -> np.ndarray:
         rates = self._rates
         out = np.ones(len(t))
-        for code in np.unique(codes).tolist():
-            measured = rates.get(code)
+        cons = np.zeros(len(t)) if cons is None else cons
+        keys = np.unique(np.stack([codes, cons], axis=1), axis=0) if len(t) else np.zeros((0, 2))
+        for code, c in keys.tolist():
+            measured = rates.get((code, c))
+            if measured is None or not len(measured[0]):
+                measured = rates.get((code, 0.0))  # a constraint not measured with the rule: its free rates
             if measured is None or not len(measured[0]):
                 continue
             ts, r = measured
-            sel = codes == code
+            sel = (codes == code) & (cons == c)
             i = np.searchsorted(ts, t[sel] - 1e-6)  # the first measured level >= t
             out[sel] = np.where(i < len(ts), r[np.minimum(i, len(ts) - 1)], 1.0)
         return out
 
     def _prior(self, rows: np.ndarray, aux: np.ndarray | None = None) -> np.ndarray:
         left = rows[:, 1] * (1.0 - rows[:, 2])
-        return self._clip(left / self._rate_of(rows[:, 0], rows[:, RULE_COL]))
+        return self._clip(left / self._rate_of(rows[:, 0], rows[:, RULE_COL], rows[:, CONSTRAINT_COL]))
 
     def predict_rows(self, rows) -> np.ndarray:
         rows = decoding_rows(rows)
@@ -363,12 +387,16 @@ class OnlineStepLearner(_Learner):
 
     def _fit(self, x, y, n_refits):
         """LightGBM on at most ``max_rows`` rows (a uniform sample: a request's consecutive rows say much the
-        same, and a fit's time grows with its rows), on all 13 columns when the rows hold more than one rule,
-        else on the 11 step features (one rule's code is constant and its knob a function of the level)."""
+        same, and a fit's time grows with its rows), on all 14 columns when the rows mix constrained and free
+        requests, else on the 13 when they hold more than one rule, else on the 11 step features (one rule's
+        code is constant and its knob a function of the level). A model reads the first columns of a row, as
+        many as it was trained on."""
         from predictors.step import StepPredictor
 
-        if len(y) and np.all(x[:, RULE_COL] == x[0, RULE_COL]):
-            x = x[:, :STEP_WIDTH]
+        if len(y) and np.all(x[:, CONSTRAINT_COL] == x[0, CONSTRAINT_COL]):
+            x = x[:, :DECODING_WIDTH]
+            if np.all(x[:, RULE_COL] == x[0, RULE_COL]):
+                x = x[:, :STEP_WIDTH]
         if len(y) > self.max_rows:
             keep = np.sort(np.random.default_rng(self.seed + n_refits).choice(len(y), self.max_rows, replace=False))
             x, y = x[keep], y[keep]
@@ -377,25 +405,31 @@ class OnlineStepLearner(_Learner):
     def _model_predict(self, model, x):
         return model.predict_rows(x)
 
-    def _name(self, code: float) -> str:
-        """The rule of a code: as recorded, else the listed rule's (``features.RULE_CODES``), else the code."""
+    def _name(self, key: tuple[float, float]) -> str:
+        """The rule of a (rule code, constraint column) key: as recorded, else the listed rule's
+        (``features.RULE_CODES``), else the code; ", constrained" when the column is not 0."""
+        code, c = key
         if code in self._names:
-            return self._names[code]
-        return RULE_CODES[int(code)] if code < len(RULE_CODES) and code == int(code) else f"{code:g}"
+            name = self._names[code]
+        else:
+            name = RULE_CODES[int(code)] if code < len(RULE_CODES) and code == int(code) else f"{code:g}"
+        return name if c == 0.0 else f"{name}, constrained" if c == 1.0 else f"{name}, constrained {c:g}"
 
     def describe(self) -> dict:
-        """``tokens_per_step``: the threshold rule's measured rates; ``tokens_per_step_by_rule`` (when other
-        rules were measured): every rule's."""
+        """``tokens_per_step``: the threshold rule's measured rates on free requests;
+        ``tokens_per_step_by_rule`` (when other rules or constrained requests were measured): every rule's,
+        constrained ones apart."""
         d = super().describe()
         rates = self._rates
 
-        def table(code):
-            ts, r = rates.get(code, ((), ()))
+        def table(key):
+            ts, r = rates.get(key, ((), ()))
             return {f"{t:g}": round(float(v), 3) for t, v in zip(ts, r)}
 
-        d["tokens_per_step"] = table(THRESHOLD_CODE)
-        if any(code != THRESHOLD_CODE for code in rates):
-            d["tokens_per_step_by_rule"] = {self._name(c): table(c) for c in sorted(rates)}
+        free = (THRESHOLD_CODE, 0.0)
+        d["tokens_per_step"] = table(free)
+        if any(key != free for key in rates):
+            d["tokens_per_step_by_rule"] = {self._name(k): table(k) for k in sorted(rates)}
         return d
 
 

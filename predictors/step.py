@@ -3,7 +3,10 @@ step features (``features.STEP_FEATURES``) predicting a request's remaining
 denoising steps, asked once per candidate threshold. Trained on rows with the
 two decoding-rule columns appended (``features.RULE_FEATURES``: the rule and
 its knob), it learns steps as a function of (rule, knob); a model trained on
-the eleven alone reads the first eleven columns of any wider row.
+the eleven alone reads the first eleven columns of any wider row. Trained on
+rows with the constraint's column after those (``features.CONSTRAINT_FEATURES``,
+14 in all: the online learner's, when its traffic mixes constrained and free
+requests), it learns a grammar's effect on the steps too.
 
 Online use: re-predict every ``interval`` steps from the request's current
 state and count down in between. ``choose_interval`` picks the coarsest
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from predictors.features import with_decoding, with_thresholds
+from predictors.features import with_constraint, with_decoding, with_thresholds
 
 PARAMS = {"objective": "regression", "num_leaves": 31, "learning_rate": 0.08, "min_data_in_leaf": 20,
           "verbose": -1, "num_threads": 1, "deterministic": True, "seed": 0}
@@ -40,7 +43,8 @@ class StepPredictor:
 
     @property
     def width(self) -> int:
-        """The columns the model was trained on (11: the step features; 13: with the decoding rule's)."""
+        """The columns the model was trained on (11: the step features; 13: with the decoding rule's; 14: with
+        the constraint's too)."""
         return int(self.booster.num_feature())
 
     def predict_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -54,13 +58,17 @@ class StepPredictor:
             rows = rows[:, : self.width]
         return np.maximum(np.exp(self.booster.predict(rows, num_threads=1)), 1.0)
 
-    def predict(self, rows: np.ndarray, thresholds: Sequence[float], rule: str | None = None) -> np.ndarray:
+    def predict(self, rows: np.ndarray, thresholds: Sequence[float], rule: str | None = None,
+                constrained: float | None = None) -> np.ndarray:
         """[n, m]: remaining steps of each request under each candidate threshold (a level: with ``rule``,
-        the rule's knob at it, ``features.with_decoding``)."""
+        the rule's knob at it, ``features.with_decoding``; with ``constrained``, the constraint's column,
+        ``features.with_constraint``, after the rule's, ``threshold``'s when no rule is given)."""
         rows = np.atleast_2d(np.asarray(rows, dtype=np.float64))
         asked = with_thresholds(rows, thresholds)
-        if rule is not None:
-            asked = with_decoding(asked, rule)
+        if rule is not None or constrained is not None:
+            asked = with_decoding(asked, "threshold" if rule is None else rule)
+        if constrained is not None:
+            asked = with_constraint(asked, constrained)
         return self.predict_rows(asked).reshape(len(rows), len(thresholds))
 
     def save(self, path: str | Path) -> None:

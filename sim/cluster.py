@@ -35,9 +35,9 @@ Step estimates (``ClusterConfig.estimator``): ``table``, the oracle totals with 
 (``predictors.online.OnlineStepLearner`` behind ``OnlineStepEstimator``), started cold: every finished
 request's step rows (``predictors.features.step_row``'s fields, after each step, as a live replica
 sends them; the simulator has no per-step confidences, and ``sim/threshold_table.py`` records none,
-so the five confidence statistics are zeros; then the request's rule and its knob,
-``cluster.thresholds.decoding_row``, the row the router asks with) are recorded, and the learner refits synchronously
-whenever it is due, at that virtual instant (its wall time takes no virtual time). Either way the
+so the five confidence statistics are zeros; then the request's rule and its knob and its constraint
+column, ``cluster.thresholds.request_row``, the row the router asks with) are recorded, and the learner
+refits synchronously whenever it is due, at that virtual instant (its wall time takes no virtual time). Either way the
 result's ``estimator`` reports the error of the estimates the router served with (MAPE of remaining
 steps and Spearman, over every step row of the finished requests), and for ``online`` the learning
 curve: one point per refit.
@@ -72,7 +72,7 @@ from cluster import (
 from cluster.driver import Arrival, ClusterDriver, Move
 from cluster.estimator import feature_row
 from cluster.state import RequestState
-from cluster.thresholds import decoding_row
+from cluster.thresholds import request_row
 from engine.clock import VirtualClock
 from engine.latency_profile import LatencyProfile
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -211,9 +211,9 @@ class ClusterSimulator:
             self.learner = OnlineStepLearner(cfg.router.thresholds, **every)
             if cfg.online_admission:
                 self.admission_learner = OnlineAdmissionLearner(**every)
-            # the step learner's rows, recorded and asked, are ``decoding_row``'s: the step features and the
-            # request's rule and knob (``RequestState.decoding``)
-            estimator = OnlineStepEstimator(self.learner, cfg.router.thresholds, row=decoding_row,
+            # the step learner's rows, recorded and asked, are ``request_row``'s: the step features, the
+            # request's rule and knob (``RequestState.decoding``) and its constraint column (free here: 0)
+            estimator = OnlineStepEstimator(self.learner, cfg.router.thresholds, row=request_row,
                                             admission=self.admission_learner)
         else:
             estimator = TableStepEstimator(cfg.router.thresholds, lambda s: self.truth[s.req_id].spec.steps,
@@ -442,7 +442,7 @@ class ClusterSimulator:
             else:
                 tr.row_steps.append(tr.steps)
                 if self.learner is not None:  # what a replica sends after the step (no confidences here: zeros)
-                    tr.rows.append(decoding_row(st, t))
+                    tr.rows.append(request_row(st, t))
         inst.sched.update(plan, RoundResult(outcomes))
         if self.world is not None:
             self.world.append(("round", now, inst.inst_id, dt, [(st.req_id, feature_row(st, t), heavy, done)
