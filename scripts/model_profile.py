@@ -3,6 +3,9 @@
     .venv/bin/python scripts/model_profile.py                 # profiles/h200-diffusiongemma-26b-a4b-modelled.json
     .venv/bin/python scripts/model_profile.py --out /tmp/p.json --check
     .venv/bin/python scripts/model_profile.py --count-kernels  # the kernels per layer the launch term uses
+    .venv/bin/python scripts/model_profile.py --steps-curve EVAL_JSON  # planner.costs' steps-per-canvas curves
+
+(``EVAL_JSON``: what `remask eval --model tiny-dg --n 300 --json --entropy-bounds 0.05,0.1,0.2,0.4,0.8` prints.)
 
 It prints the fit of the profile's RoundModel to the architectural model, the MoE calibration on the
 LLaDA2-mini H200 run, a few priced rounds and the published figure it is compared with. ``--check``: exit 1
@@ -93,7 +96,17 @@ def main(argv: list[str] | None = None) -> int:
                     "fitted to ('' for none: moe_efficiency 1)")
     ap.add_argument("--check", action="store_true", help="exit 1 if --out differs from the shipped file")
     ap.add_argument("--count-kernels", action="store_true", help="print the kernels per layer and exit")
+    ap.add_argument("--steps-curve", metavar="EVAL_JSON", help="print the steps-per-canvas curves of a `remask eval "
+                    "--model tiny-dg --json --entropy-bounds ...` output (planner.costs) and exit")
     args = ap.parse_args(argv)
+    if args.steps_curve:
+        from planner.costs import scaled_steps_curve
+
+        data = json.loads(Path(args.steps_curve).read_text())
+        tiny = {float(r["entropy_bound"]): float(r["steps_per_canvas"]) for r in data["results"]}
+        print(json.dumps({"TINY_DG_STEPS_PER_CANVAS": tiny, "DG_STEPS_PER_CANVAS": scaled_steps_curve(tiny),
+                          "model": data.get("model"), "n": data.get("n"), "seed": data.get("seed")}))
+        return 0
     if args.count_kernels:
         got = count_kernels()
         print(json.dumps({"counted": got, "used": pm.KERNELS_PER_LAYER}))
