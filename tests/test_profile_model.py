@@ -140,3 +140,12 @@ def test_simulate_and_plan_take_the_profile(capsys):
     assert report["profile"] == PROFILE and report["stage1"]["feasible"]
     assert main(["plan", "--steps", "nope"]) != 0
     assert "--steps: expected 'diffusiongemma'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_kernel_counts_are_the_engines():
+    """The launch term's kernels per layer are what this engine's code dispatches (scripts/model_profile.py
+    --count-kernels): a model change that adds or fuses kernels shows here, and the profile is rewritten."""
+    from scripts.model_profile import count_kernels
+
+    assert count_kernels() == pm.KERNELS_PER_LAYER
