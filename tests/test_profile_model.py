@@ -37,6 +37,9 @@ def test_the_shipped_profile_loads_and_says_it_is_modelled_and_from_what():
     assert set(prof.measured) == {"prefill", "denoise"}  # a DiffusionGemma replica's kinds
     assert {p.query for p in prof.points if p.kind == "denoise"} == {256.0}  # one canvas per step
     assert prof.model.stand_in["cached"] == "denoise" and prof.model.mode == "fit"
+    # nothing in it is measured: every round is priced in the modelled region, and --fit says so
+    assert prof.modelled and prof.region("denoise", 256) == "modelled" and prof.fit_report()["modelled"]
+    assert not load_profile("h200-llada8b-measured").modelled
 
 
 def test_the_architecture_gives_the_published_parameter_counts():
