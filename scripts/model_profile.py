@@ -7,7 +7,7 @@
 
 (``EVAL_JSON``: what `remask eval --model tiny-dg --n 300 --json --entropy-bounds 0.05,0.1,0.2,0.4,0.8` prints.)
 
-It prints the fit of the profile's RoundModel to the architectural model, the MoE calibration on the
+It prints the fit of the profile's RoundModel to the architectural model, the launch-time calibration on the
 LLaDA2-mini H200 run, a few priced rounds and the published figure it is compared with. ``--check``: exit 1
 if the written file differs from the shipped one. A GPU run (`remask profile` of the checkpoint) replaces it.
 """
