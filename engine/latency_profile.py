@@ -430,9 +430,17 @@ class LatencyProfile:
         """kind -> (fewest, most) tokens of its measured rounds; a kind absent here is modelled only."""
         return dict(self._measured)
 
+    @property
+    def modelled(self) -> bool:
+        """No device measured this profile (``meta['modelled']``: engine/profile_model.py): its points are a
+        model's, sampled at the shapes a profile run measures."""
+        return bool(self.meta.get("modelled"))
+
     def region(self, kind: str, tokens: float) -> str:
         """'measured' when a forward of ``tokens`` tokens of ``kind`` lies within that kind's measured
-        range, else 'modelled'."""
+        range (of a profile a device measured), else 'modelled'."""
+        if self.modelled:
+            return "modelled"
         lo_hi = self.measured.get(kind)
         return "measured" if lo_hi and lo_hi[0] <= tokens <= lo_hi[1] else "modelled"
 
@@ -547,6 +555,7 @@ class LatencyProfile:
         errors = [abs(r["error"]) for r in rows]
         return {"profile": self.name, "mode": m.mode, "points": rows, "max_error": max(errors),
                 "coefficients": coef, "measured": {k: list(v) for k, v in self.measured.items()},
+                "modelled": self.modelled,
                 "points_derived": self.points_derived, "overhead_ms": self.overhead_ms}
 
     # ---- files -------------------------------------------------------------------------------------

@@ -13,6 +13,22 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _steps_per_token(text: str | None) -> dict[float, float] | None:
+    """--steps: None (the default, LLaDA-shaped), "diffusiongemma" (``costs.dg_steps_per_token``) or a JSON
+    object of threshold -> steps per output token."""
+    if text is None:
+        return None
+    if text == "diffusiongemma":
+        from planner.costs import dg_steps_per_token
+
+        return dg_steps_per_token()
+    try:
+        return {float(k): float(v) for k, v in json.loads(text).items()}
+    except (ValueError, AttributeError, TypeError):
+        raise ValueError(f"--steps: expected 'diffusiongemma' or a JSON object of threshold -> steps per output "
+                         f"token, got {text!r}") from None
+
+
 def cmd_plan(args) -> int:
     from planner.costs import StepModel
     from planner.report import default_classes, format_report, load_classes, plan_report
@@ -31,8 +47,10 @@ def cmd_plan(args) -> int:
         args.rps if args.rps is not None else 2.0 * cluster.gpus)
     config = Stage1Config(utilisation=args.utilisation, slo_scale=args.slo_scale, solver=args.solver,
                           single_batch=args.single_batch)
-    report = plan_report(cluster, classes, args.profile, args.degrees, config,
-                         StepModel(block_tokens=args.block, kv_cache=args.kv_cache), args.solver, args.reference)
+    spt = _steps_per_token(args.steps)
+    steps = StepModel(block_tokens=args.block, kv_cache=args.kv_cache,
+                      **({"steps_per_token": spt} if spt is not None else {}))
+    report = plan_report(cluster, classes, args.profile, args.degrees, config, steps, args.solver, args.reference)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
@@ -49,7 +67,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--utilisation", type=float, default=0.9, help="stability: load <= this x capacity")
     p.add_argument("--slo-scale", type=float, default=5.0, help="SLO = k x TP-1 isolated latency")
     p.add_argument("--block", type=int, default=32)
-    p.add_argument("--kv-cache", default="approx", choices=["approx", "none"])
+    p.add_argument("--kv-cache", default="approx", choices=["approx", "none", "exact"],
+                   help="approx: a recompute step per block, then cached steps; none: all recompute; exact: all "
+                        "cached steps of a block (block-causal models, DiffusionGemma's canvases)")
+    p.add_argument("--steps", help="steps per output token by threshold: a JSON object, or 'diffusiongemma' (the "
+                   "26B-A4B's modelled canvases by the router's level: planner.costs.dg_steps_per_token; use with "
+                   "--block 256 --kv-cache exact and its profile); default: LLaDA-shaped (planner.costs)")
     p.add_argument("--single-batch", action="store_true", help="one batch size per TP degree (slower)")
     p.add_argument("--solver", default="auto", choices=["auto", "highs", "gurobi"])
     p.add_argument("--reference", action="store_true",

@@ -7,7 +7,12 @@ the served traffic's (``planner.inputs``), or measure your model's with ``remask
 rounds / output tokens) and pass them in. Every output block needs at least
 one step. With the approximate KV cache (``kv_cache="approx"``) each block starts with one
 recompute step (the paper's s) and the rest are cached steps (s'); with ``kv_cache="none"`` every
-step is a recompute step.
+step is a recompute step; with an exact cache (``kv_cache="exact"``: a block-causal model, or
+DiffusionGemma's canvases) every step is a cached step of one block over the sequence (a profile
+with denoise rounds only prices it by them), and the prompt's own pass is not priced.
+
+DiffusionGemma: ``DG_STEPS_PER_CANVAS`` (denoising steps per 256-token canvas of the 26B-A4B by
+entropy bound) and ``dg_steps_per_token`` (by the router's level, through ``renoise``'s ``knob_at``).
 
 Costs come from ``engine.latency_profile.LatencyProfile`` per TP degree d and batch b, for a class with
 sequence length L = input + output:
@@ -45,18 +50,70 @@ def default_steps_per_token(thresholds) -> dict[float, float]:
     return out
 
 
+# The embedded tiny-dg's measured steps per canvas by entropy bound (its checkpoint's bound 0.1; 32-token
+# canvases; 300 held-out prompts): `remask eval --model tiny-dg --n 300 --json --entropy-bounds
+# 0.05,0.1,0.2,0.4,0.8` (steps_per_canvas per bound), weights of 2026-12-05; `python scripts/model_profile.py
+# --steps-curve EVAL_JSON` prints the dicts below from such a file. Its shape (relative to bound 0.1) scales
+# DiffusionGemma-26B-A4B's published count at its bound 0.1: about 15-20 tokens kept per pass (the model card,
+# as reported), i.e. 256 / 17.5 = 14.6 steps per 256-token canvas. A measured 26B curve replaces both.
+TINY_DG_STEPS_PER_CANVAS = {0.05: 20.482, 0.1: 16.818, 0.2: 14.439, 0.4: 14.056, 0.8: 14.0}
+DG_PUBLISHED_STEPS = 256 / 17.5
+DG_CANVAS_TOKENS = 256
+DG_BOUND = 0.1  # the 26B-A4B checkpoint's entropy bound (generation_config.json)
+
+
+def scaled_steps_curve(measured: dict[float, float], at: float = DG_BOUND, steps: float = DG_PUBLISHED_STEPS) \
+        -> dict[float, float]:
+    """``measured`` (bound -> steps per canvas) rescaled so its value at bound ``at`` is ``steps``."""
+    if at not in measured:
+        raise ValueError(f"the measured steps curve has no bound {at}: {sorted(measured)}")
+    return {b: round(v * steps / measured[at], 3) for b, v in sorted(measured.items())}
+
+
+DG_STEPS_PER_CANVAS = scaled_steps_curve(TINY_DG_STEPS_PER_CANVAS)
+
+
+def steps_at_bound(curve: dict[float, float], bound: float) -> float:
+    """Steps per canvas at ``bound``: linear in log(bound) between the curve's points, its end values beyond."""
+    xs = sorted(curve)
+    if bound <= xs[0]:
+        return curve[xs[0]]
+    if bound >= xs[-1]:
+        return curve[xs[-1]]
+    for a, b in zip(xs, xs[1:]):
+        if a <= bound <= b:
+            w = math.log(bound / a) / math.log(b / a)
+            return curve[a] + w * (curve[b] - curve[a])
+    return curve[xs[-1]]
+
+
+def dg_bound(level: float, bound: float = DG_BOUND) -> float:
+    """The entropy bound the router's ``level`` gives a DiffusionGemma request (``RenoiseRule.knob_at``)."""
+    from engine.decoding.renoise import RenoiseRule
+
+    return RenoiseRule(entropy_bound=bound).knob_at(level)
+
+
+def dg_steps_per_token(levels=(0.5, 0.6, 0.7, 0.8, 0.9), curve: dict[float, float] | None = None,
+                       canvas: int = DG_CANVAS_TOKENS) -> dict[float, float]:
+    """Steps per output token by the router's level, for ``StepModel.steps_per_token``."""
+    curve = DG_STEPS_PER_CANVAS if curve is None else curve
+    return {float(lv): round(steps_at_bound(curve, dg_bound(lv)) / canvas, 6) for lv in levels}
+
+
 @dataclass(frozen=True)
 class StepModel:
     steps_per_token: dict[float, float] = field(default_factory=lambda: dict(DEFAULT_STEPS_PER_TOKEN))
     block_tokens: int = 32
-    kv_cache: str = "approx"  # "approx": one recompute step per block, else cached; "none": all recompute
+    kv_cache: str = "approx"  # "approx": one recompute step per block, else cached; "none": all recompute;
+    # "exact": all cached
     # a class's step distribution: (share of its requests, their steps per token / the class mean), e.g. the
     # short requests that unmask a block per step; the default, one group at the mean, is the mean request
     spread: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
 
     def __post_init__(self) -> None:
-        if self.kv_cache not in ("approx", "none"):
-            raise ValueError(f"kv_cache must be 'approx' or 'none', got {self.kv_cache!r}")
+        if self.kv_cache not in ("approx", "none", "exact"):
+            raise ValueError(f"kv_cache must be 'approx', 'none' or 'exact', got {self.kv_cache!r}")
         if not self.steps_per_token or any(v <= 0 or not 0 <= t <= 1 for t, v in self.steps_per_token.items()):
             raise ValueError("steps_per_token needs thresholds in [0, 1] with positive steps per token")
         if (not self.spread or any(s <= 0 or f <= 0 for s, f in self.spread)
@@ -74,6 +131,8 @@ class StepModel:
         total = max(math.ceil(output_tokens * self.steps_per_token[threshold] * factor), blocks)
         if self.kv_cache == "none":
             return total, 0
+        if self.kv_cache == "exact":
+            return 0, total
         return blocks, total - blocks
 
 

@@ -123,12 +123,21 @@ def cmd_simulate(args) -> int:
     for p in policies:
         make_policy(p)  # fail fast on unknown names
     default_n = 512 if args.scenario.startswith("tiny-") else 4096  # model in the loop decodes every request
-    report = run_scenario(args.scenario, policies, args.requests or default_n, args.seed, progress=not args.quiet)
+    if args.load is not None:
+        raise ValueError("--load is the cluster scenarios'; a single instance takes --rate")
+    report = run_scenario(args.scenario, policies, args.requests or default_n, args.seed, progress=not args.quiet,
+                          rate=args.rate, profile=args.profile, threshold=args.threshold)
     report["speedup_vs_" + policies[0]] = speedups(report, policies[0])
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"scenario {report['scenario']}: {report['requests']} requests, seed {report['seed']}")
+        print(f"scenario {report['scenario']}: {report['requests']} requests, seed {report['seed']}, profile "
+              f"{report['profile']}" + ("" if report["arrival_rate_rps"] is None else
+                                        f", {report['arrival_rate_rps']:g} req/s"))
+        if "level" in report:
+            print(f"  level {report['level']:g} -> entropy bound {report['entropy_bound']:g}: "
+                  f"{report['steps_per_canvas']:g} steps per canvas, {report['canvases_per_request']:g} canvases "
+                  "per request" + (" (modelled profile)" if report["modelled_profile"] else ""))
         for name, r in report["policies"].items():
             print(f"  {name:20s} mean {r['mean_latency_s']:9.2f}s  p50 {r['p50_latency_s']:9.2f}s  "
                   f"p99 {r['p99_latency_s']:9.2f}s  ttft {r['mean_ttft_s']:8.2f}s  rounds {r['rounds']:7d}  "
@@ -144,7 +153,10 @@ def add_parsers(sub) -> None:
     s.add_argument("--policies", help="comma-separated (default: fcfs-prefill-first,dwise,oracle; a cluster "
                    "scenario's own list for dilaserve-*)")
     s.add_argument("--requests", type=int, help="default 4096 (model in the loop: 512; cluster scenarios: 2000)")
-    s.add_argument("--rate", type=float, help="cluster scenarios: arrival rate, requests per second")
+    s.add_argument("--rate", type=float, help="arrival rate, requests per second (cluster scenarios; the Poisson "
+                   "rate of a single instance's burst-poisson and poisson scenarios)")
+    s.add_argument("--threshold", type=float, help="DiffusionGemma scenarios (dg-*): the router's level, whose "
+                   "entropy bound sets each canvas's steps (0.9: the checkpoint's bound; each 0.1 lower doubles it)")
     s.add_argument("--load", type=float, help="cluster scenarios: arrival rate as a multiple of the cluster's "
                    "capacity at the top candidate threshold for the scenario's mix (planner.slo_capacity.slo_capacity; "
                    "printed beside it, and capacity_rps, load, arrival_rate_rps in --json); default 1.0 where "
@@ -152,8 +164,9 @@ def add_parsers(sub) -> None:
     s.add_argument("--capacity", action="store_true", help="cluster scenarios: print, per threshold, the mean "
                    "request's steps, the cluster's capacity and the share of a request's work a lower threshold "
                    "removes (recompute steps stay), then exit")
-    s.add_argument("--profile", help="cluster scenarios: latency profile, a name in profiles/ or a JSON file's "
-                   "path (default: the scenario's, h200-llada8b-measured)")
+    s.add_argument("--profile", help="latency profile, a name in profiles/ or a JSON file's path (default: the "
+                   "scenario's: h200-llada8b-measured for the cluster scenarios, "
+                   "h200-diffusiongemma-26b-a4b-modelled for dg-*)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--plot", help="dilaserve-trace: write the offered rate, instance mix and SLO attainment "
                                   "over time to this PNG; --estimator online: the step predictor's learning curve")

@@ -8,6 +8,11 @@
   the prompt, refinement from the first round's hidden rows inside the
   engine), and time is charged from the LLaDA-8B/H200 profile (8B-class
   round times for each round's real composition).
+- ``dg-*``: DiffusionGemma-26B-A4B canvases (``sim.workload.dg_workload``: 256-token canvases, each taking
+  the steps its entropy bound gives, the bound the router's level maps to) on its modelled H200 profile
+  (profiles/h200-diffusiongemma-26b-a4b-modelled.json), 32 slots; ``dg-poisson`` at a fixed rate
+  (``--rate``, default 4 req/s), ``dg-burst`` all at once. ``--threshold`` sets the level (0.9: the
+  checkpoint's bound 0.1; 0.8: 0.2; 0.7: 0.4), ``--profile`` another profile.
 
 Every policy of one run sees the identical trace (fixed seeds).
 """
@@ -20,13 +25,13 @@ from dataclasses import dataclass
 
 from engine.latency_profile import load_profile
 from sim.simulator import run_policy, simulate
-from sim.workload import SimRequestSpec, dwise_workload, noisy_estimates, set_arrivals
+from sim.workload import SimRequestSpec, dg_workload, dwise_workload, noisy_estimates, set_arrivals
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    workload: str  # 'dwise' or an embedded model name
+    workload: str  # 'dwise', 'dg' (DiffusionGemma canvases) or an embedded model name
     arrivals: str
     profile: str
     slots: int
@@ -42,6 +47,9 @@ SCENARIOS = {
     "dwise-burst-poisson": Scenario("dwise-burst-poisson", "dwise", "burst-poisson", "gh200-llada2-mini", 128,
                                     666_000, rate=16.0),
 }
+for _a, _r in (("burst", None), ("poisson", 4.0)):
+    SCENARIOS[f"dg-{_a}"] = Scenario(f"dg-{_a}", "dg", _a, "h200-diffusiongemma-26b-a4b-modelled", 32, 1 << 22,
+                                     rate=_r, block=256)
 for _m in ("tiny-bd", "tiny-mdm"):
     for _a in ("burst", "burst-poisson"):
         SCENARIOS[f"{_m}-{_a}"] = Scenario(f"{_m}-{_a}", _m, _a, "h200-llada8b-measured", 32, 1 << 20, block=8,
@@ -90,30 +98,53 @@ def _model_specs(sc: Scenario, n: int, seed: int, progress: bool):
 
 
 def run_scenario(name: str, policies: list[str], n: int, seed: int = 0, progress: bool = False,
-                 rate: float | None = None) -> dict:
+                 rate: float | None = None, profile: str | None = None, threshold: float | None = None) -> dict:
+    """``rate``: the Poisson rate (the scenario's otherwise); ``profile``: another latency profile (a name in
+    profiles/ or a JSON file); ``threshold``: the router's level (DiffusionGemma scenarios)."""
     from sim.cluster_run import run_cluster_scenario
     from sim.cluster_scenarios import CLUSTER_SCENARIOS
 
     if name in CLUSTER_SCENARIOS:  # N instances behind the cluster router (sim/cluster.py)
         return run_cluster_scenario(name, policies, n, seed, rate, progress)
     sc = get_scenario(name)
-    profile = load_profile(sc.profile)
-    specs = dwise_workload(n, seed) if sc.workload == "dwise" else _model_specs(sc, n, seed, progress)
-    rate = sc.rate
+    if threshold is not None and sc.workload != "dg":
+        raise ValueError(f"--threshold sets a DiffusionGemma scenario's level (dg-*), not {name}'s")
+    if threshold is not None and not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+    level = sc.threshold if threshold is None else threshold
+    profile_name = profile or sc.profile
+    profile = load_profile(profile_name)
+    if sc.workload == "dwise":
+        specs = dwise_workload(n, seed)
+    elif sc.workload == "dg":
+        specs = dg_workload(n, seed, level, sc.block)
+    else:
+        specs = _model_specs(sc, n, seed, progress)
+    rate = rate if rate is not None else sc.rate
     if sc.arrivals == "burst-poisson" and rate is None:
         set_arrivals(specs, "burst", seed=seed)
-        base = run_policy(specs, "fcfs-prefill-first", profile, sc.slots, sc.kv_capacity_tokens, sc.block)
+        base = run_policy(specs, "fcfs-prefill-first", profile, sc.slots, sc.kv_capacity_tokens, sc.block,
+                          sc.workload == "dg")
         rate = 1.25 * len(specs) / base.makespan_s
     set_arrivals(specs, sc.arrivals, rate or 1.0, seed)
     results = {}
     for policy in policies:
-        if sc.workload == "dwise":
-            stats = run_policy(specs, policy, profile, sc.slots, sc.kv_capacity_tokens, sc.block)
+        if sc.workload in ("dwise", "dg"):
+            stats = run_policy(specs, policy, profile, sc.slots, sc.kv_capacity_tokens, sc.block, sc.workload == "dg")
         else:
             stats = _run_model_policy(sc, specs, policy, profile)
         results[policy] = stats.summary(sc.slots)
-    return {"scenario": name, "requests": n, "seed": seed, "profile": sc.profile, "slots": sc.slots,
-            "arrival_rate_rps": None if sc.arrivals == "burst" else round(rate, 3), "policies": results}
+    out = {"scenario": name, "requests": n, "seed": seed, "profile": profile_name, "slots": sc.slots,
+           "arrival_rate_rps": None if sc.arrivals == "burst" else round(rate, 3), "policies": results}
+    if sc.workload == "dg":
+        from planner.costs import dg_bound
+
+        canvases = [len(s.block_rounds) for s in specs]
+        out |= {"level": level, "entropy_bound": round(dg_bound(level), 6),
+                "steps_per_canvas": round(sum(map(sum, (s.block_rounds for s in specs))) / sum(canvases), 2),
+                "canvases_per_request": round(sum(canvases) / len(specs), 2),
+                "modelled_profile": bool(profile.meta.get("modelled"))}
+    return out
 
 
 def _run_model_policy(sc: Scenario, specs, policy: str, profile):

@@ -91,7 +91,8 @@ def simulate(specs: list[SimRequestSpec], scheduler: Scheduler, runner, clock: V
 
 
 def run_policy(specs: list[SimRequestSpec], policy: str, profile, slots: int = 128,
-               kv_capacity_tokens: int = 666_000, block: int = BLOCK) -> SimStats:
+               kv_capacity_tokens: int = 666_000, block: int = BLOCK, canvas: bool = False) -> SimStats:
+    """``canvas``: DiffusionGemma's rounds (``SimulatedRunner``'s canvas mode)."""
     from engine.scheduler.policies import make_policy
     from sim.runner import SimulatedRunner
 
@@ -99,4 +100,4 @@ def run_policy(specs: list[SimRequestSpec], policy: str, profile, slots: int = 1
     cfg = SchedulerConfig(slots=slots, kv_capacity_tokens=kv_capacity_tokens, block_size=block)
     sched = Scheduler(make_policy(policy), cfg, clock)
     fresh = [SimRequestSpec(**{**vars(s), "extra": dict(s.extra)}) for s in specs]
-    return simulate(fresh, sched, SimulatedRunner(profile, block), clock)
+    return simulate(fresh, sched, SimulatedRunner(profile, block, canvas), clock)

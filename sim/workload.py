@@ -6,6 +6,10 @@ LLaDA2.1-mini workload: its eight request categories and their shares
 maximum of 279, 32-token blocks, ~10K-token long-context prompts and a
 256-token output budget.
 
+``dg_workload`` is DiffusionGemma-26B-A4B's canvases: prompts and output budgets of a chat mix, each
+256-token canvas taking the steps ``planner.costs.DG_STEPS_PER_CANVAS`` gives at the request's entropy
+bound (the router's level through ``renoise``'s ``knob_at``), times a log-normal spread.
+
 Predictions are a stated stand-in: admission and refined estimates are the
 true rounds times log-normal noise whose spread is calibrated so their
 Spearman correlation with the truth matches the paper's measured predictors
@@ -119,8 +123,39 @@ def dwise_workload(n: int, seed: int = 0, admission_rho: float = 0.74,
     return specs
 
 
+# DiffusionGemma requests: prompt tokens (median, sigma), output tokens (median, sigma, cap), and the spread
+# (sigma) of a canvas's steps around the curve's mean; a canvas never takes more than the rule's step cap
+DG_PROMPT = (160, 0.7)
+DG_OUTPUT = (300, 0.6, 1024)
+DG_STEP_SIGMA = 0.3
+DG_MAX_STEPS = 48  # max_denoising_steps
+
+
+def dg_workload(n: int, seed: int = 0, level: float = 0.9, canvas: int = 256,
+                curve: dict[float, float] | None = None) -> list[SimRequestSpec]:
+    """n DiffusionGemma requests at the router's ``level`` (module doc); arrival times left at 0. Each request
+    is estimated as the live instance does: its canvases times the step cap at admission, its first canvas's
+    steps times its canvases once that canvas stops (``refined_est``, given then by the canvas runner)."""
+    from planner.costs import DG_STEPS_PER_CANVAS, dg_bound, steps_at_bound
+
+    mean = steps_at_bound(DG_STEPS_PER_CANVAS if curve is None else curve, dg_bound(level))
+    rng = random.Random(seed)
+    specs = []
+    for i in range(n):
+        prompt = max(8, int(DG_PROMPT[0] * math.exp(DG_PROMPT[1] * rng.gauss(0, 1))))
+        out = min(DG_OUTPUT[2], max(16, int(DG_OUTPUT[0] * math.exp(DG_OUTPUT[1] * rng.gauss(0, 1)))))
+        canvases = -(-out // canvas)
+        steps = [min(DG_MAX_STEPS, max(1, round(mean * math.exp(DG_STEP_SIGMA * rng.gauss(0, 1)
+                                                                 - DG_STEP_SIGMA ** 2 / 2))))
+                 for _ in range(canvases)]
+        specs.append(SimRequestSpec(f"r{i}", "chat", 0.0, prompt, steps, float(canvases * DG_MAX_STEPS),
+                                    float(steps[0] * canvases), float(out), out, extra={"level": level}))
+    return specs
+
+
 def set_arrivals(specs: list[SimRequestSpec], pattern: str, rate: float = 16.0, seed: int = 0) -> None:
-    """burst: all at t = 0; burst-poisson: half at t = 0, the rest Poisson at ``rate`` req/s."""
+    """burst: all at t = 0; burst-poisson: half at t = 0, the rest Poisson at ``rate`` req/s; poisson: all
+    Poisson at ``rate`` req/s from t = 0."""
     rng = random.Random(seed + 7919)
     if pattern == "burst":
         for s in specs:
@@ -132,8 +167,13 @@ def set_arrivals(specs: list[SimRequestSpec], pattern: str, rate: float = 16.0, 
             if i >= half:
                 t += rng.expovariate(rate)
             s.arrival = 0.0 if i < half else t
+    elif pattern == "poisson":
+        t = 0.0
+        for s in specs:
+            s.arrival = t
+            t += rng.expovariate(rate)
     else:
-        raise ValueError(f"unknown arrival pattern {pattern!r}; known: burst, burst-poisson")
+        raise ValueError(f"unknown arrival pattern {pattern!r}; known: burst, burst-poisson, poisson")
 
 
 def sched_request(spec: SimRequestSpec, block: int = BLOCK, full_sequence: bool = False) -> SchedRequest:

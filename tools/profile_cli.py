@@ -61,6 +61,9 @@ def format_fit(res: dict) -> str:
     lines = [f"profile {res['profile']}: {res['mode']} model, largest error {res['max_error']:.1%} over "
              f"{len(res['points'])} measured rounds" + (" (points derived from its curves and meta)"
                                                         if res["points_derived"] else "")]
+    if res.get("modelled"):
+        lines.append("MODELLED: no device measured this profile; its 'measured' points are a model's "
+                     "(meta.method, meta.command), until a GPU run replaces it")
     lines.append(f"{'kind':<10} {'steps':>6} {'query':>6} {'context':>8} {'tokens':>7} {'measured ms':>12} "
                  f"{'model ms':>9} {'error':>7}")
     for p in res["points"]:
