@@ -251,11 +251,13 @@ class CanvasStepEstimator:
 
         max(spc(l) - steps into its current canvas, 1) + E[later canvases] x spc(l)
 
-    where ``spc(l)`` is the mean steps per canvas measured at ``l``, else at the nearest measured level above
-    (a lower level is no slower), else ``step_cap`` (the prior: an upper bound), kept non-increasing as the
-    level falls; E[later canvases] is the budget's canvases after the current one (``blocks_left - 1``, from
-    ``max_tokens`` over the canvas length and what the request committed), each reached with the measured
-    chance (geometrically), or all of them until ``min_outcomes`` canvases have said whether another followed.
+    where ``spc(l)`` is the mean steps per canvas measured at ``l``; between two measured levels it is
+    interpolated linearly in the level (so an unmeasured middle level is worth choosing, and gets measured),
+    below the lowest measured level it is that level's (a lower level is no slower), above the highest it is
+    ``step_cap`` (the prior: an upper bound); it is kept non-increasing as the level falls. E[later canvases]:
+    the budget's canvases after the current one (``blocks_left - 1``, from ``max_tokens`` over the canvas length
+    and what the request committed), each reached with the measured chance (geometrically), or all of them
+    until ``min_outcomes`` canvases have said whether another followed.
 
     It learns from the router's step events (``observe``, called by ``Router.on_step``): a step that denoised
     (a prefill only encodes the prompt) counts toward the request's current canvas at the level the router
@@ -335,12 +337,22 @@ class CanvasStepEstimator:
 
     # ---- estimates ------------------------------------------------------------------------------
     def per_canvas(self) -> list[float]:
-        """Expected steps of a canvas at each candidate level (highest first): measured at the level, else at
-        the nearest measured level above it, else the step cap; non-increasing as the level falls."""
+        """Expected steps of a canvas at each candidate level (highest first): the mean measured at the level;
+        between two measured levels, interpolated linearly in the level; below the lowest measured level, its
+        mean (a lower level is no slower); above the highest, the step cap (the prior). Non-increasing as the
+        level falls."""
         measured = sorted((lv, self._sums[lv] / len(q)) for lv, q in self._steps.items() if q)
         out = []
         for lv in self.thresholds:
-            v = next((m for mlv, m in measured if mlv >= lv - 1e-9), float(self.step_cap))
+            above = next(((mlv, m) for mlv, m in measured if mlv >= lv - 1e-9), None)
+            below = next(((mlv, m) for mlv, m in reversed(measured) if mlv < lv - 1e-9), None)
+            if above is None:
+                v = float(self.step_cap)
+            elif below is None or above[0] <= lv + 1e-9:
+                v = above[1]
+            else:
+                w = (lv - below[0]) / (above[0] - below[0])
+                v = below[1] + w * (above[1] - below[1])
             out.append(min(v, out[-1]) if out else v)
         return out
 
