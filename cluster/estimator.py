@@ -232,11 +232,12 @@ class _CanvasTrack:
     budget had left before its last step (``blocks``), and its current canvas's denoising steps so far, in all
     and per level."""
 
-    __slots__ = ("attempt", "blocks", "steps", "levels")
+    __slots__ = ("attempt", "blocks", "steps", "levels", "moved")
 
     def __init__(self, attempt: int, blocks: int) -> None:
         self.attempt, self.blocks, self.steps = attempt, blocks, 0
         self.levels: dict[float, int] = {}
+        self.moved = False  # placed again since its last step: its next step encodes (a prefill)
 
 
 class CanvasStepEstimator:
@@ -260,7 +261,8 @@ class CanvasStepEstimator:
     until ``min_outcomes`` canvases have said whether another followed.
 
     It learns from the router's step events (``observe``, called by ``Router.on_step``): a step that denoised
-    (a prefill only encodes the prompt) counts toward the request's current canvas at the level the router
+    (a prefill only encodes the prompt: a block-causal request's first step on each instance it is placed on)
+    counts toward the request's current canvas at the level the router
     gave it (``RequestState.threshold``: the level its instance turns into the entropy bound); a canvas ends
     when the request's canvases left fall (its tokens were published) or the request finishes, and is recorded
     at the level most of its steps took. A request that moved (``attempt`` changed) replays its current canvas
@@ -293,7 +295,7 @@ class CanvasStepEstimator:
                 del self._tracks[next(iter(self._tracks))]
             t = self._tracks[req.req_id] = _CanvasTrack(req.attempt, blocks)
         elif t.attempt != req.attempt:  # moved: its current canvas replays from its first step where it went
-            t.attempt, t.steps, t.levels = req.attempt, 0, {}
+            t.attempt, t.steps, t.levels, t.moved = req.attempt, 0, {}, True
         return t
 
     def observe(self, stepped: Sequence[tuple[RequestState, bool, bool]]) -> None:
@@ -301,7 +303,11 @@ class CanvasStepEstimator:
         fields written, ``next_heavy`` still the kind of the step just taken (``Router.on_step`` calls it first)."""
         for req, _, finished in stepped:
             t = self._track(req, max(1, -(-req.output_tokens // max(req.block_tokens, 1))))
-            if req.full_sequence or not req.next_heavy:  # it denoised (a prefill step only encodes)
+            # it denoised, unless it was a prefill (encodes only): a block-causal request's first step wherever it
+            # was placed (the router keeps no step kind across a move for one)
+            prefill = not req.full_sequence and (req.next_heavy or t.moved)
+            t.moved = False
+            if not prefill:
                 level = round(float(req.threshold if req.threshold is not None else self.thresholds[0]), 4)
                 t.steps += 1
                 t.levels[level] = t.levels.get(level, 0) + 1
