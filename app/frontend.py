@@ -44,7 +44,7 @@ class Frontend:
         from app.dispatch import Dispatcher
         from cluster.factory import build_router
         from cluster.learning import build_learning
-        from engine.loading import resolve_model
+        from engine.loading import engine_rule, is_canvas_model, resolve_model
         from engine.models.loader import load_config
         from engine.tokenizer import load_tokenizer
 
@@ -61,11 +61,16 @@ class Frontend:
         self.gate = Gate(self.keys, self.metrics, http)
         self.control = ControlTimer()
         self.outcomes = playground.RecentOutcomes()  # SLO met/missed over the last minutes (the playground)
-        # the step and admission predictors, learnt from the traffic served (cluster.learning)
+        # the step and admission predictors, learnt from the traffic served (cluster.learning); for canvas
+        # replicas (DiffusionGemma) the router learns steps per canvas per level itself, its prior the step cap of
+        # the replicas' rule (cluster.estimator.CanvasStepEstimator)
         rc, ec = cfg.router, cfg.engine
-        self.learning = None if rc.predictors == "off" else build_learning(rc.predictors, ec.model, rc.thresholds)
+        canvas_steps = (engine_rule(path, ec.decoding, ec.decoding_config).max_denoising_steps
+                        if is_canvas_model(path) else None)
+        self.learning = (None if rc.predictors == "off" or canvas_steps is not None
+                         else build_learning(rc.predictors, ec.model, rc.thresholds))
         self.dispatcher = Dispatcher(
-            build_router(cfg, self.model_cfg, self.learning), self.tokenizer.decode,
+            build_router(cfg, self.model_cfg, self.learning, canvas_steps), self.tokenizer.decode,
             block_tokens=self.model_cfg.block_size,
             full_sequence=self.model_cfg.attention != "block_causal",
             per_instance_limit=ec.slots * 8 + ec.max_waiting, default_slo_s=rc.default_slo_ms / 1e3,
@@ -198,8 +203,9 @@ class Frontend:
         return await asyncio.to_thread(self.metrics.render)
 
     async def predictors(self) -> dict:
-        if self.learning is None:
-            return {"enabled": False}
+        if self.learning is None:  # a router estimator that learns by itself (canvas replicas) says what it learnt
+            steps = self.dispatcher.driver.estimator_state()
+            return {"enabled": False} if steps is None else {"enabled": True, "step": steps}
         return await asyncio.to_thread(self.learning.describe)
 
     def instances(self) -> dict:

@@ -6,12 +6,18 @@ placement, the transition follower and the online learners' wiring (``learning``
 from __future__ import annotations
 
 from cluster.admission import AdmissionGovernor
-from cluster.estimator import FeatureStepEstimator, OnlineStepEstimator, StepEstimator, TableStepEstimator
+from cluster.estimator import (
+    CanvasStepEstimator,
+    FeatureStepEstimator,
+    OnlineStepEstimator,
+    StepEstimator,
+    TableStepEstimator,
+)
 from cluster.latency import StepShape, TpLatencyModel
 from cluster.policies import ROUTER_POLICIES, RouterPolicy, make_router_policy
 from cluster.router import Router, RouterConfig
 from cluster.state import InstanceState, RequestState
 
 __all__ = ["Router", "RouterConfig", "StepEstimator", "TableStepEstimator", "FeatureStepEstimator",
-           "OnlineStepEstimator", "AdmissionGovernor", "TpLatencyModel", "StepShape",
+           "OnlineStepEstimator", "CanvasStepEstimator", "AdmissionGovernor", "TpLatencyModel", "StepShape",
            "ROUTER_POLICIES", "RouterPolicy", "make_router_policy", "InstanceState", "RequestState"]

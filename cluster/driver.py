@@ -29,7 +29,8 @@ writes it again:
 The driver is the executors' one door into the cluster core: what else they and their debug views need of
 the router comes from the driver's views (``serving``, ``instance``, ``request``, ``active``, ``full``,
 ``chooses_thresholds``, ``estimate``, ``migration_cost_ms``, ``candidate_thresholds``, ``degrees``,
-``counters``) and ``use_profile`` (a measured latency profile); neither executor calls the router itself.
+``counters``, ``estimator_state``) and ``use_profile`` (a measured latency profile); neither executor calls
+the router itself.
 
 Every decision comes back as ``Move`` objects (send this request to that instance: a placement, a
 migration, an evacuation or a resume), each with the threshold of the request's first step there and the
@@ -191,6 +192,12 @@ class ClusterDriver:
         return {"policy": getattr(policy, "name", type(policy).__name__),
                 "estimator": type(self.router.estimator).__name__, **self.router.stats,
                 "latency_scale": round(self.router.latency.scale, 3)}
+
+    def estimator_state(self) -> dict | None:
+        """What the router's step estimator says of itself (its ``describe()``: e.g. the steps per canvas per
+        level ``CanvasStepEstimator`` learnt); None for one that keeps no account."""
+        describe = getattr(self.router.estimator, "describe", None)
+        return describe() if describe is not None else None
 
     def use_profile(self, tp: int, prof: LatencyProfile) -> bool:
         """A latency profile measured for TP degree ``tp`` (a replica's own, at its start): the router's from

@@ -34,12 +34,23 @@ Implementations:
   ``FeatureStepEstimator(StepPredictor.load(path).predict_rows, thresholds)``
   with ``RouterConfig(estimate_every=predictor.interval)``: between updates
   the router counts the estimates down itself.
+- ``CanvasStepEstimator``: canvas (DiffusionGemma) requests, whose steps are
+  not a masked block's: steps per canvas per level, learnt online from the
+  canvases served requests finish (``observe``), times the canvases a
+  request has left.
+
+Two optional hooks: ``forget(req_id)`` (``Router.finish``: the request left)
+and ``observe(stepped)`` (``Router.on_step``, before anything else of the
+round: the (request, next step heavy, finished) triples of an instance's
+round, progress fields written, ``next_heavy`` still the kind of the step
+just taken), for an estimator that learns from the steps it sees.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -47,7 +58,7 @@ from cluster.state import RequestState
 from predictors.features import STEP_FEATURES, StepFeatures
 
 __all__ = ["STEP_FEATURES", "StepEstimator", "TableStepEstimator", "FeatureStepEstimator", "OnlineStepEstimator",
-           "AdmissionStepEstimator", "feature_row"]
+           "AdmissionStepEstimator", "CanvasStepEstimator", "feature_row"]
 _NO_CONF = (0.0,) * 5  # a request that has not stepped yet: no confidences
 
 
@@ -211,3 +222,183 @@ class AdmissionStepEstimator:
         for i, row in zip(rest, self.step.predict([states[i] for i in rest])):
             out[i] = row
         return out
+
+
+DEFAULT_CANVAS_STEPS = 48  # transformers' DiffusionGemma max_denoising_steps: the prior when no rule's cap is given
+
+
+class _CanvasTrack:
+    """What ``CanvasStepEstimator`` keeps of a live request: its placement (``attempt``), the canvases its
+    budget had left before its last step (``blocks``), and its current canvas's denoising steps so far, in all
+    and per level."""
+
+    __slots__ = ("attempt", "blocks", "steps", "levels", "moved")
+
+    def __init__(self, attempt: int, blocks: int) -> None:
+        self.attempt, self.blocks, self.steps = attempt, blocks, 0
+        self.levels: dict[float, int] = {}
+        self.moved = False  # placed again since its last step: its next step encodes (a prefill)
+
+
+class CanvasStepEstimator:
+    """Remaining denoising steps of canvas requests (DiffusionGemma: uniform-state canvases, the ``renoise``
+    rule), learnt online from the canvases served requests finish.
+
+    A canvas stops when its argmax is stable and confident, or at the rule's step cap (``step_cap``): how many
+    steps it takes depends on the entropy bound, which the router's level sets (``knob_at``: each 0.1 below
+    0.9 doubles it), and on the request. The estimator learns, per level, the steps of the recent canvases
+    (the last ``window``) and, over all levels, the chance that a canvas with budget left after it is followed
+    by another (the request did not end in it: EOS, a stop); a request's row at level ``l`` is
+
+        max(spc(l) - steps into its current canvas, 1) + E[later canvases] x spc(l)
+
+    where ``spc(l)`` is the mean steps per canvas measured at ``l``; between two measured levels it is
+    interpolated linearly in the level (so an unmeasured middle level is worth choosing, and gets measured),
+    below the lowest measured level it is that level's (a lower level is no slower), above the highest it is
+    ``step_cap`` (the prior: an upper bound); it is kept non-increasing as the level falls. E[later canvases]:
+    the budget's canvases after the current one (``blocks_left - 1``, from ``max_tokens`` over the canvas length
+    and what the request committed), each reached with the measured chance (geometrically), or all of them
+    until ``min_outcomes`` canvases have said whether another followed.
+
+    It learns from the router's step events (``observe``, called by ``Router.on_step``): a step that denoised
+    (a prefill only encodes the prompt: a block-causal request's first step on each instance it is placed on)
+    counts toward the request's current canvas at the level the router
+    gave it (``RequestState.threshold``: the level its instance turns into the entropy bound); a canvas ends
+    when the request's canvases left fall (its tokens were published) or the request finishes, and is recorded
+    at the level most of its steps took. A request that moved (``attempt`` changed) replays its current canvas
+    from its first step, so the count starts again. ``forget`` drops a request (``Router.finish``); at most
+    ``max_requests`` are tracked (the oldest go first). ``ready`` (admission may shed on its estimates) once
+    ``measured_prior`` canvases were measured; ``describe()`` for the debug views.
+    """
+
+    def __init__(self, thresholds: Sequence[float], step_cap: int = DEFAULT_CANVAS_STEPS, *, window: int = 500,
+                 min_outcomes: int = 8, measured_prior: int = 20, max_requests: int = 100_000) -> None:
+        if int(step_cap) < 1:
+            raise ValueError(f"step_cap must be at least 1 (the rule's max_denoising_steps), got {step_cap}")
+        if int(window) < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self.thresholds = tuple(float(t) for t in thresholds)
+        self.step_cap, self.window = int(step_cap), int(window)
+        self.min_outcomes, self.measured_prior, self.max_requests = min_outcomes, measured_prior, max_requests
+        self._steps: dict[float, deque[int]] = {}  # level -> steps of its recent canvases
+        self._sums: dict[float, int] = {}  # level -> the sum of those
+        self._next: deque[bool] = deque(maxlen=self.window)  # canvases with budget after them: another followed?
+        self._followed = 0  # True entries in _next
+        self._tracks: dict[str, _CanvasTrack] = {}
+        self.canvases = 0  # canvases measured
+
+    # ---- learning ------------------------------------------------------------------------------
+    def _track(self, req: RequestState, blocks: int) -> _CanvasTrack:
+        t = self._tracks.get(req.req_id)
+        if t is None:
+            if len(self._tracks) >= self.max_requests:  # a caller that never forgets: drop the oldest
+                del self._tracks[next(iter(self._tracks))]
+            t = self._tracks[req.req_id] = _CanvasTrack(req.attempt, blocks)
+        elif t.attempt != req.attempt:  # moved: its current canvas replays from its first step where it went
+            t.attempt, t.steps, t.levels, t.moved = req.attempt, 0, {}, True
+        return t
+
+    def observe(self, stepped: Sequence[tuple[RequestState, bool, bool]]) -> None:
+        """An instance's round: (request, its next step is heavy, finished) per request that stepped, progress
+        fields written, ``next_heavy`` still the kind of the step just taken (``Router.on_step`` calls it first)."""
+        for req, _, finished in stepped:
+            t = self._track(req, max(1, -(-req.output_tokens // max(req.block_tokens, 1))))
+            # it denoised, unless it was a prefill (encodes only): a block-causal request's first step wherever it
+            # was placed (the router keeps no step kind across a move for one)
+            prefill = not req.full_sequence and (req.next_heavy or t.moved)
+            t.moved = False
+            if not prefill:
+                level = round(float(req.threshold if req.threshold is not None else self.thresholds[0]), 4)
+                t.steps += 1
+                t.levels[level] = t.levels.get(level, 0) + 1
+            left = req.blocks_left
+            if finished or left < t.blocks:
+                if t.steps:
+                    # another canvas followed unless it finished; a finish in the budget's last canvas says nothing
+                    self.record(max(t.levels.items(), key=lambda kv: kv[1])[0], t.steps,
+                                None if finished and t.blocks <= 1 else not finished)
+                t.blocks, t.steps, t.levels = left, 0, {}
+
+    def record(self, level: float, steps: int, followed: bool | None = None) -> None:
+        """A canvas took ``steps`` denoising steps at ``level``; ``followed``: whether another canvas of its
+        request came after it (None: unknown, e.g. it was the budget's last)."""
+        key = round(float(level), 4)
+        q = self._steps.get(key)
+        if q is None:
+            q = self._steps[key] = deque(maxlen=self.window)
+            self._sums[key] = 0
+        if len(q) == q.maxlen:
+            self._sums[key] -= q[0]
+        q.append(int(steps))
+        self._sums[key] += int(steps)
+        if followed is not None:
+            if len(self._next) == self._next.maxlen:
+                self._followed -= self._next[0]
+            self._next.append(bool(followed))
+            self._followed += bool(followed)
+        self.canvases += 1
+
+    def forget(self, req_id: str) -> None:
+        self._tracks.pop(req_id, None)
+
+    # ---- estimates ------------------------------------------------------------------------------
+    def per_canvas(self) -> list[float]:
+        """Expected steps of a canvas at each candidate level (highest first): the mean measured at the level;
+        between two measured levels, interpolated linearly in the level; below the lowest measured level, its
+        mean (a lower level is no slower); above the highest, the step cap (the prior). Non-increasing as the
+        level falls."""
+        measured = sorted((lv, self._sums[lv] / len(q)) for lv, q in self._steps.items() if q)
+        out = []
+        for lv in self.thresholds:
+            above = next(((mlv, m) for mlv, m in measured if mlv >= lv - 1e-9), None)
+            below = next(((mlv, m) for mlv, m in reversed(measured) if mlv < lv - 1e-9), None)
+            if above is None:
+                v = float(self.step_cap)
+            elif below is None or above[0] <= lv + 1e-9:
+                v = above[1]
+            else:
+                w = (lv - below[0]) / (above[0] - below[0])
+                v = below[1] + w * (above[1] - below[1])
+            out.append(min(v, out[-1]) if out else v)
+        return out
+
+    def p_next(self) -> float:
+        """The chance that a canvas with budget left after it is followed by another: measured, or 1 (the whole
+        budget: an upper bound) before ``min_outcomes`` canvases have said."""
+        n = len(self._next)
+        return self._followed / n if n >= max(self.min_outcomes, 1) else 1.0
+
+    @staticmethod
+    def later_canvases(p: float, n: int) -> float:
+        """Expected canvases after the current one when each of up to ``n`` more follows with chance ``p``."""
+        if n <= 0:
+            return 0.0
+        return float(n) if p >= 1.0 else p * (1.0 - p ** n) / (1.0 - p)
+
+    def predict(self, states):
+        spc, p = self.per_canvas(), self.p_next()
+        out = []
+        for s in states:
+            t = self._track(s, max(s.blocks_left, 1))
+            later = self.later_canvases(p, max(s.blocks_left, 1) - 1)
+            out.append([max(v - t.steps, 1.0) + later * v for v in spc])
+        return out
+
+    @property
+    def ready(self) -> bool:
+        """Admission may shed on these estimates: ``measured_prior`` canvases measured (before, the step cap is
+        an upper bound that would refuse requests that fit)."""
+        return self.canvases >= self.measured_prior
+
+    arrival_error = 0.0  # the admission test's allowance for an arrival's estimate (a measured mean: none)
+
+    def describe(self) -> dict:
+        """Per measured level its canvases and mean steps; the estimate per candidate level; the chance of a
+        next canvas and how many canvases measured it."""
+        n = len(self._next)
+        return {"estimator": "canvas", "step_cap": self.step_cap, "canvases": self.canvases, "ready": self.ready,
+                "steps_per_canvas": {f"{lv:g}": {"canvases": len(q), "mean": round(self._sums[lv] / len(q), 3)}
+                                     for lv, q in sorted(self._steps.items(), reverse=True) if q},
+                "estimate": {f"{t:g}": round(v, 3) for t, v in zip(self.thresholds, self.per_canvas())},
+                "next_canvas": {"p": round(self.p_next(), 3), "canvases": n,
+                                "source": "measured" if n >= max(self.min_outcomes, 1) else "prior"}}

@@ -13,13 +13,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router:
+def build_router(cfg, model_cfg, learning: LiveLearning | None = None, canvas_steps: int | None = None) -> Router:
     """The router of an app (``AppConfig``) serving a model (``ModelConfig``): latency profiles per
     configured TP degree, and step estimates from ``learning`` (the online learners, which start from
     the shipped predictors when there are any); without it, from the shipped predictors alone, and
     without those (or with ``router.predictors: off``) the thresholds stay fixed: a dynamic policy needs
-    step estimates."""
+    step estimates. ``canvas_steps``: the replicas decode canvases (DiffusionGemma's ``renoise`` rule) with
+    this step cap (its ``max_denoising_steps``): the estimates are ``CanvasStepEstimator``'s, steps per canvas
+    per level learnt from the canvases served (the cap their prior), and ``learning`` is not used."""
     from cluster import OnlineStepEstimator, RouterConfig, StepShape, TpLatencyModel
+    from cluster.estimator import CanvasStepEstimator
     from cluster.learning import build_learning
     from cluster.thresholds import request_row
     from engine.latency_profile import load_tp_profiles
@@ -32,6 +35,9 @@ def build_router(cfg, model_cfg, learning: LiveLearning | None = None) -> Router
                       full_sequence=model_cfg.attention != "block_causal")
     latency = TpLatencyModel(load_tp_profiles(cfg.profile_name(), degrees), cfg.engine.slots, shape)
     policy = rc.policy
+    if canvas_steps is not None and rc.predictors != "off":
+        rcfg = RouterConfig(thresholds=thresholds, fixed_threshold=thresholds[0])
+        return Router(policy, latency, CanvasStepEstimator(thresholds, canvas_steps), [], rcfg)
     if learning is None and rc.predictors != "off":
         try:
             learning = build_learning("shipped", cfg.engine.model, thresholds, 1.0)

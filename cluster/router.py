@@ -8,7 +8,8 @@ call the same methods:
 - ``plan_thresholds(inst_id, reqs, now)``: the threshold of each request's
   next step on that instance (Alg. 1 within the caps, or the fixed one).
 - ``on_step(inst_id, stepped, now)``: after an instance's round; the caller
-  has already written each request's progress fields. Updates estimates,
+  has already written each request's progress fields. An estimator with an
+  ``observe`` hook learns from the round first; then it updates estimates,
   step kinds and loads, runs load control (Alg. 2) on its interval, and
   returns the migrations ``[(req, dst_inst_id)]`` the policy decided.
 - ``finish(req)``: the request left the cluster; it leaves every structure here.
@@ -144,6 +145,9 @@ class Router:
         """``stepped``: (request, next step is heavy, finished) for each request of the round."""
         inst = self.by_id[inst_id]
         self.now = now
+        observe = getattr(self.estimator, "observe", None)
+        if observe is not None:  # an estimator that learns from the steps (before they change the states here)
+            observe(stepped)
         live = []
         refresh = []
         every = self.cfg.estimate_every

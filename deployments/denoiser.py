@@ -94,7 +94,8 @@ class Denoiser:
         mode = self.cfg.router.predictors
         if getattr(self.instance.engine, "canvas", None) is not None:  # DiffusionGemma (engine/canvas_serving.py)
             log.info("canvas requests: no work predictors' step rows (their features are a masked block's); the "
-                     "instance refines a request's estimate from its first canvas's steps")
+                     "router learns steps per canvas per level from the canvases this replica's progress "
+                     "publishes, and the instance refines a request's estimate from its first canvas's steps")
             return None
         if mode in ("auto", "shipped"):
             try:

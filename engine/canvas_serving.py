@@ -59,18 +59,22 @@ from engine.sequence import StepReport
 @dataclass
 class CanvasObserver:
     """The observer slot of a canvas engine: it keeps each finished canvas's step count (``steps_per_canvas``,
-    the predictors' training signal for this family). The masked-diffusion refinement hook does not apply
+    the predictors' training signal for this family) and the entropy bound of its last step (``bounds``, same
+    order; None: the rule's own), the last 4096 of each. The masked-diffusion refinement hook does not apply
     (its features are a masked block's); ``refine_hook`` and ``lookahead`` are accepted and unused."""
 
     refine_hook: object = None
     lookahead: int = 0
     steps_per_canvas: list[int] = field(default_factory=list)
+    bounds: list[float | None] = field(default_factory=list)
 
     def round_done(self, seqs: list[ServedCanvas], reports: list[StepReport]) -> None:
         for seq, rep in zip(seqs, reports):
             if rep.block_done:
                 self.steps_per_canvas.append(seq.inner.steps_per_canvas[-1])
+                self.bounds.append(rep.threshold)
         del self.steps_per_canvas[:-4096]
+        del self.bounds[:-4096]
 
 
 class _CanvasRunner:

@@ -207,7 +207,8 @@ def resolve_rule(base: Any, name: str | None, config: dict[str, Any] | None, whe
     except ValueError:
         raise ValueError(f"{where}decoding: unknown decoding rule {name!r}; known: {', '.join(sorted(RULES))}") \
             from None
-    if getattr(factory, "canvas_rule", False):  # engine/decoding/renoise.py: DiffusionGemma's canvases only
+    # engine/decoding/renoise.py: DiffusionGemma's canvases only (over a canvas rule, its configuration)
+    if getattr(factory, "canvas_rule", False) and not getattr(base, "canvas_rule", False):
         raise ValueError(f"{where}decoding: {name!r} decodes DiffusionGemma canvases, not this model's blocks")
     try:
         return RULES.make(name, **(config or {}))

@@ -332,6 +332,138 @@ def test_a_failed_round_touches_its_requests_and_a_reset_gives_the_same_text(ser
     assert out["g"].token_ids == offline(served, "Name a colour.", 12, 8).token_ids
 
 
+# canvases of the fixture's random model stop after 2-5 of their 6 steps (its mean entropy falls with the rule's
+# temperature schedule), so steps per canvas vary and stay below the cap, the router's prior
+ADAPTIVE = {"stability_threshold": 0, "confidence_threshold": 5.95}
+
+
+def test_the_router_learns_steps_per_canvas_and_picks_each_request_s_level(served, dg_dir):
+    """Issue 41 item 4, through the ingress's dispatcher, its router built as the app builds it, and a replica
+    running the real engine (a clock the test moves and the configured profile: the SLO budgets are exact):
+
+    - the router's estimates start at the rule's step cap for every canvas of a request's budget and are learnt
+      per level from the canvases the replica finished: the router's table is the engine's own count of each
+      finished canvas's steps at the entropy bound of its level;
+    - a request with a tight SLO gets a lower level than one with a loose SLO, and the rule decodes it with that
+      level's higher entropy bound (``knob_at``);
+    - in a burst load control caps the later arrivals' levels, and the rule sees the capped levels' bounds
+      (that the cap, not the budget, lowers them: tests/test_canvas_steps.py, the same burst without load
+      control)."""
+    from app.config import AppConfig
+    from app.dispatch import Dispatcher
+    from app.replica import ReplicaServer
+    from cluster.factory import build_router
+    from engine.canvas_serving import CanvasServeEngine
+    from engine.instance import Instance
+    from engine.models.loader import load_config
+
+    cfg = AppConfig(engine={"model": str(dg_dir), "slots": 4, "decoding_config": ADAPTIVE})
+    mcfg = load_config(dg_dir)
+    engine = CanvasServeEngine(served.model, served.tokenizer, decoding_config=ADAPTIVE)
+    rule, levels = engine.rule, tuple(cfg.router.thresholds)
+    cap = rule.max_denoising_steps
+    bounds: dict[int, set] = {}  # the entropy bounds each request's denoising steps ran at, by its seed
+    step = engine.step
+
+    def spy(plan=None):
+        out = step(plan)
+        for seq in plan or ():
+            if seq.rounds:
+                bounds.setdefault(seq.params.seed, set()).add(seq.inner.params.entropy_bound)
+        return out
+
+    engine.step = spy
+    ids = served.tokenizer.completion_ids(PROMPT, 0)
+
+    now = 0.0  # the dispatcher's clock: it moves only between the phases
+    canvases = []
+
+    async def main():
+        nonlocal now
+        d = Dispatcher(build_router(cfg, mcfg, canvas_steps=cap), served.tokenizer.decode,
+                       block_tokens=mcfg.block_size, full_sequence=False, per_instance_limit=64,
+                       shed_over_capacity=False, calibrate=False, clock=lambda: now)
+        d.default_decoding = engine.rule.name  # the replicas' rule, as the front sets it
+        rep = ReplicaServer(Instance(engine, slots=4), tick_s=0.2)
+        try:
+            await d.connect("r0", 1, **rep.info())
+            assert d.driver.counters()["estimator"] == "CanvasStepEstimator"
+
+            def send(rid, seed, slo_ms):
+                stream = d.submit(rid, ids, 16, prompt_text=PROMPT, slo_ms=slo_ms, sampling={"seed": seed})
+                return d.driver.request(rid), asyncio.ensure_future(collect(stream))
+
+            # two canvases of 8 at the cap: the prior, at every level
+            first = [send(f"loose{i}", i, 600_000) for i in range(3)] + [send(f"tight{i}", 10 + i, 1) for i in range(3)]
+            assert first[0][0].est == [2.0 * cap] * len(levels)
+            done = [(await task)[1] for _, task in first]
+            learnt = d.driver.estimator_state()
+            canvases.append(len(engine.observer.steps_per_canvas))  # the first six requests' canvases
+            probe, task = send("probe", 20, 600_000)
+            est = probe.est
+            await task
+            now = 10.0  # load control reruns (at most every 0.1 s) for the burst, against its own budgets
+            burst = [send(f"b{i}", 30 + i, 150) for i in range(16)]
+            states = [st for st, _ in burst]
+            for _, task in burst:
+                await task
+            return done, learnt, est, states
+        finally:
+            rep.close()
+
+    done, learnt, est, burst = asyncio.run(main())
+    assert all(e["type"] == "done" for e in done)
+    # loose: 0.9; tight: the lowest level
+    assert [e["threshold"] for e in done] == pytest.approx([levels[0]] * 3 + [levels[-1]] * 3)
+    assert bounds[0] == {rule.knob_at(levels[0])} and bounds[10] == {rule.knob_at(levels[-1])}  # what the rule saw
+    assert rule.knob_at(levels[-1]) == pytest.approx(4 * rule.knob_at(levels[0]))  # two levels lower: 4x the bound
+    # the router's table is the replica's count of each finished canvas at the bound of its level
+    obs = engine.observer
+    for level in (levels[0], levels[-1]):
+        steps = [n for n, b in zip(obs.steps_per_canvas[:canvases[0]], obs.bounds) if b == rule.knob_at(level)]
+        assert learnt["steps_per_canvas"][f"{level:g}"] == {"canvases": len(steps),
+                                                             "mean": round(sum(steps) / len(steps), 3)}
+        assert len(steps) >= 3 and sum(steps) < cap * len(steps)  # stopped before the cap: not the prior
+    # a new request's estimate: its two canvases at the steps learnt per level (no next-canvas rate measured yet)
+    assert learnt["next_canvas"]["source"] == "prior"
+    assert est == pytest.approx([2.0 * v for v in learnt["estimate"].values()], abs=2e-3) and est[0] < 2 * cap
+    # the burst: load control caps the later arrivals; each level within its cap, its bound what the rule used
+    assert burst[0].cap == 0 and any(st.cap > 0 for st in burst)
+    for i, st in enumerate(burst):
+        assert levels.index(st.threshold) >= st.cap
+        assert bounds[30 + i] <= {rule.knob_at(level) for level in levels[st.cap:]}, (i, st.cap, bounds[30 + i])
+
+
+def test_the_front_estimates_canvas_requests_from_the_replicas_rule(dg_dir):
+    """The app's front builds its router with the canvas estimator, its prior the step cap of the replicas' rule
+    (the server's decoding_config over the checkpoint's), and serves what it learnt at /debug/predictors; with
+    ``router.predictors: off`` the levels stay fixed. A decoding_config configures the renoise rule, the
+    server's and a request's."""
+    from app.config import AppConfig
+    from app.frontend import Frontend
+
+    fe = Frontend(AppConfig(engine={"model": str(dg_dir), "decoding_config": {"max_denoising_steps": 4}}))
+    d = fe.dispatcher
+    assert d.driver.counters()["estimator"] == "CanvasStepEstimator" and d.chooses_thresholds
+    assert fe.learning is None  # no masked-block learners (nor their refit worker) for canvas requests
+    info = asyncio.run(fe.predictors())
+    assert info["enabled"] and info["step"]["step_cap"] == 4 and info["step"]["estimate"] == {
+        f"{t:g}": 4.0 for t in fe.cfg.router.thresholds}
+    off = Frontend(AppConfig(engine={"model": str(dg_dir)}, router={"predictors": "off"}))
+    assert off.dispatcher.driver.counters()["policy"] == "fixed-threshold"
+    assert asyncio.run(off.predictors()) == {"enabled": False}
+
+
+def test_a_decoding_config_configures_the_renoise_rule(served):
+    from engine.canvas_serving import CanvasServeEngine
+
+    seq = served.add_request(PROMPT, SamplingParams(max_tokens=8, seed=1, decoding_config={"max_denoising_steps": 2}))
+    assert seq.rule.max_denoising_steps == 2 and seq.admission_rounds() == 2.0
+    served.abort(seq.seq_id)
+    eng = CanvasServeEngine(served.model, served.tokenizer, decoding_config={"max_denoising_steps": 3})
+    assert eng.rule.name == "renoise" and eng.rule.max_denoising_steps == 3
+
+
 class _ThreadSum:
     """An all-reduce among ``world`` rank threads: each rank's partial deposited, summed in rank order."""
 
