@@ -134,9 +134,13 @@ def test_choice_and_grammar_kinds(grammar):
 
 
 def test_what_the_vocabulary_cannot_write_is_refused_at_compile():
+    from engine.tokenizer import CHARS, SPECIALS
+
+    core = Vocab.of(CharTokenizer({t: i for i, t in enumerate(SPECIALS + CHARS[:51])}), 64, [EOS])  # no braces
     with pytest.raises(GrammarError, match="vocabulary") as info:
-        Grammar.compile(ConstraintSpec.json_schema({"type": "object"}, "response_format"), VOCAB)
+        Grammar.compile(ConstraintSpec.json_schema({"type": "object"}, "response_format"), core)
     assert info.value.param == "response_format"
+    Grammar.compile(ConstraintSpec.json_schema({"type": "object"}, "response_format"), VOCAB)  # the full one can
     with pytest.raises(GrammarError) as info:
         Grammar.compile(ConstraintSpec("regex", "(", "guided_regex"), VOCAB)
     assert info.value.param == "guided_regex" and "unclosed" in str(info.value)
@@ -220,3 +224,20 @@ def test_rollback_across_the_end_of_text(regex, text, grammar):
     fresh = g.matcher()
     fresh.accept_prefix(ids(text[:-1]))
     assert (m.fill_mask() == fresh.fill_mask()).all() and m.accept(TOK.vocab[text[-1]]) and m.accept(EOS)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_json_whitespace_is_bounded_per_gap_by_the_vocabularys_own_whitespace(backend):
+    """A character vocabulary spends a token (a denoising position) per space: its gaps take 2 characters, so a
+    model that never learned JSON still closes its document within its budget; a BPE vocabulary whose tokens
+    hold 8 or more spaces keeps 16 characters per gap (pretty-printing)."""
+    from engine.constraints.grammar import WHITESPACE_CHARS_MAX, whitespace_cap
+
+    assert whitespace_cap(VOCAB) == 2
+    wide = Vocab.of(CharTokenizer({**TOK.vocab, " " * 8: 64}), 65, [EOS])
+    assert whitespace_cap(wide) == WHITESPACE_CHARS_MAX
+    g = Grammar.compile(ConstraintSpec.json_schema({"type": "object"}, "response_format"), VOCAB, backend)
+    for gap, fits in (("  ", True), ("   ", False)):
+        m = g.matcher()
+        ids = TOK.encode("{" + gap + "}")
+        assert (m.accept_prefix(ids) == len(ids)) == fits, (gap, backend)

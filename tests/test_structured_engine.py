@@ -179,8 +179,8 @@ def test_logprobs_under_a_constraint(tiny):
 
 @pytest.mark.slow
 def test_a_replica_refuses_a_constraint_it_cannot_compile_and_goes_on():
-    """The replica compiles an add's constraint as it arrives (off its round loop): one it cannot compile (JSON
-    on tiny-bd, sent past the ingress's own check) is a 400 for that request, and the next is served."""
+    """The replica compiles an add's constraint as it arrives (off its round loop): one it cannot compile (a regex
+    that does not parse, sent past the ingress's own check) is a 400 for that request, and the next is served."""
     import asyncio
 
     from tests.builders import collect, make_dispatcher, make_replica, submit
@@ -189,7 +189,7 @@ def test_a_replica_refuses_a_constraint_it_cannot_compile_and_goes_on():
         rep = make_replica(slots=2)
         d = make_dispatcher()
         await d.connect("g0", 1, **rep.info())
-        bad = ConstraintSpec("json_object", "", "response_format").to_dict()
+        bad = ConstraintSpec("regex", "(", "guided_regex").to_dict()
         refused = await collect(submit(d, "bad", "story: fox 1", 32, sampling={"constraint": bad}))
         good = await collect(submit(d, "good", "max: a3 b7 c1 d5", 8,
                                     sampling={"constraint": ConstraintSpec.choice(["b", "c"]).to_dict()}))

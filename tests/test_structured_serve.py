@@ -103,6 +103,7 @@ def test_json_schemas_and_tool_calls_validate(model, tmp_path):
     from tests.checkpoints import build_checkpoint
 
     path = str(build_checkpoint("sdar", tmp_path / "sdar")) if model == "sdar" else model
+    model_dir_is_bpe = model == "sdar"
     user = [{"role": "user", "content": "hello"}]
 
     async def body(sdk, model):
@@ -115,8 +116,10 @@ def test_json_schemas_and_tool_calls_validate(model, tmp_path):
         chunks = [c async for c in stream]
         out["schema_streamed"] = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
                                   [c.choices[0].finish_reason for c in chunks if c.choices][-1])
+        # tiny-bd never learned to close a list of calls: one call (an untrained model may add calls to the budget)
+        parallel = {} if model_dir_is_bpe else {"parallel_tool_calls": False}
         r = await sdk.chat.completions.create(model=model, messages=user, max_tokens=320, tools=[TIME, WEATHER],
-                                              tool_choice="required")
+                                              tool_choice="required", **parallel)
         out["required"] = r.choices[0]
         named = {"type": "function", "function": {"name": "get_weather"}}
         stream = await sdk.chat.completions.create(model=model, messages=user, max_tokens=320, tools=[TIME, WEATHER],

@@ -190,10 +190,11 @@ def _xgr_compile(spec: ConstraintSpec, vocab: Vocab):
     comp = _xgr_compiler(vocab)
     ws = spec.any_whitespace
     if spec.kind == "json_schema":
-        return comp.compile_json_schema(spec.value, any_whitespace=ws, strict_mode=True, max_whitespace_cnt=16)
+        return comp.compile_json_schema(spec.value, any_whitespace=ws, strict_mode=True,
+                                        max_whitespace_cnt=whitespace_cap(vocab))
     if spec.kind == "json_object":
         return comp.compile_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=False,
-                                        max_whitespace_cnt=16)
+                                        max_whitespace_cnt=whitespace_cap(vocab))
     if spec.kind == "regex":
         return comp.compile_regex(spec.value)
     if spec.kind == "choice":
@@ -255,16 +256,33 @@ def _llg_tokenizer(vocab: Vocab):
     return t
 
 
-# JSON's whitespace between tokens: flexible, but at most this many characters per gap (unbounded, a weak model
-# can spend its whole budget on whitespace and never close the document); compact: none at all
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+# JSON's whitespace between tokens: flexible, but bounded per gap (unbounded, a weak model can spend its whole
+# budget on whitespace and never close the document); compact: none at all. The bound is about four tokens of
+# the vocabulary's own whitespace: 16 characters where a token holds four or more spaces (BPE vocabularies),
+# 4 on a character vocabulary (the embedded models), whose every space is a token and a denoising position.
+WHITESPACE_TOKENS_PER_GAP = 2
+WHITESPACE_CHARS_MAX = 16
+
+
+def whitespace_cap(vocab: Vocab) -> int:
+    """Characters of JSON whitespace allowed per gap on ``vocab`` (computed once per vocabulary)."""
+    cap = vocab._cache.get("whitespace_cap")
+    if cap is None:
+        longest = max((len(t) for t in map(vocab.text, range(vocab.size)) if t and not t.strip(" \n\r\t")),
+                      default=1)
+        cap = vocab._cache["whitespace_cap"] = min(WHITESPACE_CHARS_MAX, WHITESPACE_TOKENS_PER_GAP * longest)
+    return cap
+
+
+def json_whitespace(vocab: Vocab) -> str:
+    return r"[\x20\x0A\x0D\x09]{0," + str(whitespace_cap(vocab)) + "}"
 
 
 def _llg_compile(spec: ConstraintSpec, vocab: Vocab) -> str:
     llg = _llg()
     if spec.kind in ("json_schema", "json_object"):
         schema = spec.value if spec.kind == "json_schema" else '{"type": "object"}'
-        options = ({"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE} if spec.any_whitespace
+        options = ({"whitespace_flexible": True, "whitespace_pattern": json_whitespace(vocab)} if spec.any_whitespace
                    else {"whitespace_flexible": False})
         text = llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
     elif spec.kind in ("regex", "choice"):
