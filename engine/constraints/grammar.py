@@ -257,9 +257,9 @@ def _llg_tokenizer(vocab: Vocab):
 
 
 # JSON's whitespace between tokens: flexible, but bounded per gap (unbounded, a weak model can spend its whole
-# budget on whitespace and never close the document); compact: none at all. The bound is about four tokens of
-# the vocabulary's own whitespace: 16 characters where a token holds four or more spaces (BPE vocabularies),
-# 4 on a character vocabulary (the embedded models), whose every space is a token and a denoising position.
+# budget on whitespace and never close the document); compact: none at all. The bound is two tokens of the
+# vocabulary's own longest whitespace: 16 characters where a token holds eight or more spaces (BPE vocabularies),
+# 2 on a character vocabulary (the embedded models), whose every space is a token and a denoising position.
 WHITESPACE_TOKENS_PER_GAP = 2
 WHITESPACE_CHARS_MAX = 16
 
