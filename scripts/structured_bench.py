@@ -105,7 +105,11 @@ def main() -> None:
     engine = load_engine(args.model, max_slots=len(ALL_CATEGORIES) * args.n)
     writes_json = all(c in engine.tokenizer.vocab for c in '{}[]"')
     categories = ALL_CATEGORIES if writes_json else CATEGORIES
-    examples = heldout_set(len(categories) * args.n, categories=categories)
+    # the core categories' prompts are those of the core held-out set (the tables before json was added), the
+    # json prompts drawn apart
+    examples = heldout_set(len(CATEGORIES) * args.n)
+    if writes_json:
+        examples += heldout_set(args.n, categories=(JSON,))
     results = {mode: run(engine, examples, mode == "constrained", args.threshold, args.max_tokens)
                for mode in ("free", "constrained")}
     print(f"model {args.model}, {len(examples)} held-out prompts, threshold {args.threshold or 'default'}, "
