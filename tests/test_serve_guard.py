@@ -569,11 +569,15 @@ def test_normal_requests_unaffected_afterwards(app_url):
 def test_loadgen_replay_with_an_api_key(app_url, tmp_path):
     """`remask loadgen replay --api-key K` against the keyed app: every request completes; without the key
     every request gets 401 and the tool says so."""
+    from loadgen.arrivals import ArrivalParams
     from loadgen.trace import SynthConfig, synth, write_trace
     from tools.cli import main
 
     trace = tmp_path / "trace.jsonl"
-    write_trace(synth(SynthConfig(n=6, seed=0, mix={"choice": 1.0, "reverse": 1.0})), trace)  # max_tokens <= 8
+    # max_tokens <= 8; 6 requests a second (the replay keeps the trace's arrival times: at the default 1 a second
+    # each replay took about 5 s)
+    write_trace(synth(SynthConfig(n=6, seed=0, mix={"choice": 1.0, "reverse": 1.0},
+                                  arrival_params=ArrivalParams(rate=6.0))), trace)
     out = tmp_path / "out.json"
     assert main(["loadgen", "replay", "--url", app_url, "--trace", str(trace), "--out", str(out), "--api-key", KEY,
                  "--quiet"]) == 0
