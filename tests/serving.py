@@ -37,10 +37,10 @@ def start() -> str:
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     os.environ.update(REPLICA_ENV)
     # one torch thread in every Ray worker, as a Ray cluster started without OMP_NUM_THREADS gives its workers
-    # (Ray sets it from the actor's CPUs: a Denoiser's 0.5 is 1). `make test` runs with OMP_NUM_THREADS=2, which
-    # the workers would inherit: then each replica's and TP rank's rounds ran two OpenMP threads on a machine whose
-    # 2 cores are oversubscribed, and a one-step tiny-bd round that takes milliseconds took about 1 s (threads
-    # waiting at each op's barrier for a descheduled partner), so replicas took 35-50 s to start
+    # (Ray sets it from the actor's CPUs: a Denoiser's 0.5 is 1), whatever the tests run with (the workers would
+    # inherit it). With `make test`'s former OMP_NUM_THREADS=2 each replica's and TP rank's rounds ran two OpenMP
+    # threads on a machine whose 2 cores are oversubscribed, and a one-step tiny-bd round that takes milliseconds
+    # took about 1 s (threads waiting at each op's barrier for a descheduled partner): replicas took 35-50 s to start
     omp = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
