@@ -30,15 +30,18 @@ deps: $(STAMP)
 # Every test (CI runs this). The playground's browser test drives Debian's headless Chromium (installed here
 # when missing). Two pytest-xdist workers (most tests run torch on one thread, so one process leaves a core idle);
 # the Ray service tests are one group (tests/conftest.py), run on one worker that alone starts the Ray cluster.
+# One OpenMP thread a process: the two workers, the processes tests start and the Ray cluster's replicas already
+# fill the 2 cores, and two threads a process on oversubscribed cores wait at every op's barrier for a descheduled
+# partner (a tiny-bd round that takes milliseconds took about 1 s so).
 PYTEST_WORKERS ?= -n 2 --dist loadgroup
 test: $(STAMP) lint deps
 	bash scripts/ensure_chromium.sh || echo "chromium unavailable: the playground's browser test will be skipped"
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q $(PYTEST_WORKERS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q $(PYTEST_WORKERS)
 
 # The unit tier for the edit loop (under 2 minutes on 2 cores): all but the Ray service tests (marker `ray`, set by
 # tests/conftest.py on the tests of the shared Ray cluster) and the tests over ~3 s (`@pytest.mark.slow` at the test).
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q $(PYTEST_WORKERS) -m "not ray and not slow"
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q $(PYTEST_WORKERS) -m "not ray and not slow"
 
 # Fault injection, content-checked (1-4 minutes on 2 cores): 200 deterministic streamed requests (fixed
 # thresholds; greedy or seeded sampling) first run without a fault (the reference), then again at 25 req/s while

@@ -36,7 +36,20 @@ def start() -> str:
     # a busy 2-core machine can take longer than Serve's 5 s to start the HTTP proxy
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     os.environ.update(REPLICA_ENV)
-    ray.init(address="local", num_cpus=NUM_CPUS, num_gpus=NUM_GPUS, include_dashboard=False, log_to_driver=False)
+    # one torch thread in every Ray worker, as a Ray cluster started without OMP_NUM_THREADS gives its workers
+    # (Ray sets it from the actor's CPUs: a Denoiser's 0.5 is 1), whatever the tests run with (the workers would
+    # inherit it). With `make test`'s former OMP_NUM_THREADS=2 each replica's and TP rank's rounds ran two OpenMP
+    # threads on a machine whose 2 cores are oversubscribed, and a one-step tiny-bd round that takes milliseconds
+    # took about 1 s (threads waiting at each op's barrier for a descheduled partner): replicas took 35-50 s to start
+    omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        ray.init(address="local", num_cpus=NUM_CPUS, num_gpus=NUM_GPUS, include_dashboard=False, log_to_driver=False)
+    finally:  # the raylet, which starts every worker, has its environment now
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     return BASE
 
@@ -52,11 +65,11 @@ def stop() -> None:
 
 
 def delete_apps(*names: str) -> None:
-    """Delete a module's applications (waits until they are gone and their resources free)."""
-    from ray import serve
+    """Delete a module's applications, all at once (their replicas drain side by side), and wait until they
+    are gone and their resources free."""
+    from ray.serve.context import _get_global_client
 
-    for name in names:
-        serve.delete(name)
+    _get_global_client().delete_apps(list(names), blocking=True)
 
 
 def wait_until(cond, limit_s: float = 120.0, step_s: float = 0.5) -> bool:

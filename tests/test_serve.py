@@ -1,5 +1,5 @@
-"""The Ray Serve application end to end (three applications for the module, on the session's shared Ray
-cluster: tests/serving.py)."""
+"""The Ray Serve application end to end (three applications for the module, deployed together from one config,
+on the session's shared Ray cluster: tests/serving.py)."""
 
 from __future__ import annotations
 
@@ -23,29 +23,40 @@ APPS = ("remask", "remask-tp2", "remask-hf")
 
 @pytest.fixture(scope="module")
 def app_url(ray_serve, hf_checkpoints):
-    from deployments.builder import build_app
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
 
-    try:  # the apps are deleted however the module ends, set-up included: the next module finds Serve empty
+    from app.config import denoiser_name
+
+    apps = [
         # two TP-1 replicas: the router spreads requests, and one can be killed
-        serve.run(build_app({"engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
-                             "http": {"max_tokens_limit": 256}, "resources": {"replicas": {1: 2}}}),
-                  name="remask", route_prefix="/", blocking=False)
-        # the same model with tensor parallelism 2 (gloo on CPU), as a second application
-        # (small queues: the overload test fills them)
-        # (its one replica is replaced when a TP worker is killed: its requests wait for the replacement,
-        # which can take over 30 s on a loaded 2-core machine)
-        serve.run(build_app({"engine": {"model": "tiny-bd", "slots": 2, "max_waiting": 2},
-                             "http": {"max_tokens_limit": 256}, "router": {"park_s": 150},
-                             "resources": {"tp_degrees": [2]}}),
-                  name="remask-tp2", route_prefix="/tp2", blocking=False)
+        {"name": "remask", "route_prefix": "/",
+         "args": {"engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
+                  "http": {"max_tokens_limit": 256}, "resources": {"replicas": {1: 2}}}},
+        # the same model with tensor parallelism 2 (gloo on CPU), as a second application (small queues: the
+        # overload test fills them). Its one replica is replaced when a TP worker is killed: its requests wait
+        # for the replacement, which can take over 30 s on a loaded 2-core machine; Serve finds the broken
+        # replica after 3 failed health checks in a row, checked every second here (the deployment's default is
+        # every 5 s): set as a config file sets a deployment's options
+        {"name": "remask-tp2", "route_prefix": "/tp2",
+         "args": {"engine": {"model": "tiny-bd", "slots": 2, "max_waiting": 2},
+                  "http": {"max_tokens_limit": 256}, "router": {"park_s": 150}, "resources": {"tp_degrees": [2]}},
+         "deployments": [{"name": denoiser_name(2), "health_check_period_s": 1}]},
         # a real-format checkpoint (random weights): its own tokenizer, chat template and generation_config.json
-        serve.run(build_app({"engine": {"model": str(hf_checkpoints["dream"]), "slots": 4, "max_waiting": 16},
-                             "http": {"served_model_name": HF_MODEL, "max_tokens_limit": 64},
-                             "resources": {"cpus_per_replica": 0.25}}),
-                  name="remask-hf", route_prefix=HF, blocking=False)
-        # wait for the app to answer
-        wait_until(lambda: all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200 for p in ("", "/tp2", HF))
-                   and len(httpx.get(f"{BASE}/debug/instances", timeout=2).json()["instances"]) == 2)
+        {"name": "remask-hf", "route_prefix": HF,
+         "args": {"engine": {"model": str(hf_checkpoints["dream"]), "slots": 4, "max_waiting": 16},
+                  "http": {"served_model_name": HF_MODEL, "max_tokens_limit": 64},
+                  "resources": {"cpus_per_replica": 0.25}}},
+    ]
+    try:  # the apps are deleted however the module ends, set-up included: the next module finds Serve empty
+        # the three at once (as `serve deploy` of a config file does): their replicas start side by side
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [
+            {"import_path": "deployments.builder:build_app", **a} for a in apps]}))
+        # wait for the apps to answer
+        assert wait_until(lambda: all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200
+                                      for p in ("", "/tp2", HF))
+                          and len(httpx.get(f"{BASE}/debug/instances", timeout=2).json()["instances"]) == 2,
+                          limit_s=240), {name: (a.status, a.message) for name, a in serve.status().applications.items()}
         yield BASE
     finally:
         delete_apps(*APPS)

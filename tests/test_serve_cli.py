@@ -214,7 +214,10 @@ def test_serve_a_hub_id_for_real_and_stop_it_with_ctrl_c(hub, tmp_path):
         "engine": {"slots": 4, "profile_seconds": 0}, "router": {"predictors": "off"},
         "resources": {"cpus_per_replica": 0.1}}}]}))
     ray_tmp = tempfile.mkdtemp(prefix="rk", dir="/tmp")  # short: Ray's socket paths live under it
-    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0", "RAY_TMPDIR": ray_tmp}
+    # one torch thread in Ray's workers, as a `remask serve` without OMP_NUM_THREADS gives them (`make test` sets 2,
+    # and this cluster runs beside the shared one and the other tests on 2 cores)
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0", "RAY_TMPDIR": ray_tmp,
+           "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", REPO, "--config", str(config), "--port",
                              str(port), "--device", "cpu", "--address", "local", "--api-key", KEY], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -228,7 +231,7 @@ def test_serve_a_hub_id_for_real_and_stop_it_with_ctrl_c(hub, tmp_path):
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         assert proc.poll() is None, proc.stdout.read()
         request = {"model": REPO, "prompt": "Grüße", "max_tokens": 8, "temperature": 0}
         assert httpx.post(f"{url}/v1/completions", json=request, timeout=60).status_code == 401  # no key

@@ -505,7 +505,10 @@ class Tally:
                 self.bad_bodies.append(what)
 
 
-def fuzz_operation(url: str, op, mode, examples: int, seed: int, tally: Tally) -> None:
+def fuzz_operation(url: str, op, mode, examples: int, seed: int, sent: list, pool: ThreadPoolExecutor) -> None:
+    """Generate the operation's cases and send each from ``pool`` (the next cases are generated while it
+    waits for its answer; the test reads every answer when all are sent): (label, case, future) into ``sent``.
+    The test function never looks at an answer, so the cases are those a synchronous run generates."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as with_seed
 
@@ -514,7 +517,8 @@ def fuzz_operation(url: str, op, mode, examples: int, seed: int, tally: Tally) -
               suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=mode))
     def run(case):
-        tally.add(f"{op.label} ({mode.value})", case, case.call(base_url=url, headers=auth(), timeout=TIMEOUT))
+        sent.append((f"{op.label} ({mode.value})", case,
+                     pool.submit(case.call, base_url=url, headers=auth(), timeout=TIMEOUT)))
 
     run()
 
@@ -528,17 +532,25 @@ def test_fuzz_from_openapi_schema(app_url):
     schema = schemathesis.openapi.from_url(app_url + "/openapi.json")
     per_mode = int(os.environ.get("REMASK_FUZZ_EXAMPLES", "125"))
     seed = int(os.environ.get("REMASK_FUZZ_SEED", "20251130"))
-    tally, t0 = Tally(), time.monotonic()
-    for result in schema.get_all_operations():
-        op = result.ok()
-        for mode in schemathesis.GenerationMode:
-            if op.method.upper() == "POST":
-                fuzz_operation(app_url, op, mode, per_mode, seed, tally)
-                continue
+    tally, t0, sent = Tally(), time.monotonic(), []
+    with ThreadPoolExecutor(4) as pool:  # a few requests in flight while hypothesis generates the next cases
+        for result in schema.get_all_operations():
+            op = result.ok()
+            for mode in schemathesis.GenerationMode:
+                if op.method.upper() == "POST":
+                    fuzz_operation(app_url, op, mode, per_mode, seed, sent, pool)
+                    continue
+                try:
+                    fuzz_operation(app_url, op, mode, 25, seed, sent, pool)
+                except Unsatisfiable:  # a GET without parameters has no schema-violating request
+                    assert mode == schemathesis.GenerationMode.NEGATIVE, op.label
+        for label, case, answer in sent:
             try:
-                fuzz_operation(app_url, op, mode, 25, seed, tally)
-            except Unsatisfiable:  # a GET without parameters has no schema-violating request
-                assert mode == schemathesis.GenerationMode.NEGATIVE, op.label
+                r = answer.result()
+            except Exception as exc:  # no answer within the client timeout, or the connection failed
+                raise AssertionError(f"{label}: {exc!r} for {case.headers} {case.query!r} {repr(case.body)[:300]}") \
+                    from exc
+            tally.add(label, case, r)
     print(f"fuzz: {tally.sent} requests in {time.monotonic() - t0:.0f} s, statuses "
           f"{dict(sorted(tally.statuses.items()))}, {len(tally.server_errors)} server errors, "
           f"{len(tally.bad_bodies)} 4xx without an OpenAI error body ({tally.proxy_rejected} malformed HTTP "
@@ -569,11 +581,15 @@ def test_normal_requests_unaffected_afterwards(app_url):
 def test_loadgen_replay_with_an_api_key(app_url, tmp_path):
     """`remask loadgen replay --api-key K` against the keyed app: every request completes; without the key
     every request gets 401 and the tool says so."""
+    from loadgen.arrivals import ArrivalParams
     from loadgen.trace import SynthConfig, synth, write_trace
     from tools.cli import main
 
     trace = tmp_path / "trace.jsonl"
-    write_trace(synth(SynthConfig(n=6, seed=0, mix={"choice": 1.0, "reverse": 1.0})), trace)  # max_tokens <= 8
+    # max_tokens <= 8; 6 requests a second (the replay keeps the trace's arrival times: at the default 1 a second
+    # each replay took about 5 s)
+    write_trace(synth(SynthConfig(n=6, seed=0, mix={"choice": 1.0, "reverse": 1.0},
+                                  arrival_params=ArrivalParams(rate=6.0))), trace)
     out = tmp_path / "out.json"
     assert main(["loadgen", "replay", "--url", app_url, "--trace", str(trace), "--out", str(out), "--api-key", KEY,
                  "--quiet"]) == 0

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.models.config import ModelConfig
+from engine.models.meta import on_meta
 from engine.models.transformer import DLMTransformer
 
 ARCH = "RemaskDiffusionLM"
@@ -94,7 +95,7 @@ def config_from_remask(data: dict) -> ModelConfig:
 def load_remask(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DLMTransformer:
     directory = Path(directory)
     cfg = config_from_remask(json.loads((directory / "config.json").read_text()))
-    with torch.device("meta"):
+    with on_meta():
         model = DLMTransformer(cfg)
     tensors = load_file(str(directory / "model.safetensors"), device=device)
     state = {k.removeprefix("model."): v for k, v in tensors.items()}

@@ -37,6 +37,7 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from engine.models.layouts import attention
+from engine.models.meta import on_meta
 
 ARCH = "DiffusionGemmaForBlockDiffusion"
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -709,7 +710,7 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, device: str | tor
 
     directory = Path(path)
     cfg = read_config(directory)
-    with torch.device("meta"):
+    with on_meta():
         model = DiffusionGemma(cfg)
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
@@ -814,7 +815,7 @@ def shard(model: DiffusionGemma, rank: int, world: int,
     norms, embeddings, self-conditioning and LM head are replicated, so every rank sees the same logits and,
     with the same (seed, canvas, step) draws, makes the same decisions."""
     cfg = shard_config(model.config, world)
-    with torch.device("meta"):
+    with on_meta():
         part = DiffusionGemma(cfg)
     state = {k: _shard_tensor(k, v, model.config, rank, world) for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:

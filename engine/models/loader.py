@@ -25,6 +25,7 @@ from safetensors import safe_open
 from engine.models import checkpoint, diffusion_gemma
 from engine.models.checkpoint import INDEX_FILE, weight_files  # noqa: F401 - weight_files: re-exported
 from engine.models.config import ModelConfig
+from engine.models.meta import on_meta
 from engine.models.transformer import DLMTransformer
 
 LLADA_MASK_ID, LLADA_EOS_ID = 126336, 126081
@@ -366,7 +367,7 @@ def load_model(
         raise ValueError(f"{directory} is a DiffusionGemma checkpoint: it runs as encoder passes and canvas "
                          "denoising steps (engine.models.diffusion_gemma.load, engine.canvas), not as a masked "
                          "diffusion model")
-    with torch.device("meta"):
+    with on_meta():
         model = DLMTransformer(arch.config(data))
         if arch.prepare is not None:
             arch.prepare(model)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.meta import on_meta
 from engine.models.transformer import DLMTransformer
 
 PRESETS: dict[str, dict] = {
@@ -79,7 +80,7 @@ def build_preset(name: str, device: str | torch.device = "cpu", dtype: torch.dty
         from engine.models.tensor_parallel import shard_config
 
         cfg = shard_config(cfg, tp)
-    with torch.device("meta"):
+    with on_meta():
         model = DLMTransformer(cfg).to(dtype)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.meta import on_meta
 from engine.models.transformer import DLMTransformer
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows split
@@ -72,7 +73,7 @@ def shard_model(model: DLMTransformer, rank: int, world: int,
     """This rank's shard of ``model`` (built on meta, then assigned the slices), with the same fused
     projections as ``model`` (an LLaDA2 checkpoint's q/k/v come fused)."""
     cfg = shard_config(model.config, world)
-    with torch.device("meta"):
+    with on_meta():
         shard = DLMTransformer(cfg)
         for src, dst in zip(model.layers, shard.layers):
             if src.self_attn.qkv_proj is not None:
