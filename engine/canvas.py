@@ -299,20 +299,25 @@ class CanvasEngine:
     def _check_canvas(self, seq: CanvasSequence, rule: RenoiseRule, decision: CanvasDecision, noise: np.ndarray,
                       processed: torch.Tensor) -> CanvasDecision:
         """A stopping canvas through the request's grammar (engine/constraints/canvas.py): its argmax, as far as
-        the request may still output, walked from the committed text. Accepted, it stops. Rejected, the first
-        rejected token and every token after it take this step's noise (the request's (seed, canvas, step)
+        the request may still output, walked from the committed text (with jump-forward, ``guarding.JUMP``: a
+        refused token where the grammar allows one only becomes that one). Accepted, it stops. Rejected, the first
+        rejected token and every token after it take this step's noise (forced tokens before it are written on
+        the canvas) (the request's (seed, canvas, step)
         draws: the same seed, the same text) and the canvas denoises on; at the step cap instead, the canvas is
         finished under the grammar's mask from that token on (``finish_canvas``: the model's best allowed token
         there, position by position, from this step's processed logits), which always gives valid text."""
-        from engine.constraints.canvas import check_canvas, finish_canvas
+        from engine.constraints import canvas as guarding
 
         room = max(0, seq.max_tokens - len(seq.output_ids))
-        tokens = np.asarray(decision.output, dtype=np.int64)
-        bad = check_canvas(seq.guard, tokens[:room])
-        if bad is None:
-            return decision
+        output = np.array(decision.output, dtype=np.int64, copy=True)
+        output[:room], bad = guarding.check_canvas(seq.guard, output[:room], jump=guarding.JUMP)
+        if bad is None:  # accepted (forced tokens written in)
+            return CanvasDecision(decision.commit, decision.edit, True, decision.canvas, output)
         if seq.step_in_canvas + 1 < rule.max_denoising_steps:
             canvas, edit = np.array(decision.canvas, copy=True), np.array(decision.edit, copy=True)
+            forced = output[:bad] != np.asarray(decision.output[:bad])
+            canvas[:bad][forced] = output[:bad][forced]  # the grammar's forced tokens: on the canvas, kept
+            edit[:bad][forced] = False
             canvas[bad:], edit[bad:] = noise[bad:], True
             return CanvasDecision(decision.commit, edit, False, canvas, decision.output)
 
@@ -322,8 +327,7 @@ class CanvasEngine:
             return int(torch.where(ok, row, torch.finfo(row.dtype).min).argmax())
 
         seq.fallbacks += 1
-        output = tokens.copy()
-        output[:room] = finish_canvas(seq.guard, tokens[:room], bad, best)
+        output[:room] = guarding.finish_canvas(seq.guard, output[:room], bad, best)
         return CanvasDecision(decision.commit, decision.edit, True, decision.canvas, output)
 
     def _finish_canvas(self, seq: CanvasSequence, tokens: list[int]) -> None:

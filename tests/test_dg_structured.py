@@ -129,6 +129,11 @@ def test_renoised_positions_take_the_step_s_noise_and_the_canvas_goes_on(model, 
     seq = engine.add_request(tok.prompt_ids("hi", 0), CanvasParams(max_tokens=64, seed=4, constraint=spec))
     good = step(seq, logits("12-ab"))
     assert good.done and tok.decode(good.output[:6]) == "12-ab" and seq.guard.ended
+    # jump-forward: where the grammar allows one token only, a refused token becomes it (the walk goes on)
+    for text, want in (("1234xz", "1234-z"), ("12-abcd", "12-abc")):
+        seq = engine.add_request(tok.prompt_ids("hi", 0), CanvasParams(max_tokens=64, seed=4, constraint=spec))
+        d = step(seq, logits(text))
+        assert d.done and seq.guard.ended and tok.decode(d.output[: list(d.output).index(eos)]) == want
     for text, stop, k in (("12-a9", True, 4), ("1", True, 1), ("12x", False, 2)):
         seq = engine.add_request(tok.prompt_ids("hi", 0), CanvasParams(max_tokens=64, seed=4, constraint=spec))
         d = step(seq, logits(text, stop))
@@ -212,7 +217,8 @@ def test_finish_canvas_takes_the_best_allowed_token_position_by_position(tok):
     grammar = compile_for(ConstraintSpec.choice(["cat", "cow"]).to_dict(), tok, tok.vocab_size, (tok.eos_token_id,))
     guard = CanvasGuard(grammar, -1)
     tokens = np.array(tok.encode("cxxxxx"))
-    assert check_canvas(guard, tokens) == 1 and guard.checked == 0
+    same, bad = check_canvas(guard, tokens)
+    assert bad == 1 and (same == tokens).all() and guard.checked == 0 and guard.remasked == 5
     scores = np.zeros((len(tokens), tok.vocab_size))
     scores[:, tok.vocab["o"]] = 2.0
     scores[:, tok.vocab["a"]] = 1.0

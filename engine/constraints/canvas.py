@@ -275,32 +275,45 @@ def guard_block(guard: CanvasGuard, canvas: np.ndarray, out_start: int, span: tu
 #
 # A uniform-state canvas has no masked positions and no frontier: every step rewrites it whole, and its text is
 # the argmax of the step it stops at. So the grammar checks it once, when it would stop: ``check_canvas`` walks
-# the grammar from the committed text (the finished canvases) over its argmax; the first rejected token and every
-# token after it are renoised and the canvas keeps denoising. At the rule's step cap a still-rejected canvas is
+# the grammar from the committed text (the finished canvases) over its argmax (a refused token where the grammar
+# allows one only is replaced by that one: jump-forward); the first rejected token and every token after it are
+# renoised and the canvas keeps denoising. At the rule's step cap a still-rejected canvas is
 # finished by ``finish_canvas``: from that token on, position by position, the model's best token among those
 # the grammar allows there (always valid, always done in one pass: no further forward).
 
 
-def check_canvas(guard: CanvasGuard, tokens) -> int | None:
+def check_canvas(guard: CanvasGuard, tokens, jump: bool = True) -> tuple[np.ndarray, int | None]:
     """Walk the grammar from the committed text over a stopping canvas's ``tokens`` (its argmax, cut to what the
-    request may still output). None: the grammar accepts them all, or accepts a stop id among them (the text
-    ends there); the guard has taken them (its state is now the committed text with this canvas). Else the index
-    of the first rejected token (a stop id where the grammar cannot end is rejected), the guard left at the
-    committed text."""
-    t0 = time.perf_counter()
+    request may still output). Returns the tokens (with ``jump``, a token the grammar refuses where it allows a
+    single one is replaced by that one, and the walk goes on: jump-forward, the format's fixed parts need no
+    denoising; a forced stop id ends the text there) and None when the grammar accepts them all or accepts a
+    stop id among them (the text ends there): the guard has then taken them (its state is now the committed
+    text with this canvas). Else the index of the first rejected token (a stop id where the grammar cannot end
+    is rejected), the guard left at the committed text."""
+    t0, spent = time.perf_counter(), guard.seconds  # (``forced`` counts its own time too: counted once here)
+    out = np.array([int(t) for t in tokens], dtype=np.int64)
     try:
-        tokens = [int(t) for t in tokens]
         if guard.ended:  # the text has ended (the engine ends the request there): nothing more to check
-            return None
-        took = guard.matcher.accept_prefix(tokens)
-        if guard.ended or took == len(tokens):
-            guard.checked += took
-            return None
-        guard.matcher.rollback(took)
-        guard.remasked += len(tokens) - took
-        return took
+            return out, None
+        m, pos = guard.matcher, 0
+        while True:
+            pos += m.accept_prefix(out[pos:].tolist())
+            if guard.ended or pos == len(out):
+                guard.checked += pos
+                return out, None
+            forced = guard.forced() if jump else None
+            if forced is None or not m.accept(forced):
+                break
+            out[pos] = forced
+            pos += 1
+            if guard.ended:
+                guard.checked += pos
+                return out, None
+        m.rollback(pos)
+        guard.remasked += len(out) - pos
+        return out, pos
     finally:
-        guard.seconds += time.perf_counter() - t0
+        guard.seconds = spent + time.perf_counter() - t0
 
 
 def finish_canvas(guard: CanvasGuard, tokens, start: int, best) -> np.ndarray:
