@@ -254,6 +254,16 @@ def test_structured_outputs_are_enforced_on_the_canvases(served, dg_dir):
             rep.close()
 
     asyncio.run(main())
+    # resumed on the serving engine from its first published canvas: the guard rebuilt from it, the same text
+    spec = ConstraintSpec.json_schema(schema).to_dict()
+    assert len(want_chat.token_ids) > 8
+    again = served.add_request(tok.chat_ids(colour, 0), SamplingParams(max_tokens=160, seed=9, constraint=spec),
+                               committed=want_chat.token_ids[:8])
+    assert again.inner.guard.checked == 8
+    while not again.finished:
+        served.step([again])
+    assert served.output(again).token_ids == want_chat.token_ids
+    served.sequences.pop(again.seq_id)
 
 
 def test_serve_dry_run_of_the_hub_id_writes_a_valid_config(dg_dir, tmp_path, monkeypatch, capsys):
