@@ -31,6 +31,7 @@ encoder passes of several requests likewise go through one forward (``DiffusionG
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from dataclasses import dataclass, field
@@ -49,12 +50,15 @@ PREFILL, DENOISE = "prefill", "denoise"
 
 @dataclass(frozen=True)
 class CanvasParams:
-    """A canvas request's knobs: ``entropy_bound`` None uses the rule's configured bound."""
+    """A canvas request's knobs: ``entropy_bound`` None uses the rule's configured bound; ``constraint``: what
+    the text must be (``engine.constraints.ConstraintSpec.to_dict()``, as ``SamplingParams.constraint``), None
+    for any text."""
 
     max_tokens: int | None = None
     seed: int | None = None
     entropy_bound: float | None = None
     stop: tuple[str, ...] = ()
+    constraint: dict | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -104,6 +108,10 @@ class CanvasSequence:
     unread: str = ""  # text not yet read (``CanvasEngine.read``)
     rule: RenoiseRule | None = None  # its own rule (a request's decoding_config); None: the engine's
     stop_ids: frozenset[int] | None = None  # ids that end its output; None: the engine's
+    # structured outputs: the grammar's CanvasGuard (engine/constraints/canvas.py), its state the committed
+    # text; ``fallbacks``: canvases the grammar still rejected at the step cap (finished under its mask)
+    guard: object | None = None
+    fallbacks: int = 0
 
     @property
     def next_kind(self) -> str:
@@ -114,17 +122,21 @@ class CanvasSequence:
         canvas is replayed from its first step: see ``CanvasEngine.restore``)."""
         return {"prompt_ids": self.prompt_ids, "seed": self.seed, "max_tokens": self.max_tokens,
                 "entropy_bound": self.params.entropy_bound, "stop": list(self.params.stop),
-                "output_ids": self.output_ids, "steps_per_canvas": self.steps_per_canvas}
+                "output_ids": self.output_ids, "steps_per_canvas": self.steps_per_canvas,
+                "constraint": self.params.constraint}
 
 
 class CanvasEngine:
     """DiffusionGemma requests through prefill and denoise steps (module docstring)."""
 
     def __init__(self, model: dg.DiffusionGemma, tokenizer=None, device: str | torch.device = "cpu",
-                 rule: RenoiseRule | None = None) -> None:
+                 rule: RenoiseRule | None = None, grammar_tokenizer=None) -> None:
         self.model = model.to(device).eval()
         self.cfg = model.config
         self.tokenizer = tokenizer
+        # the vocabulary a constraint compiles for (None: ``tokenizer``'s; the serving engine, which decodes text
+        # itself, passes its tokenizer here only)
+        self.grammar_tokenizer = grammar_tokenizer if grammar_tokenizer is not None else tokenizer
         self.device = torch.device(device)
         self.rule = rule or RenoiseRule.from_generation(self.cfg.generation)
         stop = getattr(tokenizer, "stop_ids", None) or ()
@@ -160,21 +172,38 @@ class CanvasEngine:
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(1 << 62)
         seq = CanvasSequence(next(self._ids), [int(t) for t in prompt_ids], params, seed, max_tokens,
                              dg.DGCache(self.cfg), pending=[[int(t) for t in prompt_ids]])
+        if params.constraint is not None:
+            seq.guard = self.guard(params.constraint)
         if self.tokenizer is not None:
             seq.text = OutputText(self.tokenizer.decode, params.stop)
         self.sequences[seq.seq_id] = seq
         return seq
+
+    def guard(self, constraint: dict, committed=()):
+        """A request's grammar guard (engine/constraints/canvas.py) for its ``constraint``, its state the
+        ``committed`` output tokens (a resume); compiled once per distinct constraint (``compile_for``). A
+        ``ValueError`` (``GrammarError``, naming the field) for a constraint that does not compile."""
+        from engine.constraints.canvas import CanvasGuard, compile_for
+
+        if self.grammar_tokenizer is None:
+            raise ValueError("constraint: a constrained request needs the model's tokenizer (none was given)")
+        stops = (self.cfg.eos_token_ids[0], *sorted(self.stop_ids))  # as the replica compiles it: one entry
+        grammar = compile_for(constraint, self.grammar_tokenizer, self.cfg.vocab_size, stops)
+        return CanvasGuard(grammar, -1, committed)  # no mask id: a uniform-state canvas has none
 
     def restore(self, snap: dict) -> CanvasSequence:
         """A request resumed from ``snapshot()`` (on this or another replica): the prompt and each finished
         canvas encoded again in their original chunks, the current canvas begun again from its first step
         (module docstring): the text is the one the request would have given without the pause."""
         params = CanvasParams(max_tokens=snap["max_tokens"], seed=snap["seed"],
-                              entropy_bound=snap.get("entropy_bound"), stop=tuple(snap.get("stop", ())))
-        seq = self.add_request(snap["prompt_ids"], params)
+                              entropy_bound=snap.get("entropy_bound"), stop=tuple(snap.get("stop", ())),
+                              constraint=snap.get("constraint"))
         out, length = list(snap["output_ids"]), self.cfg.canvas_length
         if len(out) % length:
             raise ValueError(f"a snapshot's output_ids hold whole canvases of {length} tokens, got {len(out)}")
+        seq = self.add_request(snap["prompt_ids"], dataclasses.replace(params, constraint=None))
+        if params.constraint is not None:  # the grammar's state rebuilt from the committed text
+            seq.params, seq.guard = params, self.guard(params.constraint, out)
         seq.output_ids = out
         if seq.text is not None:
             seq.text.push(out)  # streamed before the pause
@@ -262,7 +291,44 @@ class CanvasEngine:
                           step_in_block=seq.step_in_canvas, masked_at_start=0, knob=seq.params.entropy_bound,
                           state=seq.state, canvas=seq.canvas.cpu().numpy(), argmax=out["argmax"].cpu().numpy(),
                           noise=fresh.cpu().numpy())
-        return rule.decide(step), out["processed"]
+        decision = rule.decide(step)
+        if seq.guard is not None and decision.done:  # structured outputs: the grammar checks the stopping canvas
+            decision = self._check_canvas(seq, rule, decision, step.noise, out["processed"])
+        return decision, out["processed"]
+
+    def _check_canvas(self, seq: CanvasSequence, rule: RenoiseRule, decision: CanvasDecision, noise: np.ndarray,
+                      processed: torch.Tensor) -> CanvasDecision:
+        """A stopping canvas through the request's grammar (engine/constraints/canvas.py): its argmax, as far as
+        the request may still output, walked from the committed text (with jump-forward, ``guarding.JUMP``: a
+        refused token where the grammar allows one only becomes that one). Accepted, it stops. Rejected, the first
+        rejected token and every token after it take this step's noise (forced tokens before it are written on
+        the canvas) (the request's (seed, canvas, step)
+        draws: the same seed, the same text) and the canvas denoises on; at the step cap instead, the canvas is
+        finished under the grammar's mask from that token on (``finish_canvas``: the model's best allowed token
+        there, position by position, from this step's processed logits), which always gives valid text."""
+        from engine.constraints import canvas as guarding
+
+        room = max(0, seq.max_tokens - len(seq.output_ids))
+        output = np.array(decision.output, dtype=np.int64, copy=True)
+        output[:room], bad = guarding.check_canvas(seq.guard, output[:room], jump=guarding.JUMP)
+        if bad is None:  # accepted (forced tokens written in)
+            return CanvasDecision(decision.commit, decision.edit, True, decision.canvas, output)
+        if seq.step_in_canvas + 1 < rule.max_denoising_steps:
+            canvas, edit = np.array(decision.canvas, copy=True), np.array(decision.edit, copy=True)
+            forced = output[:bad] != np.asarray(decision.output[:bad])
+            canvas[:bad][forced] = output[:bad][forced]  # the grammar's forced tokens: on the canvas, kept
+            edit[:bad][forced] = False
+            canvas[bad:], edit[bad:] = noise[bad:], True
+            return CanvasDecision(decision.commit, edit, False, canvas, decision.output)
+
+        def best(p: int, allowed: np.ndarray) -> int:
+            row = processed[p]
+            ok = torch.as_tensor(allowed[: row.shape[0]], device=row.device)
+            return int(torch.where(ok, row, torch.finfo(row.dtype).min).argmax())
+
+        seq.fallbacks += 1
+        output[:room] = guarding.finish_canvas(seq.guard, output[:room], bad, best)
+        return CanvasDecision(decision.commit, decision.edit, True, decision.canvas, output)
 
     def _finish_canvas(self, seq: CanvasSequence, tokens: list[int]) -> None:
         seq.steps_per_canvas.append(seq.step_in_canvas)
@@ -271,6 +337,9 @@ class CanvasEngine:
         stops = self.stop_ids if seq.stop_ids is None else seq.stop_ids
         cut = next((i for i, t in enumerate(tokens) if t in stops), None)
         before = len(seq.output_ids)
+        if seq.guard is not None and seq.guard.ended:  # the grammar took a stop id: the text ends there
+            end = seq.guard.checked - 1 - before
+            cut = end if 0 <= end and (cut is None or end < cut) else cut
         room = seq.max_tokens - before
         if cut is not None and cut < room:
             seq.output_ids.extend(tokens[:cut])

@@ -22,6 +22,9 @@ streaming, failover and the router's knob reach DiffusionGemma without a special
   ``decoding_config`` configures it over the engine's (e.g. ``{"max_denoising_steps": 8}``).
 - **streaming**: output grows by whole canvases (a canvas is final when it stops; EOS or a stop id inside it
   ends the request), so every published token is final; stop strings are the ingress's, as for every model.
+- **structured outputs**: ``SamplingParams.constraint`` reaches the canvas request, whose grammar guard
+  checks each canvas as it would stop (engine/canvas.py ``CanvasEngine._check_canvas``); a resume rebuilds it
+  from the committed canvases.
 - **resume**: ``resume_state`` carries the request's seed (``Resume.state["seed"]``) with no tail: a request
   resumed from its committed canvases (whole canvases: what was published) on a fresh engine encodes them
   again and replays its current canvas from its first step, with draws derived from (seed, canvas index,
@@ -205,7 +208,7 @@ class CanvasServeEngine:
         if not getattr(rule, "canvas_rule", False):
             raise ValueError(f"engine.decoding: {rule.name!r} decodes masked-diffusion blocks; a DiffusionGemma "
                              "model decodes its canvases with 'renoise'")
-        self.canvas = CanvasEngine(model, None, device=device, rule=rule)
+        self.canvas = CanvasEngine(model, None, device=device, rule=rule, grammar_tokenizer=tokenizer)
         self.model, self.rule, self.tokenizer = self.canvas.model, rule, tokenizer
         self.dg_cfg = model.config
         self.cfg = model.config.to_model_config()
@@ -282,11 +285,12 @@ class CanvasServeEngine:
         ids = self.tokenizer.prompt_ids(prompt, 0) if isinstance(prompt, str) else [int(t) for t in prompt]
         max_tokens = params.max_tokens or self.default_gen_length
         knob = None if params.threshold is None else rule.knob_at(params.threshold)
-        cp = CanvasParams(max_tokens=max_tokens, seed=int(params.seed), entropy_bound=knob)
+        cp = CanvasParams(max_tokens=max_tokens, seed=int(params.seed), entropy_bound=knob,
+                          constraint=params.constraint)
         committed = [int(t) for t in committed or ()]
         if committed:
             snap = {"prompt_ids": ids, "seed": cp.seed, "max_tokens": max_tokens, "entropy_bound": knob,
-                    "output_ids": committed}
+                    "output_ids": committed, "constraint": params.constraint}
             if len(committed) >= max_tokens:
                 raise ValueError(f"{len(committed)} committed tokens leave nothing to generate within "
                                  f"max_tokens={max_tokens}")

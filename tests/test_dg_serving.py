@@ -8,6 +8,7 @@
   the streamed deltas join to the plain answer and to the offline engine's; an image content part is a 400;
 - a seeded request (and one without a seed: the engine's draw travels in its resume state) resumed on a fresh
   engine from its published canvases ends as the uninterrupted run;
+- structured outputs (``guided_regex``, ``response_format``) are enforced on its canvases through the front;
 - ``remask serve google/diffusiongemma-26B-A4B-it --dry-run`` from an offline hub cache writes a serve config
   the app's config class accepts, whose model resolves to the cached checkpoint.
 """
@@ -199,6 +200,70 @@ def test_completions_and_streamed_chat_through_the_openai_client(served, dg_dir)
             rep.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.slow  # about 3 s on 2 busy cores: a front, a replica and constrained requests of many canvases
+def test_structured_outputs_are_enforced_on_the_canvases(served, dg_dir):
+    """``guided_regex`` (completions) and ``response_format`` (chat, plain and streamed) for a DiffusionGemma
+    model: the random checkpoint's own text breaks them; constrained, the answers are valid, end by stop, and
+    are the offline engine's with the same constraint and seed (engine/canvas.py ``_check_canvas``)."""
+    import json
+    import re
+
+    import jsonschema
+
+    from engine.canvas import CanvasEngine, CanvasParams
+    from engine.constraints import ConstraintSpec
+
+    openai = pytest.importorskip("openai")
+    model, tok = str(dg_dir), served.tokenizer
+    regex = r"(red|green|blue)-[0-9]{1,3}"
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["colour", "n"], "additionalProperties": False}
+    colour = [{"role": "user", "content": "Name a colour."}]
+    ref = CanvasEngine(served.model, served.tokenizer)
+
+    def offline_constrained(ids, spec, max_tokens, seed):
+        return ref.generate([ids], CanvasParams(max_tokens=max_tokens, seed=seed, constraint=spec.to_dict()))[0]
+
+    free = offline(served, tok.completion_ids(PROMPT, 0), 24, 5)
+    assert not re.fullmatch(regex, free.text)
+    want = offline_constrained(tok.completion_ids(PROMPT, 0), ConstraintSpec("regex", regex), 24, 5)
+    want_chat = offline_constrained(tok.chat_ids(colour, 0), ConstraintSpec.json_schema(schema), 160, 9)
+
+    async def main():
+        http, rep, fe = await _front(served, model)
+        client = openai.AsyncOpenAI(base_url="http://front/v1", api_key="none", http_client=http, max_retries=0)
+        try:
+            out = await client.completions.create(model=model, prompt=PROMPT, max_tokens=24, seed=5,
+                                                  extra_body={"threshold": 0.9, "guided_regex": regex})
+            text = out.choices[0].text
+            assert re.fullmatch(regex, text) and out.choices[0].finish_reason == "stop", text
+            assert text == want.text
+            chat = {"model": model, "messages": colour, "max_tokens": 160, "seed": 9, "extra_body": {"threshold": 0.9},
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+            plain = await client.chat.completions.create(**chat)
+            doc = plain.choices[0].message.content
+            jsonschema.validate(json.loads(doc), schema)
+            assert plain.choices[0].finish_reason == "stop" and doc == want_chat.text
+            stream = await client.chat.completions.create(**chat, stream=True)
+            assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == doc
+        finally:
+            await http.aclose()
+            rep.close()
+
+    asyncio.run(main())
+    # resumed on the serving engine from its first published canvas: the guard rebuilt from it, the same text
+    spec = ConstraintSpec.json_schema(schema).to_dict()
+    assert len(want_chat.token_ids) > 8
+    again = served.add_request(tok.chat_ids(colour, 0), SamplingParams(max_tokens=160, seed=9, constraint=spec),
+                               committed=want_chat.token_ids[:8])
+    assert again.inner.guard.checked == 8
+    while not again.finished:
+        served.step([again])
+    assert served.output(again).token_ids == want_chat.token_ids
+    served.sequences.pop(again.seq_id)
 
 
 def test_serve_dry_run_of_the_hub_id_writes_a_valid_config(dg_dir, tmp_path, monkeypatch, capsys):

@@ -21,6 +21,11 @@ function of the tokens, so nothing else needs to travel.
 ``guard_decision`` applies one rule ``Decision`` through the guard (the seam of engine/decoding): it returns
 the commit and edit masks that survive and the earlier positions to remask. Pure NumPy, no model: the tests
 drive it on hand-built canvases.
+
+DiffusionGemma's uniform-state canvases (engine/canvas.py) have no mask and no frontier: the same guard (its
+state the committed text: the finished canvases) checks a canvas's argmax when it would stop (``check_canvas``:
+the first rejected token and every token after it are renoised, and the canvas denoises on), and finishes a
+canvas still rejected at the step cap under the grammar's mask (``finish_canvas``).
 """
 
 from __future__ import annotations
@@ -264,3 +269,81 @@ def guard_block(guard: CanvasGuard, canvas: np.ndarray, out_start: int, span: tu
         if conf is not None:
             conf[: be - bs][forced | (g.commit & ~decision.commit)] = 1.0
     return Decision(g.commit, g.edit, g.done), g.remask
+
+
+# ---------------------------------------------------------------- whole canvases (DiffusionGemma: engine/canvas.py)
+#
+# A uniform-state canvas has no masked positions and no frontier: every step rewrites it whole, and its text is
+# the argmax of the step it stops at. So the grammar checks it once, when it would stop: ``check_canvas`` walks
+# the grammar from the committed text (the finished canvases) over its argmax (a refused token where the grammar
+# allows one only is replaced by that one: jump-forward); the first rejected token and every token after it are
+# renoised and the canvas keeps denoising. At the rule's step cap a still-rejected canvas is
+# finished by ``finish_canvas``: from that token on, position by position, the model's best token among those
+# the grammar allows there (always valid, always done in one pass: no further forward).
+
+
+def check_canvas(guard: CanvasGuard, tokens, jump: bool = True) -> tuple[np.ndarray, int | None]:
+    """Walk the grammar from the committed text over a stopping canvas's ``tokens`` (its argmax, cut to what the
+    request may still output). Returns the tokens (with ``jump``, a token the grammar refuses where it allows a
+    single one is replaced by that one, and the walk goes on: jump-forward, the format's fixed parts need no
+    denoising; a forced stop id ends the text there) and None when the grammar accepts them all or accepts a
+    stop id among them (the text ends there): the guard has then taken them (its state is now the committed
+    text with this canvas). Else the index of the first rejected token (a stop id where the grammar cannot end
+    is rejected), the guard left at the committed text."""
+    t0, spent = time.perf_counter(), guard.seconds  # (``forced`` counts its own time too: counted once here)
+    out = np.array([int(t) for t in tokens], dtype=np.int64)
+    try:
+        if guard.ended:  # the text has ended (the engine ends the request there): nothing more to check
+            return out, None
+        m, pos = guard.matcher, 0
+        while True:
+            pos += m.accept_prefix(out[pos:].tolist())
+            if guard.ended or pos == len(out):
+                guard.checked += pos
+                return out, None
+            forced = guard.forced() if jump else None
+            if forced is None or not m.accept(forced):
+                break
+            out[pos] = forced
+            pos += 1
+            if guard.ended:
+                guard.checked += pos
+                return out, None
+        m.rollback(pos)
+        guard.remasked += len(out) - pos
+        return out, pos
+    finally:
+        guard.seconds = spent + time.perf_counter() - t0
+
+
+def finish_canvas(guard: CanvasGuard, tokens, start: int, best) -> np.ndarray:
+    """A canvas the grammar still rejects at the step cap, made valid: ``tokens[:start]`` (accepted by
+    ``check_canvas``) taken again, then from ``start`` on, position by position, ``best(p, allowed)``: the
+    model's highest-scoring token at canvas position ``p`` among ``allowed`` (bool [vocab]: ``guard.allowed()``,
+    a stop id only where the grammar can end; at a dead end the stop ids, so the text ends rather than loops).
+    Stops after the end of text (what follows a stop id is not output). Returns the canvas's new tokens; the
+    guard has taken them."""
+    t0 = time.perf_counter()
+    out = np.array([int(t) for t in tokens], dtype=np.int64)
+    if guard.matcher.accept_prefix(out[:start].tolist()) != start:
+        raise ValueError("finish_canvas: the canvas's tokens before start are not the grammar's")
+    guard.checked += start
+    guard.seconds += time.perf_counter() - t0
+    for p in range(start, len(out)):
+        if guard.ended:
+            break
+        allowed = guard.allowed()
+        t = int(best(p, allowed))
+        if not allowed[t]:
+            raise ValueError(f"finish_canvas: best() chose token {t}, which the grammar does not allow")
+        out[p] = t
+        t0 = time.perf_counter()
+        if guard.matcher.accept(t):
+            guard.checked += 1
+        elif t in guard.stop_ids:  # a dead end's stop: the text ends here (the grammar could not go on)
+            guard.seconds += time.perf_counter() - t0
+            break
+        else:
+            raise RuntimeError(f"the grammar refused token {t} its own mask allowed")
+        guard.seconds += time.perf_counter() - t0
+    return out
