@@ -503,3 +503,42 @@ def test_playground_in_a_real_browser(app_url, tmp_path):
     assert got["rounds"] > 0 and got["cells_committed"] >= len(api_answer)  # one character a token (tiny-bd)
     assert not got["console_errors"], got["console_errors"]
     assert shot.stat().st_size > 10_000
+
+
+def test_structured_outputs_and_a_tool_call_through_the_ray_app(app_url):
+    """Structured outputs on the Ray app (tiny-bd, two replicas): a JSON schema plain and streamed and a named
+    tool call, each a document its schema accepts; a schema that does not compile is a 400 naming the field."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["pick", "ok"],
+              "properties": {"pick": {"enum": ["a", "b", "c", "d"]}, "ok": {"type": "boolean"}}}
+    msgs = [{"role": "user", "content": "max: a3 b7 c1 d5"}]
+    body = {"messages": msgs, "max_tokens": 64,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}}
+
+    def fits(text: str) -> bool:
+        doc = json.loads(text)
+        return set(doc) == {"pick", "ok"} and doc["pick"] in ("a", "b", "c", "d") and isinstance(doc["ok"], bool)
+
+    r = post(app_url, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and fits(choice["message"]["content"]), choice
+    text, finish = "", None
+    with httpx.stream("POST", app_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]
+                text += delta["delta"].get("content") or ""
+                finish = delta["finish_reason"] or finish
+    assert finish == "stop" and fits(text), text
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+        "additionalProperties": False}}}
+    r = post(app_url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 64, "tools": [tool],
+                                                "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    choice = r.json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_time", choice
+    assert json.loads(call["function"]["arguments"])["zone"] in ("utc", "cet")
+    bad = post(app_url, "/v1/chat/completions", {**body, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nope"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("response_format"), bad.text

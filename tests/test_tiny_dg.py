@@ -18,35 +18,17 @@ import tasksuite as tasks
 from engine.decoding import renoise
 from engine.models import diffusion_gemma as dg
 from engine.tokenizer import CharTokenizer
+from tests.dg_builders import STEPS, random_dg
 from tools import training as T
 from tools.evaluate import canvas_prompt_ids
-
-STEPS = 6  # denoising steps per canvas of the shrunk model
-
-
-def _shrunk(tok: CharTokenizer) -> dg.DiffusionGemmaConfig:
-    cfg = T.dg_config(tok)
-    return cfg.replace(hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                       head_dims=tuple(8 if t == dg.SLIDING else 16 for t in cfg.layer_types), sliding_window=8,
-                       generation={**cfg.generation, "max_denoising_steps": STEPS, "max_new_tokens": 2 * T.DG_CANVAS})
 
 
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory):
-    """A random tiny-dg-shaped checkpoint saved as training saves it (norms and scalars randomised, so that a
-    mix-up of any of them shows)."""
+    """A random tiny-dg-shaped checkpoint saved as training saves it (tests/dg_builders.py)."""
     tok = CharTokenizer.default()
-    torch.manual_seed(0)
-    model = dg.DiffusionGemma(_shrunk(tok))
-    T.dg_init(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "scale" in name:
-                p.uniform_(0.5, 1.5)
-            elif p.dim() > 1:
-                p.normal_(0.0, 0.3)
     out = tmp_path_factory.mktemp("tinydg") / "small"
-    T._save_dg(model, tok, out, step=0, seed=0)
+    T._save_dg(random_dg(tok), tok, out, step=0, seed=0)
     return out
 
 

@@ -1,0 +1,35 @@
+"""Small random DiffusionGemma models of tiny-dg's architecture for the tests (a support module: test files
+import this, never each other)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models import diffusion_gemma as dg
+from engine.tokenizer import CharTokenizer
+from tools import training as T
+
+STEPS = 6  # denoising steps per canvas of the shrunk model
+
+
+def shrunk_config(tok: CharTokenizer) -> dg.DiffusionGemmaConfig:
+    """tiny-dg's architecture (tools/training.py ``dg_config``: sliding and full layers with their own head sizes
+    and K/V heads, proportional RoPE, experts, the character tokenizer), shrunk, with few denoising steps."""
+    cfg = T.dg_config(tok)
+    return cfg.replace(hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                       head_dims=tuple(8 if t == dg.SLIDING else 16 for t in cfg.layer_types), sliding_window=8,
+                       generation={**cfg.generation, "max_denoising_steps": STEPS, "max_new_tokens": 2 * T.DG_CANVAS})
+
+
+def random_dg(tok: CharTokenizer, seed: int = 0) -> dg.DiffusionGemma:
+    """A random shrunk model, norms and scalars randomised too (so that a mix-up of any of them shows)."""
+    torch.manual_seed(seed)
+    model = dg.DiffusionGemma(shrunk_config(tok))
+    T.dg_init(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "scale" in name:
+                p.uniform_(0.5, 1.5)
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model.eval()
