@@ -210,12 +210,11 @@ def test_structured_outputs_are_enforced_on_the_canvases(served, dg_dir):
     import json
     import re
 
-    import jsonschema
-
     from engine.canvas import CanvasEngine, CanvasParams
     from engine.constraints import ConstraintSpec
 
     openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
     model, tok = str(dg_dir), served.tokenizer
     regex = r"(red|green|blue)-[0-9]{1,3}"
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
