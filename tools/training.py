@@ -667,20 +667,35 @@ def _save_dg(model, tok: CharTokenizer, out_dir: Path, step: int, seed: int) -> 
     (Path(out_dir) / "training.json").write_text(json.dumps({"steps": step, "seed": seed}) + "\n")
 
 
-# The recipe of the shipped tiny-dg: a phase at lr 2e-3, then one at lr 1e-3 continuing from it (each with its
-# own warmup and cosine). Step counts are those the shipped weights took on a shared 2-core CPU with one thread
-# (the runs were capped by wall time: 36 and 12 minutes; README, docs/engine.md "Training").
-DG_RECIPE_PHASES = (4222, 1771)
+# The recipe of the shipped tiny-dg, phase by phase, each continuing from the one before with its own warmup and
+# cosine: two phases of single canvases over the uniform-ish mix (DG_MIX), then phases of 4 noised copies of each
+# canvas over one encoder pass (``copies``) over a mix with the json category, weighting what it got wrong. Step
+# counts are those the shipped weights took (each run was capped by wall time on a shared 2-core CPU, one thread;
+# docs/engine.md "Training"). The first two ran before the tokenizer had JSON's characters (57 ids): the third
+# widened the vocabulary to 64 (``_widen_vocab``); the recipe replayed today has 64 ids from the start.
+DG_PHASE3_MIX = {"arith": 0.2, "reverse": 0.2, "prose": 0.2, "choice": 0.1, "lookup": 0.15, "json": 0.15}
+DG_PHASE4_MIX = {"arith": 0.3, "prose": 0.25, "choice": 0.05, "reverse": 0.05, "lookup": 0.15, "json": 0.2}
+DG_RECIPE = (
+    {"steps": 4222, "lr": 2e-3, "seed": 0},
+    {"steps": 1771, "lr": 1e-3, "seed": 1},
+    {"steps": 7268, "lr": 1.5e-3, "seed": 5, "copies": 4, "mix": DG_PHASE3_MIX},
+)
+DG_RECIPE_PHASES = tuple(ph["steps"] for ph in DG_RECIPE)
 
 
-def train_default_dg(out_dir: str | Path, steps: tuple[int, int] | None = None, minutes: float | None = None,
+def train_default_dg(out_dir: str | Path, steps: tuple[int, ...] | None = None, minutes: float | None = None,
                      threads: int | None = None, seed: int = 0, progress: bool = True, batch_size: int = DG_BATCH,
                      log_path: str | Path | None = None, device: str = "cpu") -> Path:
-    """Both phases of tiny-dg's recipe; ``minutes`` (optional) caps each phase's wall time."""
-    p1, p2 = steps or DG_RECIPE_PHASES
+    """Every phase of tiny-dg's recipe (``DG_RECIPE``; ``steps`` replaces its step counts); ``minutes`` (optional)
+    caps each phase's wall time. Phases but the last write beside ``out_dir`` (``.NAME-phaseK``)."""
+    counts = steps or DG_RECIPE_PHASES
+    if len(counts) != len(DG_RECIPE):
+        raise ValueError(f"the recipe has {len(DG_RECIPE)} phases, got {len(counts)} step counts")
     out_dir = Path(out_dir)
-    phase1 = out_dir.parent / f".{out_dir.name}-phase1"
-    train_dg(phase1, steps=p1, minutes=minutes, batch_size=batch_size, lr=2e-3, seed=seed, threads=threads,
-             progress=progress, log_path=log_path, device=device)
-    return train_dg(out_dir, steps=p2, minutes=minutes, batch_size=batch_size, lr=1e-3, seed=seed + 1,
-                    threads=threads, progress=progress, init=phase1, log_path=log_path, device=device)
+    init = None
+    for k, (phase, n) in enumerate(zip(DG_RECIPE, counts), 1):
+        target = out_dir if k == len(DG_RECIPE) else out_dir.parent / f".{out_dir.name}-phase{k}"
+        init = train_dg(target, steps=n, minutes=minutes, batch_size=batch_size, lr=phase["lr"],
+                        seed=seed + phase["seed"], threads=threads, progress=progress, init=init, log_path=log_path,
+                        device=device, copies=phase.get("copies", 1), mix=phase.get("mix"))
+    return init
