@@ -9,13 +9,11 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: test test-fast test-faults serve demo lint deps install clean
 
-# --no-compile: no byte-compiling of every installed file (36 s of a fresh install's 69 s on 2 cores); a module is
-# compiled when first imported, and most of torch's, ray's and transformers' never are.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile "$(TORCH)"
-	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
 	rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
