@@ -35,7 +35,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.ray)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and "remask_marked_dir" in workerinput:
-        marked = [item.nodeid for item in items if item.get_closest_marker("ray") is not None]
+        marked = {mark: [item.nodeid for item in items if item.get_closest_marker(mark) is not None]
+                  for mark in ("ray", "slow")}
         path = Path(workerinput["remask_marked_dir"]) / f"{workerinput['workerid']}.json"
         path.write_text(json.dumps(marked))
     if torch.cuda.is_available():
@@ -87,7 +88,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 class RayTogether:
-    """A pytest-xdist scheduler: each test a unit of its own, but the ``ray``-marked ones one unit, first."""
+    """A pytest-xdist scheduler: each test a unit of its own, but the ``ray``-marked ones one unit, first; then
+    the ``slow``-marked ones, then the rest (each group in collection order)."""
 
     def __init__(self, numnodes: int, marked_dir: Path, log) -> None:
         self.numnodes, self.marked_dir, self.log = numnodes, marked_dir, log
@@ -123,10 +125,10 @@ class RayTogether:
             return
         self.node2collection[node] = list(collection)
 
-    def _marked(self) -> set[str]:
+    def _marked(self, mark: str) -> set[str]:
         marked = set()
         for path in self.marked_dir.glob("*.json"):
-            marked.update(json.loads(path.read_text()))
+            marked.update(json.loads(path.read_text())[mark])
         return marked
 
     def schedule(self) -> None:
@@ -142,9 +144,13 @@ class RayTogether:
                 node.shutdown()
             return
         self.collection, self.scheduled = collections[0], True
-        marked = self._marked()
+        marked, slow = self._marked("ray"), self._marked("slow")
         ray = [i for i, nodeid in enumerate(self.collection) if nodeid in marked]
-        self.queue = ([ray] if ray else []) + [[i] for i in range(len(self.collection)) if i not in set(ray)]
+        rest = [i for i in range(len(self.collection)) if i not in set(ray)]
+        # the slow tests (marked at the test, ~3 s and more) next, the quick ones last: the two workers then end
+        # within a quick test of each other, not one idle while the other runs a 40 s test that came late
+        rest.sort(key=lambda i: self.collection[i] not in slow)
+        self.queue = ([ray] if ray else []) + [[i] for i in rest]
         for node in self.nodes:
             self._top_up(node)
 
