@@ -266,8 +266,8 @@ def train(
     tokenizer lacks (``new_ids``): every other weight stays bit for bit, so
     the model's hidden states on text without the new characters are the
     checkpoint's, and so are its answers up to the softmax share of the new
-    rows (how the shipped tiny-bd learned JSON without moving the figures
-    its core answers feed). ``distill`` (with ``init``) names categories whose
+    rows (tried on tiny-bd for JSON: its frozen body did not learn the
+    category; reports/structured.md, section 4). ``distill`` (with ``init``) names categories whose
     examples are fitted to the checkpoint's own distributions instead of the
     answers (the KL divergence from the frozen checkpoint at every target
     position): learning a new category while the confidences on those stay
@@ -668,13 +668,12 @@ def _save_dg(model, tok: CharTokenizer, out_dir: Path, step: int, seed: int) -> 
 
 
 # The recipe of the shipped tiny-dg, phase by phase, each continuing from the one before with its own warmup and
-# cosine: two phases of single canvases over the uniform-ish mix (DG_MIX), then phases of 4 noised copies of each
-# canvas over one encoder pass (``copies``) over a mix with the json category, weighting what it got wrong. Step
+# cosine: two phases of single canvases over the uniform-ish mix (DG_MIX), then one of 4 noised copies of each
+# canvas over one encoder pass (``copies``) over a mix with the json category. Step
 # counts are those the shipped weights took (each run was capped by wall time on a shared 2-core CPU, one thread;
 # docs/engine.md "Training"). The first two ran before the tokenizer had JSON's characters (57 ids): the third
 # widened the vocabulary to 64 (``_widen_vocab``); the recipe replayed today has 64 ids from the start.
 DG_PHASE3_MIX = {"arith": 0.2, "reverse": 0.2, "prose": 0.2, "choice": 0.1, "lookup": 0.15, "json": 0.15}
-DG_PHASE4_MIX = {"arith": 0.3, "prose": 0.25, "choice": 0.05, "reverse": 0.05, "lookup": 0.15, "json": 0.2}
 DG_RECIPE = (
     {"steps": 4222, "lr": 2e-3, "seed": 0},
     {"steps": 1771, "lr": 1e-3, "seed": 1},
