@@ -272,7 +272,6 @@ def train(
     answers (the KL divergence from the frozen checkpoint at every target
     position): learning a new category while the confidences on those stay
     where they were, so their threshold trade-off holds."""
-    from tqdm import tqdm
 
     known = (*tasks.ALL_CATEGORIES, RECALL)
     if mix and set(mix) - set(known):
@@ -319,12 +318,39 @@ def train(
             prm.requires_grad_(False)
     params = [prm for prm in model.parameters() if prm.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    batches = bucketed_batches(name, tok, rng, batch_size, mix=mix, lookup_canvas=lookup_canvas)
+
+    def one_step():
+        batch = next(batches)
+        batch = TrainingBatch(*(t.to(device) if torch.is_tensor(t) else t for t in vars(batch).values()))
+        return loss_fn(model, batch, teacher, distill)
+
+    def restore() -> None:
+        with torch.no_grad():  # the checkpoint's own rows exactly as they were (AdamW's decay included)
+            for prm, old, orig in keep:
+                prm[old] = orig[old]
+
     out_dir = Path(out_dir)
+    run_steps(opt, params, one_step, lambda step: _save(model, tok, out_dir, step, seed), steps=steps,
+              minutes=minutes, lr=lr, desc=f"train {name}", progress=progress, log_path=log_path,
+              log_every=log_every, save_every_s=save_every_s, after_step=restore if keep else None)
+    return out_dir
+
+
+def run_steps(opt, params, one_step, save, steps: int, minutes: float | None, lr: float, desc: str, progress: bool,
+              log_path: str | Path | None, log_every: int, save_every_s: float, after_step=None,
+              ema_decay: float = 0.98, postfix_every: int = 50, bar_interval_s: float = 2.0) -> int:
+    """The training loop both trainers share: ``one_step()`` -> (loss, per-category accuracy) of a batch, then
+    backward, clipping to norm 1 and the optimiser's step (``after_step()`` after it); the learning rate a warmup
+    and cosine over progress = max(step / steps, elapsed / minutes); a progress bar, exponential moving averages
+    of the loss and accuracies (a JSON line to ``log_path`` every ``log_every`` steps), ``save(step)`` every
+    ``save_every_s`` and at the end. Returns the steps taken."""
+    from tqdm import tqdm
+
     log = open(log_path, "a") if log_path else None
     start = last_save = time.time()
-    bar = tqdm(total=steps, desc=f"train {name}", disable=not progress, mininterval=2.0)
+    bar = tqdm(total=steps, desc=desc, disable=not progress, mininterval=bar_interval_s)
     ema: dict[str, float] = {}
-    batches = bucketed_batches(name, tok, rng, batch_size, mix=mix, lookup_canvas=lookup_canvas)
     step = 0
     while True:
         frac = step / steps
@@ -334,36 +360,32 @@ def train(
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(frac, lr)
-        batch = next(batches)
-        batch = TrainingBatch(*(t.to(device) if torch.is_tensor(t) else t for t in vars(batch).values()))
-        loss, acc = loss_fn(model, batch, teacher, distill)
+        loss, acc = one_step()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        if keep:
-            with torch.no_grad():  # the checkpoint's own rows exactly as they were (AdamW's decay included)
-                for prm, old, orig in keep:
-                    prm[old] = orig[old]
+        if after_step is not None:
+            after_step()
         step += 1
-        ema["loss"] = 0.98 * ema.get("loss", loss.item()) + 0.02 * loss.item()
+        ema["loss"] = ema_decay * ema.get("loss", loss.item()) + (1 - ema_decay) * loss.item()
         for c, a in acc.items():
-            ema[c] = 0.98 * ema.get(c, a) + 0.02 * a
+            ema[c] = ema_decay * ema.get(c, a) + (1 - ema_decay) * a
         bar.update(1)
-        if step % 50 == 0:
+        if step % postfix_every == 0:
             bar.set_postfix(loss=f"{ema['loss']:.3f}")
         if log and step % log_every == 0:
             record = {"step": step, "elapsed_s": round(time.time() - start), "lr": opt.param_groups[0]["lr"]}
             log.write(json.dumps({**record, **{k: round(v, 4) for k, v in ema.items()}}) + "\n")
             log.flush()
         if time.time() - last_save > save_every_s:
-            _save(model, tok, out_dir, step, seed)
+            save(step)
             last_save = time.time()
     bar.close()
-    _save(model, tok, out_dir, step, seed)
+    save(step)
     if log:
         log.close()
-    return out_dir
+    return step
 
 
 def new_ids(before: CharTokenizer, after: CharTokenizer) -> list[int]:
@@ -566,7 +588,6 @@ def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = Non
     a warmup and cosine over it. ``init`` continues from a tiny-dg checkpoint (one of a smaller vocabulary gets
     the new ids' embedding rows, initialised as at the start); ``copies`` noised canvases per example share one
     encoder pass (a batch then holds ``batch_size * copies`` canvases)."""
-    from tqdm import tqdm
 
     from engine.models import diffusion_gemma as dg
 
@@ -590,46 +611,17 @@ def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = Non
         model = model.to(device).train()
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    out_dir = Path(out_dir)
-    log = open(log_path, "a") if log_path else None
-    start = last_save = time.time()
-    bar = tqdm(total=steps, desc="train tiny-dg", disable=not progress, mininterval=5.0)
-    ema: dict[str, float] = {}
-    step = 0
-    while True:
-        frac = step / steps
-        if minutes:
-            frac = max(frac, (time.time() - start) / (minutes * 60))
-        if frac >= 1.0:
-            break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(frac, lr)
+
+    def one_step():
         batch = dg_batch([sample_mix(rng, mix) for _ in range(batch_size)], tok, rng, gen, copies)
         batch = DGBatch(batch.contexts, batch.canvas.to(device), batch.targets.to(device), batch.weights.to(device),
                         batch.categories)
-        loss, acc = dg_loss(model, batch, rng.random() < sc_fraction, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        ema["loss"] = 0.95 * ema.get("loss", loss.item()) + 0.05 * loss.item()
-        for c, a in acc.items():
-            ema[c] = 0.95 * ema.get(c, a) + 0.05 * a
-        bar.update(1)
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{ema['loss']:.3f}")
-        if log and step % log_every == 0:
-            record = {"step": step, "elapsed_s": round(time.time() - start), "lr": opt.param_groups[0]["lr"]}
-            log.write(json.dumps({**record, **{k: round(v, 4) for k, v in ema.items()}}) + "\n")
-            log.flush()
-        if time.time() - last_save > save_every_s:
-            _save_dg(model, tok, out_dir, step, seed)
-            last_save = time.time()
-    bar.close()
-    _save_dg(model, tok, out_dir, step, seed)
-    if log:
-        log.close()
+        return dg_loss(model, batch, rng.random() < sc_fraction, gen)
+
+    out_dir = Path(out_dir)
+    run_steps(opt, params, one_step, lambda step: _save_dg(model, tok, out_dir, step, seed), steps=steps,
+              minutes=minutes, lr=lr, desc="train tiny-dg", progress=progress, log_path=log_path,
+              log_every=log_every, save_every_s=save_every_s, ema_decay=0.95, postfix_every=10, bar_interval_s=5.0)
     return out_dir
 
 
