@@ -43,13 +43,19 @@ class Vocab:
     key: str
     hf: Any = None  # a transformers PreTrainedTokenizerFast
     pieces: tuple[str | None, ...] | None = None  # each id's text; None: special (never produced by a grammar)
-    _cache: dict = field(default_factory=dict, repr=False)  # per backend: its tokenizer object
+    _cache: dict = field(default_factory=dict, repr=False)  # what `cached` computed once: backends' tokenizers, bounds
 
     def __post_init__(self) -> None:
         if (self.hf is None) == (self.pieces is None):
             raise ValueError("a Vocab has either a transformers tokenizer or its pieces")
         if not self.stop_ids:
             raise ValueError("a Vocab needs the ids that end the text (stop_ids)")
+
+    def cached(self, key: str, build):
+        """``build()``, computed once per vocabulary under ``key`` (a backend's tokenizer object, a bound)."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
     def text(self, token: int) -> str:
         """Token ``token``'s text ("" for a special or padding id)."""
@@ -125,8 +131,7 @@ def _xgr():
 
 
 def _xgr_compiler(vocab: Vocab):
-    c = vocab._cache.get("xgrammar")
-    if c is None:
+    def build():
         xgr = _xgr()
         if vocab.hf is not None:
             info = xgr.TokenizerInfo.from_huggingface(vocab.hf, vocab_size=vocab.size,
@@ -135,8 +140,9 @@ def _xgr_compiler(vocab: Vocab):
             # RAW pieces; an empty piece is a special token (never allowed by a grammar, but the stop ids)
             info = xgr.TokenizerInfo([p or "" for p in vocab.pieces], xgr.VocabType.RAW, vocab_size=vocab.size,
                                      stop_token_ids=list(vocab.stop_ids))
-        c = vocab._cache["xgrammar"] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    return c
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    return vocab.cached("xgrammar", build)
 
 
 class XGrammarMatcher:
@@ -242,18 +248,16 @@ class _PiecesTokenizer:
 
 
 def _llg_tokenizer(vocab: Vocab):
-    t = vocab._cache.get("llguidance")
-    if t is None:
+    def build():
         llg = _llg()
         if vocab.hf is not None:
             from llguidance.hf import from_tokenizer
 
-            t = from_tokenizer(vocab.hf, n_vocab=vocab.size, eos_token=list(vocab.stop_ids))
-        else:
-            t = llg.LLTokenizer(llg.TokenizerWrapper(_PiecesTokenizer(vocab)), n_vocab=vocab.size,
-                                eos_token=list(vocab.stop_ids))
-        vocab._cache["llguidance"] = t
-    return t
+            return from_tokenizer(vocab.hf, n_vocab=vocab.size, eos_token=list(vocab.stop_ids))
+        return llg.LLTokenizer(llg.TokenizerWrapper(_PiecesTokenizer(vocab)), n_vocab=vocab.size,
+                               eos_token=list(vocab.stop_ids))
+
+    return vocab.cached("llguidance", build)
 
 
 # JSON's whitespace between tokens: flexible, but bounded per gap (unbounded, a weak model can spend its whole
@@ -266,12 +270,12 @@ WHITESPACE_CHARS_MAX = 16
 
 def whitespace_cap(vocab: Vocab) -> int:
     """Characters of JSON whitespace allowed per gap on ``vocab`` (computed once per vocabulary)."""
-    cap = vocab._cache.get("whitespace_cap")
-    if cap is None:
+    def build() -> int:
         longest = max((len(t) for t in map(vocab.text, range(vocab.size)) if t and not t.strip(" \n\r\t")),
                       default=1)
-        cap = vocab._cache["whitespace_cap"] = min(WHITESPACE_CHARS_MAX, WHITESPACE_TOKENS_PER_GAP * longest)
-    return cap
+        return min(WHITESPACE_CHARS_MAX, WHITESPACE_TOKENS_PER_GAP * longest)
+
+    return vocab.cached("whitespace_cap", build)
 
 
 def json_whitespace(vocab: Vocab) -> str:
