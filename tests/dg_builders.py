@@ -1,7 +1,9 @@
-"""Small random DiffusionGemma models of tiny-dg's architecture for the tests (a support module: test files
-import this, never each other)."""
+"""Small random DiffusionGemma models of tiny-dg's architecture, and an all-reduce among rank threads, for the
+tests (a support module: test files import this, never each other)."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -33,3 +35,24 @@ def random_dg(tok: CharTokenizer, seed: int = 0) -> dg.DiffusionGemma:
             elif p.dim() > 1:
                 p.normal_(0.0, 0.3)
     return model.eval()
+
+
+class ThreadAllReduce:
+    """An all-reduce among ``world`` rank threads (tensor parallelism in one process): each rank's partial
+    deposited, summed in rank order."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.parts = world, [None] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+    def for_rank(self, rank: int):
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = x
+            self.barrier.wait()
+            total = self.parts[0]
+            for p in self.parts[1:]:
+                total = total + p
+            self.barrier.wait()
+            return total
+
+        return reduce

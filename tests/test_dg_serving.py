@@ -22,6 +22,7 @@ import pytest
 
 from engine.commands import SamplingParams
 from tests.builders import collect
+from tests.dg_builders import ThreadAllReduce
 
 PROMPT = "What is 2+2?"
 HUB_ID = "google/diffusiongemma-26B-A4B-it"
@@ -345,7 +346,7 @@ def test_a_tensor_parallel_instance_gives_tp1s_text(served):
     from engine.instance import Follower, Instance
     from engine.models import diffusion_gemma as dg
 
-    ar = _ThreadSum(2)
+    ar = ThreadAllReduce(2)
     ranks = [CanvasServeEngine(dg.shard(served.model, r, 2, ar.for_rank(r)), served.tokenizer) for r in range(2)]
     follower = Follower(ranks[1])
     pool = ThreadPoolExecutor(1)
@@ -528,23 +529,3 @@ def test_a_decoding_config_configures_the_renoise_rule(served):
     assert eng.rule.name == "renoise" and eng.rule.max_denoising_steps == 3
 
 
-class _ThreadSum:
-    """An all-reduce among ``world`` rank threads: each rank's partial deposited, summed in rank order."""
-
-    def __init__(self, world: int) -> None:
-        import threading
-
-        self.parts = [None] * world
-        self.barrier = threading.Barrier(world, timeout=60)
-
-    def for_rank(self, rank: int):
-        def reduce(x):
-            self.parts[rank] = x
-            self.barrier.wait()
-            total = self.parts[0]
-            for p in self.parts[1:]:
-                total = total + p
-            self.barrier.wait()
-            return total
-
-        return reduce

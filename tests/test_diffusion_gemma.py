@@ -15,6 +15,7 @@ import torch
 
 from engine.models import diffusion_gemma as dg
 from tests.checkpoints import DG_CANVAS, build_diffusion_gemma, family_ids
+from tests.dg_builders import ThreadAllReduce
 
 TOL = 1e-5
 
@@ -296,28 +297,6 @@ def test_remask_generate_answers_on_the_fixture(dg_dir, ours, capsys):
 # ---------------------------------------------------------------- tensor parallelism (ranks as threads)
 
 
-class _ThreadAllReduce:
-    """An all-reduce among ``world`` threads: each rank's partial deposited, summed in rank order."""
-
-    def __init__(self, world: int) -> None:
-        import threading
-
-        self.world, self.parts = world, [None] * world
-        self.barrier = threading.Barrier(world, timeout=60)
-
-    def for_rank(self, rank: int):
-        def reduce(x: torch.Tensor) -> torch.Tensor:
-            self.parts[rank] = x
-            self.barrier.wait()
-            total = self.parts[0]
-            for p in self.parts[1:]:
-                total = total + p
-            self.barrier.wait()
-            return total
-
-        return reduce
-
-
 def _run_ranks(world, fn):
     import threading
 
@@ -352,7 +331,7 @@ def test_tensor_parallel_ranks_give_tp1s_logits_and_text(ours, world):
     ours.encode(prompt, cache)
     want = ours.decode(canvas, cache)
     want_text = CanvasEngine(ours).generate([prompt[0].tolist()], CanvasParams(max_tokens=16, seed=3))[0].token_ids
-    ar = _ThreadAllReduce(world)
+    ar = ThreadAllReduce(world)
 
     def rank_run(rank):
         part = dg.shard(ours, rank, world, ar.for_rank(rank))
