@@ -56,3 +56,31 @@ class ThreadAllReduce:
             return total
 
         return reduce
+
+
+def same_draws(monkeypatch, seed: int) -> dict:
+    """transformers' global-generator draws taken from Remask's (seed, canvas, step) generators, in the order
+    its generate makes them: each canvas's initial noise (randint), then per step the sample (multinomial) and
+    the renoising noise (randint). Returns where the draws are: ``where["canvas"]`` is the last canvas's index."""
+    from engine.decoding import renoise
+
+    real_randint, real_multinomial = torch.randint, torch.multinomial
+    where = {"canvas": -1, "step": -1, "last": None, "gen": None}
+
+    def randint(low, high, size, **kw):
+        if where["last"] != "multinomial":  # a new canvas's initial noise
+            where["canvas"] += 1
+            where["step"] = -1
+            where["gen"] = renoise.canvas_generator(seed, where["canvas"], -1)
+        where["last"] = "randint"
+        return real_randint(low, high, (int(torch.Size(size).numel()),), generator=where["gen"]).reshape(size)
+
+    def multinomial(probs, num_samples, **kw):
+        where["step"] += 1
+        where["gen"] = renoise.canvas_generator(seed, where["canvas"], where["step"])
+        where["last"] = "multinomial"
+        return real_multinomial(probs, num_samples, generator=where["gen"])
+
+    monkeypatch.setattr(torch, "randint", randint)
+    monkeypatch.setattr(torch, "multinomial", multinomial)
+    return where

@@ -15,7 +15,7 @@ import torch
 
 from engine.models import diffusion_gemma as dg
 from tests.checkpoints import DG_CANVAS, build_diffusion_gemma, family_ids
-from tests.dg_builders import ThreadAllReduce
+from tests.dg_builders import ThreadAllReduce, same_draws
 
 TOL = 1e-5
 
@@ -444,26 +444,7 @@ def test_transformers_generate_gives_the_same_tokens_on_the_same_draws(hf_model,
     engine = CanvasEngine(ours, None, rule=renoise.RenoiseRule.from_generation(gen))
     ours_out = engine.generate([prompt], CanvasParams(max_tokens=3 * DG_CANVAS, seed=seed))[0]
 
-    real_randint, real_multinomial = torch.randint, torch.multinomial
-    where = {"canvas": -1, "step": -1, "last": None, "gen": None}
-
-    def randint(low, high, size, **kw):
-        if where["last"] != "multinomial":  # a new canvas's initial noise
-            where["canvas"] += 1
-            where["step"] = -1
-            where["gen"] = renoise.canvas_generator(seed, where["canvas"], -1)
-        where["last"] = "randint"
-        flat = real_randint(low, high, (int(torch.Size(size).numel()),), generator=where["gen"])
-        return flat.reshape(size)
-
-    def multinomial(probs, num_samples, **kw):
-        where["step"] += 1
-        where["gen"] = renoise.canvas_generator(seed, where["canvas"], where["step"])
-        where["last"] = "multinomial"
-        return real_multinomial(probs, num_samples, generator=where["gen"])
-
-    monkeypatch.setattr(torch, "randint", randint)
-    monkeypatch.setattr(torch, "multinomial", multinomial)
+    where = same_draws(monkeypatch, seed)
     out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=3 * DG_CANVAS,
                             **(stopping or {}))
     monkeypatch.undo()

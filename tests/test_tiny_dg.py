@@ -15,10 +15,9 @@ import pytest
 import torch
 
 import tasksuite as tasks
-from engine.decoding import renoise
 from engine.models import diffusion_gemma as dg
 from engine.tokenizer import CharTokenizer
-from tests.dg_builders import STEPS, random_dg
+from tests.dg_builders import STEPS, random_dg, same_draws
 from tools import training as T
 from tools.evaluate import canvas_prompt_ids
 
@@ -89,32 +88,6 @@ def test_canvas_evaluation_counts_accuracy_and_steps(small_dir):
     assert first[1]["steps_per_canvas"] <= r["steps_per_canvas"]  # a higher bound keeps more: no more steps
 
 
-def _same_draws(monkeypatch, seed: int) -> dict:
-    """transformers' global-generator draws taken from Remask's (seed, canvas, step) generators, in the order
-    its generate makes them: each canvas's initial noise (randint), then per step the sample (multinomial) and
-    the renoising noise (randint)."""
-    real_randint, real_multinomial = torch.randint, torch.multinomial
-    where = {"canvas": -1, "step": -1, "last": None, "gen": None}
-
-    def randint(low, high, size, **kw):
-        if where["last"] != "multinomial":  # a new canvas's initial noise
-            where["canvas"] += 1
-            where["step"] = -1
-            where["gen"] = renoise.canvas_generator(seed, where["canvas"], -1)
-        where["last"] = "randint"
-        return real_randint(low, high, (int(torch.Size(size).numel()),), generator=where["gen"]).reshape(size)
-
-    def multinomial(probs, num_samples, **kw):
-        where["step"] += 1
-        where["gen"] = renoise.canvas_generator(seed, where["canvas"], where["step"])
-        where["last"] = "multinomial"
-        return real_multinomial(probs, num_samples, generator=where["gen"])
-
-    monkeypatch.setattr(torch, "randint", randint)
-    monkeypatch.setattr(torch, "multinomial", multinomial)
-    return where
-
-
 def _answers_match(model_dir, exported, monkeypatch, n: int, max_tokens: int) -> list[str]:
     """Remask's CanvasEngine and transformers' generate (on the exported checkpoint) on the first ``n`` held-out
     prompts, request i with seed 100 + i: the same text."""
@@ -128,7 +101,7 @@ def _answers_match(model_dir, exported, monkeypatch, n: int, max_tokens: int) ->
     for i, ex in enumerate(tasks.heldout_set(n)):
         ids = canvas_prompt_ids(engine.tokenizer, ex.prompt)
         ours = engine.generate([ids], CanvasParams(seed=100 + i, max_tokens=max_tokens))[0]
-        _same_draws(monkeypatch, 100 + i)
+        same_draws(monkeypatch, 100 + i)
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens)
         monkeypatch.undo()
