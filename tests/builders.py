@@ -128,3 +128,29 @@ def synthetic(n: int, rate: float, seed: int = 0, slo_factor: float = 5.0):
         specs.append(ClusterRequestSpec(f"r{i}", 0, "prose", t, 140, 256, steps, (True,) * 5,
                                         slo_factor * iso / 1000.0))
     return specs
+
+
+# ---- finished requests for the online step learners -------------------------------------------------------
+
+LEARNER_TS = (0.9, 0.8, 0.7)
+LEARNER_BLOCKS, LEARNER_OUT = 8, 256
+
+
+def learner_request(rng, threshold: float | None = None, rates=(2.0, 4.0, 12.0), faster: float = 1.0,
+                    slower: float = 1.0, rows_every: int = 1):
+    """A finished request with a known relation, for a step learner: it commits ``rate`` tokens a step (one of
+    ``rates`` at 0.9, 1.5x at 0.8, 2x at 0.7; times ``faster``, over ``slower``: a rule or a constraint that changes
+    the pace). Its rows are the 11 step features after each step but the last (every ``rows_every``-th):
+    (rows, the steps done at each row, the total steps)."""
+    import numpy as np
+
+    t = float(rng.choice(LEARNER_TS)) if threshold is None else threshold
+    rate = float(rng.choice(list(rates))) * {0.9: 1.0, 0.8: 1.5, 0.7: 2.0}[t] * faster / slower
+    total = int(np.ceil(LEARNER_OUT / rate))
+    rows, done = [], []
+    for k in range(1, total, rows_every):
+        p = min(k * rate / LEARNER_OUT, 1.0)
+        b = min(int(p * LEARNER_BLOCKS), LEARNER_BLOCKS)
+        rows.append([t, LEARNER_OUT, p, p * LEARNER_BLOCKS - b, LEARNER_BLOCKS - b, k % 4, 0.0, 0.0, 0.0, 0.0, 0.0])
+        done.append(k)
+    return rows, done, total

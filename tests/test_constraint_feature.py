@@ -23,9 +23,9 @@ from predictors.features import (
     with_decoding,
 )
 from predictors.online import CONSTRAINT_COL, ROW_WIDTH, OnlineAdmissionLearner, OnlineStepLearner
+from tests.builders import LEARNER_BLOCKS, LEARNER_OUT, LEARNER_TS, learner_request
 
-TS = (0.9, 0.8, 0.7)
-BLOCKS, OUT = 8, 256
+TS, BLOCKS, OUT = LEARNER_TS, LEARNER_BLOCKS, LEARNER_OUT  # learner_request's
 SPEC = ConstraintSpec("regex", r"[0-9]{1,3}", "guided_regex")
 
 
@@ -33,15 +33,7 @@ def request(rng: np.random.Generator, constrained: bool):
     """A finished request whose steps fall with the threshold (3 to 5 tokens a step at 0.9, 1.5x at 0.8, 2x at 0.7),
     a constrained one taking 1.5x the steps of a free one in the same state: rows of the 11 step features (the
     constraint passed beside them)."""
-    t = float(rng.choice(TS))
-    rate = float(rng.choice([3.0, 4.0, 5.0])) * {0.9: 1.0, 0.8: 1.5, 0.7: 2.0}[t] / (1.5 if constrained else 1.0)
-    total = int(np.ceil(OUT / rate))
-    rows = []
-    for k in range(1, total):
-        p = min(k * rate / OUT, 1.0)
-        b = min(int(p * BLOCKS), BLOCKS)
-        rows.append([t, OUT, p, p * BLOCKS - b, BLOCKS - b, k % 4, 0.0, 0.0, 0.0, 0.0, 0.0])
-    return rows, list(range(1, total)), total
+    return learner_request(rng, rates=(3.0, 4.0, 5.0), slower=1.5 if constrained else 1.0)
 
 
 def state(req_id: str, constrained: float) -> RequestState:

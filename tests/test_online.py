@@ -15,24 +15,15 @@ import pytest
 
 from predictors.online import OnlineAdmissionLearner, OnlineStepLearner, mape
 from predictors.refit_worker import RefitWorker
+from tests.builders import LEARNER_BLOCKS, LEARNER_OUT, LEARNER_TS, learner_request
 
-TS = (0.9, 0.8, 0.7)
-BLOCKS, OUT = 8, 256
+TS, BLOCKS, OUT = LEARNER_TS, LEARNER_BLOCKS, LEARNER_OUT  # learner_request's
 
 
 def request(rng: np.random.Generator, threshold: float | None = None, rows_every: int = 1):
     """A finished request with a known relation: a request commits ``rate`` tokens a step, 2 to 12 at 0.9
     (its kind), 1.5x at 0.8 and 2x at 0.7; its rows are ``step_row``'s fields after each step but the last."""
-    t = float(rng.choice(TS)) if threshold is None else threshold
-    rate = float(rng.choice([2.0, 4.0, 12.0])) * {0.9: 1.0, 0.8: 1.5, 0.7: 2.0}[t]
-    total = int(np.ceil(OUT / rate))
-    rows, done = [], []
-    for k in range(1, total, rows_every):
-        p = min(k * rate / OUT, 1.0)
-        b = min(int(p * BLOCKS), BLOCKS)
-        rows.append([t, OUT, p, p * BLOCKS - b, BLOCKS - b, k % 4, 0.0, 0.0, 0.0, 0.0, 0.0])
-        done.append(k)
-    return rows, done, total
+    return learner_request(rng, threshold, rows_every=rows_every)
 
 
 def truth(learner_rows) -> tuple[np.ndarray, np.ndarray]:
@@ -469,15 +460,7 @@ def test_table_estimator_memory_is_bounded():
 def rule_request(rng: np.random.Generator, rule: str):
     """``request``'s relation, with ``credit`` committing twice the tokens a step of ``threshold`` commits at the
     same level (half the steps): rows of the 11 step features, the rule passed beside them."""
-    t = float(rng.choice(TS))
-    rate = float(rng.choice([2.0, 4.0, 12.0])) * {0.9: 1.0, 0.8: 1.5, 0.7: 2.0}[t] * (2.0 if rule == "credit" else 1.0)
-    total = int(np.ceil(OUT / rate))
-    rows = []
-    for k in range(1, total):
-        p = min(k * rate / OUT, 1.0)
-        b = min(int(p * BLOCKS), BLOCKS)
-        rows.append([t, OUT, p, p * BLOCKS - b, BLOCKS - b, k % 4, 0.0, 0.0, 0.0, 0.0, 0.0])
-    return rows, list(range(1, total)), total
+    return learner_request(rng, faster=2.0 if rule == "credit" else 1.0)
 
 
 def test_the_step_learner_learns_steps_per_rule_and_knob():
