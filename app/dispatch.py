@@ -51,6 +51,7 @@ from app.live import DispatchError, InstanceLink, LiveRequest, RequestStream
 from app.protocol import Abort, Add, Done, Draining, ErrorItem, ProgressBatch, StepItem, Thresholds, Tick
 from cluster import Router
 from cluster.driver import Arrival, ClusterDriver, Move, Plan
+from cluster.estimator import request_step_cap
 from engine.commands import SamplingParams
 from engine.tokenizer import OutputText
 from predictors.features import constraint_value
@@ -286,6 +287,7 @@ class Dispatcher:
             raise DispatchError(400, f"duplicate request id {req_id!r}")
         try:
             params = SamplingParams.from_dict(sampling)
+            step_cap = request_step_cap(params.decoding_config)  # a canvas request's own: the router's prior
         except ValueError as exc:
             raise DispatchError(400, str(exc)) from None
         if not self.instances and (self.park_s <= 0 or len(self.driver.held) >= self.per_instance_limit):
@@ -301,7 +303,7 @@ class Dispatcher:
             req_id, prompt_tokens, -(-max_tokens // self.block_tokens) * self.block_tokens,
             slo_ms / 1000.0 if slo_ms is not None else self.default_slo_s, priority, fixed_threshold=threshold,
             counted=slo_ms is not None, decoding=params.decoding or self.default_decoding,
-            constrained=constraint_value(params.constraint),
+            constrained=constraint_value(params.constraint), step_cap=step_cap,
             admission=(float(len(prompt_text.split())), float(prompt_text.count("\n")), float(prompt_tokens))), now)
         if admission.shed:
             self.stats["shed"] += 1

@@ -69,6 +69,7 @@ class Arrival:
     admission: tuple[float, ...] | None = None
     decoding: str = "threshold"  # its decoding rule (engine.decoding.RULES): whose knob the router's level moves
     constrained: float = 0.0  # its text held to a grammar: 1 (predictors.features.constraint_value), free: 0
+    step_cap: int | None = None  # a canvas request's own max_denoising_steps (cluster.estimator.request_step_cap)
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,7 @@ class ClusterDriver:
         state = RequestState(req.req_id, now, now + req.slo_s, req.prompt_tokens, req.output_tokens,
                              self.block_tokens, req.priority, self.full_sequence,
                              fixed_threshold=req.fixed_threshold, counted=req.counted)
-        state.decoding, state.constrained = req.decoding, float(req.constrained)
+        state.decoding, state.constrained, state.step_cap = req.decoding, float(req.constrained), req.step_cap
         if req.fixed_threshold is not None:
             state.threshold = req.fixed_threshold
         if req.admission is not None:

@@ -58,7 +58,7 @@ from cluster.state import RequestState
 from predictors.features import STEP_FEATURES, StepFeatures
 
 __all__ = ["STEP_FEATURES", "StepEstimator", "TableStepEstimator", "FeatureStepEstimator", "OnlineStepEstimator",
-           "AdmissionStepEstimator", "CanvasStepEstimator", "feature_row"]
+           "AdmissionStepEstimator", "CanvasStepEstimator", "feature_row", "request_step_cap"]
 _NO_CONF = (0.0,) * 5  # a request that has not stepped yet: no confidences
 
 
@@ -227,6 +227,18 @@ class AdmissionStepEstimator:
 DEFAULT_CANVAS_STEPS = 48  # transformers' DiffusionGemma max_denoising_steps: the prior when no rule's cap is given
 
 
+def request_step_cap(decoding_config: dict | None) -> int | None:
+    """A canvas request's own step cap: its ``decoding_config``'s ``max_denoising_steps`` (the renoise rule's
+    field, engine/decoding/renoise.py), None when it sets none; a ValueError naming the field for a value that is
+    not an integer of at least 1 (the replica would refuse it too)."""
+    if not decoding_config or decoding_config.get("max_denoising_steps") is None:
+        return None
+    cap = decoding_config["max_denoising_steps"]
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"decoding_config.max_denoising_steps must be an integer of at least 1, got {cap!r}")
+    return cap
+
+
 class _CanvasTrack:
     """What ``CanvasStepEstimator`` keeps of a live request: its placement (``attempt``), the canvases its
     budget had left before its last step (``blocks``), and its current canvas's denoising steps so far, in all
@@ -260,6 +272,11 @@ class CanvasStepEstimator:
     and what the request committed), each reached with the measured chance (geometrically), or all of them
     until ``min_outcomes`` canvases have said whether another followed.
 
+    A request with its own step cap (``RequestState.step_cap``: its ``decoding_config``'s ``max_denoising_steps``,
+    ``request_step_cap``) is estimated with it: its prior is its cap, not ``step_cap``, and no level's steps per
+    canvas exceed it (a canvas stops at its cap). Its canvases are not recorded in the per-level means (cut at
+    a cap that is not the others', they would say nothing of an uncapped canvas); whether another followed is.
+
     It learns from the router's step events (``observe``, called by ``Router.on_step``): a step that denoised
     (a prefill only encodes the prompt: a block-causal request's first step on each instance it is placed on)
     counts toward the request's current canvas at the level the router
@@ -286,6 +303,7 @@ class CanvasStepEstimator:
         self._followed = 0  # True entries in _next
         self._tracks: dict[str, _CanvasTrack] = {}
         self.canvases = 0  # canvases measured
+        self.own_cap_canvases = 0  # canvases of requests with their own step cap (not in the means)
 
     # ---- learning ------------------------------------------------------------------------------
     def _track(self, req: RequestState, blocks: int) -> _CanvasTrack:
@@ -315,13 +333,23 @@ class CanvasStepEstimator:
             if finished or left < t.blocks:
                 if t.steps:
                     # another canvas followed unless it finished; a finish in the budget's last canvas says nothing
+                    own = req.step_cap is not None and req.step_cap != self.step_cap
                     self.record(max(t.levels.items(), key=lambda kv: kv[1])[0], t.steps,
-                                None if finished and t.blocks <= 1 else not finished)
+                                None if finished and t.blocks <= 1 else not finished, steps_count=not own)
                 t.blocks, t.steps, t.levels = left, 0, {}
 
-    def record(self, level: float, steps: int, followed: bool | None = None) -> None:
+    def record(self, level: float, steps: int, followed: bool | None = None, steps_count: bool = True) -> None:
         """A canvas took ``steps`` denoising steps at ``level``; ``followed``: whether another canvas of its
-        request came after it (None: unknown, e.g. it was the budget's last)."""
+        request came after it (None: unknown, e.g. it was the budget's last); ``steps_count``: False for a canvas
+        cut at a request's own cap (only ``followed`` is kept: ``own_cap_canvases`` counts them)."""
+        if followed is not None:
+            if len(self._next) == self._next.maxlen:
+                self._followed -= self._next[0]
+            self._next.append(bool(followed))
+            self._followed += bool(followed)
+        if not steps_count:
+            self.own_cap_canvases += 1
+            return
         key = round(float(level), 4)
         q = self._steps.get(key)
         if q is None:
@@ -331,34 +359,31 @@ class CanvasStepEstimator:
             self._sums[key] -= q[0]
         q.append(int(steps))
         self._sums[key] += int(steps)
-        if followed is not None:
-            if len(self._next) == self._next.maxlen:
-                self._followed -= self._next[0]
-            self._next.append(bool(followed))
-            self._followed += bool(followed)
         self.canvases += 1
 
     def forget(self, req_id: str) -> None:
         self._tracks.pop(req_id, None)
 
     # ---- estimates ------------------------------------------------------------------------------
-    def per_canvas(self) -> list[float]:
+    def per_canvas(self, cap: int | None = None) -> list[float]:
         """Expected steps of a canvas at each candidate level (highest first): the mean measured at the level;
         between two measured levels, interpolated linearly in the level; below the lowest measured level, its
         mean (a lower level is no slower); above the highest, the step cap (the prior). Non-increasing as the
-        level falls."""
+        level falls. ``cap``: a request's own step cap (the prior, and a bound on every level's)."""
+        cap = self.step_cap if cap is None else int(cap)
         measured = sorted((lv, self._sums[lv] / len(q)) for lv, q in self._steps.items() if q)
         out = []
         for lv in self.thresholds:
             above = next(((mlv, m) for mlv, m in measured if mlv >= lv - 1e-9), None)
             below = next(((mlv, m) for mlv, m in reversed(measured) if mlv < lv - 1e-9), None)
             if above is None:
-                v = float(self.step_cap)
+                v = float(cap)
             elif below is None or above[0] <= lv + 1e-9:
                 v = above[1]
             else:
                 w = (lv - below[0]) / (above[0] - below[0])
                 v = below[1] + w * (above[1] - below[1])
+            v = min(v, float(cap))
             out.append(min(v, out[-1]) if out else v)
         return out
 
@@ -376,9 +401,13 @@ class CanvasStepEstimator:
         return float(n) if p >= 1.0 else p * (1.0 - p ** n) / (1.0 - p)
 
     def predict(self, states):
-        spc, p = self.per_canvas(), self.p_next()
+        p = self.p_next()
+        by_cap: dict[int | None, list[float]] = {}  # the per-level steps per canvas, per request cap met
         out = []
         for s in states:
+            spc = by_cap.get(s.step_cap)
+            if spc is None:
+                spc = by_cap[s.step_cap] = self.per_canvas(s.step_cap)
             t = self._track(s, max(s.blocks_left, 1))
             later = self.later_canvases(p, max(s.blocks_left, 1) - 1)
             out.append([max(v - t.steps, 1.0) + later * v for v in spc])
@@ -397,6 +426,7 @@ class CanvasStepEstimator:
         next canvas and how many canvases measured it."""
         n = len(self._next)
         return {"estimator": "canvas", "step_cap": self.step_cap, "canvases": self.canvases, "ready": self.ready,
+                "own_cap_canvases": self.own_cap_canvases,
                 "steps_per_canvas": {f"{lv:g}": {"canvases": len(q), "mean": round(self._sums[lv] / len(q), 3)}
                                      for lv, q in sorted(self._steps.items(), reverse=True) if q},
                 "estimate": {f"{t:g}": round(v, 3) for t, v in zip(self.thresholds, self.per_canvas())},

@@ -106,6 +106,9 @@ class RequestState:
     # whether its text is held to a grammar (predictors.features.constraint_value of its SamplingParams.constraint:
     # 0 free, 1 constrained): a step-model column, as its rule is (a grammar changes the steps per token)
     constrained: float = 0.0
+    # a canvas request's own step cap (its decoding_config's max_denoising_steps; None: the replicas' rule's):
+    # CanvasStepEstimator's prior for it and the bound on its steps per canvas
+    step_cap: int | None = None
     attempt: int = 0  # placements so far: progress or arrivals of an older attempt are stale
     counted: bool = True  # its SLO counts in the admission governor's attainment (the client set it)
     epoch: int = -1  # the governor's epoch it was admitted in (-1: not counted)

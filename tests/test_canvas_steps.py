@@ -146,3 +146,53 @@ def test_the_level_comes_from_the_slo_budget_and_load_control_caps_it():
     assert capped[0] == free[0] == 0 and all(c >= f for c, f in zip(capped, free)), (capped, free)
     lower = [i for i, (c, f) in enumerate(zip(capped, free)) if c > f]
     assert lower and all(caps[i] == capped[i] for i in lower), (capped, free, caps)
+
+
+def test_a_request_capped_at_8_steps_is_estimated_at_8_not_the_servers_48():
+    """A request's own ``max_denoising_steps`` (its ``decoding_config``) reaches the router through ``Arrival``:
+    before any canvas is measured its prior is its cap, after, no level's steps exceed it; its canvases (cut at
+    its cap) stay out of the others' per-level means."""
+    from cluster.estimator import request_step_cap
+
+    est = CanvasStepEstimator(TS, step_cap=48)
+    d = driver(est)
+    capped = d.arrive(Arrival("capped", 8, 2 * CANVAS, 60.0, step_cap=request_step_cap({"max_denoising_steps": 8})),
+                      0.0).state
+    plain = d.arrive(Arrival("plain", 8, 2 * CANVAS, 60.0), 0.0).state
+    assert capped.step_cap == 8 and plain.step_cap is None
+    assert capped.est == [8.0 + 8.0] * 3 and plain.est == [48.0 + 48.0] * 3  # two canvases each, at the prior
+    for level, steps in ((0.9, 20), (0.8, 12), (0.7, 6)):
+        est.record(level, steps)
+    assert est.predict([capped]) == [[8.0 + 8.0, 8.0 + 8.0, 6.0 + 6.0]]  # 20 and 12 steps: more than it may take
+    assert est.predict([plain]) == [[40.0, 24.0, 12.0]]
+    capped.threshold = 0.9
+    prefill(est, capped)
+    run_canvas(est, capped, 8)  # its first canvas, stopped at its own cap
+    assert est.describe()["steps_per_canvas"]["0.9"] == {"canvases": 1, "mean": 20.0}
+    assert est.describe()["own_cap_canvases"] == 1 and est.describe()["next_canvas"]["canvases"] == 1
+    for bad in (0, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="decoding_config.max_denoising_steps"):
+            request_step_cap({"max_denoising_steps": bad})
+    assert request_step_cap(None) is None and request_step_cap({"entropy_bound": 0.2}) is None
+
+
+def test_the_ingress_hands_a_requests_step_cap_to_the_router():
+    """The dispatcher reads the request's ``decoding_config.max_denoising_steps`` into its ``Arrival``: the
+    router's state of it carries the cap (a request waiting for an instance included); a bad value is a 400
+    naming the field."""
+    import asyncio
+
+    from app.dispatch import DispatchError
+    from tests.builders import make_dispatcher, submit
+
+    async def main():
+        d = make_dispatcher(router={"predictors": "off"})  # the router's estimator does not matter here
+        submit(d, "capped", "rev: abc", 16, sampling={"decoding_config": {"max_denoising_steps": 8}})
+        submit(d, "plain", "rev: abc", 16)
+        with pytest.raises(DispatchError) as bad:
+            submit(d, "bad", "rev: abc", 16, sampling={"decoding_config": {"max_denoising_steps": 0}})
+        return d, bad.value
+
+    d, bad = asyncio.run(main())
+    assert d.live["capped"].state.step_cap == 8 and d.live["plain"].state.step_cap is None
+    assert bad.status == 400 and "decoding_config.max_denoising_steps" in str(bad)
