@@ -1,7 +1,7 @@
 """Resolve a model name or local path and build an engine for it.
 
 Embedded default models (``tiny-bd``, ``tiny-mdm``, and ``tiny-dg``: a DiffusionGemma) ship inside the package;
-model presets (``llada-8b-shape``, ...: random weights of a real shape, for
+model presets (``llada-8b-shape``, ..., ``diffusiongemma-26b-a4b-shape``: random weights of a real shape, for
 profiles and benchmarks) are built in place; anything else must be a local
 HF-format directory or a hub id (``org/name``, resolved through the hub cache by
 ``engine.models.hub``; downloaded there only when not cached).
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.models.hub import is_hub_id, resolve_hub, snapshot_ref
-from engine.models.presets import is_preset
+from engine.models.presets import is_dg_preset, is_preset
 
 DEFAULTS_DIR = Path(__file__).parent / "defaults"
 DEFAULT_MODELS = ("tiny-bd", "tiny-mdm", "tiny-dg")  # tiny-dg: a DiffusionGemma (engine/canvas.py)
@@ -84,6 +84,11 @@ def load_engine(name_or_path: str, device: str = "cpu", dtype: torch.dtype = tor
     from engine.tokenizer import load_tokenizer
 
     rule, config = engine_kwargs.pop("rule", None), engine_kwargs.pop("decoding_config", None)
+    if is_dg_preset(name_or_path):  # a canvas model's shape, random weights: its rule is renoise's (generation)
+        from engine.models.presets import dg_preset_engine
+
+        return dg_preset_engine(name_or_path, device=device, dtype=dtype, rule=rule, decoding_config=config,
+                                **engine_kwargs)
     if is_preset(name_or_path):
         from engine.models.presets import IdTokenizer, build_preset
 

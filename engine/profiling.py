@@ -14,6 +14,7 @@ import torch
 from engine.device import device_name, sync
 from engine.engine import Engine
 from engine.latency_profile import LatencyProfile, ProfilePoint
+from engine.models.presets import preset_meta
 from engine.sequence import SamplingParams
 
 PROFILE_PROMPT = "story: cat 8 and a few more words"  # two or more prompt blocks
@@ -231,7 +232,8 @@ def _profile(driver, engine: Engine, name: str, batch_sizes, rounds: int, progre
         "block_size": engine.cfg.block_size, "elementwise": engine.runner.model.elementwise,
         "warmup": "each batch run untimed before it is timed (once or twice: until it meets no new shape)"
         if warm else None,
-        "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0})
+        "forwards": engine.runner.forwards - forwards0, "forwards_in_kv_pool": engine.runner.pooled - pooled0,
+        **preset_meta(engine.cfg)})
     pairs = [(tokens * max(ctx - ref, 0.0), ms - prof.curve_ms(kind, tokens)) for kind, tokens, ctx, ms in longer]
     denom = sum(x * x for x, _ in pairs)
     if denom > 0 and (attn := max(sum(x * y for x, y in pairs) / denom, 0.0)) > 0:  # the model refitted with it
@@ -257,8 +259,11 @@ def profile_tp(model: str, tp: int, out: str, device: str = "cpu", dtype: torch.
         raise ValueError(f"--tp must be at least 2 for a tensor-parallel profile, got {tp}")
     if device.startswith("cuda") and torch.cuda.device_count() < tp:
         raise ValueError(f"TP-{tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}")
-    from engine.models.presets import is_preset, preset_config
+    from engine.models.presets import is_dg_preset, is_preset, preset_config
 
+    if is_dg_preset(model):
+        raise ValueError(f"--tp: a tensor-parallel profile of the canvas preset {model.split(':')[0]!r} is not "
+                         "built yet; profile it with --tp 1 (the planner models its TP rounds: docs/planner.md)")
     if is_preset(model):
         shard_config(preset_config(model), tp)  # a degree that does not divide the heads fails here, in the parent
     with socket.socket() as sock:

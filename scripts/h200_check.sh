@@ -7,14 +7,15 @@
 # every step the outputs are packed again, so a call stopped at any point still returns them. $OUT ends
 # with three files: summary.txt (the figures against the issue's targets, scripts/h200_summary.py),
 # steps.txt (each step's exit status and seconds; rc=124: stopped at its limit) and h200-check.tar.gz
-# (every log, the round and kernel JSONs, fixtures.json and the two measured profiles, which go into
+# (every log, the round and kernel JSONs, fixtures.json and the three measured profiles, which go into
 # profiles/ as docs/engine.md says).
 #
 # Steps: facts; fixtures (the four checkpoint families through `remask generate` and a batched instance
 # round); gpu-tests (pytest -m gpu); round, round-single, round-moe (`remask bench round`); recompute (`remask bench
 # round --recompute`: a recompute round against a cached round of as many tokens, 128 to 2,048); kernels-8b,
 # kernels-moe (tools/kernel_profile.py: device ms per round by kernel category); bench-engine; profile,
-# profile-check (with its warm-up pass), profile-moe; round-gaps.
+# profile-check (with its warm-up pass), profile-moe; profile-dg, profile-dg-check (DiffusionGemma-26B-A4B's
+# shape, random weights: its first measured profile, about 40 s and 30 s on an H200); round-gaps.
 #
 # A dry run on a CPU (tests/test_h200_check.py runs it):  DEV=cpu SIZE=tiny OUT=/tmp/x bash scripts/h200_check.sh
 # SIZE=tiny shrinks every shape to seconds a step; the steps that need CUDA say "skipped: no CUDA".
@@ -32,13 +33,16 @@ T0=$SECONDS
 if [ "${SIZE:-full}" = tiny ]; then
     M=${M:-"llada-8b-shape:layers=1,vocab=256,hidden=64,heads=2,kv_heads=2,intermediate=128"}
     M2=${M2:-"llada2-mini-shape:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128,vocab=256,experts=16"}
+    MDG=${MDG:-"diffusiongemma-26b-a4b-shape:layers=2,hidden=64,heads=4,kv_heads=2,global_kv_heads=1,head_dim=16,\
+global_head_dim=32,intermediate=96,vocab=256,window=16,experts=16,experts_per_token=4,moe_intermediate=32,canvas=32"}
+    PROFILE_DG_ARGS="--batch-sizes 1,2 --prompt-lens 16,32 --max-tokens 32 --rounds 1" CHECK_DG_ARGS="--requests 1 --slots 1"
     SLOTS=4 SLOTS_MOE=4 TOKENS=8 CONTEXT=16 REPEATS=1 KROUNDS=1 CANVAS=64 RECOMPUTE_SIZES=64,128
     ENGINE_ARGS="--requests 2 --prompt-len 16 --gen-length 8"
     PROFILE_ARGS="--batch-sizes 1,2 --prompt-lens 16,32 --max-tokens 16 --rounds 1"
     PROFILE_MOE_ARGS=$PROFILE_ARGS CHECK_ARGS="--requests 3 --slots 2"
     FIX_ARCHS=${FIX_ARCHS:-sdar} FIX_TIMEOUT=60 DTYPE=${DTYPE:-float32}
 else
-    M=${M:-llada-8b-shape} M2=${M2:-llada2-mini-shape}
+    M=${M:-llada-8b-shape} M2=${M2:-llada2-mini-shape} MDG=${MDG:-diffusiongemma-26b-a4b-shape}
     SLOTS=128 SLOTS_MOE=32 TOKENS=32 CONTEXT=300 REPEATS=10 KROUNDS=5 CANVAS=128 RECOMPUTE_SIZES=128,256,512,1024,2048
     ENGINE_ARGS="--requests 16 --prompt-len 256 --gen-length 64"
     # 128 x 512 is the issue's "fits" target: the profile lists it under meta.skipped when it runs out of memory
@@ -46,6 +50,13 @@ else
     PROFILE_ARGS="--batch-sizes 1,2,4,8,16,32,64,128 --prompt-lens 64,512 --max-tokens 64 --rounds 4"
     PROFILE_MOE_ARGS="--batch-sizes 1,8,32,128 --prompt-lens 64,512 --max-tokens 64 --rounds 3"
     CHECK_ARGS="--requests 64 --slots 32"
+    # DiffusionGemma-26B-A4B's shape (52 GB of bf16 weights, random): one 256-token canvas per request, prompts of
+    # 512 tokens (the curves' context) and 2,048 (the attention term); modelled rounds of 47-177 ms (denoise) and
+    # 46-1,200 ms (prefill), so about 10 s of rounds, 40 s with the start. Batch 32 may run out of memory (its
+    # float32 [32, 256, 262144] logits: 8.6 GB each): then meta.skipped says so. Each canvas runs to the rule's
+    # 48-step cap (random logits are never confident): the check's 6 requests take about 30 s with its warm-up
+    PROFILE_DG_ARGS="--batch-sizes 1,4,16,32 --prompt-lens 512,2048 --max-tokens 256 --rounds 4"
+    CHECK_DG_ARGS="--requests 6 --slots 4"
     FIX_ARCHS=${FIX_ARCHS:-llada,dream,sdar,llada2} FIX_TIMEOUT=60
 fi
 
@@ -122,6 +133,15 @@ else
 fi
 step profile-moe 100 $PY -m tools.cli profile --model "$M2" --device "$DEV" --name h200-llada2mini-measured \
     $PROFILE_MOE_ARGS --out "$WORK/h200-llada2mini-measured.json"
+# 6b. DiffusionGemma-26B-A4B's shape (random weights): the measured profile that replaces the modelled one
+step profile-dg 90 $PY -m tools.cli profile --model "$MDG" --device "$DEV" --name h200-diffusiongemma-26b-a4b-measured \
+    $PROFILE_DG_ARGS --out "$WORK/h200-diffusiongemma-26b-a4b-measured.json"
+if [ -f "$WORK/h200-diffusiongemma-26b-a4b-measured.json" ]; then
+    step profile-dg-check 60 $PY -m tools.cli profile --model "$MDG" --device "$DEV" \
+        --check "$WORK/h200-diffusiongemma-26b-a4b-measured.json" $CHECK_DG_ARGS --json
+else
+    skip profile-dg-check "no profile to check"
+fi
 # 7. filler rows against copied contexts when 4 pool slots among the round's are held by other requests
 step round-gaps 60 $PY -m tools.cli bench round --model "$M" --device "$DEV" --slots $SLOTS --tokens $TOKENS \
     --context $CONTEXT --repeats $REPEATS --gaps 4 --json --out "$WORK/round-gaps.json"

@@ -1,9 +1,9 @@
 """The device run's figures against issue 34's targets: `python scripts/h200_summary.py DIR`.
 
 Reads what scripts/h200_check.sh wrote in DIR (the folder it packs into h200-check.tar.gz: steps.txt,
-fixtures.json, gpu-tests.log, round*.json, recompute.json, kernels-*.json, the JSON lines of bench-engine.log and
-profile-check.log, the measured profiles) and prints one line per figure, each with its target where the
-issue sets one, so a session with a device spends its minutes measuring, not reading logs. Missing,
+fixtures.json, gpu-tests.log, round*.json, recompute.json, kernels-*.json, the JSON lines of bench-engine.log,
+profile-check.log and profile-dg-check.log, the measured profiles) and prints one line per figure, each with its
+target where the issue sets one, so a session with a device spends its minutes measuring, not reading logs. Missing,
 failed and skipped steps are named, not passed over.
 """
 
@@ -23,6 +23,8 @@ PROFILE_TARGET = 0.10  # the profile's predicted run time against the recorded o
 FITS = (128, 512)  # the largest prefill case of the 8B profile: batch x prompt tokens
 GRAPHS = "round, CUDA graphs"  # the variant the engine runs for small rounds, where graphs are on
 RECOMPUTE_TARGET = 1.2  # a recompute round of N tokens against a cached round of N tokens (issue 39)
+DG_MEASURED = "h200-diffusiongemma-26b-a4b-measured"  # DiffusionGemma-26B-A4B's shape, random weights
+DG_MODELLED = "h200-diffusiongemma-26b-a4b-modelled"  # the profile it replaces (engine/profile_model.py)
 
 
 def _json(path: Path) -> dict | None:
@@ -229,10 +231,50 @@ def _profiles(out: Path) -> list[str]:
     return lines
 
 
+def _diffusion_gemma(out: Path) -> list[str]:
+    """DiffusionGemma-26B-A4B's shape measured (random weights): its points, what did not fit, its model's fit,
+    the modelled profile's round time against each measured round, and the check of the measured profile."""
+    path = out / f"{DG_MEASURED}.json"
+    if (p := _json(path)) is None:
+        return [f"{DG_MEASURED}.json: missing"]
+    meta, shape = p.get("meta", {}), p.get("meta", {}).get("shape", {})
+    layers = len(shape.get("layer_types", []))
+    lines = [f"{DG_MEASURED}.json: written (" + ", ".join(f"{k} {len(v)} points" for k, v in p["curves"].items())
+             + f"; {meta.get('preset', '?')} on {meta.get('device')}, {layers} layers, {shape.get('num_experts')} "
+             f"experts, hidden {shape.get('hidden_size')}; weights {str(meta.get('weights', '?')).split(' (')[0]})"
+             + (f"; skipped: {'; '.join(meta['skipped'])}" if meta.get("skipped") else "")]
+    try:  # the profiles' own model (numpy/scipy: what the profile step itself needs)
+        from engine.latency_profile import load_profile
+
+        measured = load_profile(str(path))
+        fit = measured.fit_report()
+        lines.append(f"  its round-time model: largest error {fit['max_error']:.1%} over {len(fit['points'])} rounds")
+        modelled = load_profile(DG_MODELLED)
+        rows = [(q, modelled.forward_ms(q.kind, q.steps, q.query, q.context) / q.ms) for q in measured.points]
+        if rows and layers == 30:  # the full shape: the modelled profile prices the same architecture
+            ratios = sorted(r for _, r in rows)
+            lines.append(f"  {DG_MODELLED} / measured per round: median {ratios[len(ratios) // 2]:.2f}x, "
+                         f"{ratios[0]:.2f}x to {ratios[-1]:.2f}x over {len(rows)} rounds")
+            lines += [f"    {q.kind} {q.steps:g} x {q.query:g} over {q.context:g}: measured {q.ms:.1f} ms, modelled "
+                      f"{q.ms * r:.1f} ms ({r:.2f}x)" for q, r in rows]
+        elif rows:
+            lines.append(f"  not against {DG_MODELLED}: a shrunk shape ({layers} layers)")
+    except Exception as exc:  # noqa: BLE001 - a summary line, not a failure
+        lines.append(f"  its model: not computed ({type(exc).__name__}: {exc})")
+    if (c := _json(out / "profile-dg-check.log")) is not None:
+        err = c["total_error"]
+        lines.append(f"  profile check: {c['rounds']} rounds, error {err:.1%} over the whole run (target <= "
+                     f"{PROFILE_TARGET:.0%}: {_mark(err <= PROFILE_TARGET)}), per round median "
+                     f"{c['median_round_error']:.1%}")
+    else:
+        lines.append("  profile check: no result")
+    return lines
+
+
 def summarize(out: str | Path) -> list[str]:
     out = Path(out)
     return (_steps(out) + _fixtures(out) + _gpu_tests(out) + _rounds(out) + _recompute(out) + _kernels(out)
-            + _engine(out) + _check(out) + _profiles(out))
+            + _engine(out) + _check(out) + _profiles(out) + _diffusion_gemma(out))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from tests.device_image import without_service_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("facts", "fixtures", "round", "round-single", "round-moe", "recompute", "kernels-8b", "kernels-moe",
-         "bench-engine", "profile", "profile-check", "profile-moe", "round-gaps")
+         "bench-engine", "profile", "profile-check", "profile-moe", "profile-dg", "profile-dg-check", "round-gaps")
 
 
 @pytest.mark.slow
@@ -44,6 +44,7 @@ def test_device_script_dry_run_on_the_cpu(tmp_path):
         fixtures = json.load(tar.extractfile("./fixtures.json"))
         kernels = json.load(tar.extractfile("./kernels-moe.json"))
         profile = json.load(tar.extractfile("./h200-llada8b-measured.json"))
+        dg = json.load(tar.extractfile("./h200-diffusiongemma-26b-a4b-measured.json"))
     assert {f"{s}.log" for s in STEPS} <= names
     assert {"round.json", "round-single.json", "round-moe.json", "round-gaps.json", "recompute.json", "kernels-8b.json",
             "kernels-moe.json", "fixtures.json", "h200-llada8b-measured.json", "h200-llada2mini-measured.json",
@@ -52,6 +53,7 @@ def test_device_script_dry_run_on_the_cpu(tmp_path):
     assert fixtures["families"]["sdar"]["ok"] and fixtures["families"]["sdar"]["instance"]["largest_batch"] == 3
     assert kernels["device_ms_per_round"] > 0 and kernels["by_category_ms"]["matmul"] > 0
     assert profile["curves"] and profile["meta"]["device"] == "cpu"
+    assert set(dg["curves"]) == {"prefill", "denoise"} and dg["meta"]["weights"].startswith("random")
 
     summary = (out / "summary.txt").read_text()
     for line in ("steps: every step that ran exited 0", "skipped: gpu-tests (no CUDA)",
@@ -62,7 +64,9 @@ def test_device_script_dry_run_on_the_cpu(tmp_path):
                  "kernels-8b (llada-8b-shape, 4x8",
                  "kernels-moe (llada2-mini-shape, 4x8", "bench engine: batched / best loop",
                  "profile check: ", "over the whole run (target <= 10%:", "h200-llada8b-measured.json: written",
-                 "h200-llada2mini-measured.json: written", "the 128 x 512 prefill case: not in this profile's grid"):
+                 "h200-llada2mini-measured.json: written", "the 128 x 512 prefill case: not in this profile's grid",
+                 "h200-diffusiongemma-26b-a4b-measured.json: written (", "2 layers, 16 experts, hidden 64; weights "
+                 "random)", "not against h200-diffusiongemma-26b-a4b-modelled: a shrunk shape (2 layers)"):
         assert line in summary, (line, summary)
 
 

@@ -155,3 +155,34 @@ def test_kernel_breakdown_on_cuda_counts_the_kernels_own_device_time():
                      Evt("Memcpy DtoD (Device -> Device)", DeviceType.CUDA, 1000.0)], rounds=2, cuda=True)
     assert res["device_ms_per_round"] == 5.0
     assert res["by_category_ms"] == {"matmul": 4.0, "attention": 0.5, "elementwise/other": 0.0, "copy/index": 0.5}
+
+
+def test_summary_reports_the_diffusiongemma_shape_against_its_modelled_profile(tmp_path):
+    """The DiffusionGemma-26B-A4B shape's measured profile (made up: the modelled profile's rounds, each twice as
+    long): its points, what ran out of memory, random weights, its model's fit, the modelled profile against each
+    measured round, and its check."""
+    from engine.latency_profile import load_profile
+
+    modelled = load_profile("h200-diffusiongemma-26b-a4b-modelled").to_dict()
+    layers = modelled["meta"]["architecture"]["text_config"]["layer_types"]
+    measured = {**modelled, "name": "h200-diffusiongemma-26b-a4b-measured",
+                "curves": {k: [[t, 2 * ms] for t, ms in v] for k, v in modelled["curves"].items()},
+                "points": [{**p, "ms": 2 * p["ms"]} for p in modelled["points"]],
+                "meta": {"preset": "diffusiongemma-26b-a4b-shape", "device": "NVIDIA H200",
+                         "weights": "random (seeded normal(0, 0.02)): a timing shape",
+                         "shape": {"layer_types": layers, "num_experts": 128, "hidden_size": 2816},
+                         "skipped": ["batch 32 x prompt 2048: out of memory (allocated 120 GiB)"]}}
+    measured.pop("model", None)  # refitted to the measured points
+    (tmp_path / "h200-diffusiongemma-26b-a4b-measured.json").write_text(json.dumps(measured))
+    (tmp_path / "profile-dg-check.log").write_text(json.dumps({"rounds": 120, "total_error": 0.12,
+                                                               "median_round_error": 0.05}))
+    text = "\n".join(summarize(tmp_path))
+    assert ("h200-diffusiongemma-26b-a4b-measured.json: written (denoise 7 points, prefill 6 points; "
+            "diffusiongemma-26b-a4b-shape on NVIDIA H200, 30 layers, 128 experts, hidden 2816; weights random); "
+            "skipped: batch 32 x prompt 2048: out of memory (allocated 120 GiB)") in text
+    assert "its round-time model: largest error " in text
+    line = next(ln for ln in text.splitlines() if "modelled / measured per round" in ln)
+    assert "median 0.49x" in line and f"over {len(modelled['points'])} rounds" in line  # its fit: within 2%
+    assert "profile check: 120 rounds, error 12.0% over the whole run (target <= 10%: NOT met)" in text
+    (tmp_path / "h200-diffusiongemma-26b-a4b-measured.json").unlink()
+    assert "h200-diffusiongemma-26b-a4b-measured.json: missing" in "\n".join(summarize(tmp_path))

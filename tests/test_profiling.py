@@ -75,6 +75,69 @@ def test_profile_cli_rejects_bad_input(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+DG_SMALL = ("diffusiongemma-26b-a4b-shape:layers=2,hidden=64,heads=4,kv_heads=2,global_kv_heads=1,head_dim=16,"
+            "global_head_dim=32,intermediate=96,vocab=256,window=16,experts=16,experts_per_token=4,moe_intermediate=32,"
+            "canvas=16")
+
+
+def test_the_diffusiongemma_shape_preset_is_the_published_config():
+    """DiffusionGemma-26B-A4B's shape: the published text config (30 layers, 5 sliding to 1 full, 128 experts of
+    which 8 active, keys as values in the full layers), the modelled profile's weights, built on the meta device;
+    overrides keep the layer pattern and refuse unknown keys."""
+    from engine.models import diffusion_gemma as dg
+    from engine.models.meta import on_meta
+    from engine.models.presets import dg_preset_config, is_dg_preset, is_preset
+
+    cfg = dg_preset_config("diffusiongemma-26b-a4b-shape")
+    assert is_preset("diffusiongemma-26b-a4b-shape") and is_dg_preset("diffusiongemma-26b-a4b-shape:layers=2")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_experts, cfg.top_k_experts) == \
+        (30, 2816, 16, 128, 8)
+    assert cfg.layer_types.count(dg.FULL) == 5 and cfg.kv_heads[:6] == (8,) * 5 + (2,)
+    assert cfg.head_dims[5] == 512 and cfg.sliding_window == 1024 and cfg.canvas_length == 256
+    with on_meta():
+        matrices = sum(p.numel() for p in dg.DiffusionGemma(cfg).parameters() if p.dim() > 1)
+    # the modelled profile's architecture (engine.profile_model's Shape, checked against the published counts in
+    # tests/test_profile_model.py): the same weight matrices, 25.25B (the self-conditioning MLP included)
+    modelled = load_profile("h200-diffusiongemma-26b-a4b-modelled").meta["architecture"]
+    assert matrices == modelled["total_params"] == 25_250_283_520
+    small = dg_preset_config("diffusiongemma-26b-a4b-shape:layers=7,vocab=300")
+    assert small.layer_types == (dg.SLIDING,) * 5 + (dg.FULL, dg.FULL) and small.vocab_size == 300
+    with pytest.raises(ValueError, match="bad preset override 'depth=2'"):
+        dg_preset_config("diffusiongemma-26b-a4b-shape:depth=2")
+
+
+def test_profile_fit_and_check_of_the_diffusiongemma_shape_on_the_cpu(tmp_path, capsys):
+    """`remask profile` of the DiffusionGemma shape preset (tiny overrides): random weights built on the meta device
+    and served by the canvas engine; the profile's meta names the preset, says the weights are random and holds
+    the shape; --fit and --check run on it."""
+    out = tmp_path / "dg.json"
+    assert main(["profile", "--model", DG_SMALL, "--out", str(out), "--batch-sizes", "1,2", "--prompt-lens", "8",
+                 "--rounds", "1", "--max-tokens", "16"]) == 0
+    prof = load_profile(str(out))
+    meta = prof.meta
+    assert prof.name == "diffusiongemma-26b-a4b-shape" and set(prof.curves) == {"prefill", "denoise"}
+    assert [t for t, _ in prof.curves["denoise"]] == [16, 32]  # one 16-token canvas per request
+    assert meta["preset"] == DG_SMALL and meta["weights"].startswith("random") and meta["block_size"] == 16
+    assert meta["shape"]["num_experts"] == 16 and meta["shape"]["layer_types"] == ["sliding_attention",
+                                                                                     "full_attention"]
+    capsys.readouterr()
+    assert main(["profile", "--fit", str(out)]) == 0
+    assert "profile diffusiongemma-26b-a4b-shape:" in capsys.readouterr().out
+    assert main(["profile", "--model", DG_SMALL, "--check", str(out), "--requests", "2", "--slots", "2",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["requests"] == 2 and res["rounds"] > 0 and res["model"] == DG_SMALL
+
+
+def test_the_diffusiongemma_shape_is_refused_where_only_masked_models_run(capsys):
+    from engine.models.presets import build_preset
+
+    with pytest.raises(ValueError, match="canvas"):
+        build_preset(DG_SMALL)
+    assert main(["profile", "--model", DG_SMALL, "--tp", "2", "--out", "x.json"]) == 2
+    assert "not built yet" in capsys.readouterr().err
+
+
 def test_bench_round_times_the_round_and_its_variants(tmp_path, capsys):
     from engine.models.flops import forward_flops
     from engine.models.presets import preset_config

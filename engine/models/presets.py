@@ -4,7 +4,11 @@
 (Qwen2: grouped KV heads, qkv bias, shifted logits), ``sdar-8b-shape`` SDAR-8B's (Qwen3: q/k
 norms, block-causal with blocks of 4) and ``llada2-mini-shape`` LLaDA2.0-mini's (a mixture of 256
 experts, 8 per token plus a shared one, after one dense layer; q/k norms, RoPE on half of each head,
-block-causal with blocks of 32).
+block-causal with blocks of 32). ``diffusiongemma-26b-a4b-shape`` is DiffusionGemma-26B-A4B's (the Gemma-4
+26B-A4B backbone: 30 layers, five sliding-window layers to one full layer, 128 experts of which 8 per token
+beside a dense MLP, keys as values in the full layers, a 256-token canvas; ``engine.profile_model.DG_26B_A4B_TEXT``,
+checked there against the published parameter counts): a canvas model, built as ``engine.models.diffusion_gemma``
+builds a checkpoint and served by ``CanvasServeEngine`` (``build_dg_preset``; ``remask profile``, ``generate``).
 
 A name may carry overrides after a colon, ``llada-8b-shape:layers=2,vocab=4096``, to run the same
 code at a size a CPU can afford (tests do). The weights are random (seeded), so what such a model
@@ -13,11 +17,14 @@ decodes is noise: presets are for timing, never for answers. They take token ids
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 
 from engine.models.config import ModelConfig
 from engine.models.meta import on_meta
 from engine.models.transformer import DLMTransformer
+from engine.profile_model import DG_26B_A4B_TEXT, DG_CANVAS
 
 PRESETS: dict[str, dict] = {
     "llada-8b-shape": dict(vocab_size=126464, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
@@ -46,24 +53,56 @@ OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_head
              "moe_intermediate": "moe_intermediate_size"}
 
 
+# canvas (DiffusionGemma) shapes: a checkpoint's text_config and its canvas length
+DG_PRESETS: dict[str, dict] = {
+    "diffusiongemma-26b-a4b-shape": {"text_config": DG_26B_A4B_TEXT, "canvas_length": DG_CANVAS},
+}
+DG_OVERRIDES = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+                "kv_heads": "num_key_value_heads", "global_kv_heads": "num_global_key_value_heads",
+                "head_dim": "head_dim", "global_head_dim": "global_head_dim", "intermediate": "intermediate_size",
+                "vocab": "vocab_size", "window": "sliding_window", "experts": "num_experts",
+                "experts_per_token": "top_k_experts", "moe_intermediate": "moe_intermediate_size",
+                "canvas": "canvas_length"}
+RANDOM_WEIGHTS = ("random (seeded normal(0, 0.02); norms, router scales and layer scalars 1): a timing shape, "
+                  "not the checkpoint's weights")
+
+
 def is_preset(name: str) -> bool:
-    return name.split(":", 1)[0] in PRESETS
+    """A shape preset's name (random weights): a masked family's (``PRESETS``) or a canvas model's (``DG_PRESETS``)."""
+    return name.split(":", 1)[0] in PRESETS or is_dg_preset(name)
+
+
+def is_dg_preset(name: str) -> bool:
+    return name.split(":", 1)[0] in DG_PRESETS
+
+
+def _overrides(name: str, known: dict[str, str]) -> tuple[str, dict[str, int]]:
+    """``preset[:key=value,...]`` -> (preset, {field: integer}); ValueError naming a bad item."""
+    base, _, rest = name.partition(":")
+    out = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in known or not eq:
+            raise ValueError(f"bad preset override {item!r}: use key=integer with key one of {', '.join(known)}")
+        try:
+            out[known[key]] = int(value)
+        except ValueError:
+            raise ValueError(f"bad preset override {item!r}: {value!r} is not an integer") from None
+    return base, out
 
 
 def preset_config(name: str) -> ModelConfig:
-    """The config of ``name`` (``preset[:key=value,...]``); ValueError on an unknown preset or key."""
-    base, _, rest = name.partition(":")
+    """The config of ``name`` (``preset[:key=value,...]``); ValueError on an unknown preset or key. A canvas
+    preset's is its ``dg_preset_config`` summarised (``DiffusionGemmaConfig.to_model_config``), marked a preset."""
+    if is_dg_preset(name):
+        cfg = dg_preset_config(name).to_model_config()
+        cfg.extra.update(name=name, preset=True)
+        return cfg
+    base, over = _overrides(name, OVERRIDES)
     if base not in PRESETS:
-        raise ValueError(f"unknown model preset {base!r}; known: {', '.join(sorted(PRESETS))}")
+        raise ValueError(f"unknown model preset {base!r}; known: {', '.join(sorted([*PRESETS, *DG_PRESETS]))}")
     kwargs = dict(PRESETS[base])
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if key not in OVERRIDES or not eq:
-            raise ValueError(f"bad preset override {item!r}: use key=integer with key one of {', '.join(OVERRIDES)}")
-        try:
-            kwargs[OVERRIDES[key]] = int(value)
-        except ValueError:
-            raise ValueError(f"bad preset override {item!r}: {value!r} is not an integer") from None
+    kwargs.update(over)
     vocab = kwargs["vocab_size"]
     if max(kwargs["mask_token_id"], kwargs["eos_token_id"], kwargs["pad_token_id"]) >= vocab:
         kwargs.update(mask_token_id=vocab - 1, eos_token_id=vocab - 2, pad_token_id=vocab - 2)  # a shrunk vocabulary
@@ -75,6 +114,9 @@ def build_preset(name: str, device: str | torch.device = "cpu", dtype: torch.dty
     """A random-weight model of the preset's shape, made on ``device`` in ``dtype`` (no float32 copy).
     ``tp`` > 1: one tensor-parallel rank's shard of that shape (its heads and MLP columns; the caller
     sets each layer's ``reduce``), for timing TP rounds without building the whole model first."""
+    if is_dg_preset(name):
+        raise ValueError(f"{name!r} is a canvas (DiffusionGemma) shape: build it with build_dg_preset, serve it "
+                         "with remask profile / generate (the masked families' round benches do not run it)")
     cfg = preset_config(name)
     if tp > 1:
         from engine.models.tensor_parallel import shard_config
@@ -93,6 +135,79 @@ def build_preset(name: str, device: str | torch.device = "cpu", dtype: torch.dty
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     return model.eval()
+
+
+def dg_preset_config(name: str):
+    """The ``DiffusionGemmaConfig`` of a canvas preset (``diffusiongemma-26b-a4b-shape[:key=value,...]``, keys in
+    ``DG_OVERRIDES``): ``layers=N`` keeps the 5:1 sliding-to-full pattern (the last layer full, as transformers
+    forces it); a shrunk vocabulary keeps the token ids (pad 0, EOS 1, BOS 2) below it."""
+    from engine.models import diffusion_gemma as dg
+
+    base, over = _overrides(name, DG_OVERRIDES)
+    if base not in DG_PRESETS:
+        raise ValueError(f"unknown canvas model preset {base!r}; known: {', '.join(sorted(DG_PRESETS))}")
+    data = DG_PRESETS[base]
+    text = dict(data["text_config"])
+    canvas = over.pop("canvas_length", data["canvas_length"])
+    text.update(over)
+    if "num_hidden_layers" in over:
+        n = text["num_hidden_layers"]
+        text["layer_types"] = [dg.SLIDING if (i + 1) % 6 else dg.FULL for i in range(n)]
+    for key, value in (("num_hidden_layers", text["num_hidden_layers"]), ("canvas", canvas),
+                       ("vocab", text["vocab_size"] - 2), ("window", text["sliding_window"] - 1)):
+        if value < 1:
+            raise ValueError(f"bad preset override in {name!r}: {key} is too small")
+    return dg.config_from_hf({"text_config": text, "canvas_length": canvas})
+
+
+def build_dg_preset(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                    seed: int = 0):
+    """A random-weight ``DiffusionGemma`` of a canvas preset's shape, made on the meta device and materialised
+    on ``device`` in ``dtype`` (no float32 copy, no initialiser run twice): matrices normal(0, 0.02), norms,
+    the router's scales and the layer scalars 1 (``RANDOM_WEIGHTS``)."""
+    from engine.models import diffusion_gemma as dg
+
+    cfg = dg_preset_config(name)
+    with on_meta():
+        model = dg.DiffusionGemma(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(("norm.weight", "router.scale", "per_expert_scale")):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+        for _, b in model.named_buffers():  # the layer scalars (decoder's and encoder's)
+            b.fill_(1.0)
+    return model.eval()
+
+
+def dg_preset_engine(name: str, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, **engine_kwargs):
+    """A ``CanvasServeEngine`` over ``build_dg_preset(name)`` with an ``IdTokenizer`` (prompts are token ids); its
+    ``cfg.extra`` says it is a preset (name, random weights, the shape), as ``preset_meta`` reads it."""
+    from engine.canvas_serving import CanvasServeEngine
+
+    model = build_dg_preset(name, device=device, dtype=dtype)
+    engine = CanvasServeEngine(model, IdTokenizer(model.config.to_model_config()), device=device, **engine_kwargs)
+    engine.cfg.extra.update(name=name, preset=True)
+    return engine
+
+
+def preset_meta(cfg: ModelConfig) -> dict:
+    """What a profile's ``meta`` says of a preset model (``cfg.extra["preset"]``): its weights are random and its
+    shape (the masked families' config fields; a canvas model's text config as ``DiffusionGemmaConfig``);
+    nothing for a checkpoint."""
+    if not cfg.extra.get("preset"):
+        return {}
+    if "diffusion_gemma" in cfg.extra:
+        shape = dict(cfg.extra["diffusion_gemma"])
+        shape.pop("generation", None)
+    else:
+        shape = {k: v for k, v in asdict(cfg).items() if k != "extra"}
+    return {"preset": cfg.extra.get("name"), "weights": RANDOM_WEIGHTS, "shape": shape}
 
 
 class IdTokenizer:
