@@ -26,6 +26,17 @@ a forward and ``step_ms`` a step's slot. A target ``Shape`` (an architecture) is
   work hides it where it is longer (``launch-bound`` is the excess).
 - **Fixed**: ``forward_ms`` per forward, ``step_ms`` per step (a slot's host bookkeeping), as measured.
 
+**Tensor parallelism** (``tp_shape``, ``model_profile(tp=d)``): each of d ranks holds its share of the query
+heads, K/V heads (one per rank where there are fewer than ranks: replicated), the dense MLP's and every expert's
+columns; the router, norms, embeddings, self-conditioning and LM head are replicated (as
+``engine.models.diffusion_gemma.shard`` splits a checkpoint). A rank's forward is the model's priced on its shard
+at the same device rates, plus ``reduces_per_layer`` all-reduces of the [tokens, hidden] bf16 activation per
+layer (``AllReduce``: a fixed latency and the bytes a ring moves at a bus bandwidth; no repo run measured one:
+the figures are published ones, stated in the profile's meta) and their launches (one kernel each, added to the
+layer's). A rank launches as many kernels as a whole model does, so an eager, launch-bound round gains nothing
+from TP and pays its all-reduces: the planner sees it in the TP profiles ``scripts/model_profile.py`` writes
+beside the TP-1 one (``NAME-tp2.json``, ``NAME-tp4.json``: ``load_tp_profiles`` prefers them to TP-1's scaled).
+
 ``model_profile`` samples the model at the shapes a profile run measures (``remask profile``'s rounds:
 batches of steps of one kind) and returns an ordinary ``LatencyProfile`` of those points, its ``meta``
 saying it is modelled, how, and from what; the simulator and the planner price it as any profile (its
@@ -208,6 +219,60 @@ LLADA2_MINI = {"vocab_size": 157184, "hidden_size": 2048, "num_layers": 20, "num
 KERNELS_PER_LAYER = {"llada-8b-shape": 27.0, "llada2-mini-shape": 74.0, "diffusiongemma": 119.0}
 
 
+# ---------------------------------------------------------------- tensor parallelism
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """An all-reduce among ``world`` ranks of ``nbytes``: ``latency_ms`` + 2 (world - 1) / world x nbytes at
+    ``bus_bytes_per_ms`` (a ring's bus bandwidth, the figure nccl-tests reports as busbw); ``source`` says where
+    the two numbers come from."""
+
+    latency_ms: float
+    bus_bytes_per_ms: float
+    source: str
+
+    def ms(self, nbytes: float, world: int) -> float:
+        if world <= 1:
+            return 0.0
+        return self.latency_ms + 2.0 * (world - 1) / world * nbytes / self.bus_bytes_per_ms
+
+
+# H200s of one HGX board share NVLink 4 through NVSwitch (900 GB/s per GPU, as the H100 SXM). No run of this repo
+# measured an all-reduce (the H200 runs had one GPU): nccl-tests' all_reduce_perf on 8 x H100 SXM reaches a bus
+# bandwidth of 460-480 GB/s on large messages (published reference figures); 450 GB/s is taken, and 10 us for
+# an NCCL all-reduce's fixed latency on NVLink (small messages). A measured TP profile replaces both.
+H200_NVLINK = AllReduce(0.010, 450e9 / 1e3, "assumed, not measured: NVLink 4 through NVSwitch, a bus bandwidth of "
+                        "450 GB/s (nccl-tests all_reduce_perf on 8 x H100 SXM: 460-480 GB/s on large messages, "
+                        "published) and a 10 us fixed latency per all-reduce")
+DG_REDUCES_PER_LAYER = 3  # engine.models.diffusion_gemma.shard: after attention, after the dense MLP, after the experts
+
+
+def tp_shape(shape: Shape, world: int, reduces_per_layer: int = DG_REDUCES_PER_LAYER) -> Shape:
+    """One rank's share of ``shape`` under ``world``-way tensor parallelism (module doc): query heads, the dense
+    MLP's and the experts' columns divided; K/V heads divided, or one per rank where there are fewer K/V heads
+    than ranks; router, embeddings, self-conditioning and LM head whole; each layer launches its all-reduces too.
+    A ValueError names what ``world`` does not divide."""
+    if world < 1:
+        raise ValueError(f"TP degree must be at least 1, got {world}")
+    if world == 1:
+        return shape
+    for name, value in (("num_attention_heads", shape.attention[0].heads), ("intermediate_size", shape.intermediate),
+                        ("moe_intermediate_size", shape.moe_intermediate)):
+        if value % world:
+            raise ValueError(f"TP degree {world} does not divide {name} = {value}")
+    attention = []
+    for a in shape.attention:
+        if a.kv_heads >= world and a.kv_heads % world:
+            raise ValueError(f"TP degree {world} does not divide num_key_value_heads = {a.kv_heads}")
+        if a.kv_heads < world and world % a.kv_heads:
+            raise ValueError(f"TP degree {world} is not a multiple of num_key_value_heads = {a.kv_heads}")
+        attention.append(replace(a, heads=a.heads // world, kv_heads=max(a.kv_heads // world, 1)))
+    return replace(shape, name=f"{shape.name}-tp{world}-rank", attention=tuple(attention),
+                   intermediate=shape.intermediate // world, moe_intermediate=shape.moe_intermediate // world,
+                   kernels_per_layer=shape.kernels_per_layer + reduces_per_layer)
+
+
 # ---------------------------------------------------------------- the model
 
 
@@ -252,6 +317,9 @@ class ModelledRounds:
     rates: Rates
     moe_efficiency: float = 1.0
     vocab_passes: float = 12.0
+    tp: int = 1  # ranks: ``shape`` is one rank's (``tp_shape``), each layer all-reduces ``reduces_per_layer`` times
+    all_reduce: AllReduce | None = None
+    reduces_per_layer: int = DG_REDUCES_PER_LAYER
 
     def terms(self, kind: str, steps: float, query: float, context: float) -> dict[str, float]:
         """The forward's terms: ``launch-bound`` is what the host's launches of an eager forward take beyond
@@ -278,6 +346,11 @@ class ModelledRounds:
                 keys = min(keys, float(a.window))
             attn += r.pair_ms_per_unit * a.unit * tokens * keys
         out["attention"] = attn
+        if self.tp > 1:
+            if self.all_reduce is None:
+                raise ValueError("a TP model needs its all-reduce's figures (all_reduce)")
+            nbytes = tokens * s.hidden * BF16_BYTES
+            out["all-reduce"] = self.reduces_per_layer * s.layers * self.all_reduce.ms(nbytes, self.tp)
         eager = tokens > r.graph_tokens if s.cuda_graphs else True
         work = sum(v for k, v in out.items() if k not in ("forward", "steps"))
         launches = r.dispatch_ms_per_kernel * s.kernels_per_layer * s.layers if eager else 0.0
@@ -329,9 +402,12 @@ def calibrate_dispatch(rates: Rates, calibration: LatencyProfile, shape: Shape) 
 
 
 def model_profile(source: str = SOURCE, calibration: str | None = CALIBRATION, text: dict | None = None,
-                  vocab_passes: float = 12.0) -> tuple[LatencyProfile, ModelledRounds]:
+                  vocab_passes: float = 12.0, tp: int = 1, all_reduce: AllReduce = H200_NVLINK
+                  ) -> tuple[LatencyProfile, ModelledRounds]:
     """The modelled DiffusionGemma-26B-A4B profile (module doc) and the model it samples. ``calibration``:
-    the measured run whose eager rounds fit the host's time per kernel launch (None: 0, launches free)."""
+    the measured run whose eager rounds fit the host's time per kernel launch (None: 0, launches free).
+    ``tp`` > 1: a TP-``tp`` instance's (``NAME-tp<tp>``): one rank's shard at the same rates, with
+    ``all_reduce``'s figures for its all-reduces (module doc)."""
     text = dict(DG_26B_A4B_TEXT if text is None else text)
     src = load_profile(source)
     llada = preset_shape(LLADA_8B, "llada-8b-shape", KERNELS_PER_LAYER["llada-8b-shape"])
@@ -340,8 +416,9 @@ def model_profile(source: str = SOURCE, calibration: str | None = CALIBRATION, t
     if calibration:
         mini = preset_shape(LLADA2_MINI, "llada2-mini-shape", KERNELS_PER_LAYER["llada2-mini-shape"])
         rates, cal = calibrate_dispatch(rates, load_profile(calibration), mini)
-    shape = gemma_shape(text, "diffusiongemma-26b-a4b", KERNELS_PER_LAYER["diffusiongemma"])
-    model = ModelledRounds(shape, rates, 1.0, vocab_passes)
+    whole = gemma_shape(text, "diffusiongemma-26b-a4b", KERNELS_PER_LAYER["diffusiongemma"])
+    shape = tp_shape(whole, tp)
+    model = ModelledRounds(shape, rates, 1.0, vocab_passes, tp, all_reduce if tp > 1 else None)
     points = []
     for n in DENOISE_BATCHES:
         for ctx in (REF_CONTEXT, *DENOISE_CONTEXTS):
@@ -381,11 +458,11 @@ def model_profile(source: str = SOURCE, calibration: str | None = CALIBRATION, t
         "calibration": cal,
         "moe_efficiency": model.moe_efficiency,
         "vocab_passes": vocab_passes,
-        "architecture": {"text_config": text, "canvas_length": DG_CANVAS, "shape": asdict(shape),
-                         "total_params": shape.total_params, "active_params": shape.active_params,
-                         "expert_params": shape.expert_params, "active_expert_params": shape.active_expert_params,
-                         "dense_params": {k: shape.dense_params(k) for k in ("prefill", "denoise")},
-                         "weight_bytes": BF16_BYTES * (shape.total_params + shape.hidden * shape.vocab)},
+        "architecture": {"text_config": text, "canvas_length": DG_CANVAS, "shape": asdict(whole),
+                         "total_params": whole.total_params, "active_params": whole.active_params,
+                         "expert_params": whole.expert_params, "active_expert_params": whole.active_expert_params,
+                         "dense_params": {k: whole.dense_params(k) for k in ("prefill", "denoise")},
+                         "weight_bytes": BF16_BYTES * (whole.total_params + whole.hidden * whole.vocab)},
         "kernels_per_layer": dict(KERNELS_PER_LAYER),
         "attention": "attn_ms_per_pair is the full layers' (they attend to every key); the sliding layers' "
                      f"attention (at most {shape.attention[0].window} keys) is in the points, so in the fitted "
@@ -398,11 +475,44 @@ def model_profile(source: str = SOURCE, calibration: str | None = CALIBRATION, t
                   f"{REF_CONTEXT} (ref_context), {', '.join(map(str, DENOISE_CONTEXTS))} tokens; prefill = "
                   "prompts of " + ", ".join(map(str, PREFILL_LENGTHS)) + " tokens encoded from an empty cache",
     }
-    prof = LatencyProfile(NAME, curves, float(REF_CONTEXT), pair_ms, 0.0, meta, points)
+    if tp > 1:
+        meta.update(tp_meta(model, whole))
+    prof = LatencyProfile(NAME if tp == 1 else f"{NAME}-tp{tp}", curves, float(REF_CONTEXT), pair_ms, 0.0, meta,
+                          points)
     meta["fit_error_vs_model"] = fit_check(prof, model)
     meta["context_error"] = context_error(prof, model)
-    meta["published_check"] = published_check(prof, model)
+    if tp == 1:  # the published figure is one GPU's
+        meta["published_check"] = published_check(prof, model)
     return prof, model
+
+
+def tp_meta(model: ModelledRounds, whole: Shape) -> dict:
+    """What a TP profile's meta adds: the degree, how a rank's rounds are priced, its shard, the all-reduce's
+    figures and where they come from, and its rounds against TP-1's (the same model on the whole shape)."""
+    one = ModelledRounds(whole, model.rates, model.moe_efficiency, model.vocab_passes)
+    s = model.shape
+    vs = {}
+    for kind, n, q, c in (("denoise", 1, DG_CANVAS, REF_CONTEXT), ("denoise", 16, DG_CANVAS, REF_CONTEXT),
+                          ("denoise", 64, DG_CANVAS, REF_CONTEXT), ("prefill", 1, 512, 0), ("prefill", 16, 512, 0)):
+        terms = model.terms(kind, n, q, c)
+        vs[f"{kind} {n} x {q}"] = {"tp1_ms": round(one.forward_ms(kind, n, q, c), 3),
+                                   "ms": round(sum(terms.values()), 3),
+                                   "all_reduce_ms": round(terms.get("all-reduce", 0.0), 3),
+                                   "launch_bound_ms": round(terms.get("launch-bound", 0.0), 3)}
+    return {"tp": model.tp,
+            "tensor_parallel": {
+                "method": "one rank's shard priced at the source's device rates (query heads, the dense MLP's and "
+                          "each expert's columns divided by the degree; K/V heads divided, or one per rank where "
+                          "fewer; router, embeddings, self-conditioning and LM head whole, as "
+                          "engine.models.diffusion_gemma.shard splits a checkpoint), plus "
+                          f"{model.reduces_per_layer} all-reduces per layer of the [tokens, hidden] bf16 activation "
+                          "and their launches (one kernel each)",
+                "rank_shape": asdict(s), "rank_weight_bytes": BF16_BYTES * (s.total_params + s.hidden * s.vocab),
+                "reduces_per_layer": model.reduces_per_layer, "all_reduce": asdict(model.all_reduce),
+                "vs_tp1": vs},
+            "replace_with": f"a GPU run on {model.tp} H200s (`remask profile --tp {model.tp}` of the checkpoint, "
+                            "saved over this file); until then every number here is modelled, the all-reduce's "
+                            "figures assumed"}
 
 
 def fit_check(prof: LatencyProfile, model: ModelledRounds) -> dict:

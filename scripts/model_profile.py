@@ -1,6 +1,7 @@
-"""Write the modelled H200 latency profile of google/diffusiongemma-26B-A4B-it (engine/profile_model.py):
+"""Write the modelled H200 latency profiles of google/diffusiongemma-26B-A4B-it (engine/profile_model.py):
 
     .venv/bin/python scripts/model_profile.py                 # profiles/h200-diffusiongemma-26b-a4b-modelled.json
+                                                              # and its -tp2, -tp4 siblings (TP instances)
     .venv/bin/python scripts/model_profile.py --out /tmp/p.json --check
     .venv/bin/python scripts/model_profile.py --count-kernels  # the kernels per layer the launch term uses
     .venv/bin/python scripts/model_profile.py --steps-curve EVAL_JSON  # planner.costs' steps-per-canvas curves
@@ -8,8 +9,10 @@
 (``EVAL_JSON``: what `remask eval --model tiny-dg --n 300 --json --entropy-bounds 0.05,0.1,0.2,0.4,0.8` prints.)
 
 It prints the fit of the profile's RoundModel to the architectural model, the launch-time calibration on the
-LLaDA2-mini H200 run, a few priced rounds and the published figure it is compared with. ``--check``: exit 1
-if the written file differs from the shipped one. A GPU run (`remask profile` of the checkpoint) replaces it.
+LLaDA2-mini H200 run, a few priced rounds and the published figure it is compared with; for each TP degree
+(``--tp-degrees``, default 2,4: ``NAME-tpN.json`` beside ``--out``, which ``load_tp_profiles`` prefers to TP-1's
+scaled) its fit and its rounds against TP-1's. ``--check``: exit 1 if a written file differs from the shipped
+one. A GPU run (`remask profile` of the checkpoint, ``--tp N`` for a TP instance) replaces each.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def count_kernels() -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     from engine import profile_model as pm
+    from engine.argtypes import int_list
     from engine.latency_profile import PROFILES_DIR
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -94,11 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", default=pm.SOURCE, help="the measured profile whose rates are scaled")
     ap.add_argument("--calibration", default=pm.CALIBRATION, help="a measured MoE profile the experts' rate is "
                     "fitted to ('' for none: moe_efficiency 1)")
-    ap.add_argument("--check", action="store_true", help="exit 1 if --out differs from the shipped file")
+    ap.add_argument("--tp-degrees", type=lambda t: int_list(t) if t.strip() else [], default=[2, 4],
+                    help="TP degrees whose profiles are written beside --out as NAME-tpN.json ('' for none)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a written file differs from the shipped one")
     ap.add_argument("--count-kernels", action="store_true", help="print the kernels per layer and exit")
     ap.add_argument("--steps-curve", metavar="EVAL_JSON", help="print the steps-per-canvas curves of a `remask eval "
                     "--model tiny-dg --json --entropy-bounds ...` output (planner.costs) and exit")
     args = ap.parse_args(argv)
+    if any(d < 2 for d in args.tp_degrees):
+        ap.error(f"--tp-degrees: TP degrees of at least 2 (TP-1's is --out), got {args.tp_degrees}")
     if args.steps_curve:
         from planner.costs import scaled_steps_curve
 
@@ -113,15 +121,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if got == pm.KERNELS_PER_LAYER else 1
     prof, model = pm.model_profile(args.source, args.calibration or None)
     text = pm.profile_json(prof)
-    Path(args.out).write_text(text)
+    out = Path(args.out)
+    out.write_text(text)
+    written = {prof.name: (out, text)}
     report = {"written": args.out, "fit": pm.fit_check(prof, model), "moe_efficiency": model.moe_efficiency,
               "calibration": prof.meta["calibration"], "rounds": pm.rounds_summary(prof),
-              "published": pm.published_check(prof, model)}
+              "published": pm.published_check(prof, model), "tp": {}}
+    for d in args.tp_degrees:
+        tp_prof, tp_model = pm.model_profile(args.source, args.calibration or None, tp=d)
+        path = out.with_name(f"{out.stem}-tp{d}.json")
+        written[tp_prof.name] = (path, pm.profile_json(tp_prof))
+        path.write_text(written[tp_prof.name][1])
+        report["tp"][d] = {"written": str(path), "fit": tp_prof.meta["fit_error_vs_model"],
+                           "rounds": pm.rounds_summary(tp_prof), "vs_tp1": tp_prof.meta["tensor_parallel"]["vs_tp1"]}
     print(json.dumps(report, indent=1))
     if args.check:
-        shipped = (PROFILES_DIR / f"{pm.NAME}.json").read_text()
-        if shipped != text:
-            print("differs from the shipped profile", file=sys.stderr)
+        shipped = {name: PROFILES_DIR / f"{name}.json" for name in written}
+        differ = [name for name, (_, text) in written.items()
+                  if not shipped[name].exists() or shipped[name].read_text() != text]
+        if differ:
+            print(f"differs from the shipped profile: {', '.join(differ)}", file=sys.stderr)
             return 1
     return 0
 

@@ -160,6 +160,78 @@ def test_simulate_and_plan_take_the_profile(capsys):
     assert "--steps: expected 'diffusiongemma'" in capsys.readouterr().err
 
 
+def test_a_tp_rank_holds_its_share_of_the_heads_and_columns_and_the_rest_whole():
+    whole = pm.gemma_shape(pm.DG_26B_A4B_TEXT, "dg", 119.0)
+    two, four = pm.tp_shape(whole, 2), pm.tp_shape(whole, 4)
+    assert pm.tp_shape(whole, 1) is whole
+    # sliding layers: 8 K/V heads divide; full layers: 2 K/V heads, one per rank at TP-4 (each held by two ranks)
+    assert [(a.heads, a.kv_heads) for a in two.attention] == [(8, 4), (8, 1)]
+    assert [(a.heads, a.kv_heads) for a in four.attention] == [(4, 2), (4, 1)]
+    assert (four.intermediate, four.moe_intermediate, four.experts) == (528, 176, 128)
+    # replicated: a denoising step's LM head, soft-embedding product and self-conditioning MLP (1.49B of its 3.15B
+    # dense weights) and the routers, so a TP-4 rank reads 61% of them, not a quarter
+    whole_rest = whole.dense_params("denoise") - 2 * whole.hidden * whole.vocab - 3 * whole.hidden * 2112
+    assert four.dense_params("denoise") - whole.dense_params("denoise") == pytest.approx(-0.75 * whole_rest, rel=0.05)
+    assert four.dense_params("denoise") / whole.dense_params("denoise") == pytest.approx(0.61, abs=0.01)
+    assert four.expert_params * 4 == whole.expert_params
+    assert four.kernels_per_layer == whole.kernels_per_layer + pm.DG_REDUCES_PER_LAYER  # its all-reduces' launches
+    with pytest.raises(ValueError, match="TP degree 3 does not divide num_attention_heads = 16"):
+        pm.tp_shape(whole, 3)
+    with pytest.raises(ValueError, match="not a multiple of num_key_value_heads = 2"):
+        pm.tp_shape(pm.gemma_shape({**pm.DG_26B_A4B_TEXT, "num_attention_heads": 24, "num_key_value_heads": 6,
+                                    "intermediate_size": 2112 * 3,
+                                    "moe_intermediate_size": 704 * 3}, "dg", 1.0), 3)
+    ar = pm.H200_NVLINK
+    assert ar.ms(1e6, 1) == 0.0 and ar.ms(2e6, 4) > ar.ms(1e6, 4) > ar.ms(1e6, 2) > ar.latency_ms
+
+
+@pytest.fixture(scope="module")
+def tp_models():
+    return {d: pm.model_profile(tp=d) for d in (2, 4)}
+
+
+def test_tp_profiles_are_modelled_with_their_all_reduces_and_shipped(tp_models, generated):
+    """TP-2 and TP-4 rounds of the 26B-A4B shape: a lone canvas's round is launch-bound (a rank launches every
+    kernel a whole model does, and its all-reduces): no faster than TP-1's; a round of 64 canvases is faster,
+    but by far less than the degree (replicated LM head, self-conditioning and logits; the all-reduces). The
+    command writes both beside TP-1's, and they are the shipped files."""
+    one, _ = generated
+    for d, (prof, model) in tp_models.items():
+        meta = prof.meta
+        assert prof.name == f"{PROFILE}-tp{d}" and meta["tp"] == d and meta["modelled"] and prof.modelled
+        assert meta["tensor_parallel"]["all_reduce"]["source"].startswith("assumed, not measured")
+        assert "published_check" not in meta and meta["fit_error_vs_model"]["at_points"] < 0.3
+        lone = model.terms("denoise", 1, 256, 512)
+        assert lone["launch-bound"] > 0 and lone["all-reduce"] > 0
+        assert prof.forward_ms("denoise", 1, 256, 512) > 0.95 * one.forward_ms("denoise", 1, 256, 512)
+        big, tp1_big = prof.forward_ms("denoise", 64, 256, 512), one.forward_ms("denoise", 64, 256, 512)
+        assert tp1_big / d < big < 0.9 * tp1_big
+        assert model.terms("denoise", 64, 256, 512)["all-reduce"] > model.terms("denoise", 4, 256, 512)["all-reduce"]
+        shipped = json.loads((PROFILES_DIR / f"{PROFILE}-tp{d}.json").read_text())
+        assert _close(json.loads(pm.profile_json(prof)), shipped, rel=1e-3)
+    four, two = tp_models[4][0], tp_models[2][0]
+    assert four.forward_ms("denoise", 64, 256, 512) < two.forward_ms("denoise", 64, 256, 512)
+
+
+def test_the_planner_prices_diffusiongemma_tp_from_its_modelled_tp_profiles():
+    """load_tp_profiles finds the TP files (not TP-1's scaled by TP_SPEEDUP), and Stage 1 on them keeps every GPU
+    in TP-1 instances where TP-1's scaled had chosen four TP-4 instances: per GPU a TP instance does less."""
+    from engine.latency_profile import TP_SPEEDUP, load_tp_profiles
+    from planner.costs import StepModel, dg_steps_per_token
+    from planner.report import default_classes
+    from planner.stage1 import plan_capacity
+
+    profiles = load_tp_profiles(PROFILE, (1, 2, 4))
+    assert [p.name for p in profiles.values()][1:] == [f"{PROFILE}-tp2", f"{PROFILE}-tp4"]  # the files, not scaled
+    assert profiles[4].meta["tp"] == 4
+    steps = StepModel(dg_steps_per_token(), block_tokens=256, kv_cache="exact")
+    classes = default_classes(32.0)
+    modelled = plan_capacity(classes, 16, profiles, steps)
+    scaled = plan_capacity(classes, 16, {d: profiles[1].scaled(TP_SPEEDUP[d]) for d in (1, 2, 4)}, steps)
+    assert modelled.feasible and scaled.feasible
+    assert modelled.counts == {1: 16, 2: 0, 4: 0} and scaled.counts == {1: 0, 2: 0, 4: 4}
+
+
 @pytest.mark.slow
 def test_the_kernel_counts_are_the_engines():
     """The launch term's kernels per layer are what this engine's code dispatches (scripts/model_profile.py
