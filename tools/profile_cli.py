@@ -100,7 +100,8 @@ def add_parsers(sub) -> None:
     f = sub.add_parser("profile", help="measure a latency profile (round time by step kind and batch)")
     f.add_argument("--model", default="tiny-bd", help="an embedded model, a local directory, a hub id (org/name) "
                                                       "or a shape preset (llada-8b-shape, dream-7b-shape, "
-                                                      "sdar-8b-shape[:overrides])")
+                                                      "sdar-8b-shape, llada2-mini-shape, "
+                                                      "diffusiongemma-26b-a4b-shape[:overrides])")
     f.add_argument("--revision", help="a hub id's branch, tag or commit (default: main)")
     f.add_argument("--out", help="write the profile here (JSON)")
     f.add_argument("--check", metavar="PROFILE", help="instead: time a real run of mixed requests round by round "
