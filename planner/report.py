@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.latency_profile import load_tp_profiles
+from engine.latency_profile import TP_SPEEDUP, LatencyProfile, load_tp_profiles
 from planner.costs import StepModel
 from planner.stage1 import CapacityPlan, Stage1Config, plan_capacity
 from planner.stage2 import Cluster, Stage2Config, plan_transition
@@ -45,6 +45,14 @@ def capacity_dict(plan: CapacityPlan) -> dict:
     }
 
 
+def profile_source(d: int, prof: LatencyProfile) -> str:
+    """Where TP-``d``'s profile came from: its own file (measured, or modelled: its ``meta`` says which) or TP-1's
+    scaled by ``TP_SPEEDUP``."""
+    if d == 1 or prof.meta.get("tp") == d:
+        return f"{prof.name.removesuffix('-tp1')} ({'modelled' if prof.modelled else 'measured'})"
+    return f"TP-1's x {TP_SPEEDUP.get(d)} (TP_SPEEDUP)"
+
+
 def plan_report(cluster: Cluster, classes: list[WorkloadClass], profile: str = "h200-llada8b-measured",
                 degrees: tuple[int, ...] = (1, 2, 4), stage1: Stage1Config | None = None,
                 steps: StepModel | None = None, solver: str = "auto", reference: bool = False) -> dict:
@@ -58,6 +66,7 @@ def plan_report(cluster: Cluster, classes: list[WorkloadClass], profile: str = "
     trans = plan_transition(cluster, start, plan.counts, Stage2Config(solver=solver))
     return {
         "nodes": len(cluster.gpus_per_node), "gpus": cluster.gpus, "profile": profile,
+        "tp_profiles": {str(d): profile_source(d, p) for d, p in profiles.items()},
         "workload": [{"name": c.name, "rate": round(c.rate, 4), "input_tokens": c.input_tokens,
                       "output_tokens": c.output_tokens} for c in classes],
         "stage1": capacity_dict(plan) | {"formulation": "reference" if reference else "aggregated"},
@@ -71,6 +80,7 @@ def format_report(r: dict) -> str:
     s1, s2 = r["stage1"], r["stage2_from_all_tp1"]
     lines = [f"{r['gpus']} GPUs on {r['nodes']} nodes, profile {r['profile']}, "
              f"{sum(c['rate'] for c in r['workload']):.2f} req/s in {len(r['workload'])} classes",
+             "TP profiles: " + "  ".join(f"TP-{d} {src}" for d, src in r.get("tp_profiles", {}).items()),
              "stage 1: " + ("" if s1["feasible"] else "INFEASIBLE, fallback ") +
              "  ".join(f"TP-{d} x {n}" for d, n in s1["counts"].items()) + f"  ({s1['gpus_used']} GPUs)",
              "  thresholds: " + "  ".join(f"{k}={v}" for k, v in s1["thresholds"].items()),

@@ -218,18 +218,23 @@ def test_the_planner_prices_diffusiongemma_tp_from_its_modelled_tp_profiles():
     in TP-1 instances where TP-1's scaled had chosen four TP-4 instances: per GPU a TP instance does less."""
     from engine.latency_profile import TP_SPEEDUP, load_tp_profiles
     from planner.costs import StepModel, dg_steps_per_token
-    from planner.report import default_classes
+    from planner.report import default_classes, plan_report, profile_source
     from planner.stage1 import plan_capacity
+    from planner.stage2 import Cluster
 
     profiles = load_tp_profiles(PROFILE, (1, 2, 4))
     assert [p.name for p in profiles.values()][1:] == [f"{PROFILE}-tp2", f"{PROFILE}-tp4"]  # the files, not scaled
     assert profiles[4].meta["tp"] == 4
     steps = StepModel(dg_steps_per_token(), block_tokens=256, kv_cache="exact")
     classes = default_classes(32.0)
-    modelled = plan_capacity(classes, 16, profiles, steps)
+    report = plan_report(Cluster.uniform(2, 8), classes, PROFILE, (1, 2, 4), steps=steps)  # remask plan's
+    assert report["tp_profiles"] == {"1": f"{PROFILE} (modelled)", "2": f"{PROFILE}-tp2 (modelled)",
+                                     "4": f"{PROFILE}-tp4 (modelled)"}
+    assert report["stage1"]["feasible"] and report["stage1"]["counts"] == {"1": 16, "2": 0, "4": 0}
     scaled = plan_capacity(classes, 16, {d: profiles[1].scaled(TP_SPEEDUP[d]) for d in (1, 2, 4)}, steps)
-    assert modelled.feasible and scaled.feasible
-    assert modelled.counts == {1: 16, 2: 0, 4: 0} and scaled.counts == {1: 0, 2: 0, 4: 4}
+    assert scaled.feasible and scaled.counts == {1: 0, 2: 0, 4: 4}
+    llada = load_tp_profiles("h200-llada8b-measured", (1, 2))
+    assert profile_source(2, llada[2]) == "TP-1's x 0.75 (TP_SPEEDUP)"
 
 
 @pytest.mark.slow
