@@ -8,7 +8,7 @@ block-causal with blocks of 32). ``diffusiongemma-26b-a4b-shape`` is DiffusionGe
 26B-A4B backbone: 30 layers, five sliding-window layers to one full layer, 128 experts of which 8 per token
 beside a dense MLP, keys as values in the full layers, a 256-token canvas; ``engine.profile_model.DG_26B_A4B_TEXT``,
 checked there against the published parameter counts): a canvas model, built as ``engine.models.diffusion_gemma``
-builds a checkpoint and served by ``CanvasServeEngine`` (``build_dg_preset``; ``remask profile``, ``generate``).
+builds a checkpoint and served by ``CanvasServeEngine`` (``build_dg_preset``, ``dg_preset_engine``: ``remask profile``).
 
 A name may carry overrides after a colon, ``llada-8b-shape:layers=2,vocab=4096``, to run the same
 code at a size a CPU can afford (tests do). The weights are random (seeded), so what such a model
@@ -115,8 +115,8 @@ def build_preset(name: str, device: str | torch.device = "cpu", dtype: torch.dty
     ``tp`` > 1: one tensor-parallel rank's shard of that shape (its heads and MLP columns; the caller
     sets each layer's ``reduce``), for timing TP rounds without building the whole model first."""
     if is_dg_preset(name):
-        raise ValueError(f"{name!r} is a canvas (DiffusionGemma) shape: build it with build_dg_preset, serve it "
-                         "with remask profile / generate (the masked families' round benches do not run it)")
+        raise ValueError(f"{name!r} is a canvas (DiffusionGemma) shape: build it with build_dg_preset, profile it "
+                         "with remask profile (the masked families' round benches do not run it)")
     cfg = preset_config(name)
     if tp > 1:
         from engine.models.tensor_parallel import shard_config
