@@ -25,8 +25,12 @@ This is its own sequence type (``CanvasSequence``) beside the masked-diffusion `
 ``Engine`` interface over this engine. ``CanvasEngine`` also runs on its own (the offline ``remask generate``
 path): each step,
 the requests with tokens to encode run their encoder passes (one per request) and all the others' canvases go
-through one decoder forward together, their caches left-padded to the longest (``DiffusionGemma.decode``); the
-encoder passes of several requests likewise go through one forward (``DiffusionGemma.encode_many``).
+through one decoder forward together (``DiffusionGemma.decode``); the encoder passes of several requests likewise
+go through one forward (``DiffusionGemma.encode_many``). With a ``DGPool`` (``pool``; the serving engine makes
+one) a request's cache takes its slots at its first encoder pass (its prompt and ``max_tokens``) and gives them
+back when it finishes or is aborted; the decoder then reads the pool by index (``PoolStep``), from a CUDA graph
+when ``graphs`` has one (engine/dg_graphs.py). A cache the pool cannot hold keeps tensors of its own (counted in
+``pool.beyond``), and a batch holding one is padded side by side as without a pool (``PaddedCaches``).
 """
 
 from __future__ import annotations

@@ -33,8 +33,15 @@ streaming, failover and the router's knob reach DiffusionGemma without a special
 
 Tensor parallelism: each rank's engine holds its shard (``diffusion_gemma.shard``); rank 0's ``Instance``
 mirrors its commands and plans to the followers (``engine.instance.Follower``) as for the other families, the
-seed rank 0 drew among them. No KV pool (each request's cache is its own ``DGCache``: sliding-window layers
-keep their window; ``kv_pool_budget`` says so), no CUDA graphs.
+seed rank 0 drew among them.
+
+KV pool: the requests' encoder caches take slots of one preallocated ``DGPool`` (engine/models/diffusion_gemma.py:
+full layers ``kv_slot_tokens`` positions per slot, sliding layers a ring of their window, plus a canvas row per
+decoder row), sized as the masked ``Engine`` sizes its pool (``kv_pool_budget`` says how). The runner shows it to
+``Instance``, whose scheduler reserves whole slots for a request's prompt and ``max_tokens`` (``kv_capacity``), so a
+resident request always finds its slots; a request takes them at its first encoder pass and gives them back when
+it finishes, is aborted or migrates. ``kv_slots=0``: no pool (each cache its own tensors). CUDA graphs of the
+decoder step (engine/dg_graphs.py) on CUDA with a pool, single-device only (``cuda_graphs=False``: off).
 """
 
 from __future__ import annotations

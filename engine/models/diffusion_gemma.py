@@ -4,10 +4,14 @@ One set of layers runs two ways:
 
 * **encoder** (``encode``): the prompt, then each finished canvas, causally, appending each layer's K/V to a
   cache (``DGCache``). Exact and reusable, as an autoregressive model's prefill. Sliding-window layers keep only
-  their last ``sliding_window - 1`` positions (what the next tokens can still see).
+  their last ``sliding_window - 1`` positions (what the next tokens can still see). A cache has tensors of its own
+  (grown by each pass) or slots of a preallocated ``DGPool`` (full layers' positions in slots, sliding layers' in
+  a ring indexed by position modulo the window, K already rotated so order does not matter; see ``DGPool``).
 * **decoder** (``decode``): a canvas of ``canvas_length`` tokens bidirectionally over itself and over the cache
   (read only), its input embeddings mixed with the previous step's logits (self-conditioning); out come
-  soft-capped float32 logits for every canvas position.
+  soft-capped float32 logits for every canvas position. Over pooled caches each layer writes the canvases' K/V
+  into the pool's canvas rows and gathers every row's keys by index (``PoolStep``), with static addresses that a
+  CUDA graph replays (engine/dg_graphs.py); otherwise the caches are copied side by side (``PaddedCaches``).
 
 The layers, as transformers' ``modeling_diffusion_gemma`` defines them (this is an own implementation, checked
 against it by tests/test_diffusion_gemma.py within 1e-5 in float32): Gemma-4 RMSNorm (float32 inside, the
