@@ -214,11 +214,11 @@ class CanvasServeEngine:
                  cuda_graphs: bool | None = None, **ignored) -> None:
         """The KV pool (``DGPool``) and the decoder's CUDA graphs as the masked ``Engine`` sizes and switches
         them (the same arguments): ``kv_slots`` slots of ``kv_slot_tokens`` positions (default: room for
-        ``POOL_PROMPT_TOKENS`` of prompt and the default generation length), or as many as ``kv_memory_bytes``
-        (on CUDA ``kv_memory_fraction`` of the free memory, a rough round's transient memory aside) holds after
-        the canvas rows, at most what ``kv_residents_max`` requests as long as the context take; without either,
-        ``max_slots``; ``kv_slots=0``: no pool (each cache its own tensors). ``cuda_graphs``: default on CUDA
-        with a pool unless the model is a tensor-parallel shard."""
+        ``POOL_PROMPT_TOKENS`` of prompt, or the sliding window's if longer, and the default generation length),
+        or as many as ``kv_memory_bytes`` (on CUDA ``kv_memory_fraction`` of the free memory, a rough round's
+        transient memory aside) holds after the canvas rows, at most what ``kv_residents_max`` requests as long as
+        the context take; without either, ``max_slots``; ``kv_slots=0``: no pool (each cache its own tensors).
+        ``cuda_graphs``: default on CUDA with a pool unless the model is a tensor-parallel shard."""
         base = RenoiseRule.from_generation(model.config.generation)
         if rule is None or isinstance(rule, str):
             rule = resolve_rule(base, rule, decoding_config, where="engine.")
@@ -238,8 +238,11 @@ class CanvasServeEngine:
         self.default_gen_length = default_gen_length or int(self.dg_cfg.generation.get("max_new_tokens", 256))
         self.max_gen_length = max_gen_length
         self.runner = _CanvasRunner(next(model.parameters()).dtype)
-        tokens = kv_slot_tokens or min(self.dg_cfg.max_position_embeddings,
-                                       POOL_PROMPT_TOKENS + self.default_gen_length)
+        # a slot's sliding ring already holds a window's positions: its full layers get at least as many of
+        # prompt, so a prompt as long as the window takes one slot (a longer one's further slots carry rings it
+        # does not use: DGPool)
+        prompt_room = max(POOL_PROMPT_TOKENS, self.dg_cfg.sliding_window - 1)
+        tokens = kv_slot_tokens or min(self.dg_cfg.max_position_embeddings, prompt_room + self.default_gen_length)
         self.kv_pool_budget = self._size_kv_pool(tokens, kv_slots, kv_memory_bytes, kv_memory_fraction,
                                                  kv_residents_max)
         if self.kv_pool_budget["slots"]:
@@ -270,9 +273,7 @@ class CanvasServeEngine:
         """How many slots of ``tokens`` positions the pool gets, and from what (``__init__``). A slot's bytes:
         its full layers' positions and its sliding layers' ring; the canvas rows come off the budget first."""
         cfg, item = self.dg_cfg, self.runner.dtype.itemsize
-        per_slot = sum(2 * cfg.kv_heads[i] * cfg.head_dims[i] * item * (tokens if cfg.kept(i) is None else cfg.kept(i))
-                       for i in range(cfg.num_layers))
-        rows = self._rows() * cfg.canvas_length * cfg.kv_bytes_per_position(item)
+        per_slot, rows = dg.DGPool.sizes(cfg, tokens, self._rows(), item)
         out = {"slot_tokens": tokens, "bytes_per_slot": per_slot, "canvas_row_bytes": rows, "budget_bytes": None}
         if slots is not None:
             source = "kv_slots"

@@ -9,7 +9,7 @@ holds whole slots for its whole life (``slots_for(prompt + max_tokens)`` x ``byt
 the canvas rows. Timing: tiny-dg's architecture with random weights (float32, one thread), 8 requests of
 different lengths (some past the sliding window), one denoising step each: the pooled step, the padded copy's
 first step of a canvas (``PaddedCaches`` built, then the step) and its later steps (the copy reused); the median
-of ``--repeats``.
+of ``--repeats``, interleaved.
 """
 
 from __future__ import annotations
@@ -33,30 +33,33 @@ from tools import training as T  # noqa: E402
 
 def _bytes(cfg: dg.DiffusionGemmaConfig, dtype_bytes: int, prompt: int, max_tokens: int, gen: int,
            rows: int) -> dict:
-    slot = min(cfg.max_position_embeddings, POOL_PROMPT_TOKENS + gen)  # CanvasServeEngine's default slot
-    per_slot = sum(2 * cfg.kv_heads[i] * cfg.head_dims[i] * dtype_bytes * (slot if cfg.kept(i) is None else cfg.kept(i))
-                   for i in range(cfg.num_layers))
+    # CanvasServeEngine's default slot
+    slot = min(cfg.max_position_embeddings, max(POOL_PROMPT_TOKENS, cfg.sliding_window - 1) + gen)
+    per_slot, row = dg.DGPool.sizes(cfg, slot, 1, dtype_bytes)
     slots = max(-(-(prompt + max_tokens) // slot), 1)
-    row = cfg.canvas_length * cfg.kv_bytes_per_position(dtype_bytes)
     return {"prompt": prompt, "max_tokens": max_tokens, "own_at_prompt": cfg.cache_bytes(prompt, dtype_bytes),
             "own_at_most": cfg.cache_bytes(prompt + max_tokens, dtype_bytes), "slot_tokens": slot,
             "pooled_slots": slots, "pooled": slots * per_slot, "canvas_row": row, "rows": rows}
 
 
-def _time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _times(fns: dict, repeats: int) -> dict:
+    """The median seconds of each of ``fns``, run in turn ``repeats`` times (interleaved: a busy machine's noise
+    falls on all of them alike), after one warm-up each."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 @torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = CharTokenizer.default()
@@ -92,12 +95,12 @@ def main() -> None:
     padded = dg.PaddedCaches(own, tiny.canvas_length, "cpu")
     step = dg.PoolStep(pool, pooled, tiny.canvas_length, "cpu")
     diff = (model.decode(canvas, step, soft, counted) - model.decode(canvas, padded, soft, counted)).abs().max()
-    t_pool = _time(lambda: model.decode(canvas, step, soft, counted), args.repeats)
-    t_pool_build = _time(lambda: model.decode(canvas, dg.PoolStep(pool, pooled, tiny.canvas_length, "cpu"), soft,
-                                              counted), args.repeats)
-    t_first = _time(lambda: model.decode(canvas, dg.PaddedCaches(own, tiny.canvas_length, "cpu"), soft, counted),
-                    args.repeats)
-    t_later = _time(lambda: model.decode(canvas, padded, soft, counted), args.repeats)
+    t = _times({"pool": lambda: model.decode(canvas, step, soft, counted),
+                "pool_build": lambda: model.decode(canvas, dg.PoolStep(pool, pooled, tiny.canvas_length, "cpu"),
+                                                   soft, counted),
+                "first": lambda: model.decode(canvas, dg.PaddedCaches(own, tiny.canvas_length, "cpu"), soft, counted),
+                "later": lambda: model.decode(canvas, padded, soft, counted)}, args.repeats)
+    t_pool, t_pool_build, t_first, t_later = t["pool"], t["pool_build"], t["first"], t["later"]
     print(f"tiny-dg decoder step, 8 canvases of {tiny.canvas_length} over caches of {lengths} positions, "
           f"float32, 1 thread, median of {args.repeats}: pooled {t_pool * 1e3:.2f} ms "
           f"({t_pool_build * 1e3:.2f} ms with its index built), padded copy {t_first * 1e3:.2f} ms on a canvas's "

@@ -157,10 +157,6 @@ class DiffusionGemmaConfig:
             total += 2 * self.kv_heads[i] * self.head_dims[i] * dtype_bytes * kept
         return total
 
-    def kv_bytes_per_position(self, dtype_bytes: int = 2) -> int:
-        """The bytes of one position's K and V in every layer (a canvas row of the pool, per position)."""
-        return sum(2 * kv * d * dtype_bytes for kv, d in zip(self.kv_heads, self.head_dims))
-
     def to_model_config(self) -> ModelConfig:
         """A summary in the shape the rest of Remask reads (context length, vocabulary, token ids, the canvas
         as the block): the sliding layers' heads; ``extra`` holds this config (``diffusion_gemma``)."""
@@ -454,15 +450,17 @@ _CACHE_UIDS = itertools.count()
 
 class DGPool:
     """Preallocated encoder K/V for DiffusionGemma requests: per layer-shape group (sliding or full, K/V heads, head
-    size) one zeroed tensor [layers of the group, 2, positions, kv heads, head dim], K already rotated, so keys
-    may be read in any order. Its positions:
+    size) one zeroed tensor [2 (K, V), positions, kv heads, head dim], K already rotated, so keys may be read in
+    any order. Its positions, one layer of the group after the other:
 
-    * ``slots`` slots: full layers ``capacity`` positions per slot (a request's positions p at slot
+    * ``slots`` slots per layer: full layers ``capacity`` positions per slot (a request's position p at slot
       ``slots[p // capacity]``, offset ``p % capacity``: a longer cache takes several slots), sliding layers a
       ring of ``sliding_window - 1`` positions per slot (position p at ``p % (sliding_window - 1)`` of the ring
-      of the request's first slot: what the next tokens can still see);
-    * after them, ``rows`` canvases of ``canvas_length`` positions: a decoder forward's row r writes its canvas's
-      K/V there (scratch, overwritten by every step) and attends to them with the request's gathered keys.
+      of the request's first slot: what the next tokens can still see; a request over several slots leaves the
+      others' rings unused);
+    * after every layer's slots, ``rows`` canvases of ``canvas_length`` positions, shared by the group's layers
+      (they run one after the other): a decoder forward's row r writes its canvas's K/V there and attends to
+      them with the request's gathered keys (scratch, overwritten by the next layer).
 
     A request takes whole slots (``slots_for``) for its whole life (its prompt plus ``max_tokens``: what the
     instance scheduler reserves, so serving never asks for more than is free) and gives them back when it
@@ -475,23 +473,38 @@ class DGPool:
                              f"slots x {capacity} positions, {rows} rows")
         self.cfg, self.capacity, self.rows, self.window = cfg, capacity, rows, cfg.sliding_window - 1
         self.length = cfg.canvas_length
+        self.shapes, self.where, members = self.groups(cfg)
+        self.span = [self.window if s else capacity for s, _, _ in self.shapes]  # a slot's positions per layer
+        self.base = [len(m) * slots * span for m, span in zip(members, self.span)]  # where the canvas rows begin
+        self.kv = [torch.zeros(2, b + rows * self.length, kv, d, dtype=dtype, device=device)
+                   for b, (_, kv, d) in zip(self.base, self.shapes)]
+        self.num_slots = slots
+        self._free = list(range(slots))  # a heap: the lowest free slot first
+        self.beyond = 0  # caches that could not take slots and got tensors of their own
+
+    @staticmethod
+    def groups(cfg: DiffusionGemmaConfig) -> tuple[list[tuple], list[tuple[int, int]], list[list[int]]]:
+        """The layer-shape groups: their (sliding, kv heads, head dim), each layer's (group, index in it), each
+        group's layers."""
         keys: dict[tuple, int] = {}
-        self.where: list[tuple[int, int]] = []  # per layer: (group, index in the group)
-        members: list[list[int]] = []
+        where, members = [], []
         for i in range(cfg.num_layers):
             g = keys.setdefault((cfg.sliding(i), cfg.kv_heads[i], cfg.head_dims[i]), len(keys))
             if g == len(members):
                 members.append([])
-            self.where.append((g, len(members[g])))
+            where.append((g, len(members[g])))
             members[g].append(i)
-        self.shapes = list(keys)  # per group: (sliding, kv heads, head dim)
-        self.span = [self.window if s else capacity for s, _, _ in self.shapes]  # a slot's positions per group
-        self.base = [slots * span for span in self.span]  # where the canvas rows begin
-        self.kv = [torch.zeros(len(m), 2, b + rows * self.length, kv, d, dtype=dtype, device=device)
-                   for m, b, (_, kv, d) in zip(members, self.base, self.shapes)]
-        self.num_slots = slots
-        self._free = list(range(slots))  # a heap: the lowest free slot first
-        self.beyond = 0  # caches that could not take slots and got tensors of their own
+        return list(keys), where, members
+
+    @classmethod
+    def sizes(cls, cfg: DiffusionGemmaConfig, capacity: int, rows: int, dtype_bytes: int) -> tuple[int, int]:
+        """(bytes of one slot: its full layers' positions and its sliding layers' rings, bytes of ``rows`` canvas
+        rows) of a pool of ``cfg`` with slots of ``capacity`` positions."""
+        shapes, _, members = cls.groups(cfg)
+        per_slot = sum(len(m) * 2 * kv * d * dtype_bytes * (cfg.sliding_window - 1 if s else capacity)
+                       for m, (s, kv, d) in zip(members, shapes))
+        row = sum(2 * kv * d * dtype_bytes * cfg.canvas_length for _, kv, d in shapes)
+        return per_slot, rows * row
 
     @property
     def slots(self) -> int:
@@ -511,8 +524,8 @@ class DGPool:
 
     @property
     def bytes_per_slot(self) -> int:
-        """Device bytes of one slot: its full layers' positions and its sliding layers' ring."""
-        return sum(t[:, :, :span].numel() * t.element_size() for t, span in zip(self.kv, self.span))
+        """Device bytes of one slot: its full layers' positions and its sliding layers' rings."""
+        return self.sizes(self.cfg, self.capacity, self.rows, self.dtype.itemsize)[0]
 
     @property
     def row_bytes(self) -> int:
@@ -534,16 +547,17 @@ class DGPool:
             heapq.heappush(self._free, slot)
 
     def layer(self, i: int) -> torch.Tensor:
-        """Layer ``i``'s K/V [2, positions, kv heads, head dim] (a view)."""
-        g, j = self.where[i]
-        return self.kv[g][j]
+        """Layer ``i``'s group tensor [2, positions, kv heads, head dim] (its positions: ``index``)."""
+        return self.kv[self.where[i][0]]
 
-    def index(self, g: int, slots: list[int], positions: torch.Tensor) -> torch.Tensor:
-        """Where a cache holding ``slots`` keeps its ``positions`` in group ``g`` (host tensors)."""
+    def index(self, i: int, slots: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Where layer ``i`` of a cache holding ``slots`` keeps its ``positions`` in its group's tensor (host)."""
+        g, j = self.where[i]
+        offset = j * self.slots * self.span[g]
         if self.shapes[g][0]:
-            return slots[0] * self.window + positions % self.window
+            return offset + slots[0] * self.window + positions % self.window
         table = torch.tensor(slots, dtype=torch.long)
-        return table[positions // self.capacity] * self.capacity + positions % self.capacity
+        return offset + table[positions // self.capacity] * self.capacity + positions % self.capacity
 
     def canvas_rows(self, g: int, rows: int) -> slice:
         """The positions of the first ``rows`` canvas rows of group ``g``, one after the other."""
@@ -613,7 +627,7 @@ class DGCache:
 
     def where(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Pooled: where layer ``layer`` keeps ``positions`` in its group's tensor (host)."""
-        return self.pool.index(self.pool.where[layer][0], self.slots, positions)
+        return self.pool.index(layer, self.slots, positions)
 
     def past(self, layer: int) -> KV | None:
         """Layer ``layer``'s K/V [1, kv heads, kept, head dim] in position order (pooled: gathered)."""
@@ -657,10 +671,11 @@ class DGCache:
 
 class PoolStep:
     """The decoder forward over pooled caches, as the layers read it: ``rows`` canvases of ``t`` tokens (the
-    first ``len(caches)`` the caches', any others fillers that attend only to their own canvas), per group the
-    flat positions of each row's keys [rows, keys] (its held positions left-padded to ``past[g]``, then its canvas
-    row's) and the mask [rows, 1, 1, keys] of the held ones. Built on the host, moved once; a graph copies these
-    tensors into its own (engine/dg_graphs.py)."""
+    first ``len(caches)`` the caches', any others fillers that attend only to their own canvas), per layer the
+    positions of each row's keys in its group's tensor [rows, keys] (its held positions left-padded to
+    ``past[group]``, then its canvas row's; padding points at the row's canvas), per group the mask
+    [rows, 1, 1, keys] of the keys a row holds. Built on the host, moved once; a graph copies these tensors into
+    its own (engine/dg_graphs.py)."""
 
     def __init__(self, pool: DGPool, caches: list[DGCache], t: int, device, rows: int | None = None,
                  past: list[int] | None = None) -> None:
@@ -671,27 +686,32 @@ class PoolStep:
         self.pool, self.t, self.rows, self.n = pool, t, rows, n
         self.lengths = [c.length for c in caches] + [0] * (rows - n)
         self.key = tuple((c.uid, c.length) for c in caches)
-        first = [next(i for i, (g, _) in enumerate(pool.where) if g == grp) for grp in range(len(pool.shapes))]
-        kept = [[c.kept(i) for c in caches] + [0] * (rows - n) for i in first]
+        first = [pool.where.index((g, 0)) for g in range(len(pool.shapes))]
+        kept = [[c.kept(i) for c in caches] + [0] * (rows - n) for i in first]  # a group's layers keep alike
         self.past = [max(k, default=0) for k in kept] if past is None else list(past)
         if any(p < max(k, default=0) for p, k in zip(self.past, kept)):
             raise ValueError("past key room shorter than a cache's held positions")
-        self.index, self.mask = [], []
         canvas = torch.arange(t)
-        for g, i in enumerate(first):
+        rowbase, ok = [], []
+        for g in range(len(first)):
             width = self.past[g] + t
-            rowbase = pool.base[g] + torch.arange(rows)[:, None] * t
-            idx = (rowbase + torch.zeros(1, width, dtype=torch.long)).clone()  # padding: the row's own canvas start
-            idx[:, self.past[g]:] = rowbase + canvas
-            ok = torch.zeros(rows, width, dtype=torch.bool)
-            ok[:, self.past[g]:] = True
+            base = pool.base[g] + torch.arange(rows)[:, None] * t
+            rowbase.append(base.expand(rows, width).clone())  # padding: the row's own canvas start
+            rowbase[g][:, self.past[g]:] = base + canvas
+            mask = torch.zeros(rows, width, dtype=torch.bool)
+            mask[:, self.past[g]:] = True
+            for r, k in enumerate(kept[g][:n]):
+                mask[r, self.past[g] - k: self.past[g]] = True
+            ok.append(mask)
+        self.index = []
+        for i, (g, _) in enumerate(pool.where):
+            idx = rowbase[g].clone()
             for r, c in enumerate(caches):
                 k = kept[g][r]
                 if k:
                     idx[r, self.past[g] - k: self.past[g]] = c.where(i, c.held(i))
-                    ok[r, self.past[g] - k: self.past[g]] = True
             self.index.append(idx.to(device))
-            self.mask.append(ok[:, None, None, :].to(device))
+        self.mask = [m[:, None, None, :].to(device) for m in ok]
         self.pos = (torch.tensor(self.lengths)[:, None] + canvas).to(device)
 
     def fits(self, caches: list[DGCache]) -> bool:
@@ -699,7 +719,7 @@ class PoolStep:
 
     def layer(self, i: int) -> PoolRead:
         g, _ = self.pool.where[i]
-        return PoolRead(self.pool.layer(i), self.pool.canvas_rows(g, self.rows), self.index[g])
+        return PoolRead(self.pool.layer(i), self.pool.canvas_rows(g, self.rows), self.index[i])
 
 
 @dataclass(frozen=True)
