@@ -189,6 +189,32 @@ def test_served_text_is_the_same_with_the_pool_on_and_off(model, tok):
     assert on.runner.pooled > 0 and on.runner.pool.free == 4
 
 
+def test_tiny_dg_serves_the_same_text_with_the_pool_on_and_off():
+    from engine.commands import SamplingParams
+    from engine.loading import load_engine
+
+    on, off = load_engine("tiny-dg", max_slots=4), load_engine("tiny-dg", max_slots=4, kv_slots=0)
+    assert on.runner.pool is not None and off.runner.pool is None
+    prompts = ["What is 2+2?", "rev: abcdef", "Name a colour."]
+    params = [SamplingParams(max_tokens=40, seed=s) for s in (1, 2, 3)]
+    got, want = on.generate(prompts, params), off.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] and any(o.token_ids for o in got)
+    assert on.runner.pool.free == on.runner.pool.slots and on.runner.pool.beyond == 0
+
+
+def test_graphs_need_cuda_a_pool_and_one_device(model, tok):
+    with pytest.raises(ValueError, match="CUDA device"):
+        _served(model, tok, cuda_graphs=True)
+    with pytest.raises(ValueError, match="KV pool"):
+        _served(model, tok, kv_slots=0, cuda_graphs=True)
+    part = dg.shard(model, 0, 2, lambda x: x)
+    with pytest.raises(ValueError, match="one device"):
+        _served(part, tok, cuda_graphs=True)
+    with pytest.raises(ValueError, match="single device"):
+        DecodeGraphs(part, dg.DGPool(part.config, 1, 8, 1, torch.float32, "cpu"), "cpu", emulate=True)
+    assert _served(part, tok).runner.graphs is None  # by default a shard stays eager (and a CPU engine too)
+
+
 def test_the_instance_reserves_whole_pool_slots(model, tok):
     from engine.commands import SamplingParams
     from engine.instance import Instance
@@ -248,6 +274,42 @@ def test_tensor_parallel_ranks_over_their_pools(model, tok):
     assert not errors
     for got, pooled, own in out:
         assert (got - want).abs().max() <= TOL and pooled == own == out[0][1]
+
+
+@torch.no_grad()
+def test_tiny_dg_tp2_over_pools_gives_tp1s_text():
+    """tiny-dg's TP-2 ranks, each over a pool of its shard, give TP-1's pooled text: two canvases per request (no
+    stop id ends them), so the finished canvas's encoder pass writes into the slots too."""
+    from engine.loading import resolve_model
+    from engine.tokenizer import load_tokenizer
+
+    path = resolve_model("tiny-dg")
+    full, tokenizer = dg.load(path), load_tokenizer(path)
+    prompts = [tokenizer.prompt_ids(p, 0) for p in ("What is 2+2?", "rev: abcdef", "Name a colour.")]
+    params = CanvasParams(max_tokens=2 * full.config.canvas_length, seed=3)
+
+    def answers(m) -> list[list[int]]:
+        engine = CanvasEngine(m, tokenizer, pool=dg.DGPool(m.config, 4, 160, 4, torch.float32, "cpu"))
+        engine.stop_ids = frozenset()
+        return [o.token_ids for o in engine.generate(prompts, params)]
+
+    want = answers(full)
+    ar = ThreadAllReduce(2)
+    out, errors = [None, None], []
+
+    def run(rank):
+        try:
+            out[rank] = answers(dg.shard(full, rank, 2, ar.for_rank(rank)))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+            raise
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and out == [want, want] and all(len(w) == 2 * full.config.canvas_length for w in want)
 
 
 @torch.no_grad()
