@@ -240,7 +240,7 @@ class CanvasEngine:
         counts = dict.fromkeys((s.seq_id for s in seqs), 0)
         for s in seqs:  # a request's first encoder pass: its cache takes its pool slots for its whole life
             if self.pool is not None and not s.cache.pooled and not s.cache.length:
-                s.cache.place(self.pool, self.cache_positions(s))
+                s.cache.place(self.pool, self.cache_positions(s), self.model.embed_tokens.weight.dtype)
         while batch := [s for s in seqs if s.pending]:
             chunks = [s.pending.pop(0) for s in batch]
             self.model.encode_many(chunks, [s.cache for s in batch])
@@ -418,6 +418,7 @@ class CanvasEngine:
                 if piece := self.read(seq):
                     yield piece
         finally:
+            seq.cache.release()  # a stream closed early gives its pool slots back now
             self.sequences.pop(seq.seq_id, None)
 
     def generate(self, prompts: list[list[int]], params: CanvasParams | None = None) -> list[CanvasOutput]:

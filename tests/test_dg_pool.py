@@ -167,6 +167,13 @@ def test_slots_return_on_finish_abort_and_drop_and_an_exhausted_pool_falls_back(
     assert pool.free == 2
     del c  # a dropped cache gives its slots back
     assert pool.free == 3
+    eng.stop_ids = frozenset()  # no stop id: the stream's first canvas does not end it
+    stream = eng.stream(prompts[1], CanvasParams(max_tokens=96, seed=1))
+    assert next(stream) and pool.free == 1  # 10 + 96 positions: two slots of 64
+    stream.close()  # a stream closed early
+    assert pool.free == 3
+    other = dg.DGCache(model.config)  # a pool of another dtype is not the cache's
+    assert not other.place(pool, 10, torch.bfloat16) and pool.beyond == 2 and pool.free == 3
 
 
 def _served(model, tok, **kw):

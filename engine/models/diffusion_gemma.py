@@ -589,15 +589,16 @@ class DGCache:
     def pooled(self) -> bool:
         return self.pool is not None
 
-    def place(self, pool: DGPool | None, positions: int) -> bool:
+    def place(self, pool: DGPool | None, positions: int, dtype: torch.dtype | None = None) -> bool:
         """Take the slots for ``positions`` positions of ``pool`` (an empty cache, once). False, counted in
-        ``pool.beyond``, when they are not free (the cache keeps tensors of its own); False without a pool or
-        for a pool of another dtype or head layout."""
+        ``pool.beyond``, when they are not free or the pool is not this cache's (another head layout, or not of
+        ``dtype``, the model's): the cache keeps tensors of its own. False without a pool."""
         if pool is None or self.pooled:
             return self.pooled
         if self.length or any(kv is not None for kv in self.layers):
             raise RuntimeError("only an empty cache takes pool slots")
-        fits = self.cfg.kv_heads == pool.cfg.kv_heads and self.cfg.head_dims == pool.cfg.head_dims
+        fits = (self.cfg.kv_heads == pool.cfg.kv_heads and self.cfg.head_dims == pool.cfg.head_dims
+                and self.cfg.sliding_window == pool.cfg.sliding_window and dtype in (None, pool.dtype))
         slots = pool.acquire_many(pool.slots_for(positions)) if fits else None
         if not slots:
             pool.beyond += 1
