@@ -275,9 +275,7 @@ class CanvasEngine:
                 return logits
         kind = dg.PoolStep if pooled else dg.PaddedCaches
         if not isinstance(self._padded, kind) or not self._padded.fits(caches):  # once per batch and cache state
-            # with graphs, the eager step reads as many keys as the graph would (the same bits either way)
-            past = self.graphs.past_keys(caches) if pooled and self.graphs is not None else None
-            self._padded = dg.PoolStep(self.pool, caches, length, self.device, past=past) if pooled \
+            self._padded = dg.PoolStep(self.pool, caches, length, self.device) if pooled \
                 else dg.PaddedCaches(caches, length, self.device)
         return self.model.decode(canvas, self._padded, sc, has)
 

@@ -16,7 +16,8 @@ operations on the same values (tests/test_dg_pool.py checks it bit for bit, emul
 
 Only forwards of at most ``max_tokens`` canvas tokens are captured (a larger one is bound by the device; the
 logits a graph keeps, [rows, length, vocab] in float32, are its largest static buffer), only on a single device
-(a tensor-parallel shard's all-reduce stays eager), and a shape is captured the second time it is seen. Graphs
+(a tensor-parallel shard's all-reduce stays eager), and a shape is captured the second time it is met (the first
+time, and whenever graphs cannot be captured, its step runs the same static-shaped forward eagerly). Graphs
 share one memory pool; the least recently used is dropped past ``max_graphs``. A failed capture turns graphs off
 for the engine with a warning (the step runs eagerly). ``emulate=True`` runs the same static-buffer forward
 eagerly instead of capturing it: the CPU tests' path, everything but the capture.
@@ -49,9 +50,12 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model: dg.DiffusionGemma, pool: dg.DGPool, device: torch.device | str,
-                 max_tokens: int = 1024, span_step: int = 64, max_graphs: int = 16, emulate: bool = False) -> None:
-        if min(max_tokens, span_step, max_graphs) < 1:
-            raise ValueError("max_tokens, span_step and max_graphs must be positive")
+                 max_tokens: int = 1024, span_step: int = 64, max_graphs: int = 16, emulate: bool = False,
+                 capture_at: int = 2) -> None:
+        """``capture_at``: a shape is captured the time it is met this often (before, its steps run eagerly over
+        the same static shapes)."""
+        if min(max_tokens, span_step, max_graphs, capture_at) < 1:
+            raise ValueError("max_tokens, span_step, max_graphs and capture_at must be positive")
         if not emulate and torch.device(device).type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {device}")
         if any(layer.reduce is not None for layer in model.layers):
@@ -59,7 +63,8 @@ class DecodeGraphs:
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_tokens, self.span_step, self.max_graphs, self.emulate = max_tokens, span_step, max_graphs, emulate
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.seen: set[tuple] = set()
+        self.capture_at = capture_at
+        self.seen: dict[tuple, int] = {}  # shapes met, how often, until captured
         self.mempool = None if emulate else torch.cuda.graph_pool_handle()
         self.captures = self.replays = 0
         self.capture_failures = 0
@@ -81,8 +86,7 @@ class DecodeGraphs:
 
     def past_keys(self, caches: list[dg.DGCache]) -> list[int]:
         """Per group, the cached keys a step over ``caches`` reads: the longest held, rounded up to ``span_step``
-        (a sliding group's at most its window). The padding keys point at the row's canvas, masked; the engine's
-        eager steps read as many (``CanvasEngine._decode``), so a replay and the eager step give the same bits."""
+        (a sliding group's at most its window). The padding keys point at the row's canvas, masked."""
         past = []
         for g, (sliding, _, _) in enumerate(self.pool.shapes):
             layer = self.pool.where.index((g, 0))
@@ -93,24 +97,26 @@ class DecodeGraphs:
 
     def decode(self, canvas: torch.Tensor, caches: list[dg.DGCache], soft: torch.Tensor | None,
                counted: torch.Tensor | None) -> torch.Tensor | None:
-        """The logits [N, L, V] of the decoder step over ``caches`` from its graph (a view the graph's next replay
-        overwrites), or None: no graph for it yet, or none at all (run it eagerly)."""
+        """The logits [N, L, V] of the decoder step over ``caches``: from its graph (a view the graph's next replay
+        overwrites) or, a shape not captured yet, from the same static-shaped forward run eagerly (so a replay and
+        the steps before it give the same bits); None when the step takes no graph at all (run it as without
+        graphs)."""
         n, t = canvas.shape
         key = self.key(caches, t)
         if key is None:
             return None
         graph = self.graphs.get(key)
-        if graph is None and key not in self.seen:
-            self.seen.add(key)
-            return None
         if graph is None:
+            self.seen[key] = met = self.seen.get(key, 0) + 1
+            if met < self.capture_at:
+                return self._eager(key, canvas, caches, soft, counted)
             try:
                 graph = self._build(key, canvas, caches, soft, counted)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
                 self.capture_failures += 1
                 self.failed = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graph capture failed, graphs are off for this engine: %s", self.failed)
-                return None
+                return self._eager(key, canvas, caches, soft, counted)
         else:
             self.graphs.move_to_end(key)
             self._load(graph, key, canvas, caches, soft, counted)
@@ -140,7 +146,8 @@ class DecodeGraphs:
                 dst.copy_(src)
             graph.loaded = state
 
-    def _build(self, key: tuple, canvas, caches, soft, counted) -> _Graph:
+    def _inputs(self, key: tuple, canvas, caches, soft, counted) -> _Graph:
+        """A graph's static inputs for ``key``, holding this step's."""
         rows, t, past = key
         hidden = self.model.config.hidden_size
         dtype = self.model.embed_tokens.weight.dtype
@@ -151,6 +158,15 @@ class DecodeGraphs:
                        torch.empty(rows, dtype=torch.bool, device=self.device), step, None, None)
         self._load(graph, key, canvas, caches, soft, counted)
         graph.loaded = tuple((c.uid, c.length) for c in caches)
+        return graph
+
+    def _eager(self, key: tuple, canvas, caches, soft, counted) -> torch.Tensor:
+        """The step of a shape not captured (yet): the graph's forward over its static shapes, run eagerly."""
+        graph = self._inputs(key, canvas, caches, soft, counted)
+        return self.model.decode(graph.canvas, graph.step, graph.soft, graph.counted)[: canvas.shape[0]]
+
+    def _build(self, key: tuple, canvas, caches, soft, counted) -> _Graph:
+        graph = self._inputs(key, canvas, caches, soft, counted)
 
         def forward(_=None) -> torch.Tensor:
             return self.model.decode(graph.canvas, graph.step, graph.soft, graph.counted)
@@ -165,7 +181,7 @@ class DecodeGraphs:
         graph.logits, graph.replay = logits, replay
         self.graphs[key] = graph
         self.captures += 1
+        self.seen.pop(key, None)
         if len(self.graphs) > self.max_graphs:
-            old, _ = self.graphs.popitem(last=False)
-            self.seen.discard(old)
+            self.graphs.popitem(last=False)  # met again, it is captured again
         return graph

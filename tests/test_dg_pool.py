@@ -114,10 +114,9 @@ def test_the_emulated_graph_gives_the_eager_steps_bits(model):
         counted = torch.tensor([True, False, True])
         step = dg.PoolStep(pool, caches, cfg.canvas_length, "cpu", past=graphs.past_keys(caches))
         want = model.decode(canvas, step, soft, None if soft is None else counted)
-        first = graphs.decode(canvas, caches, soft, counted)
-        got = graphs.decode(canvas, caches, soft, counted)
-        assert (first is None) == (soft is None)  # a shape is captured when met again
-        assert got.shape == want.shape and torch.equal(got, want)
+        first = graphs.decode(canvas, caches, soft, counted)  # met first: the static forward, eager
+        got = graphs.decode(canvas, caches, soft, counted)  # met again: captured (emulated), replayed
+        assert got.shape == want.shape and torch.equal(got, want) and torch.equal(first, want)
         # the rounded keys change the kernel's sums a little, not the answer
         assert (got - model.decode(canvas, caches, soft, None if soft is None else counted)).abs().max() <= TOL
     assert graphs.key(caches, cfg.canvas_length) == (4, cfg.canvas_length, (7, 32))  # 3 canvases: a bucket of 4
@@ -132,15 +131,13 @@ def test_a_graphed_engine_answers_as_its_eager_steps(model, tok):
 
     def engine(graphed: bool) -> CanvasEngine:
         pool = _pool(model, slots=8, capacity=160)
-        eng = CanvasEngine(model, tok, pool=pool, graphs=DecodeGraphs(model, pool, "cpu", emulate=True, span_step=8))
-        if not graphed:
-            eng.graphs.decode = lambda *args: None  # every step eager, over as many keys
-        return eng
+        graphs = DecodeGraphs(model, pool, "cpu", emulate=True, span_step=8, capture_at=2 if graphed else 10**9)
+        return CanvasEngine(model, tok, pool=pool, graphs=graphs)  # not graphed: every step the static forward
 
     graphed, eager = engine(True), engine(False)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == \
            [o.token_ids for o in eager.generate(prompts, params)]
-    assert graphed.graphs.replays > graphed.graphs.captures > 0
+    assert graphed.graphs.replays > graphed.graphs.captures > 0 and eager.graphs.captures == 0
     assert graphed.pool.free == graphed.pool.slots  # every request finished: its slots are back
 
 
