@@ -65,6 +65,7 @@ class DecodeGraphs:
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.capture_at = capture_at
         self.seen: dict[tuple, int] = {}  # shapes met, how often, until captured
+        self._last: tuple | None = None  # the last eager step's key and static inputs
         self.mempool = None if emulate else torch.cuda.graph_pool_handle()
         self.captures = self.replays = 0
         self.capture_failures = 0
@@ -75,9 +76,9 @@ class DecodeGraphs:
         return bucket if bucket <= self.pool.rows else rows
 
     def key(self, caches: list[dg.DGCache], t: int) -> tuple | None:
-        """The graph of a step over ``caches`` with canvases of ``t``; None when it takes none (too large, graphs
-        off, caches outside the pool)."""
-        if self.failed is not None or not all(c.pool is self.pool for c in caches):
+        """The graph of a step over ``caches`` with canvases of ``t``; None when it takes none (too large, caches
+        outside the pool)."""
+        if not all(c.pool is self.pool for c in caches):
             return None
         rows = self.rows_bucket(len(caches))
         if rows * t > self.max_tokens or rows > self.pool.rows or t != self.pool.length:
@@ -105,10 +106,10 @@ class DecodeGraphs:
         key = self.key(caches, t)
         if key is None:
             return None
-        graph = self.graphs.get(key)
+        graph = self.graphs.get(key) if self.failed is None else None
         if graph is None:
             self.seen[key] = met = self.seen.get(key, 0) + 1
-            if met < self.capture_at:
+            if met < self.capture_at or self.failed is not None:
                 return self._eager(key, canvas, caches, soft, counted)
             try:
                 graph = self._build(key, canvas, caches, soft, counted)
@@ -161,8 +162,14 @@ class DecodeGraphs:
         return graph
 
     def _eager(self, key: tuple, canvas, caches, soft, counted) -> torch.Tensor:
-        """The step of a shape not captured (yet): the graph's forward over its static shapes, run eagerly."""
-        graph = self._inputs(key, canvas, caches, soft, counted)
+        """The step of a shape not captured (yet, or ever once a capture failed): the graph's forward over its
+        static shapes, run eagerly (the last shape's inputs kept: a canvas's steps reuse them)."""
+        if self._last is not None and self._last[0] == key:
+            graph = self._last[1]
+            self._load(graph, key, canvas, caches, soft, counted)
+        else:
+            graph = self._inputs(key, canvas, caches, soft, counted)
+            self._last = (key, graph)
         return self.model.decode(graph.canvas, graph.step, graph.soft, graph.counted)[: canvas.shape[0]]
 
     def _build(self, key: tuple, canvas, caches, soft, counted) -> _Graph:

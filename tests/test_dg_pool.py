@@ -134,10 +134,17 @@ def test_a_graphed_engine_answers_as_its_eager_steps(model, tok):
         graphs = DecodeGraphs(model, pool, "cpu", emulate=True, span_step=8, capture_at=2 if graphed else 10**9)
         return CanvasEngine(model, tok, pool=pool, graphs=graphs)  # not graphed: every step the static forward
 
-    graphed, eager = engine(True), engine(False)
-    assert [o.token_ids for o in graphed.generate(prompts, params)] == \
-           [o.token_ids for o in eager.generate(prompts, params)]
+    graphed, eager, failing = engine(True), engine(False), engine(True)
+
+    def fail(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    failing.graphs._build = fail  # a capture that fails: graphs off, every step the static forward
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert [o.token_ids for o in failing.generate(prompts, params)] == want
     assert graphed.graphs.replays > graphed.graphs.captures > 0 and eager.graphs.captures == 0
+    assert failing.graphs.capture_failures == 1 and "capturing" in failing.graphs.failed
     assert graphed.pool.free == graphed.pool.slots  # every request finished: its slots are back
 
 
