@@ -14,12 +14,14 @@ held ones (``PoolStep``). Filler rows (the bucket's rows past the round's) atten
 keys past a row's own point at its canvas row, masked. The answer is the eager pooled forward's: the same
 operations on the same values (tests/test_dg_pool.py checks it bit for bit, emulated).
 
-Only forwards of at most ``max_tokens`` canvas tokens are captured (a larger one is bound by the device; the
-logits a graph keeps, [rows, length, vocab] in float32, are its largest static buffer), only on a single device
-(a tensor-parallel shard's all-reduce stays eager), and a shape is captured the second time it is met (the first
-time, and whenever graphs cannot be captured, its step runs the same static-shaped forward eagerly). Graphs
-share one memory pool; the least recently used is dropped past ``max_graphs``. A failed capture turns graphs off
-for the engine with a warning (the step runs eagerly). ``emulate=True`` runs the same static-buffer forward
+The graph ends at the final normed hidden states [rows, length, hidden] (its static output); the LM head and the
+soft cap run eagerly after the replay (one product, and [rows, length, vocab] float32 logits a graph would keep
+per shape). Only forwards of at most ``max_tokens`` canvas tokens are captured (a larger one is bound by the
+device), only on a single device (a tensor-parallel shard's all-reduce stays eager), and a shape is captured the
+second time it is met (the first time, and whenever graphs cannot be captured, its step runs the same
+static-shaped forward eagerly). Graphs share one memory pool; the least recently used is dropped past
+``max_graphs``. A failed capture turns graphs off for the engine with a warning (the steps run the static-shaped
+forward eagerly). ``emulate=True`` runs the same static-buffer forward
 eagerly instead of capturing it: the CPU tests' path, everything but the capture.
 """
 
@@ -43,7 +45,7 @@ class _Graph:
     soft: torch.Tensor  # [rows, L, H] self-conditioning soft embeddings
     counted: torch.Tensor  # [rows] bool: the rows whose self-conditioning counts
     step: dg.PoolStep  # positions, key indices and masks (its tensors are the graph's)
-    logits: torch.Tensor  # [rows, L, V] written by each replay
+    hidden: torch.Tensor  # [rows, L, H] the final normed hidden states, written by each replay
     replay: object
     loaded: tuple = ()  # the caches (uid, length) whose indices the static step holds now
 
@@ -98,10 +100,10 @@ class DecodeGraphs:
 
     def decode(self, canvas: torch.Tensor, caches: list[dg.DGCache], soft: torch.Tensor | None,
                counted: torch.Tensor | None) -> torch.Tensor | None:
-        """The logits [N, L, V] of the decoder step over ``caches``: from its graph (a view the graph's next replay
-        overwrites) or, a shape not captured yet, from the same static-shaped forward run eagerly (so a replay and
-        the steps before it give the same bits); None when the step takes no graph at all (run it as without
-        graphs)."""
+        """The logits [N, L, V] of the decoder step over ``caches``: the LM head (eager: one product) over the
+        final hidden states from its graph or, a shape not captured yet, from the same static-shaped forward run
+        eagerly (so a replay and the steps before it give the same bits); None when the step takes no graph at
+        all (run it as without graphs)."""
         n, t = canvas.shape
         key = self.key(caches, t)
         if key is None:
@@ -123,7 +125,7 @@ class DecodeGraphs:
             self._load(graph, key, canvas, caches, soft, counted)
         graph.replay()
         self.replays += 1
-        return graph.logits[:n]
+        return self.model.logits(graph.hidden[:n])
 
     def _load(self, graph: _Graph, key: tuple, canvas, caches, soft, counted) -> None:
         n = canvas.shape[0]
@@ -170,22 +172,23 @@ class DecodeGraphs:
         else:
             graph = self._inputs(key, canvas, caches, soft, counted)
             self._last = (key, graph)
-        return self.model.decode(graph.canvas, graph.step, graph.soft, graph.counted)[: canvas.shape[0]]
+        hidden = self.model.decode_hidden(graph.canvas, graph.step, graph.soft, graph.counted)
+        return self.model.logits(hidden[: canvas.shape[0]])
 
     def _build(self, key: tuple, canvas, caches, soft, counted) -> _Graph:
         graph = self._inputs(key, canvas, caches, soft, counted)
 
         def forward(_=None) -> torch.Tensor:
-            return self.model.decode(graph.canvas, graph.step, graph.soft, graph.counted)
+            return self.model.decode_hidden(graph.canvas, graph.step, graph.soft, graph.counted)
 
         if self.emulate:
-            logits = forward()
+            hidden = forward()
 
             def replay() -> None:
-                logits.copy_(forward())
+                hidden.copy_(forward())
         else:
-            replay, logits = capture_forward(forward, None, self.mempool)
-        graph.logits, graph.replay = logits, replay
+            replay, hidden = capture_forward(forward, None, self.mempool)
+        graph.hidden, graph.replay = hidden, replay
         self.graphs[key] = graph
         self.captures += 1
         self.seen.pop(key, None)

@@ -890,9 +890,15 @@ class DiffusionGemma(nn.Module):
         for c, chunk in zip(caches, chunks):
             c.length += len(chunk)
 
-    def decode(self, canvas: torch.Tensor, cache: DGCache | list[DGCache] | PaddedCaches,
+    def decode(self, canvas: torch.Tensor, cache: DGCache | list[DGCache] | PaddedCaches | PoolStep,
                self_conditioning: torch.Tensor | None = None,
                conditioned: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of ``decode_hidden`` (below): soft-capped float32 [N, L, V]."""
+        return self.logits(self.decode_hidden(canvas, cache, self_conditioning, conditioned))
+
+    def decode_hidden(self, canvas: torch.Tensor, cache: DGCache | list[DGCache] | PaddedCaches | PoolStep,
+                      self_conditioning: torch.Tensor | None = None,
+                      conditioned: torch.Tensor | None = None) -> torch.Tensor:
         """One denoising forward: ``canvas`` [N, L] at positions cache.length onward, bidirectionally over itself
         and the cache (read only), ``self_conditioning`` the previous step's (processed) logits [N, L, V] or None.
         ``cache`` may be one per row (different requests, different lengths): their K/V are left-padded to the
@@ -901,7 +907,7 @@ class DiffusionGemma(nn.Module):
         instead: each layer writes the canvases' K/V into the pool's canvas rows and gathers every row's keys by
         index (no padded copy; the mask hides a row's padding). ``conditioned`` (bool [N]): the rows whose
         ``self_conditioning`` counts (the others get a zero signal, as at their first step; transformers'
-        ``self_conditioning_mask``). Returns soft-capped float32 logits [N, L, V]."""
+        ``self_conditioning_mask``). Returns the final normed hidden states [N, L, H] (``decode``: their logits)."""
         n, t = canvas.shape
         x = self.embed(canvas)
         soft = None
@@ -935,7 +941,7 @@ class DiffusionGemma(nn.Module):
         for i, layer in enumerate(self.layers):
             cos, sin = tables[i]
             x, _ = layer(x, cos, sin, masks[i], pasts[i], encoder=False)
-        return self.logits(self.norm(x))
+        return self.norm(x)
 
 
 class PaddedCaches:
