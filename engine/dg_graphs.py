@@ -52,7 +52,7 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model: dg.DiffusionGemma, pool: dg.DGPool, device: torch.device | str,
-                 max_tokens: int = 1024, span_step: int = 64, max_graphs: int = 16, emulate: bool = False,
+                 max_tokens: int = 2048, span_step: int = 64, max_graphs: int = 16, emulate: bool = False,
                  capture_at: int = 2) -> None:
         """``capture_at``: a shape is captured the time it is met this often (before, its steps run eagerly over
         the same static shapes)."""
