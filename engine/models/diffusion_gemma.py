@@ -597,8 +597,9 @@ class DGCache:
             return self.pooled
         if self.length or any(kv is not None for kv in self.layers):
             raise RuntimeError("only an empty cache takes pool slots")
-        fits = (self.cfg.kv_heads == pool.cfg.kv_heads and self.cfg.head_dims == pool.cfg.head_dims
-                and self.cfg.sliding_window == pool.cfg.sliding_window and dtype in (None, pool.dtype))
+        mine, its = self.cfg, pool.cfg
+        fits = ((mine.layer_types, mine.kv_heads, mine.head_dims, mine.sliding_window)
+                == (its.layer_types, its.kv_heads, its.head_dims, its.sliding_window) and dtype in (None, pool.dtype))
         slots = pool.acquire_many(pool.slots_for(positions)) if fits else None
         if not slots:
             pool.beyond += 1
