@@ -25,8 +25,12 @@ This is its own sequence type (``CanvasSequence``) beside the masked-diffusion `
 ``Engine`` interface over this engine. ``CanvasEngine`` also runs on its own (the offline ``remask generate``
 path): each step,
 the requests with tokens to encode run their encoder passes (one per request) and all the others' canvases go
-through one decoder forward together, their caches left-padded to the longest (``DiffusionGemma.decode``); the
-encoder passes of several requests likewise go through one forward (``DiffusionGemma.encode_many``).
+through one decoder forward together (``DiffusionGemma.decode``); the encoder passes of several requests likewise
+go through one forward (``DiffusionGemma.encode_many``). With a ``DGPool`` (``pool``; the serving engine makes
+one) a request's cache takes its slots at its first encoder pass (its prompt and ``max_tokens``) and gives them
+back when it finishes or is aborted; the decoder then reads the pool by index (``PoolStep``), from a CUDA graph
+when ``graphs`` has one (engine/dg_graphs.py). A cache the pool cannot hold keeps tensors of its own (counted in
+``pool.beyond``), and a batch holding one is padded side by side as without a pool (``PaddedCaches``).
 """
 
 from __future__ import annotations
@@ -130,8 +134,12 @@ class CanvasEngine:
     """DiffusionGemma requests through prefill and denoise steps (module docstring)."""
 
     def __init__(self, model: dg.DiffusionGemma, tokenizer=None, device: str | torch.device = "cpu",
-                 rule: RenoiseRule | None = None, grammar_tokenizer=None) -> None:
+                 rule: RenoiseRule | None = None, grammar_tokenizer=None, pool: dg.DGPool | None = None,
+                 graphs=None) -> None:
+        """``pool``: the K/V pool the requests' caches take slots of (``DGPool``; None: each cache its own
+        tensors); ``graphs``: the decoder step's CUDA graphs over it (engine/dg_graphs.py ``DecodeGraphs``)."""
         self.model = model.to(device).eval()
+        self.pool, self.graphs = pool, graphs
         self.cfg = model.config
         self.tokenizer = tokenizer
         # the vocabulary a constraint compiles for (None: ``tokenizer``'s; the serving engine, which decodes text
@@ -143,7 +151,7 @@ class CanvasEngine:
         self.stop_ids = frozenset([*self.cfg.eos_token_ids, *stop])
         self.sequences: dict[int, CanvasSequence] = {}
         self._ids = itertools.count()
-        self._padded: dg.PaddedCaches | None = None  # the last denoising batch's caches, side by side
+        self._padded: dg.PaddedCaches | dg.PoolStep | None = None  # the last denoising batch's caches, side by side
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -230,6 +238,9 @@ class CanvasEngine:
         """The encoder passes of ``seqs``, one forward per round of their chunks (a resumed request has more
         than one: its prompt and its finished canvases, encoded as they first were)."""
         counts = dict.fromkeys((s.seq_id for s in seqs), 0)
+        for s in seqs:  # a request's first encoder pass: its cache takes its pool slots for its whole life
+            if self.pool is not None and not s.cache.pooled and not s.cache.length:
+                s.cache.place(self.pool, self.cache_positions(s), self.model.embed_tokens.weight.dtype)
         while batch := [s for s in seqs if s.pending]:
             chunks = [s.pending.pop(0) for s in batch]
             self.model.encode_many(chunks, [s.cache for s in batch])
@@ -239,26 +250,42 @@ class CanvasEngine:
             s.prefill_steps += 1
         return {s.seq_id: StepReport(PREFILL, counts[s.seq_id]) for s in seqs}
 
+    def cache_positions(self, seq: CanvasSequence) -> int:
+        """The most positions ``seq``'s cache may hold: its prompt and ``max_tokens`` (the last canvas is never
+        encoded); what the instance scheduler reserves for it (``ServedCanvas.kv_capacity``)."""
+        return len(seq.prompt_ids) + seq.max_tokens
+
+    def _decode(self, canvas: torch.Tensor, seqs: list[CanvasSequence]) -> torch.Tensor:
+        """The decoder forward of ``seqs``' canvases: over the pool in place when every cache is in it (from a
+        CUDA graph when there is one for the shape), else their caches padded side by side."""
+        length = self.cfg.canvas_length
+        caches = [s.cache for s in seqs]
+        pooled = self.pool is not None and all(c.pool is self.pool for c in caches) and len(seqs) <= self.pool.rows
+        if len(seqs) == 1 and not pooled:
+            return self.model.decode(canvas, caches[0], None if seqs[0].self_conditioning is None
+                                     else seqs[0].self_conditioning[None])
+        has = torch.tensor([s.self_conditioning is not None for s in seqs], device=self.device)
+        sc = None
+        if bool(has.any()):
+            zeros = torch.zeros_like(next(s.self_conditioning for s in seqs if s.self_conditioning is not None))
+            sc = torch.stack([zeros if s.self_conditioning is None else s.self_conditioning for s in seqs])
+        if pooled and self.graphs is not None:
+            logits = self.graphs.decode(canvas, caches, sc, has)
+            if logits is not None:
+                return logits
+        kind = dg.PoolStep if pooled else dg.PaddedCaches
+        if not isinstance(self._padded, kind) or not self._padded.fits(caches):  # once per batch and cache state
+            self._padded = dg.PoolStep(self.pool, caches, length, self.device) if pooled \
+                else dg.PaddedCaches(caches, length, self.device)
+        return self.model.decode(canvas, self._padded, sc, has)
+
     def _denoise(self, seqs: list[CanvasSequence]) -> list[StepReport]:
         length, vocab = self.cfg.canvas_length, self.cfg.vocab_size
         for seq in seqs:
             if seq.canvas is None:  # a new canvas: uniform noise
                 gen = renoise.canvas_generator(seq.seed, seq.canvas_index, -1, self.device)
                 seq.canvas = renoise.noise(length, vocab, gen, self.device)
-        canvas = torch.stack([s.canvas for s in seqs])
-        if len(seqs) == 1:
-            raw = self.model.decode(canvas, seqs[0].cache, None if seqs[0].self_conditioning is None
-                                    else seqs[0].self_conditioning[None])
-        else:
-            has = torch.tensor([s.self_conditioning is not None for s in seqs], device=self.device)
-            sc = None
-            if bool(has.any()):
-                zeros = torch.zeros_like(next(s.self_conditioning for s in seqs if s.self_conditioning is not None))
-                sc = torch.stack([zeros if s.self_conditioning is None else s.self_conditioning for s in seqs])
-            caches = [s.cache for s in seqs]
-            if self._padded is None or not self._padded.fits(caches):  # padded once per batch and cache state
-                self._padded = dg.PaddedCaches(caches, length, self.device)
-            raw = self.model.decode(canvas, self._padded, sc, has)
+        raw = self._decode(torch.stack([s.canvas for s in seqs]), seqs)
         reports, processed = [], []
         for seq, logits in zip(seqs, raw):
             decision, step_logits = self.denoise_logits(seq, logits)
@@ -358,6 +385,7 @@ class CanvasEngine:
                 seq.unread += seq.text.finish()
         if seq.finished:
             seq.pending = []
+            seq.cache.release()  # its pool slots back now (its length stays: the positions it had encoded)
 
     # -- outputs
 
@@ -369,6 +397,7 @@ class CanvasEngine:
     def abort(self, seq: CanvasSequence) -> None:
         """Stop ``seq`` now (its cache freed)."""
         seq.finished, seq.finish_reason, seq.pending = True, "abort", []
+        seq.cache.release()
         seq.cache = dg.DGCache(self.cfg)
         self.sequences.pop(seq.seq_id, None)
 
@@ -387,6 +416,7 @@ class CanvasEngine:
                 if piece := self.read(seq):
                     yield piece
         finally:
+            seq.cache.release()  # a stream closed early gives its pool slots back now
             self.sequences.pop(seq.seq_id, None)
 
     def generate(self, prompts: list[list[int]], params: CanvasParams | None = None) -> list[CanvasOutput]:

@@ -33,8 +33,15 @@ streaming, failover and the router's knob reach DiffusionGemma without a special
 
 Tensor parallelism: each rank's engine holds its shard (``diffusion_gemma.shard``); rank 0's ``Instance``
 mirrors its commands and plans to the followers (``engine.instance.Follower``) as for the other families, the
-seed rank 0 drew among them. No KV pool (each request's cache is its own ``DGCache``: sliding-window layers
-keep their window; ``kv_pool_budget`` says so), no CUDA graphs.
+seed rank 0 drew among them.
+
+KV pool: the requests' encoder caches take slots of one preallocated ``DGPool`` (engine/models/diffusion_gemma.py:
+full layers ``kv_slot_tokens`` positions per slot, sliding layers a ring of their window, plus a canvas row per
+decoder row), sized as the masked ``Engine`` sizes its pool (``kv_pool_budget`` says how). The runner shows it to
+``Instance``, whose scheduler reserves whole slots for a request's prompt and ``max_tokens`` (``kv_capacity``), so a
+resident request always finds its slots; a request takes them at its first encoder pass and gives them back when
+it finishes, is aborted or migrates. ``kv_slots=0``: no pool (each cache its own tensors). CUDA graphs of the
+decoder step (engine/dg_graphs.py) on CUDA with a pool, single-device only (``cuda_graphs=False``: off).
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ import torch
 from engine.canvas import CanvasEngine, CanvasParams, CanvasSequence
 from engine.commands import Resume, SamplingParams, resolve_rule
 from engine.decoding.renoise import RenoiseRule
-from engine.engine import EngineRound, Output
+from engine.engine import POOL_PROMPT_TOKENS, EngineRound, Output
 from engine.models import diffusion_gemma as dg
 from engine.models.config import ModelConfig
 from engine.scheduler.types import StepKind
@@ -82,17 +89,19 @@ class CanvasObserver:
 
 class _CanvasRunner:
     """The runner's face a canvas engine shows to ``Instance``, the round loop and the profiler
-    (engine/profiling.py): no KV pool, no CUDA graphs, no round memory budget; ``forwards`` counts the model's
-    forwards (encoder and decoder)."""
+    (engine/profiling.py): the KV pool (``DGPool``: its ``slots`` x ``capacity`` positions are what the
+    instance scheduler reserves against), the decoder's CUDA graphs (``DecodeGraphs``), no round memory budget;
+    ``forwards`` counts the model's forwards (encoder and decoder), ``pooled`` the decoder forwards over the
+    pool."""
 
-    pool = None
-    graphs = None
     transient_budget = None
-    pooled = 0  # forwards over a KV pool: none
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.forwards = 0
+        self.pooled = 0
+        self.pool: dg.DGPool | None = None
+        self.graphs = None
         self.model = SimpleNamespace(elementwise=None)  # the masked models' fused-elementwise flag: not used
 
 
@@ -199,7 +208,17 @@ class CanvasServeEngine:
 
     def __init__(self, model: dg.DiffusionGemma, tokenizer, device: str | torch.device = "cpu",
                  rule: RenoiseRule | str | None = None, decoding_config: dict | None = None, max_slots: int = 32,
-                 default_gen_length: int | None = None, max_gen_length: int = 1024, **ignored) -> None:
+                 default_gen_length: int | None = None, max_gen_length: int = 1024, kv_slots: int | None = None,
+                 kv_slot_tokens: int | None = None, kv_memory_bytes: int | None = None,
+                 kv_memory_fraction: float | None = None, kv_residents_max: int | None = None,
+                 cuda_graphs: bool | None = None, **ignored) -> None:
+        """The KV pool (``DGPool``) and the decoder's CUDA graphs as the masked ``Engine`` sizes and switches
+        them (the same arguments): ``kv_slots`` slots of ``kv_slot_tokens`` positions (default: room for
+        ``POOL_PROMPT_TOKENS`` of prompt, or the sliding window's if longer, and the default generation length),
+        or as many as ``kv_memory_bytes`` (on CUDA ``kv_memory_fraction`` of the free memory, a rough round's
+        transient memory aside) holds after the canvas rows, at most what ``kv_residents_max`` requests as long as
+        the context take; without either, ``max_slots``; ``kv_slots=0``: no pool (each cache its own tensors).
+        ``cuda_graphs``: default on CUDA with a pool unless the model is a tensor-parallel shard."""
         base = RenoiseRule.from_generation(model.config.generation)
         if rule is None or isinstance(rule, str):
             rule = resolve_rule(base, rule, decoding_config, where="engine.")
@@ -219,12 +238,67 @@ class CanvasServeEngine:
         self.default_gen_length = default_gen_length or int(self.dg_cfg.generation.get("max_new_tokens", 256))
         self.max_gen_length = max_gen_length
         self.runner = _CanvasRunner(next(model.parameters()).dtype)
-        self.kv_pool_budget = {"slots": 0, "source": "none: each canvas request holds its own encoder cache"}
+        # a slot's sliding ring already holds a window's positions: its full layers get at least as many of
+        # prompt, so a prompt as long as the window takes one slot (a longer one's further slots carry rings it
+        # does not use: DGPool)
+        prompt_room = max(POOL_PROMPT_TOKENS, self.dg_cfg.sliding_window - 1)
+        tokens = kv_slot_tokens or min(self.dg_cfg.max_position_embeddings, prompt_room + self.default_gen_length)
+        self.kv_pool_budget = self._size_kv_pool(tokens, kv_slots, kv_memory_bytes, kv_memory_fraction,
+                                                 kv_residents_max)
+        if self.kv_pool_budget["slots"]:
+            self.runner.pool = self.canvas.pool = dg.DGPool(
+                self.dg_cfg, self.kv_pool_budget["slots"], tokens, self._rows(), self.runner.dtype, self.device)
+        sharded = any(layer.reduce is not None for layer in model.layers)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and self.runner.pool is not None and not sharded
+        if cuda_graphs:
+            from engine.dg_graphs import DecodeGraphs
+
+            if self.runner.pool is None or sharded:
+                raise ValueError("CUDA graphs need a KV pool (kv_slots > 0) and a model on one device")
+            self.runner.graphs = self.canvas.graphs = DecodeGraphs(self.model, self.runner.pool, self.device)
         self.observer = CanvasObserver()
         self.sequences: dict[int, ServedCanvas] = {}
         self._rules: dict[str, RenoiseRule] = {}
         self._ids = itertools.count()
         self.rounds = 0
+
+    def _rows(self) -> int:
+        """The pool's canvas rows: the most canvases one decoder forward takes (``max_slots``, rounded up to the
+        graphs' power-of-two bucket)."""
+        return 1 << (self.max_slots - 1).bit_length()
+
+    def _size_kv_pool(self, tokens: int, slots: int | None, budget: int | None, fraction: float | None,
+                      residents_max: int | None) -> dict:
+        """How many slots of ``tokens`` positions the pool gets, and from what (``__init__``). A slot's bytes:
+        its full layers' positions and its sliding layers' ring; the canvas rows come off the budget first."""
+        cfg, item = self.dg_cfg, self.runner.dtype.itemsize
+        per_slot, rows = dg.DGPool.sizes(cfg, tokens, self._rows(), item)
+        out = {"slot_tokens": tokens, "bytes_per_slot": per_slot, "canvas_row_bytes": rows, "budget_bytes": None}
+        if slots is not None:
+            source = "kv_slots"
+        elif budget is not None:
+            source = "kv_memory_bytes"
+        elif fraction is not None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # a round's transient memory, roughly: float32 logits and their softmax over every canvas position,
+            # and some tens of activations of the hidden size
+            reserve = min(self._rows() * cfg.canvas_length * (16 * cfg.vocab_size + 64 * cfg.hidden_size * item),
+                          free // 2)
+            budget = min(int(free * fraction), free - reserve)
+            out["round_reserve_bytes"] = reserve
+            source = f"{fraction:g} of {free / 2**20:.0f} MiB free, the round's {reserve / 2**20:.0f} MiB aside"
+        else:
+            slots, source = self.max_slots, "max_slots"
+        if slots is None:
+            out["budget_bytes"] = budget
+            slots = max(budget - rows, 0) // per_slot
+            if residents_max is not None:
+                slots = min(slots, residents_max * -(-cfg.max_position_embeddings // tokens))
+            if slots < 1:
+                raise ValueError(f"a KV budget of {budget / 2**20:.1f} MiB holds no slot of {tokens} positions "
+                                 f"({per_slot / 2**20:.2f} MiB each, after {rows / 2**20:.2f} MiB of canvas rows)")
+        return {**out, "slots": slots, "source": source}
 
     @classmethod
     def load(cls, path, device: str = "cpu", dtype: torch.dtype = torch.float32, **kwargs) -> CanvasServeEngine:
@@ -346,6 +420,9 @@ class CanvasServeEngine:
         encoded = {s.seq_id: sum(map(len, s.inner.pending)) for s in plan}
         steps_before = {s.seq_id: s.inner.prefill_steps for s in denoise}
         self.runner.forwards += max((len(s.inner.pending) for s in plan), default=0) + bool(denoise)
+        pool = self.runner.pool
+        self.runner.pooled += bool(denoise) and pool is not None and len(denoise) <= pool.rows and all(
+            s.inner.cache.pool is pool for s in denoise)  # placed at their first encoder pass
         self.canvas._prefill([s.inner for s in prefill + [d for d in denoise if d.inner.pending]])
         for s in denoise:  # a canvas's encoder pass is part of the next canvas's first step, not a prefill
             s.inner.prefill_steps = steps_before[s.seq_id]

@@ -77,8 +77,8 @@ def is_canvas_model(path: Path) -> bool:
 def load_engine(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **engine_kwargs):
     """An ``Engine`` for a model; its decoding rule: ``rule`` (a name or a rule) and ``decoding_config`` among
     ``engine_kwargs`` over the checkpoint's (``engine_rule``). A DiffusionGemma checkpoint gets a
-    ``CanvasServeEngine`` (engine/canvas_serving.py: the same interface, canvas requests; the KV pool, CUDA
-    graph and cache arguments do not apply to it)."""
+    ``CanvasServeEngine`` (engine/canvas_serving.py: the same interface, canvas requests; it takes the KV pool
+    and CUDA graph arguments, not the cache mode)."""
     from engine.engine import Engine
     from engine.models.loader import load_model
     from engine.tokenizer import load_tokenizer

@@ -139,7 +139,10 @@ def _held(engine: Engine) -> str:
     round's transient budget (engine/memory.py), so a profile's skipped case says where the memory went."""
     pool = engine.runner.pool
     budget = engine.runner.transient_budget
-    parts = [f"KV pool {0 if pool is None else pool.kv.numel() * pool.kv.element_size() / 2**30:.1f} GiB",
+    held = 0 if pool is None else getattr(pool, "nbytes", None)  # a DiffusionGemma pool counts its groups' tensors
+    if held is None:
+        held = pool.kv.numel() * pool.kv.element_size()
+    parts = [f"KV pool {held / 2**30:.1f} GiB",
              "round budget " + ("none" if budget is None else f"{budget / 2**30:.1f} GiB")]
     if engine.device.type == "cuda":
         parts = [f"allocated {torch.cuda.memory_allocated(engine.device) / 2**30:.1f} GiB",

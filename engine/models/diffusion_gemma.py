@@ -4,10 +4,14 @@ One set of layers runs two ways:
 
 * **encoder** (``encode``): the prompt, then each finished canvas, causally, appending each layer's K/V to a
   cache (``DGCache``). Exact and reusable, as an autoregressive model's prefill. Sliding-window layers keep only
-  their last ``sliding_window - 1`` positions (what the next tokens can still see).
+  their last ``sliding_window - 1`` positions (what the next tokens can still see). A cache has tensors of its own
+  (grown by each pass) or slots of a preallocated ``DGPool`` (full layers' positions in slots, sliding layers' in
+  a ring indexed by position modulo the window, K already rotated so order does not matter; see ``DGPool``).
 * **decoder** (``decode``): a canvas of ``canvas_length`` tokens bidirectionally over itself and over the cache
   (read only), its input embeddings mixed with the previous step's logits (self-conditioning); out come
-  soft-capped float32 logits for every canvas position.
+  soft-capped float32 logits for every canvas position. Over pooled caches each layer writes the canvases' K/V
+  into the pool's canvas rows and gathers every row's keys by index (``PoolStep``), with static addresses that a
+  CUDA graph replays (engine/dg_graphs.py); otherwise the caches are copied side by side (``PaddedCaches``).
 
 The layers, as transformers' ``modeling_diffusion_gemma`` defines them (this is an own implementation, checked
 against it by tests/test_diffusion_gemma.py within 1e-5 in float32): Gemma-4 RMSNorm (float32 inside, the
@@ -25,8 +29,10 @@ is refused (``check_text_only``).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -370,16 +376,21 @@ class Attention(nn.Module):
         self.k_norm = Norm(self.hd, cfg.rms_norm_eps)
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, x, cos, sin, mask, past: KV | None) -> tuple[torch.Tensor, KV]:
-        """x [N, T, H]; past: (K, V) [N, kv heads, C, D] or None. Returns (output, all K/V: past + fresh)."""
+    def forward(self, x, cos, sin, mask, past: KV | PoolRead | None) -> tuple[torch.Tensor, KV]:
+        """x [N, T, H]; past: (K, V) [N, kv heads, C, D], the pool's keys (``PoolRead``: the fresh K/V written
+        to the canvas rows, the keys gathered) or None. Returns (output, all K/V: past + fresh)."""
         n, t, _ = x.shape
         q = rotate(self.q_norm(self.q_proj(x).unflatten(-1, (self.nh, self.hd))), cos, sin).transpose(1, 2)
         raw = self.k_proj(x).unflatten(-1, (self.nkv, self.hd))
         v = raw if self.v_proj is None else self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
-        k = rotate(self.k_norm(raw), cos, sin).transpose(1, 2)
-        v = rms_norm(v, None, self.eps).transpose(1, 2)
-        if past is not None and past[0].shape[2]:
-            k, v = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
+        k = rotate(self.k_norm(raw), cos, sin)
+        v = rms_norm(v, None, self.eps)
+        if isinstance(past, PoolRead):
+            k, v = past.attend(k, v)
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            if past is not None and past[0].shape[2]:
+                k, v = torch.cat((past[0], k), 2), torch.cat((past[1], v), 2)
         # the kernel's output may come back in any strides (engine/models/layouts.py): transposed, then one reshape
         out = attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv, scale=1.0).transpose(1, 2)
         return self.o_proj(out.reshape(n, t, -1)), (k, v)
@@ -432,37 +443,305 @@ class SelfConditioning(MLP):
         return rms_norm(embeds, None, self.eps)
 
 
-# ---------------------------------------------------------------- the cache
 
 
 _CACHE_UIDS = itertools.count()
 
 
+class DGPool:
+    """Preallocated encoder K/V for DiffusionGemma requests: per layer-shape group (sliding or full, K/V heads, head
+    size) one zeroed tensor [2 (K, V), positions, kv heads, head dim], K already rotated, so keys may be read in
+    any order. Its positions, one layer of the group after the other:
+
+    * ``slots`` slots per layer: full layers ``capacity`` positions per slot (a request's position p at slot
+      ``slots[p // capacity]``, offset ``p % capacity``: a longer cache takes several slots), sliding layers a
+      ring of ``sliding_window - 1`` positions per slot (position p at ``p % (sliding_window - 1)`` of the ring
+      of the request's first slot: what the next tokens can still see; a request over several slots leaves the
+      others' rings unused);
+    * after every layer's slots, ``rows`` canvases of ``canvas_length`` positions, shared by the group's layers
+      (they run one after the other): a decoder forward's row r writes its canvas's K/V there and attends to
+      them with the request's gathered keys (scratch, overwritten by the next layer).
+
+    A request takes whole slots (``slots_for``) for its whole life (its prompt plus ``max_tokens``: what the
+    instance scheduler reserves, so serving never asks for more than is free) and gives them back when it
+    finishes, is aborted or migrates out (``DGCache.release``; also when the cache is dropped). A cache that
+    cannot take slots (no pool, not enough free) keeps tensors of its own, counted in ``beyond``."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig, slots: int, capacity: int, rows: int, dtype, device) -> None:
+        if slots < 1 or capacity < 1 or rows < 1:
+            raise ValueError(f"a DiffusionGemma KV pool needs at least one slot, position and row, got {slots} "
+                             f"slots x {capacity} positions, {rows} rows")
+        self.cfg, self.capacity, self.rows, self.window = cfg, capacity, rows, cfg.sliding_window - 1
+        self.length = cfg.canvas_length
+        self.shapes, self.where, members = self.groups(cfg)
+        self.span = [self.window if s else capacity for s, _, _ in self.shapes]  # a slot's positions per layer
+        self.base = [len(m) * slots * span for m, span in zip(members, self.span)]  # where the canvas rows begin
+        self.kv = [torch.zeros(2, b + rows * self.length, kv, d, dtype=dtype, device=device)
+                   for b, (_, kv, d) in zip(self.base, self.shapes)]
+        self.num_slots = slots
+        self._free = list(range(slots))  # a heap: the lowest free slot first
+        self.beyond = 0  # caches that could not take slots and got tensors of their own
+
+    @staticmethod
+    def groups(cfg: DiffusionGemmaConfig) -> tuple[list[tuple], list[tuple[int, int]], list[list[int]]]:
+        """The layer-shape groups: their (sliding, kv heads, head dim), each layer's (group, index in it), each
+        group's layers."""
+        keys: dict[tuple, int] = {}
+        where, members = [], []
+        for i in range(cfg.num_layers):
+            g = keys.setdefault((cfg.sliding(i), cfg.kv_heads[i], cfg.head_dims[i]), len(keys))
+            if g == len(members):
+                members.append([])
+            where.append((g, len(members[g])))
+            members[g].append(i)
+        return list(keys), where, members
+
+    @classmethod
+    def sizes(cls, cfg: DiffusionGemmaConfig, capacity: int, rows: int, dtype_bytes: int) -> tuple[int, int]:
+        """(bytes of one slot: its full layers' positions and its sliding layers' rings, bytes of ``rows`` canvas
+        rows) of a pool of ``cfg`` with slots of ``capacity`` positions."""
+        shapes, _, members = cls.groups(cfg)
+        per_slot = sum(len(m) * 2 * kv * d * dtype_bytes * (cfg.sliding_window - 1 if s else capacity)
+                       for m, (s, kv, d) in zip(members, shapes))
+        row = sum(2 * kv * d * dtype_bytes * cfg.canvas_length for _, kv, d in shapes)
+        return per_slot, rows * row
+
+    @property
+    def slots(self) -> int:
+        return self.num_slots
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Device bytes of one slot: its full layers' positions and its sliding layers' rings."""
+        return self.sizes(self.cfg, self.capacity, self.rows, self.dtype.itemsize)[0]
+
+    @property
+    def row_bytes(self) -> int:
+        """Device bytes of the canvas rows (the decoder's scratch), all of them."""
+        return self.nbytes - self.slots * self.bytes_per_slot
+
+    def slots_for(self, positions: int) -> int:
+        return max(-(-positions // self.capacity), 1)
+
+    def acquire_many(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [heapq.heappop(self._free) for _ in range(n)]
+
+    def release_many(self, slots: list[int]) -> None:
+        for slot in slots:
+            if not 0 <= slot < self.slots or slot in self._free:
+                raise ValueError(f"slot {slot} is not held")
+            heapq.heappush(self._free, slot)
+
+    def layer(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s group tensor [2, positions, kv heads, head dim] (its positions: ``index``)."""
+        return self.kv[self.where[i][0]]
+
+    def index(self, i: int, slots: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Where layer ``i`` of a cache holding ``slots`` keeps its ``positions`` in its group's tensor (host)."""
+        g, j = self.where[i]
+        offset = j * self.slots * self.span[g]
+        if self.shapes[g][0]:
+            return offset + slots[0] * self.window + positions % self.window
+        table = torch.tensor(slots, dtype=torch.long)
+        return offset + table[positions // self.capacity] * self.capacity + positions % self.capacity
+
+    def canvas_rows(self, g: int, rows: int) -> slice:
+        """The positions of the first ``rows`` canvas rows of group ``g``, one after the other."""
+        if rows > self.rows:
+            raise ValueError(f"{rows} canvases exceed the pool's {self.rows} canvas rows")
+        return slice(self.base[g], self.base[g] + rows * self.length)
+
+
 class DGCache:
-    """The encoder's K/V per layer, [N, kv heads, kept positions, head dim] (the layer's own heads and head
-    size), for N rows of equal length. Sliding-window layers keep only their last ``sliding_window - 1``
-    positions; full layers keep all. ``length``: positions encoded so far (the next token's position)."""
+    """The encoder's K/V per layer for N rows of equal length (N is 1 in the pool). Sliding-window layers keep
+    only their last ``sliding_window - 1`` positions; full layers keep all. ``length``: positions encoded so far
+    (the next token's position).
+
+    Its own tensors (``layers``: [N, kv heads, kept positions, head dim] per layer, grown by each encoder pass),
+    or, once ``place``d, slots of a ``DGPool`` (``slots``; ``layers`` stays empty): no allocation per encoder
+    pass, ``release`` gives the slots back."""
 
     def __init__(self, cfg: DiffusionGemmaConfig) -> None:
         self.cfg = cfg
         self.layers: list[KV | None] = [None] * cfg.num_layers
         self.length = 0
         self.uid = next(_CACHE_UIDS)  # never reused in the process (unlike id()): names this cache in keys
+        self.pool: DGPool | None = None
+        self.slots: list[int] = []
+        self.positions = 0  # the positions its slots hold
+        self._finalizer = None
 
-    def store(self, layer: int, kv: KV) -> None:
-        keep = self.cfg.kept(layer)
-        k, v = kv
-        if keep is not None and k.shape[2] > keep:
-            k, v = k[:, :, -keep:].contiguous(), v[:, :, -keep:].contiguous()
-        self.layers[layer] = (k, v)
+    @property
+    def pooled(self) -> bool:
+        return self.pool is not None
+
+    def place(self, pool: DGPool | None, positions: int, dtype: torch.dtype | None = None) -> bool:
+        """Take the slots for ``positions`` positions of ``pool`` (an empty cache, once). False, counted in
+        ``pool.beyond``, when they are not free or the pool is not this cache's (another head layout, or not of
+        ``dtype``, the model's): the cache keeps tensors of its own. False without a pool."""
+        if pool is None or self.pooled:
+            return self.pooled
+        if self.length or any(kv is not None for kv in self.layers):
+            raise RuntimeError("only an empty cache takes pool slots")
+        mine, its = self.cfg, pool.cfg
+        fits = ((mine.layer_types, mine.kv_heads, mine.head_dims, mine.sliding_window)
+                == (its.layer_types, its.kv_heads, its.head_dims, its.sliding_window) and dtype in (None, pool.dtype))
+        slots = pool.acquire_many(pool.slots_for(positions)) if fits else None
+        if not slots:
+            pool.beyond += 1
+            return False
+        self.pool, self.slots, self.positions = pool, slots, len(slots) * pool.capacity
+        self._finalizer = weakref.finalize(self, pool.release_many, slots)  # back however it is dropped
+        return True
+
+    def release(self) -> None:
+        """Give its slots back to the pool, its tensors to the allocator (a finished, aborted or migrated
+        request): it holds nothing after (``length`` stays: the positions it had encoded)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self.pool, self.slots, self.positions, self._finalizer = None, [], 0, None
+        self.layers = [None] * self.cfg.num_layers
 
     def kept(self, layer: int) -> int:
+        if self.pooled:
+            keep = self.cfg.kept(layer)
+            return self.length if keep is None else min(self.length, keep)
         kv = self.layers[layer]
         return 0 if kv is None else kv[0].shape[2]
 
+    def held(self, layer: int) -> torch.Tensor:
+        """Pooled: the positions layer ``layer`` holds, in order (host)."""
+        return torch.arange(self.length - self.kept(layer), self.length)
+
+    def where(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """Pooled: where layer ``layer`` keeps ``positions`` in its group's tensor (host)."""
+        return self.pool.index(layer, self.slots, positions)
+
+    def past(self, layer: int) -> KV | None:
+        """Layer ``layer``'s K/V [1, kv heads, kept, head dim] in position order (pooled: gathered)."""
+        if not self.pooled:
+            return self.layers[layer]
+        if not self.kept(layer):
+            return None
+        kv = self.pool.layer(layer)
+        idx = self.where(layer, self.held(layer)).to(kv.device)
+        k, v = kv[0].index_select(0, idx), kv[1].index_select(0, idx)
+        return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+
+    def store(self, layer: int, kv: KV, fresh: int | None = None) -> None:
+        """Layer ``layer``'s K/V after an encoder pass: ``kv`` [1, kv heads, kept + fresh, head dim], its last
+        ``fresh`` positions the pass's (at ``length`` onward; ``length`` is not moved here). Own tensors keep the
+        whole (the window's tail for a sliding layer); pooled, the fresh positions are written into the slots."""
+        keep = self.cfg.kept(layer)
+        k, v = kv
+        if not self.pooled:
+            if keep is not None and k.shape[2] > keep:
+                k, v = k[:, :, -keep:].contiguous(), v[:, :, -keep:].contiguous()
+            self.layers[layer] = (k, v)
+            return
+        n = k.shape[2] if fresh is None else fresh
+        if self.length + n > self.positions:
+            raise RuntimeError(f"a pooled cache of {self.positions} positions cannot hold {self.length + n}")
+        lo = n if keep is None else min(n, keep)  # a sliding layer's ring takes the last ``keep`` of them
+        pos = torch.arange(self.length + n - lo, self.length + n)
+        dst = self.pool.layer(layer)
+        idx = self.where(layer, pos).to(dst.device)
+        dst[0].index_copy_(0, idx, k[0, :, k.shape[2] - lo:].transpose(0, 1))
+        dst[1].index_copy_(0, idx, v[0, :, v.shape[2] - lo:].transpose(0, 1))
+
     @property
     def nbytes(self) -> int:
+        """The bytes of K/V it holds (pooled: its kept positions' share of the pool)."""
+        if self.pooled:
+            return self.cfg.cache_bytes(self.length, self.pool.dtype.itemsize)
         return sum(k.nbytes + v.nbytes for kv in self.layers if kv is not None for k, v in [kv])
+
+
+class PoolStep:
+    """The decoder forward over pooled caches, as the layers read it: ``rows`` canvases of ``t`` tokens (the
+    first ``len(caches)`` the caches', any others fillers that attend only to their own canvas), per layer the
+    positions of each row's keys in its group's tensor [rows, keys] (its held positions left-padded to
+    ``past[group]``, then its canvas row's; padding points at the row's canvas), per group the mask
+    [rows, 1, 1, keys] of the keys a row holds. Built on the host, moved once; a graph copies these tensors into
+    its own (engine/dg_graphs.py)."""
+
+    def __init__(self, pool: DGPool, caches: list[DGCache], t: int, device, rows: int | None = None,
+                 past: list[int] | None = None) -> None:
+        n = len(caches)
+        rows = n if rows is None else rows
+        if t != pool.length:
+            raise ValueError(f"the pool's canvas rows hold {pool.length} tokens, not {t}")
+        self.pool, self.t, self.rows, self.n = pool, t, rows, n
+        self.lengths = [c.length for c in caches] + [0] * (rows - n)
+        self.key = tuple((c.uid, c.length) for c in caches)
+        first = [pool.where.index((g, 0)) for g in range(len(pool.shapes))]
+        kept = [[c.kept(i) for c in caches] + [0] * (rows - n) for i in first]  # a group's layers keep alike
+        self.past = [max(k, default=0) for k in kept] if past is None else list(past)
+        if any(p < max(k, default=0) for p, k in zip(self.past, kept)):
+            raise ValueError("past key room shorter than a cache's held positions")
+        canvas = torch.arange(t)
+        rowbase, ok = [], []
+        for g in range(len(first)):
+            width = self.past[g] + t
+            base = pool.base[g] + torch.arange(rows)[:, None] * t
+            rowbase.append(base.expand(rows, width).clone())  # padding: the row's own canvas start
+            rowbase[g][:, self.past[g]:] = base + canvas
+            mask = torch.zeros(rows, width, dtype=torch.bool)
+            mask[:, self.past[g]:] = True
+            for r, k in enumerate(kept[g][:n]):
+                mask[r, self.past[g] - k: self.past[g]] = True
+            ok.append(mask)
+        self.index = []
+        for i, (g, _) in enumerate(pool.where):
+            idx = rowbase[g].clone()
+            for r, c in enumerate(caches):
+                k = kept[g][r]
+                if k:
+                    idx[r, self.past[g] - k: self.past[g]] = c.where(i, c.held(i))
+            self.index.append(idx.to(device))
+        self.mask = [m[:, None, None, :].to(device) for m in ok]
+        self.pos = (torch.tensor(self.lengths)[:, None] + canvas).to(device)
+
+    def fits(self, caches: list[DGCache]) -> bool:
+        return self.key == tuple((c.uid, c.length) for c in caches)
+
+    def layer(self, i: int) -> PoolRead:
+        g, _ = self.pool.where[i]
+        return PoolRead(self.pool.layer(i), self.pool.canvas_rows(g, self.rows), self.index[i])
+
+
+@dataclass(frozen=True)
+class PoolRead:
+    """One layer's keys in the pool: the canvases' K/V go to ``rows`` (their scratch), then every key is gathered
+    by ``index`` [N, keys]."""
+
+    kv: torch.Tensor  # [2, positions, kv heads, head dim]
+    rows: slice
+    index: torch.Tensor
+
+    def attend(self, k: torch.Tensor, v: torch.Tensor) -> KV:
+        """k, v [N, T, kv heads, D] (the canvases') -> all keys and values [N, kv heads, keys, D]."""
+        n, t, h, d = k.shape
+        self.kv[0, self.rows].copy_(k.reshape(n * t, h, d))
+        self.kv[1, self.rows].copy_(v.reshape(n * t, h, d))
+        flat = self.index.reshape(-1)
+        keys = self.kv[0].index_select(0, flat).view(n, -1, h, d).transpose(1, 2)
+        values = self.kv[1].index_select(0, flat).view(n, -1, h, d).transpose(1, 2)
+        return keys, values
 
 
 # ---------------------------------------------------------------- the model
@@ -483,12 +762,13 @@ class DiffusionGemma(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._inv_freq: dict[tuple, torch.Tensor] = {}
+        self._scales: dict[tuple, torch.Tensor] = {}
 
     # -- inputs
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
-        return F.embedding(ids, w) * torch.tensor(self.config.hidden_size ** 0.5, dtype=w.dtype, device=w.device)
+        return F.embedding(ids, w) * self._embed_scale(w)
 
     def rope_tables(self, positions: torch.Tensor, dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Per layer index: cos, sin [N, T, 1, head dim] for positions [N, T] (one table per layer type)."""
@@ -512,7 +792,16 @@ class DiffusionGemma(nn.Module):
         dtype) times the embedding matrix, scaled as the embeddings are: [..., H]."""
         w = self.embed_tokens.weight
         probs = logits.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
-        return torch.matmul(probs, w) * torch.tensor(self.config.hidden_size ** 0.5, dtype=w.dtype, device=w.device)
+        return torch.matmul(probs, w) * self._embed_scale(w)
+
+    def _embed_scale(self, w: torch.Tensor) -> torch.Tensor:
+        """sqrt(hidden) in the embeddings' dtype on their device, made once (a CUDA graph's capture may not copy a
+        host scalar to the device)."""
+        key = (w.dtype, w.device)
+        scale = self._scales.get(key)
+        if scale is None:
+            scale = self._scales[key] = torch.tensor(self.config.hidden_size ** 0.5, dtype=w.dtype, device=w.device)
+        return scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
@@ -541,8 +830,8 @@ class DiffusionGemma(nn.Module):
                     allowed &= kpos[None, :] > qpos[:, None] - self.config.sliding_window
                 masks[mkey] = allowed[None, None]
             cos, sin = tables[i]
-            x, kv = layer(x, cos, sin, masks[mkey], cache.layers[i], encoder=True)
-            cache.store(i, kv)
+            x, kv = layer(x, cos, sin, masks[mkey], cache.past(i), encoder=True)
+            cache.store(i, kv, t)
         cache.length = start + t
         return self.norm(x)
 
@@ -572,12 +861,13 @@ class DiffusionGemma(nn.Module):
             longest = max(kept)
             past = None
             if longest:
-                ref = next(c.layers[i] for c in caches if c.layers[i] is not None)[0]
+                held = [c.past(i) for c in caches]  # pooled caches: gathered from their slots
+                ref = next(kv for kv in held if kv is not None)[0]
                 shape = (n, ref.shape[1], longest, ref.shape[3])
                 keys, values = ref.new_zeros(shape), ref.new_zeros(shape)
-                for row, c in enumerate(caches):
+                for row, kv in enumerate(held):
                     if kept[row]:
-                        keys[row, :, longest - kept[row]:], values[row, :, longest - kept[row]:] = c.layers[i]
+                        keys[row, :, longest - kept[row]:], values[row, :, longest - kept[row]:] = kv
                 past = (keys, values)
             sliding = self.config.sliding(i)
             mkey = (sliding, tuple(kept))
@@ -596,20 +886,29 @@ class DiffusionGemma(nn.Module):
             x, (keys, values) = layer(x, cos, sin, masks[mkey], past, encoder=True)
             for row, c in enumerate(caches):
                 lo, hi = longest - kept[row], longest + len(chunks[row])
-                c.store(i, (keys[row:row + 1, :, lo:hi].clone(), values[row:row + 1, :, lo:hi].clone()))
+                k, v = keys[row:row + 1, :, lo:hi], values[row:row + 1, :, lo:hi]
+                c.store(i, (k, v) if c.pooled else (k.clone(), v.clone()), len(chunks[row]))
         for c, chunk in zip(caches, chunks):
             c.length += len(chunk)
 
-    def decode(self, canvas: torch.Tensor, cache: DGCache | list[DGCache] | PaddedCaches,
+    def decode(self, canvas: torch.Tensor, cache: DGCache | list[DGCache] | PaddedCaches | PoolStep,
                self_conditioning: torch.Tensor | None = None,
                conditioned: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of ``decode_hidden`` (below): soft-capped float32 [N, L, V]."""
+        return self.logits(self.decode_hidden(canvas, cache, self_conditioning, conditioned))
+
+    def decode_hidden(self, canvas: torch.Tensor, cache: DGCache | list[DGCache] | PaddedCaches | PoolStep,
+                      self_conditioning: torch.Tensor | None = None,
+                      conditioned: torch.Tensor | None = None) -> torch.Tensor:
         """One denoising forward: ``canvas`` [N, L] at positions cache.length onward, bidirectionally over itself
         and the cache (read only), ``self_conditioning`` the previous step's (processed) logits [N, L, V] or None.
         ``cache`` may be one per row (different requests, different lengths): their K/V are left-padded to the
         longest and the padding masked out (``PaddedCaches``: padded once, reused by every step while the
-        caches stay as they are). ``conditioned`` (bool [N]): the rows whose ``self_conditioning`` counts (the
-        others get a zero signal, as at their first step; transformers' ``self_conditioning_mask``).
-        Returns soft-capped float32 logits [N, L, V]."""
+        caches stay as they are). Caches in one ``DGPool`` (or a ``PoolStep`` over them) are read in place
+        instead: each layer writes the canvases' K/V into the pool's canvas rows and gathers every row's keys by
+        index (no padded copy; the mask hides a row's padding). ``conditioned`` (bool [N]): the rows whose
+        ``self_conditioning`` counts (the others get a zero signal, as at their first step; transformers'
+        ``self_conditioning_mask``). Returns the final normed hidden states [N, L, H] (``decode``: their logits)."""
         n, t = canvas.shape
         x = self.embed(canvas)
         soft = None
@@ -619,7 +918,18 @@ class DiffusionGemma(nn.Module):
             if conditioned is not None:  # a zero signal gives exactly the unconditioned embeddings
                 soft = soft * conditioned.to(device=soft.device, dtype=soft.dtype)[:, None, None]
         x = self.self_conditioning.condition(x, soft)
-        if isinstance(cache, DGCache):
+        caches = [cache] if isinstance(cache, DGCache) else cache
+        if isinstance(caches, list) and caches and all(c.pooled for c in caches) \
+                and len({id(c.pool) for c in caches}) == 1 and n <= caches[0].pool.rows \
+                and t == caches[0].pool.length:
+            cache = PoolStep(caches[0].pool, caches, t, x.device)
+        if isinstance(cache, PoolStep):
+            if cache.rows != n or cache.t != t:
+                raise ValueError(f"pool step built for {cache.rows} canvases of {cache.t}, got {n} of {t}")
+            pos = cache.pos
+            pasts = [cache.layer(i) for i in range(len(self.layers))]
+            masks = [cache.mask[cache.pool.where[i][0]] for i in range(len(self.layers))]
+        elif isinstance(cache, DGCache):
             pos = torch.arange(cache.length, cache.length + t, device=x.device).expand(n, t)
             pasts, masks = cache.layers, [None] * len(self.layers)
         else:
@@ -632,7 +942,7 @@ class DiffusionGemma(nn.Module):
         for i, layer in enumerate(self.layers):
             cos, sin = tables[i]
             x, _ = layer(x, cos, sin, masks[i], pasts[i], encoder=False)
-        return self.logits(self.norm(x))
+        return self.norm(x)
 
 
 class PaddedCaches:
@@ -648,7 +958,7 @@ class PaddedCaches:
         self.pasts: list[KV | None] = []
         self.masks: list[torch.Tensor | None] = []
         for i in range(len(caches[0].layers)):
-            kvs = [c.layers[i] for c in caches]
+            kvs = [c.past(i) for c in caches]
             kept = [0 if kv is None else kv[0].shape[2] for kv in kvs]
             longest = max(kept)
             if longest == 0:
