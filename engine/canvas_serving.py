@@ -35,13 +35,15 @@ Tensor parallelism: each rank's engine holds its shard (``diffusion_gemma.shard`
 mirrors its commands and plans to the followers (``engine.instance.Follower``) as for the other families, the
 seed rank 0 drew among them.
 
-KV pool: the requests' encoder caches take slots of one preallocated ``DGPool`` (engine/models/diffusion_gemma.py:
-full layers ``kv_slot_tokens`` positions per slot, sliding layers a ring of their window, plus a canvas row per
-decoder row), sized as the masked ``Engine`` sizes its pool (``kv_pool_budget`` says how). The runner shows it to
-``Instance``, whose scheduler reserves whole slots for a request's prompt and ``max_tokens`` (``kv_capacity``), so a
-resident request always finds its slots; a request takes them at its first encoder pass and gives them back when
-it finishes, is aborted or migrates. ``kv_slots=0``: no pool (each cache its own tensors). CUDA graphs of the
-decoder step (engine/dg_graphs.py) on CUDA with a pool, single-device only (``cuda_graphs=False``: off).
+KV pool: the requests' encoder caches take pages and a ring of one preallocated ``DGPool``
+(engine/models/diffusion_gemma.py: full layers ``kv_slot_tokens`` positions per page, sliding layers one ring of
+their window per request however long, plus a canvas row per decoder row), sized as the masked ``Engine`` sizes
+its pool, the rings apart (``kv_pool_budget`` says how). The runner shows it to ``Instance``, whose scheduler
+reserves whole pages for a request's prompt and ``max_tokens`` (``kv_capacity``) and admits at most as many
+residents as there are rings, so a resident request always finds its ring and pages; a request takes them at its
+first encoder pass and gives them back when it finishes, is aborted or migrates. ``kv_slots=0``: no pool (each
+cache its own tensors). CUDA graphs of the decoder step (engine/dg_graphs.py) on CUDA with a pool, single-device
+only (``cuda_graphs=False``: off).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from engine.decoding.renoise import RenoiseRule
 from engine.engine import POOL_PROMPT_TOKENS, EngineRound, Output
 from engine.models import diffusion_gemma as dg
 from engine.models.config import ModelConfig
+from engine.scheduler.scheduler import SchedulerConfig
 from engine.scheduler.types import StepKind
 from engine.sequence import StepReport
 
@@ -213,12 +216,15 @@ class CanvasServeEngine:
                  kv_memory_fraction: float | None = None, kv_residents_max: int | None = None,
                  cuda_graphs: bool | None = None, **ignored) -> None:
         """The KV pool (``DGPool``) and the decoder's CUDA graphs as the masked ``Engine`` sizes and switches
-        them (the same arguments): ``kv_slots`` slots of ``kv_slot_tokens`` positions (default: room for
-        ``POOL_PROMPT_TOKENS`` of prompt, or the sliding window's if longer, and the default generation length),
-        or as many as ``kv_memory_bytes`` (on CUDA ``kv_memory_fraction`` of the free memory, a rough round's
-        transient memory aside) holds after the canvas rows, at most what ``kv_residents_max`` requests as long as
-        the context take; without either, ``max_slots``; ``kv_slots=0``: no pool (each cache its own tensors).
-        ``cuda_graphs``: default on CUDA with a pool unless the model is a tensor-parallel shard."""
+        them (the same arguments): ``kv_slots`` pages (the full layers' slots) of ``kv_slot_tokens`` positions
+        (default: room for ``POOL_PROMPT_TOKENS`` of prompt, or the sliding window's if longer, and the default
+        generation length), or as many as ``kv_memory_bytes`` (on CUDA ``kv_memory_fraction`` of the free memory,
+        a rough round's transient memory aside) holds after the canvas rows and the rings, at most what
+        ``kv_residents_max`` requests as long as the context take; without either, ``max_slots``; ``kv_slots=0``:
+        no pool (each cache its own tensors). The sliding layers' rings, one per resident request: as many as
+        ``kv_residents_max`` (default: the scheduler's k x ``max_slots``), at most the pages (``_size_kv_pool``;
+        ``Instance`` caps its residents at them). ``cuda_graphs``: default on CUDA with a pool unless the model is
+        a tensor-parallel shard."""
         base = RenoiseRule.from_generation(model.config.generation)
         if rule is None or isinstance(rule, str):
             rule = resolve_rule(base, rule, decoding_config, where="engine.")
@@ -238,16 +244,16 @@ class CanvasServeEngine:
         self.default_gen_length = default_gen_length or int(self.dg_cfg.generation.get("max_new_tokens", 256))
         self.max_gen_length = max_gen_length
         self.runner = _CanvasRunner(next(model.parameters()).dtype)
-        # a slot's sliding ring already holds a window's positions: its full layers get at least as many of
-        # prompt, so a prompt as long as the window takes one slot (a longer one's further slots carry rings it
-        # does not use: DGPool)
+        # a request's ring holds a window's positions: its first page gets at least as many of prompt, so a
+        # prompt as long as the window takes one page (a longer one more pages, still one ring: DGPool)
         prompt_room = max(POOL_PROMPT_TOKENS, self.dg_cfg.sliding_window - 1)
         tokens = kv_slot_tokens or min(self.dg_cfg.max_position_embeddings, prompt_room + self.default_gen_length)
         self.kv_pool_budget = self._size_kv_pool(tokens, kv_slots, kv_memory_bytes, kv_memory_fraction,
                                                  kv_residents_max)
         if self.kv_pool_budget["slots"]:
             self.runner.pool = self.canvas.pool = dg.DGPool(
-                self.dg_cfg, self.kv_pool_budget["slots"], tokens, self._rows(), self.runner.dtype, self.device)
+                self.dg_cfg, self.kv_pool_budget["slots"], tokens, self._rows(), self.runner.dtype, self.device,
+                rings=self.kv_pool_budget["rings"])
         sharded = any(layer.reduce is not None for layer in model.layers)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and self.runner.pool is not None and not sharded
@@ -270,11 +276,18 @@ class CanvasServeEngine:
 
     def _size_kv_pool(self, tokens: int, slots: int | None, budget: int | None, fraction: float | None,
                       residents_max: int | None) -> dict:
-        """How many slots of ``tokens`` positions the pool gets, and from what (``__init__``). A slot's bytes:
-        its full layers' positions and its sliding layers' ring; the canvas rows come off the budget first."""
+        """How many pages of ``tokens`` positions and how many rings the pool gets, and from what (``__init__``).
+        A page: its full layers' ``tokens`` positions; a ring: its sliding layers' window. Rings: one per request
+        that can be resident at once (``residents``: ``kv_residents_max``, else the scheduler's default k x
+        ``max_slots``), never more than the pages (a resident holds at least one). A budget pays the canvas rows
+        first, then a page and a ring together while there are residents to hold the rings (up to
+        ``residents``), and the rest in pages only (at most what ``kv_residents_max`` requests as long as the
+        context take); ``kv_slots`` and ``max_slots`` give the pages, and the rings follow them."""
         cfg, item = self.dg_cfg, self.runner.dtype.itemsize
-        per_slot, rows = dg.DGPool.sizes(cfg, tokens, self._rows(), item)
-        out = {"slot_tokens": tokens, "bytes_per_slot": per_slot, "canvas_row_bytes": rows, "budget_bytes": None}
+        page, ring, rows = dg.DGPool.sizes(cfg, tokens, self._rows(), item)
+        residents = residents_max if residents_max is not None else SchedulerConfig.resident_factor * self.max_slots
+        out = {"slot_tokens": tokens, "bytes_per_slot": page, "bytes_per_ring": ring, "canvas_row_bytes": rows,
+               "budget_bytes": None, "residents": residents}
         if slots is not None:
             source = "kv_slots"
         elif budget is not None:
@@ -292,13 +305,19 @@ class CanvasServeEngine:
             slots, source = self.max_slots, "max_slots"
         if slots is None:
             out["budget_bytes"] = budget
-            slots = max(budget - rows, 0) // per_slot
-            if residents_max is not None:
-                slots = min(slots, residents_max * -(-cfg.max_position_embeddings // tokens))
+            room = max(budget - rows, 0)
+            slots = room // (page + ring)  # a page and a ring each
+            if slots > residents:  # more than the residents' rings: the residents' rings, the rest in pages
+                slots = (room - residents * ring) // page if page else residents
+                if residents_max is not None:
+                    slots = min(slots, residents_max * -(-cfg.max_position_embeddings // tokens))
             if slots < 1:
-                raise ValueError(f"a KV budget of {budget / 2**20:.1f} MiB holds no slot of {tokens} positions "
-                                 f"({per_slot / 2**20:.2f} MiB each, after {rows / 2**20:.2f} MiB of canvas rows)")
-        return {**out, "slots": slots, "source": source}
+                raise ValueError(f"a KV budget of {budget / 2**20:.1f} MiB holds no page of {tokens} positions and "
+                                 f"ring ({page / 2**20:.2f} + {ring / 2**20:.2f} MiB, after {rows / 2**20:.2f} MiB "
+                                 "of canvas rows)")
+        rings = min(slots, residents)
+        out.update(slots=slots, rings=rings, source=source, pages_bytes=slots * page, rings_bytes=rings * ring)
+        return out
 
     @classmethod
     def load(cls, path, device: str = "cpu", dtype: torch.dtype = torch.float32, **kwargs) -> CanvasServeEngine:

@@ -15,7 +15,9 @@ whichever estimate the scheduler holds; the most recent one holds (engine/schedu
 KV reservations: by default the scheduler reserves against exactly what the
 engine's KV pool holds (its slots x positions per slot; a request reserves the
 whole slots its cache will take), so a request whose cache does not fit waits
-in the queue and no cache is ever allocated past the pool. An explicit
+in the queue and no cache is ever allocated past the pool; a pool whose caches
+also hold one ring each (DiffusionGemma's) caps the residents at its rings
+(``ring_capped``). An explicit
 ``kv_capacity_tokens`` overrides this with a token budget (reservations
 estimated from blocks, as without a pool).
 
@@ -64,6 +66,19 @@ def blocks_estimate(seq: Sequence) -> float:
     return float(rounds()) if rounds is not None else float(len(seq.blocks))
 
 
+def ring_capped(cfg: SchedulerConfig, rings: int | None, pages: int) -> SchedulerConfig:
+    """``cfg`` with at most ``rings`` residents: a pool whose every cache also holds one of a few rings (a
+    DiffusionGemma pool's sliding layers, ``DGPool``) must never admit more residents than it has rings. A
+    resident reserves at least one of the pool's ``pages`` (its cache's positions, in whole pages), so at most
+    min(k x B, pages) are resident at once; when the rings cover that, ``cfg`` as it is, else the most k' x B'
+    within the rings, B' = min(B, rings) (a round never holds more requests than are resident). ``rings`` None:
+    a pool without rings (the masked families'), ``cfg`` as it is."""
+    if rings is None or rings >= min(cfg.resident_factor * cfg.slots, pages):
+        return cfg
+    b = min(cfg.slots, rings)
+    return dataclasses.replace(cfg, slots=b, resident_factor=rings // b)
+
+
 class Instance:
     def __init__(self, engine: Engine, policy: str = "dwise", slots: int | None = None,
                  kv_capacity_tokens: int | None = None, clock: Clock | None = None,
@@ -95,6 +110,8 @@ class Instance:
             kv_capacity_tokens = pool.slots * pool.capacity
         cfg = SchedulerConfig(slots=slots or engine.max_slots, kv_capacity_tokens=kv_capacity_tokens or 1 << 22,
                               block_size=engine.cfg.block_size, **sched_kwargs)
+        if self.kv_from_pool:
+            cfg = ring_capped(cfg, getattr(pool, "rings", None), pool.slots)
         self.clock = clock or WallClock()
         self.scheduler = Scheduler(make_policy(policy, costs=costs), cfg, self.clock)
         self.tp_broken_after = tp_broken_after or cfg.slots.bit_length() + 3

@@ -39,8 +39,8 @@ def model(tok):
     return random_dg(tok)
 
 
-def _pool(model, slots: int = 6, capacity: int = 48, rows: int = 4) -> dg.DGPool:
-    pool = dg.DGPool(model.config, slots, capacity, rows, torch.float32, "cpu")
+def _pool(model, slots: int = 6, capacity: int = 48, rows: int = 4, rings: int | None = None) -> dg.DGPool:
+    pool = dg.DGPool(model.config, slots, capacity, rows, torch.float32, "cpu", rings=rings)
     for t in pool.kv:  # never-written positions hold large finite values: they must stay masked
         t.fill_(1e3)
     return pool
@@ -86,6 +86,44 @@ def test_pooled_caches_hold_the_own_tensors_bits_and_decode_alike(model):
 
 
 @torch.no_grad()
+def test_a_request_over_several_pages_holds_one_ring(model, tok):
+    cfg = model.config
+    pool = _pool(model, slots=6, capacity=16, rings=2)
+    page, ring, rows = dg.DGPool.sizes(cfg, 16, 4, 4)
+    assert (pool.bytes_per_slot, pool.bytes_per_ring, pool.row_bytes) == (page, ring, rows)
+    assert pool.nbytes == 6 * page + 2 * ring + rows  # two rings, not six: the pages carry none
+    long, short, third = dg.DGCache(cfg), dg.DGCache(cfg), dg.DGCache(cfg)
+    assert long.place(pool, 40) and (long.ring, long.slots) == (0, [0, 1, 2])  # three pages, one ring
+    assert short.place(pool, 10) and (short.ring, short.slots) == (1, [3])
+    assert (pool.free, pool.free_rings) == (2, 0)
+    assert not third.place(pool, 10) and pool.beyond == 1 and (pool.free, pool.free_rings) == (2, 0)  # no ring
+    own = [dg.DGCache(cfg), dg.DGCache(cfg)]
+    for lengths in ((13, 5), (20, 4)):  # past the window of 8, the long one across its pages
+        chunks = _prompts(model, lengths, seed=sum(lengths))
+        model.encode_many(chunks, own)
+        model.encode_many(chunks, [long, short])
+    for i in range(cfg.num_layers):
+        for a, b in zip(own, (long, short)):
+            assert torch.equal(a.past(i)[0], b.past(i)[0]) and torch.equal(a.past(i)[1], b.past(i)[1])
+    canvas = torch.randint(0, cfg.vocab_size, (2, cfg.canvas_length), generator=torch.Generator().manual_seed(8))
+    assert torch.equal(model.decode(canvas, [long, short]), model.decode(canvas, own))
+    with pytest.raises(ValueError, match="ring 2 is not held"):  # checked before anything is freed
+        pool.release(2, [4])
+    with pytest.raises(ValueError, match="slot 4 is not held"):
+        pool.release(0, [4])
+    assert (pool.free, pool.free_rings) == (2, 0)
+    long.release()
+    assert (pool.free, pool.free_rings) == (5, 1) and third.place(pool, 70) and len(third.slots) == 5
+    # served: a pool of one ring holds one request, the other keeps its own tensors (counted), same text
+    params = CanvasParams(max_tokens=40, seed=11)
+    prompts = _prompts(model, (3, 17), seed=9)
+    want = [o.token_ids for o in CanvasEngine(model, tok).generate(prompts, params)]
+    one = _pool(model, slots=4, capacity=64, rings=1)
+    assert [o.token_ids for o in CanvasEngine(model, tok, pool=one).generate(prompts, params)] == want
+    assert one.beyond == 1 and (one.free, one.free_rings) == (4, 1)
+
+
+@torch.no_grad()
 def test_a_cache_never_writes_past_its_slots(model):
     pool = _pool(model, slots=2, capacity=16)
     a, b = dg.DGCache(model.config), dg.DGCache(model.config)
@@ -95,8 +133,10 @@ def test_a_cache_never_writes_past_its_slots(model):
     with pytest.raises(RuntimeError, match="cannot hold"):
         model.encode(torch.tensor(_prompts(model, (9,), seed=3)), a)  # 19 > 16 positions
     assert all(torch.equal(x, y) for x, y in zip(before, pool.kv)), "an overflow wrote into the pool"
-    with pytest.raises(ValueError, match="slot"):
+    with pytest.raises(ValueError, match="page"):
         dg.DGPool(model.config, 0, 16, 1, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="rings"):
+        dg.DGPool(model.config, 2, 16, 1, torch.float32, "cpu", rings=3)
 
 
 @torch.no_grad()
@@ -339,3 +379,54 @@ def test_cuda_layouts_over_the_pool(model):
             model.encode_many(_prompts(model, (13, 6)), caches)
             results.append(model.decode(canvas, caches))
     assert (results[0] - results[1]).abs().max() <= TOL
+
+
+def test_the_instance_caps_its_residents_at_the_pools_rings(model, tok):
+    from engine.commands import SamplingParams
+    from engine.instance import Instance, ring_capped
+    from engine.scheduler import SchedulerConfig
+
+    eng = _served(model, tok, kv_slots=6, kv_slot_tokens=64, kv_residents_max=2)
+    pool = eng.runner.pool
+    assert (pool.slots, pool.rings) == (6, 2) and eng.kv_pool_budget["rings"] == 2
+    inst = Instance(eng)  # B = 4, k = 8: 32 residents, more than the rings
+    assert (inst.scheduler.cfg.slots, inst.scheduler.cfg.resident_factor) == (2, 1)
+    off = Instance(_served(model, tok, kv_slots=0), slots=2, resident_factor=1)  # the same schedule, no pool
+    prompts = _prompts(model, (5, 9, 14, 3, 11), seed=21)  # one page each: five requests, pages for six
+    for inst_ in (inst, off):
+        for i, p in enumerate(prompts):
+            inst_.add_request(f"r{i}", p, SamplingParams(max_tokens=40, seed=i))
+    waited = False
+    while inst.scheduler.has_work():
+        inst.step()
+        resident = len(inst.scheduler.resident)
+        assert resident <= 2 and pool.rings - pool.free_rings <= resident and pool.beyond == 0
+        waited |= inst.scheduler.num_waiting > 0 and pool.free >= 1  # pages free, no ring: it waits
+    while off.scheduler.has_work():
+        off.step()
+    assert waited and (pool.free, pool.free_rings, pool.beyond) == (6, 2, 0)
+    assert {r: o.token_ids for r, o in inst.outputs.items()} == {r: o.token_ids for r, o in off.outputs.items()}
+    # where the rings cover what can be resident (k x B, or the pages: a resident holds one), nothing changes
+    cfg = SchedulerConfig(slots=4, resident_factor=8)
+    assert ring_capped(cfg, None, 6) is cfg and ring_capped(cfg, 6, 6) is cfg and ring_capped(cfg, 32, 64) is cfg
+    assert (ring_capped(cfg, 10, 64).slots, ring_capped(cfg, 10, 64).resident_factor) == (4, 2)
+    assert (ring_capped(cfg, 3, 64).slots, ring_capped(cfg, 3, 64).resident_factor) == (3, 1)
+
+
+def test_a_budget_buys_a_ring_per_resident_and_pages_with_the_rest(model, tok):
+    cfg = model.config
+    page, ring, rows = dg.DGPool.sizes(cfg, 64, 4, 4)
+    small = _served(model, tok, kv_slot_tokens=64, kv_memory_bytes=rows + 3 * (page + ring) + page)
+    budget = small.kv_pool_budget  # room for three residents' page and ring: as many rings as pages
+    assert (budget["slots"], budget["rings"], budget["residents"]) == (3, 3, 32) and small.runner.pool.rings == 3
+    room = 10 * (page + ring) + 20 * page
+    big = _served(model, tok, kv_slot_tokens=64, kv_memory_bytes=rows + room, kv_residents_max=10)
+    budget, pool = big.kv_pool_budget, big.runner.pool
+    assert (budget["slots"], budget["rings"]) == (30, 10) == (pool.slots, pool.rings)  # the rest all pages
+    assert pool.nbytes == budget["pages_bytes"] + budget["rings_bytes"] + rows <= budget["budget_bytes"]
+    assert budget["bytes_per_slot"] == pool.bytes_per_slot and budget["bytes_per_ring"] == pool.bytes_per_ring
+    capped = _served(model, tok, kv_slot_tokens=64, kv_memory_bytes=rows + room, kv_residents_max=2)
+    long = -(-cfg.max_position_embeddings // 64)  # two requests as long as the context: no more pages than that
+    assert (capped.kv_pool_budget["slots"], capped.kv_pool_budget["rings"]) == (min(2 * long, 38), 2)
+    with pytest.raises(ValueError, match="no page"):
+        _served(model, tok, kv_slot_tokens=64, kv_memory_bytes=rows + page)

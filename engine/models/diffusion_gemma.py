@@ -5,8 +5,9 @@ One set of layers runs two ways:
 * **encoder** (``encode``): the prompt, then each finished canvas, causally, appending each layer's K/V to a
   cache (``DGCache``). Exact and reusable, as an autoregressive model's prefill. Sliding-window layers keep only
   their last ``sliding_window - 1`` positions (what the next tokens can still see). A cache has tensors of its own
-  (grown by each pass) or slots of a preallocated ``DGPool`` (full layers' positions in slots, sliding layers' in
-  a ring indexed by position modulo the window, K already rotated so order does not matter; see ``DGPool``).
+  (grown by each pass) or a ring and pages of a preallocated ``DGPool`` (full layers' positions in pages, sliding
+  layers' in one ring indexed by position modulo the window, K already rotated so order does not matter; see
+  ``DGPool``).
 * **decoder** (``decode``): a canvas of ``canvas_length`` tokens bidirectionally over itself and over the cache
   (read only), its input embeddings mixed with the previous step's logits (self-conditioning); out come
   soft-capped float32 logits for every canvas position. Over pooled caches each layer writes the canvases' K/V
@@ -453,34 +454,45 @@ class DGPool:
     size) one zeroed tensor [2 (K, V), positions, kv heads, head dim], K already rotated, so keys may be read in
     any order. Its positions, one layer of the group after the other:
 
-    * ``slots`` slots per layer: full layers ``capacity`` positions per slot (a request's position p at slot
-      ``slots[p // capacity]``, offset ``p % capacity``: a longer cache takes several slots), sliding layers a
-      ring of ``sliding_window - 1`` positions per slot (position p at ``p % (sliding_window - 1)`` of the ring
-      of the request's first slot: what the next tokens can still see; a request over several slots leaves the
-      others' rings unused);
-    * after every layer's slots, ``rows`` canvases of ``canvas_length`` positions, shared by the group's layers
-      (they run one after the other): a decoder forward's row r writes its canvas's K/V there and attends to
-      them with the request's gathered keys (scratch, overwritten by the next layer).
+    * a full layer's ``slots`` pages of ``capacity`` positions each (a request's position p at page
+      ``slots[p // capacity]``, offset ``p % capacity``: a longer cache takes several pages);
+    * a sliding layer's ``rings`` rings of ``sliding_window - 1`` positions each (position p at
+      ``p % (sliding_window - 1)`` of the request's one ring: what the next tokens can still see, however long the
+      request);
+    * after every layer's pages or rings, ``rows`` canvases of ``canvas_length`` positions, shared by the group's
+      layers (they run one after the other): a decoder forward's row r writes its canvas's K/V there and attends
+      to them with the request's gathered keys (scratch, overwritten by the next layer).
 
-    A request takes whole slots (``slots_for``) for its whole life (its prompt plus ``max_tokens``: what the
-    instance scheduler reserves, so serving never asks for more than is free) and gives them back when it
-    finishes, is aborted or migrates out (``DGCache.release``; also when the cache is dropped). A cache that
-    cannot take slots (no pool, not enough free) keeps tensors of its own, counted in ``beyond``."""
+    A request takes one ring and whole pages (``slots_for``) together, for its whole life (its prompt plus
+    ``max_tokens``: what the instance scheduler reserves, so serving never asks for more than is free), and gives
+    both back when it finishes, is aborted or migrates out (``DGCache.release``; also when the cache is dropped):
+    ``acquire`` takes both or neither, ``release`` checks both before it frees either. ``rings`` (default
+    ``slots``; never more, since a request holds at least one page) is the most requests that can hold the pool at
+    once: sized to the most residents the scheduler allows (``CanvasServeEngine``; ``Instance`` caps its residents
+    at it), so the rings never run out while its reservations hold. A cache that cannot take a ring and its pages
+    (no pool, not enough free) keeps tensors of its own, counted in ``beyond``."""
 
-    def __init__(self, cfg: DiffusionGemmaConfig, slots: int, capacity: int, rows: int, dtype, device) -> None:
-        if slots < 1 or capacity < 1 or rows < 1:
-            raise ValueError(f"a DiffusionGemma KV pool needs at least one slot, position and row, got {slots} "
-                             f"slots x {capacity} positions, {rows} rows")
+    def __init__(self, cfg: DiffusionGemmaConfig, slots: int, capacity: int, rows: int, dtype, device,
+                 rings: int | None = None) -> None:
+        rings = slots if rings is None else rings
+        if slots < 1 or capacity < 1 or rows < 1 or rings < 1:
+            raise ValueError(f"a DiffusionGemma KV pool needs at least one page, ring, position and row, got "
+                             f"{slots} pages x {capacity} positions, {rings} rings, {rows} rows")
+        if rings > slots:
+            raise ValueError(f"a DiffusionGemma KV pool's rings ({rings}) exceed its pages ({slots}): a request "
+                             "holds at least one page, so the extra rings could never be used")
         self.cfg, self.capacity, self.rows, self.window = cfg, capacity, rows, cfg.sliding_window - 1
         self.length = cfg.canvas_length
         self.shapes, self.where, members = self.groups(cfg)
-        self.span = [self.window if s else capacity for s, _, _ in self.shapes]  # a slot's positions per layer
-        self.base = [len(m) * slots * span for m, span in zip(members, self.span)]  # where the canvas rows begin
+        self.span = [self.window if s else capacity for s, _, _ in self.shapes]  # a page's or ring's positions
+        self.units = [rings if s else slots for s, _, _ in self.shapes]  # a layer's rings or pages
+        self.base = [len(m) * n * span for m, n, span in zip(members, self.units, self.span)]  # the canvas rows
         self.kv = [torch.zeros(2, b + rows * self.length, kv, d, dtype=dtype, device=device)
                    for b, (_, kv, d) in zip(self.base, self.shapes)]
-        self.num_slots = slots
-        self._free = list(range(slots))  # a heap: the lowest free slot first
-        self.beyond = 0  # caches that could not take slots and got tensors of their own
+        self.num_slots, self.num_rings = slots, rings
+        self._free = list(range(slots))  # heaps: the lowest free page and ring first
+        self._free_rings = list(range(rings))
+        self.beyond = 0  # caches that could not take a ring and pages and got tensors of their own
 
     @staticmethod
     def groups(cfg: DiffusionGemmaConfig) -> tuple[list[tuple], list[tuple[int, int]], list[list[int]]]:
@@ -497,22 +509,33 @@ class DGPool:
         return list(keys), where, members
 
     @classmethod
-    def sizes(cls, cfg: DiffusionGemmaConfig, capacity: int, rows: int, dtype_bytes: int) -> tuple[int, int]:
-        """(bytes of one slot: its full layers' positions and its sliding layers' rings, bytes of ``rows`` canvas
-        rows) of a pool of ``cfg`` with slots of ``capacity`` positions."""
+    def sizes(cls, cfg: DiffusionGemmaConfig, capacity: int, rows: int, dtype_bytes: int) -> tuple[int, int, int]:
+        """(bytes of one page: its full layers' ``capacity`` positions, bytes of one ring: its sliding layers'
+        ``sliding_window - 1`` positions, bytes of ``rows`` canvas rows) of a pool of ``cfg``."""
         shapes, _, members = cls.groups(cfg)
-        per_slot = sum(len(m) * 2 * kv * d * dtype_bytes * (cfg.sliding_window - 1 if s else capacity)
-                       for m, (s, kv, d) in zip(members, shapes))
+        per = [len(m) * 2 * kv * d * dtype_bytes for m, (_, kv, d) in zip(members, shapes)]
+        page = sum(b * capacity for b, (s, _, _) in zip(per, shapes) if not s)
+        ring = sum(b * (cfg.sliding_window - 1) for b, (s, _, _) in zip(per, shapes) if s)
         row = sum(2 * kv * d * dtype_bytes * cfg.canvas_length for _, kv, d in shapes)
-        return per_slot, rows * row
+        return page, ring, rows * row
 
     @property
     def slots(self) -> int:
+        """Its pages (full layers' positions)."""
         return self.num_slots
+
+    @property
+    def rings(self) -> int:
+        """Its rings (sliding layers' positions): the most requests it holds at once."""
+        return self.num_rings
 
     @property
     def free(self) -> int:
         return len(self._free)
+
+    @property
+    def free_rings(self) -> int:
+        return len(self._free_rings)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -524,38 +547,51 @@ class DGPool:
 
     @property
     def bytes_per_slot(self) -> int:
-        """Device bytes of one slot: its full layers' positions and its sliding layers' rings."""
+        """Device bytes of one page: its full layers' ``capacity`` positions."""
         return self.sizes(self.cfg, self.capacity, self.rows, self.dtype.itemsize)[0]
+
+    @property
+    def bytes_per_ring(self) -> int:
+        """Device bytes of one ring: its sliding layers' ``sliding_window - 1`` positions."""
+        return self.sizes(self.cfg, self.capacity, self.rows, self.dtype.itemsize)[1]
 
     @property
     def row_bytes(self) -> int:
         """Device bytes of the canvas rows (the decoder's scratch), all of them."""
-        return self.nbytes - self.slots * self.bytes_per_slot
+        return self.nbytes - self.slots * self.bytes_per_slot - self.rings * self.bytes_per_ring
 
     def slots_for(self, positions: int) -> int:
         return max(-(-positions // self.capacity), 1)
 
-    def acquire_many(self, n: int) -> list[int] | None:
-        if n > len(self._free):
+    def acquire(self, pages: int) -> tuple[int, list[int]] | None:
+        """One ring and ``pages`` pages, or None (nothing taken) when either is short."""
+        if pages > len(self._free) or not self._free_rings:
             return None
-        return [heapq.heappop(self._free) for _ in range(n)]
+        return heapq.heappop(self._free_rings), [heapq.heappop(self._free) for _ in range(pages)]
 
-    def release_many(self, slots: list[int]) -> None:
+    def release(self, ring: int, slots: list[int]) -> None:
+        """Give back a ring and its pages; a ring or page not held (never taken, or given back already) is an
+        error, raised before anything is freed."""
+        if not 0 <= ring < self.rings or ring in self._free_rings:
+            raise ValueError(f"ring {ring} is not held")
         for slot in slots:
-            if not 0 <= slot < self.slots or slot in self._free:
+            if not 0 <= slot < self.slots or slot in self._free or slots.count(slot) > 1:
                 raise ValueError(f"slot {slot} is not held")
+        heapq.heappush(self._free_rings, ring)
+        for slot in slots:
             heapq.heappush(self._free, slot)
 
     def layer(self, i: int) -> torch.Tensor:
         """Layer ``i``'s group tensor [2, positions, kv heads, head dim] (its positions: ``index``)."""
         return self.kv[self.where[i][0]]
 
-    def index(self, i: int, slots: list[int], positions: torch.Tensor) -> torch.Tensor:
-        """Where layer ``i`` of a cache holding ``slots`` keeps its ``positions`` in its group's tensor (host)."""
+    def index(self, i: int, ring: int, slots: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Where layer ``i`` of a cache holding ``ring`` and ``slots`` keeps its ``positions`` in its group's tensor
+        (host)."""
         g, j = self.where[i]
-        offset = j * self.slots * self.span[g]
+        offset = j * self.units[g] * self.span[g]
         if self.shapes[g][0]:
-            return offset + slots[0] * self.window + positions % self.window
+            return offset + ring * self.window + positions % self.window
         table = torch.tensor(slots, dtype=torch.long)
         return offset + table[positions // self.capacity] * self.capacity + positions % self.capacity
 
@@ -572,8 +608,8 @@ class DGCache:
     (the next token's position).
 
     Its own tensors (``layers``: [N, kv heads, kept positions, head dim] per layer, grown by each encoder pass),
-    or, once ``place``d, slots of a ``DGPool`` (``slots``; ``layers`` stays empty): no allocation per encoder
-    pass, ``release`` gives the slots back."""
+    or, once ``place``d, one ring and pages of a ``DGPool`` (``ring``, ``slots``; ``layers`` stays empty): no
+    allocation per encoder pass, ``release`` gives them back."""
 
     def __init__(self, cfg: DiffusionGemmaConfig) -> None:
         self.cfg = cfg
@@ -581,8 +617,9 @@ class DGCache:
         self.length = 0
         self.uid = next(_CACHE_UIDS)  # never reused in the process (unlike id()): names this cache in keys
         self.pool: DGPool | None = None
-        self.slots: list[int] = []
-        self.positions = 0  # the positions its slots hold
+        self.ring: int | None = None  # its sliding layers' ring in the pool
+        self.slots: list[int] = []  # its full layers' pages in the pool
+        self.positions = 0  # the positions its pages hold
         self._finalizer = None
 
     @property
@@ -590,9 +627,9 @@ class DGCache:
         return self.pool is not None
 
     def place(self, pool: DGPool | None, positions: int, dtype: torch.dtype | None = None) -> bool:
-        """Take the slots for ``positions`` positions of ``pool`` (an empty cache, once). False, counted in
-        ``pool.beyond``, when they are not free or the pool is not this cache's (another head layout, or not of
-        ``dtype``, the model's): the cache keeps tensors of its own. False without a pool."""
+        """Take a ring and the pages for ``positions`` positions of ``pool`` (an empty cache, once). False,
+        counted in ``pool.beyond``, when they are not free or the pool is not this cache's (another head layout, or
+        not of ``dtype``, the model's): the cache keeps tensors of its own. False without a pool."""
         if pool is None or self.pooled:
             return self.pooled
         if self.length or any(kv is not None for kv in self.layers):
@@ -600,20 +637,21 @@ class DGCache:
         mine, its = self.cfg, pool.cfg
         fits = ((mine.layer_types, mine.kv_heads, mine.head_dims, mine.sliding_window)
                 == (its.layer_types, its.kv_heads, its.head_dims, its.sliding_window) and dtype in (None, pool.dtype))
-        slots = pool.acquire_many(pool.slots_for(positions)) if fits else None
-        if not slots:
+        got = pool.acquire(pool.slots_for(positions)) if fits else None
+        if got is None:
             pool.beyond += 1
             return False
-        self.pool, self.slots, self.positions = pool, slots, len(slots) * pool.capacity
-        self._finalizer = weakref.finalize(self, pool.release_many, slots)  # back however it is dropped
+        ring, slots = got
+        self.pool, self.ring, self.slots, self.positions = pool, ring, slots, len(slots) * pool.capacity
+        self._finalizer = weakref.finalize(self, pool.release, ring, slots)  # back however it is dropped
         return True
 
     def release(self) -> None:
-        """Give its slots back to the pool, its tensors to the allocator (a finished, aborted or migrated
-        request): it holds nothing after (``length`` stays: the positions it had encoded)."""
+        """Give its ring and pages back to the pool, its tensors to the allocator (a finished, aborted or
+        migrated request): it holds nothing after (``length`` stays: the positions it had encoded)."""
         if self._finalizer is not None:
             self._finalizer()
-        self.pool, self.slots, self.positions, self._finalizer = None, [], 0, None
+        self.pool, self.ring, self.slots, self.positions, self._finalizer = None, None, [], 0, None
         self.layers = [None] * self.cfg.num_layers
 
     def kept(self, layer: int) -> int:
@@ -629,7 +667,7 @@ class DGCache:
 
     def where(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Pooled: where layer ``layer`` keeps ``positions`` in its group's tensor (host)."""
-        return self.pool.index(layer, self.slots, positions)
+        return self.pool.index(layer, self.ring, self.slots, positions)
 
     def past(self, layer: int) -> KV | None:
         """Layer ``layer``'s K/V [1, kv heads, kept, head dim] in position order (pooled: gathered)."""
@@ -645,7 +683,8 @@ class DGCache:
     def store(self, layer: int, kv: KV, fresh: int | None = None) -> None:
         """Layer ``layer``'s K/V after an encoder pass: ``kv`` [1, kv heads, kept + fresh, head dim], its last
         ``fresh`` positions the pass's (at ``length`` onward; ``length`` is not moved here). Own tensors keep the
-        whole (the window's tail for a sliding layer); pooled, the fresh positions are written into the slots."""
+        whole (the window's tail for a sliding layer); pooled, the fresh positions are written into its pages (a
+        sliding layer's last ``sliding_window - 1`` of them into its ring)."""
         keep = self.cfg.kept(layer)
         k, v = kv
         if not self.pooled:
