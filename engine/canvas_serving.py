@@ -204,6 +204,21 @@ class ServedCanvas:
             self.rounds += 1
 
 
+def split_kv_budget(budget: int, page: int, ring: int, rows: int, residents: int,
+                    most_pages: int | None = None) -> tuple[int, int]:
+    """(pages, rings) of a ``DGPool`` that ``budget`` bytes buy: the canvas rows' ``rows`` bytes first, then a
+    ``page`` and a ``ring`` together (every resident holds one of each) up to ``residents`` of them, the rest in
+    pages only (at most ``most_pages`` in all, when given): never a ring no resident could hold, nor more rings
+    than pages."""
+    room = max(budget - rows, 0)
+    pages = room // (page + ring)
+    if pages > residents:  # room past the residents' rings: their rings, the rest in pages
+        pages = (room - residents * ring) // page if page else residents
+        if most_pages is not None:
+            pages = max(min(pages, most_pages), residents)
+    return pages, min(pages, residents)
+
+
 class CanvasServeEngine:
     """The ``Engine`` interface over a ``CanvasEngine`` (module docstring): what ``Instance`` and the round loop
     call. ``rule``: the instance's renoise rule (None: the checkpoint's generation defaults), a name or a rule,
@@ -305,12 +320,8 @@ class CanvasServeEngine:
             slots, source = self.max_slots, "max_slots"
         if slots is None:
             out["budget_bytes"] = budget
-            room = max(budget - rows, 0)
-            slots = room // (page + ring)  # a page and a ring each
-            if slots > residents:  # more than the residents' rings: the residents' rings, the rest in pages
-                slots = (room - residents * ring) // page if page else residents
-                if residents_max is not None:
-                    slots = min(slots, residents_max * -(-cfg.max_position_embeddings // tokens))
+            most = None if residents_max is None else residents_max * -(-cfg.max_position_embeddings // tokens)
+            slots, _ = split_kv_budget(budget, page, ring, rows, residents, most)
             if slots < 1:
                 raise ValueError(f"a KV budget of {budget / 2**20:.1f} MiB holds no page of {tokens} positions and "
                                  f"ring ({page / 2**20:.2f} + {ring / 2**20:.2f} MiB, after {rows / 2**20:.2f} MiB "
