@@ -299,6 +299,8 @@ class CanvasServeEngine:
         ``residents``), and the rest in pages only (at most what ``kv_residents_max`` requests as long as the
         context take); ``kv_slots`` and ``max_slots`` give the pages, and the rings follow them."""
         cfg, item = self.dg_cfg, self.runner.dtype.itemsize
+        if residents_max is not None and residents_max < 1:
+            raise ValueError(f"kv_residents_max must be at least 1, got {residents_max}")
         page, ring, rows = dg.DGPool.sizes(cfg, tokens, self._rows(), item)
         residents = residents_max if residents_max is not None else SchedulerConfig.resident_factor * self.max_slots
         out = {"slot_tokens": tokens, "bytes_per_slot": page, "bytes_per_ring": ring, "canvas_row_bytes": rows,

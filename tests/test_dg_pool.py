@@ -430,3 +430,5 @@ def test_a_budget_buys_a_ring_per_resident_and_pages_with_the_rest(model, tok):
     assert (capped.kv_pool_budget["slots"], capped.kv_pool_budget["rings"]) == (min(2 * long, 38), 2)
     with pytest.raises(ValueError, match="no page"):
         _served(model, tok, kv_slot_tokens=64, kv_memory_bytes=rows + page)
+    with pytest.raises(ValueError, match="kv_residents_max"):
+        _served(model, tok, kv_slots=4, kv_residents_max=0)
