@@ -7,8 +7,10 @@ of 32, full and sliding layers of their own shapes):
   padded copy's logits bit for bit;
 - the emulated graph gives the eager pooled step's bits (fillers, keys rounded up), captured when a shape is met
   again; a graphed engine answers as its eager steps do;
-- slots go back when a request finishes, is aborted or its cache is dropped; an exhausted pool gives a cache its
-  own tensors (counted), never another request's slots; the instance scheduler reserves whole slots;
+- a request's pages and its one ring (however many pages it holds) go back when it finishes, is aborted or its
+  cache is dropped; an exhausted pool (no page or no ring free) gives a cache its own tensors (counted), never
+  another request's; the instance scheduler reserves whole pages and caps its residents at the rings (more
+  requests than rings wait); a budget buys a ring per resident and pages with the rest;
 - served text is the same with the pool on and off; tensor-parallel ranks over their pools give TP-1's text;
   the CUDA layouts' emulation passes over the pool.
 """
