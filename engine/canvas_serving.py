@@ -62,6 +62,7 @@ from engine.canvas import CanvasEngine, CanvasParams, CanvasSequence
 from engine.commands import Resume, SamplingParams, resolve_rule
 from engine.decoding.renoise import RenoiseRule
 from engine.engine import POOL_PROMPT_TOKENS, EngineRound, Output
+from engine.memory import kv_pool_source
 from engine.models import diffusion_gemma as dg
 from engine.models.config import ModelConfig
 from engine.scheduler.scheduler import SchedulerConfig
@@ -305,21 +306,14 @@ class CanvasServeEngine:
         residents = residents_max if residents_max is not None else SchedulerConfig.resident_factor * self.max_slots
         out = {"slot_tokens": tokens, "bytes_per_slot": page, "bytes_per_ring": ring, "canvas_row_bytes": rows,
                "budget_bytes": None, "residents": residents}
-        if slots is not None:
-            source = "kv_slots"
-        elif budget is not None:
-            source = "kv_memory_bytes"
-        elif fraction is not None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # a round's transient memory, roughly: float32 logits and their softmax over every canvas position,
-            # and some tens of activations of the hidden size
-            reserve = min(self._rows() * cfg.canvas_length * (16 * cfg.vocab_size + 64 * cfg.hidden_size * item),
-                          free // 2)
-            budget = min(int(free * fraction), free - reserve)
+        # a round's transient memory, roughly: float32 logits and their softmax over every canvas position, and
+        # some tens of activations of the hidden size
+        slots, budget, source, reserve = kv_pool_source(
+            slots, budget, fraction, self.device, self.max_slots,
+            lambda: self._rows() * cfg.canvas_length * (16 * cfg.vocab_size + 64 * cfg.hidden_size * item),
+            "the round's")
+        if reserve is not None:
             out["round_reserve_bytes"] = reserve
-            source = f"{fraction:g} of {free / 2**20:.0f} MiB free, the round's {reserve / 2**20:.0f} MiB aside"
-        else:
-            slots, source = self.max_slots, "max_slots"
         if slots is None:
             out["budget_bytes"] = budget
             most = None if residents_max is None else residents_max * -(-cfg.max_position_embeddings // tokens)

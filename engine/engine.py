@@ -28,7 +28,7 @@ from engine.batch import run_model
 from engine.commands import Resume, resolve_rule
 from engine.decoding import DecodingRule
 from engine.kv_cache import ApproxCache, ExactCache, KVPool
-from engine.memory import forward_bytes, kv_bytes_per_token
+from engine.memory import forward_bytes, kv_bytes_per_token, kv_pool_source
 from engine.models.transformer import DLMTransformer
 from engine.observer import ObservedStep, PredictorObserver, RoundObserver
 from engine.runner import TorchRunner
@@ -167,18 +167,10 @@ class Engine:
         """How many slots of ``tokens`` positions the pool gets, and from what (the engine's docstring)."""
         per_slot = (tokens + 1) * self.kv_bytes_per_token()  # a slot's positions and its scratch one
         out = {"slot_tokens": tokens, "bytes_per_slot": per_slot, "budget_bytes": None}
-        if slots is not None:
-            source = "kv_slots"
-        elif budget is not None:
-            source = "kv_memory_bytes"
-        elif fraction is not None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            reserve = min(self.round_bytes(tokens), free // 2)  # the largest round's transient memory first
-            budget = min(int(free * fraction), free - reserve)
+        slots, budget, source, reserve = kv_pool_source(slots, budget, fraction, self.device, self.max_slots,
+                                                        lambda: self.round_bytes(tokens), "the largest round's")
+        if reserve is not None:
             out["round_reserve_bytes"] = reserve
-            source = f"{fraction:g} of {free / 2**20:.0f} MiB free, the largest round's {reserve / 2**20:.0f} MiB aside"
-        else:
-            slots, source = self.max_slots, "max_slots"
         if slots is None:
             out["budget_bytes"] = budget
             slots = budget // per_slot

@@ -79,3 +79,22 @@ def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> 
         live += e.nbytes()
         peak = max(peak, live)
     return peak
+
+
+def kv_pool_source(slots: int | None, budget: int | None, fraction: float | None, device: torch.device,
+                   max_slots: int, reserve: Callable[[], int], reserve_what: str
+                   ) -> tuple[int | None, int | None, str, int | None]:
+    """Which sizing a KV pool takes, in the engines' order: ``kv_slots`` (its slots given), ``kv_memory_bytes``
+    (a budget given), ``kv_memory_fraction`` of the memory free now on a CUDA device less ``reserve()`` (at most
+    half of it: a round's transient memory, ``reserve_what`` names it), else ``max_slots`` slots. Returns
+    (slots or None, budget or None, the source in words, the reserve or None)."""
+    if slots is not None:
+        return slots, None, "kv_slots", None
+    if budget is not None:
+        return None, budget, "kv_memory_bytes", None
+    if fraction is not None and torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        aside = min(reserve(), free // 2)
+        return (None, min(int(free * fraction), free - aside),
+                f"{fraction:g} of {free / 2**20:.0f} MiB free, {reserve_what} {aside / 2**20:.0f} MiB aside", aside)
+    return max_slots, None, "max_slots", None

@@ -434,3 +434,22 @@ def test_a_budget_buys_a_ring_per_resident_and_pages_with_the_rest(model, tok):
         _served(model, tok, kv_slot_tokens=64, kv_memory_bytes=rows + page)
     with pytest.raises(ValueError, match="kv_residents_max"):
         _served(model, tok, kv_slots=4, kv_residents_max=0)
+
+
+def test_on_cuda_a_fraction_of_the_free_memory_pays_the_round_first(model, tok, monkeypatch):
+    """The sizing alone (no tensor allocated): a fraction of the memory free now, less the round's transient
+    memory (at most half of it), buys pages and rings as a budget does."""
+    cfg = model.config
+    served = _served(model, tok, kv_slot_tokens=64, kv_slots=1)
+    served.device = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 2**20, 80 * 2**20))
+    out = served._size_kv_pool(64, None, None, 0.5, None)
+    reserve = out["round_reserve_bytes"]
+    assert 0 < reserve <= 4 * 2**20 and out["budget_bytes"] == 4 * 2**20
+    assert out["source"] == f"0.5 of 8 MiB free, the round's {reserve / 2**20:.0f} MiB aside"
+    page, ring, rows = dg.DGPool.sizes(cfg, 64, served._rows(), 4)
+    spent = out["slots"] * page + out["rings"] * ring + rows
+    assert spent <= out["budget_bytes"] < spent + page + ring
+    tight = served._size_kv_pool(64, None, None, 1.0, None)
+    assert tight["budget_bytes"] == 8 * 2**20 - tight["round_reserve_bytes"]
+    assert served._size_kv_pool(64, 3, None, 0.5, None)["slots"] == 3  # explicit slots win
