@@ -64,6 +64,33 @@ def stop() -> None:
         os.environ.pop(name, None)
 
 
+# how often a stopping replica looks whether its requests are done (Serve's default: every 2 s, and at least one
+# wait before the first look). A test app sets it shorter for its deployments (``quick_stops``): each module's
+# teardown (the Ingress's tier, then the Denoisers') and each scale-down of the planner's transitions otherwise
+# spend a wait loop idle; the drain itself is the app's (``Denoiser.__del__``) and unchanged
+STOP_LOOK_S = 0.2
+
+
+def quick_stops(tp_degrees=(1,)) -> list[dict]:
+    """The ``deployments`` overrides of an application in a Serve config (``ServeDeploySchema``): its Ingress
+    and its Denoisers of ``tp_degrees`` look every ``STOP_LOOK_S`` whether a stopping replica is drained."""
+    from app.config import INGRESS, denoiser_name
+
+    return [{"name": name, "graceful_shutdown_wait_loop_s": STOP_LOOK_S}
+            for name in (INGRESS, *(denoiser_name(d) for d in tp_degrees))]
+
+
+def deploy(*apps: dict) -> None:
+    """Deploy applications from their Serve config entries (``name``, ``route_prefix``, ``args``...; the
+    import path is ``deployments.builder:build_app``), as `serve deploy` of a config file does (they start
+    side by side); returns at once."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [
+        {"import_path": "deployments.builder:build_app", **a} for a in apps]}))
+
+
 def delete_apps(*names: str) -> None:
     """Delete a module's applications, all at once (their replicas drain side by side), and wait until they
     are gone and their resources free."""
