@@ -91,12 +91,18 @@ def deploy(*apps: dict) -> None:
         {"import_path": "deployments.builder:build_app", **a} for a in apps]}))
 
 
-def delete_apps(*names: str) -> None:
+def delete_apps(*names: str, limit_s: float = 60.0) -> None:
     """Delete a module's applications, all at once (their replicas drain side by side), and wait until they
-    are gone and their resources free."""
+    are gone and their resources free (looked at every 0.1 s; Serve's own blocking delete looks every 1 s)."""
+    from ray import serve
     from ray.serve.context import _get_global_client
 
-    _get_global_client().delete_apps(list(names), blocking=True)
+    _get_global_client().delete_apps(list(names), blocking=False)
+    t0 = time.monotonic()
+    while any(name in serve.status().applications for name in names):
+        if time.monotonic() - t0 > limit_s:
+            raise TimeoutError(f"applications {names} were not deleted within {limit_s:g} s")
+        time.sleep(0.1)
 
 
 def wait_until(cond, limit_s: float = 120.0, step_s: float = 0.5) -> bool:
