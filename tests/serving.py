@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import warnings
 
 
 def _free_port() -> int:
@@ -55,9 +56,13 @@ def start() -> str:
 
 
 def stop() -> None:
+    """Shut Serve and Ray down (nothing when Ray is not running: tests/conftest.py stops it after the session's
+    last Ray test, before the session's end)."""
     import ray
     from ray import serve
 
+    if not ray.is_initialized():
+        return
     serve.shutdown()
     ray.shutdown()
     for name in REPLICA_ENV:
@@ -97,9 +102,14 @@ def delete_apps(*names: str, limit_s: float = 60.0) -> None:
     from ray import serve
     from ray.serve.context import _get_global_client
 
+    def listed() -> dict:
+        with warnings.catch_warnings():  # Serve's own deprecation of a field the planner's deployments set
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return serve.status().applications
+
     _get_global_client().delete_apps(list(names), blocking=False)
     t0 = time.monotonic()
-    while any(name in serve.status().applications for name in names):
+    while any(name in listed() for name in names):
         if time.monotonic() - t0 > limit_s:
             raise TimeoutError(f"applications {names} were not deleted within {limit_s:g} s")
         time.sleep(0.1)
