@@ -120,9 +120,10 @@ def unavailable() -> float:
 def test_planner_moves_replicas_between_tp_groups_and_no_request_waits(app):
     watch = Watch()
     with concurrent.futures.ThreadPoolExecutor(256) as pool:
-        # 0.4 requests a second: low (the planner moves to TP-2 below about 0.6 a second), and two or more of
-        # them sent during the first transition, which takes ~6-9 s (about 3.5 s less without start-time profiles)
-        low = offer(pool, 0.4, lambda: planner().get("live") == {"1": 0, "2": 1}, 240)
+        # 0.5 requests a second: low (the planner, which adds 20% to the rate it sees, moves to TP-2 at up to 3
+        # requests in its 4 s window), and two or more of them sent during the first transition, which takes
+        # ~6-9 s on 2 busy cores (about 3.5 s less than with start-time profiles), 4 s and more on any machine
+        low = offer(pool, 0.5, lambda: planner().get("live") == {"1": 0, "2": 1}, 240)
         state = planner()
         assert state["live"] == {"1": 0, "2": 1}, state
         assert state["transitions"] >= 1 and state["last_decision"]["proposal"] == {"1": 0, "2": 1}
