@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +33,8 @@ def test_device_script_dry_run_on_the_cpu(tmp_path):
     env = {**os.environ, "OUT": str(out), "DEV": "cpu", "SIZE": "tiny", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     # the script's ~30 Python commands (steps, summaries) run in processes forked from one that imported torch
     # once (tests/forkserver.py): each took ~2 s more to import it than its tiny step ran
-    sock = tmp_path / "py.sock"
+    sock_dir = Path(tempfile.mkdtemp(prefix="fs", dir="/tmp"))  # short: a Unix socket's path has ~107 bytes
+    sock = sock_dir / "py.sock"
     server = subprocess.Popen([sys.executable, str(FORKSERVER), "--serve", str(sock)], cwd=ROOT,
                               env={**env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -46,6 +49,7 @@ def test_device_script_dry_run_on_the_cpu(tmp_path):
     finally:
         server.kill()
         server.communicate()
+        shutil.rmtree(sock_dir, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-2000:]
     # what a device call returns: three files, whatever the number of steps
     assert sorted(p.name for p in out.iterdir()) == ["h200-check.tar.gz", "steps.txt", "summary.txt"]
