@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -208,6 +209,20 @@ def noop_server():
     for proc in procs:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the session's last ``ray`` test (in collection order: the last one that runs, on the one worker that
+    runs them), its module's apps deleted, Ray stops: not idle (its controller and agents ~5% of a core) beside
+    the tests that follow on this worker, nor stopping at the session's end, when the other worker may be done."""
+    yield
+    if item.get_closest_marker("ray") is None or "ray" not in sys.modules:
+        return
+    if item is next((i for i in reversed(item.session.items) if i.get_closest_marker("ray") is not None), None):
+        from tests import serving
+
+        serving.stop()
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import warnings
 
 
 def _free_port() -> int:
@@ -55,21 +56,63 @@ def start() -> str:
 
 
 def stop() -> None:
+    """Shut Serve and Ray down (nothing when Ray is not running: tests/conftest.py stops it after the session's
+    last Ray test, before the session's end)."""
     import ray
     from ray import serve
 
+    if not ray.is_initialized():
+        return
     serve.shutdown()
     ray.shutdown()
     for name in REPLICA_ENV:
         os.environ.pop(name, None)
 
 
-def delete_apps(*names: str) -> None:
+# how often a stopping replica looks whether its requests are done (Serve's default: every 2 s, and at least one
+# wait before the first look). A test app sets it shorter for its deployments (``quick_stops``): each module's
+# teardown (the Ingress's tier, then the Denoisers') and each scale-down of the planner's transitions otherwise
+# spend a wait loop idle; the drain itself is the app's (``Denoiser.__del__``) and unchanged
+STOP_LOOK_S = 0.2
+
+
+def quick_stops(tp_degrees=(1,)) -> list[dict]:
+    """The ``deployments`` overrides of an application in a Serve config (``ServeDeploySchema``): its Ingress
+    and its Denoisers of ``tp_degrees`` look every ``STOP_LOOK_S`` whether a stopping replica is drained."""
+    from app.config import INGRESS, denoiser_name
+
+    return [{"name": name, "graceful_shutdown_wait_loop_s": STOP_LOOK_S}
+            for name in (INGRESS, *(denoiser_name(d) for d in tp_degrees))]
+
+
+def deploy(*apps: dict) -> None:
+    """Deploy applications from their Serve config entries (``name``, ``route_prefix``, ``args``...; the
+    import path is ``deployments.builder:build_app``), as `serve deploy` of a config file does (they start
+    side by side); returns at once."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [
+        {"import_path": "deployments.builder:build_app", **a} for a in apps]}))
+
+
+def delete_apps(*names: str, limit_s: float = 60.0) -> None:
     """Delete a module's applications, all at once (their replicas drain side by side), and wait until they
-    are gone and their resources free."""
+    are gone and their resources free (looked at every 0.1 s; Serve's own blocking delete looks every 1 s)."""
+    from ray import serve
     from ray.serve.context import _get_global_client
 
-    _get_global_client().delete_apps(list(names), blocking=True)
+    def listed() -> dict:
+        with warnings.catch_warnings():  # Serve's own deprecation of a field the planner's deployments set
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return serve.status().applications
+
+    _get_global_client().delete_apps(list(names), blocking=False)
+    t0 = time.monotonic()
+    while any(name in listed() for name in names):
+        if time.monotonic() - t0 > limit_s:
+            raise TimeoutError(f"applications {names} were not deleted within {limit_s:g} s")
+        time.sleep(0.1)
 
 
 def wait_until(cond, limit_s: float = 120.0, step_s: float = 0.5) -> bool:

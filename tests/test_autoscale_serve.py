@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.serving import BASE, delete_apps, wait_until
+from tests.serving import BASE, delete_apps, deploy, quick_stops, wait_until
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -26,22 +26,22 @@ PROMPTS = ["rev: abcde", "rev: xyz", "max: a3 b9 c1 d2", "rev: hello"]
 
 @pytest.fixture(scope="module")
 def app(ray_serve):
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
     # admission off: this module checks the planner's transitions (no request parked, none failed); under
     # make test's load replicas timed their start-time profiles on cold rounds (~1 s a round; they time warm
-    # rounds now) and the router's admission shed about 1 request in 110 here (docs/router.md, "Known gaps")
-    args = {"engine": {"model": "tiny-bd", "slots": 8}, "http": {"max_tokens_limit": 256},
+    # rounds now) and the router's admission shed about 1 request in 110 here (docs/router.md, "Known gaps").
+    # No start-time profile (engine.profile_seconds 0): the planner plans on the configured profile
+    # (planner.profile), so the replicas' measured ones would only feed the router, and each replica start, three
+    # in a row here, took ~3 s longer. The planner re-plans every 2 s over a 4 s window (check_s: it looks every
+    # 0.5 s); the stopping replicas look every 0.2 s whether they are drained (tests/serving.py quick_stops)
+    args = {"engine": {"model": "tiny-bd", "slots": 8, "profile_seconds": 0}, "http": {"max_tokens_limit": 256},
             "router": {"shed_over_capacity": False},
             "resources": {"tp_degrees": [1, 2], "gpus_per_rank": 0.5},  # make-before-break by default
-            "planner": {"nodes": 1, "gpus_per_node": 2, "period_s": 4, "window_s": 4, "profile": "cpu-tiny-bd",
+            "planner": {"nodes": 1, "gpus_per_node": 2, "period_s": 2, "window_s": 4, "profile": "cpu-tiny-bd",
                         "min_gain": 0.05, "check_s": 0.5, "step_timeout_s": 120}}
     try:  # deleted however the module ends, set-up included
         # the app-level policy is part of the app's config, as `serve run` of a config file sets it
-        _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [{
-            "name": "auto", "route_prefix": "/", "import_path": "deployments.builder:build_app", "args": args,
-            "autoscaling_policy": {"policy_function": "app.autoscaling:planner_policy"}}]}))
+        deploy({"name": "auto", "route_prefix": "/", "args": args, "deployments": quick_stops((1, 2)),
+                "autoscaling_policy": {"policy_function": "app.autoscaling:planner_policy"}})
         wait_for(lambda: planner().get("live") == {"1": 2, "2": 0}, 240)
         yield URL
     finally:
@@ -120,7 +120,10 @@ def unavailable() -> float:
 def test_planner_moves_replicas_between_tp_groups_and_no_request_waits(app):
     watch = Watch()
     with concurrent.futures.ThreadPoolExecutor(256) as pool:
-        low = offer(pool, 0.3, lambda: planner().get("live") == {"1": 0, "2": 1}, 240)
+        # 0.5 requests a second: low (the planner, which adds 20% to the rate it sees, moves to TP-2 at up to 3
+        # requests in its 4 s window), and two or more of them sent during the first transition, which takes
+        # ~6-9 s on 2 busy cores (about 3.5 s less than with start-time profiles), 4 s and more on any machine
+        low = offer(pool, 0.5, lambda: planner().get("live") == {"1": 0, "2": 1}, 240)
         state = planner()
         assert state["live"] == {"1": 0, "2": 1}, state
         assert state["transitions"] >= 1 and state["last_decision"]["proposal"] == {"1": 0, "2": 1}

@@ -1,14 +1,18 @@
 """scripts/h200_check.sh's dry run: the whole device script end to end on the CPU with tiny shapes
 (SIZE=tiny DEV=cpu), into a temporary $OUT. Every step runs and exits 0, the steps that need CUDA say
-so, $OUT holds the three files a device call returns, and the archive holds every step's output."""
+so, $OUT holds the three files a device call returns, and the archive holds every step's output. The script's
+Python commands run through tests/forkserver.py ($PY): each in a process forked from one that imported torch."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ import torch
 from tests.device_image import without_service_stack
 
 ROOT = Path(__file__).resolve().parents[1]
+FORKSERVER = ROOT / "tests" / "forkserver.py"
 STEPS = ("facts", "fixtures", "round", "round-single", "round-moe", "recompute", "kernels-8b", "kernels-moe",
          "bench-engine", "profile", "profile-check", "profile-moe", "profile-dg", "profile-dg-check", "round-gaps")
 
@@ -25,10 +30,26 @@ STEPS = ("facts", "fixtures", "round", "round-single", "round-moe", "recompute",
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU's; a GPU machine runs the script itself")
 def test_device_script_dry_run_on_the_cpu(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "DEV": "cpu", "SIZE": "tiny", "PY": sys.executable, "OMP_NUM_THREADS": "1",
-           "TMPDIR": str(tmp_path)}
-    done = subprocess.run(["bash", "scripts/h200_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {**os.environ, "OUT": str(out), "DEV": "cpu", "SIZE": "tiny", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    # the script's ~30 Python commands (steps, summaries) run in processes forked from one that imported torch
+    # once (tests/forkserver.py): each took ~2 s more to import it than its tiny step ran
+    sock_dir = Path(tempfile.mkdtemp(prefix="fs", dir="/tmp"))  # short: a Unix socket's path has ~107 bytes
+    sock = sock_dir / "py.sock"
+    server = subprocess.Popen([sys.executable, str(FORKSERVER), "--serve", str(sock)], cwd=ROOT,
+                              env={**env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not sock.exists() and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sock.exists(), server.stderr.read() if server.poll() is not None else "no fork server within 120 s"
+        env.update(PY=f"{sys.executable} -S {FORKSERVER}", REMASK_FORK_SOCKET=str(sock))
+        done = subprocess.run(["bash", "scripts/h200_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+    finally:
+        server.kill()
+        server.communicate()
+        shutil.rmtree(sock_dir, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-2000:]
     # what a device call returns: three files, whatever the number of steps
     assert sorted(p.name for p in out.iterdir()) == ["h200-check.tar.gz", "steps.txt", "summary.txt"]

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from app.config import AppConfig
 from tests.hubcache import COMMIT, build_hub, go_offline
+from tests.serving import quick_stops
 from tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,11 +209,13 @@ def test_serve_a_hub_id_for_real_and_stop_it_with_ctrl_c(hub, tmp_path):
 
     home, _ = hub
     port = _free_port()
-    config = tmp_path / "light.yaml"  # the start made light: no profile measurement, no learners
+    # the start made light: no profile measurement, no learners; the stop too: the stopping replicas look every
+    # 0.2 s whether they are drained (Serve's default: every 2 s, the Ingress's tier and then the Denoiser's)
+    config = tmp_path / "light.yaml"
     config.write_text(yaml.safe_dump({"applications": [{"name": "remask", "route_prefix": "/",
                                                         "import_path": "deployments.builder:build_app", "args": {
         "engine": {"slots": 4, "profile_seconds": 0}, "router": {"predictors": "off"},
-        "resources": {"cpus_per_replica": 0.1}}}]}))
+        "resources": {"cpus_per_replica": 0.1}}, "deployments": quick_stops()}]}))
     ray_tmp = tempfile.mkdtemp(prefix="rk", dir="/tmp")  # short: Ray's socket paths live under it
     # one torch thread in Ray's workers, as a `remask serve` without OMP_NUM_THREADS gives them (`make test` sets 2,
     # and this cluster runs beside the shared one and the other tests on 2 cores)
