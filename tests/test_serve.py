@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tests.serving import BASE, delete_apps, wait_until
+from tests.serving import BASE, delete_apps, deploy, quick_stops, wait_until
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -23,16 +23,14 @@ APPS = ("remask", "remask-tp2", "remask-hf")
 
 @pytest.fixture(scope="module")
 def app_url(ray_serve, hf_checkpoints):
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
     from app.config import denoiser_name
 
     apps = [
         # two TP-1 replicas: the router spreads requests, and one can be killed
         {"name": "remask", "route_prefix": "/",
          "args": {"engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
-                  "http": {"max_tokens_limit": 256}, "resources": {"replicas": {1: 2}}}},
+                  "http": {"max_tokens_limit": 256}, "resources": {"replicas": {1: 2}}},
+         "deployments": quick_stops()},
         # the same model with tensor parallelism 2 (gloo on CPU), as a second application (small queues: the
         # overload test fills them). Its one replica is replaced when a TP worker is killed: its requests wait
         # for the replacement, which can take over 30 s on a loaded 2-core machine; Serve finds the broken
@@ -41,17 +39,18 @@ def app_url(ray_serve, hf_checkpoints):
         {"name": "remask-tp2", "route_prefix": "/tp2",
          "args": {"engine": {"model": "tiny-bd", "slots": 2, "max_waiting": 2},
                   "http": {"max_tokens_limit": 256}, "router": {"park_s": 150}, "resources": {"tp_degrees": [2]}},
-         "deployments": [{"name": denoiser_name(2), "health_check_period_s": 1}]},
+         "deployments": [{**d, "health_check_period_s": 1} if d["name"] == denoiser_name(2) else d
+                         for d in quick_stops((2,))]},
         # a real-format checkpoint (random weights): its own tokenizer, chat template and generation_config.json
         {"name": "remask-hf", "route_prefix": HF,
          "args": {"engine": {"model": str(hf_checkpoints["dream"]), "slots": 4, "max_waiting": 16},
                   "http": {"served_model_name": HF_MODEL, "max_tokens_limit": 64},
-                  "resources": {"cpus_per_replica": 0.25}}},
+                  "resources": {"cpus_per_replica": 0.25}},
+         "deployments": quick_stops()},
     ]
     try:  # the apps are deleted however the module ends, set-up included: the next module finds Serve empty
         # the three at once (as `serve deploy` of a config file does): their replicas start side by side
-        _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [
-            {"import_path": "deployments.builder:build_app", **a} for a in apps]}))
+        deploy(*apps)
         # wait for the apps to answer
         assert wait_until(lambda: all(httpx.get(f"{BASE}{p}/health", timeout=2).status_code == 200
                                       for p in ("", "/tp2", HF))
