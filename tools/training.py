@@ -660,16 +660,21 @@ def _save_dg(model, tok: CharTokenizer, out_dir: Path, step: int, seed: int) -> 
 
 
 # The recipe of the shipped tiny-dg, phase by phase, each continuing from the one before with its own warmup and
-# cosine: two phases of single canvases over the uniform-ish mix (DG_MIX), then one of 4 noised copies of each
-# canvas over one encoder pass (``copies``) over a mix with the json category. Step
-# counts are those the shipped weights took (each run was capped by wall time on a shared 2-core CPU, one thread;
-# docs/engine.md "Training"). The first two ran before the tokenizer had JSON's characters (57 ids): the third
-# widened the vocabulary to 64 (``_widen_vocab``); the recipe replayed today has 64 ids from the start.
+# cosine: two phases of single canvases over the uniform-ish mix (DG_MIX), then three of 4 noised copies of each
+# canvas over one encoder pass (``copies``) over mixes with the json category, the last two weighting arithmetic
+# and prose. Step counts are those the shipped weights took (each run was capped by wall time on a shared 2-core
+# CPU; the fourth was stopped at 110 minutes of a 130-minute cosine, lr 8.9e-5; docs/engine.md "Training";
+# engine/defaults/tiny-dg/training.json). The first two ran before the tokenizer had JSON's characters (57 ids):
+# the third widened the vocabulary to 64 (``_widen_vocab``); the recipe replayed today has 64 ids from the start.
 DG_PHASE3_MIX = {"arith": 0.2, "reverse": 0.2, "prose": 0.2, "choice": 0.1, "lookup": 0.15, "json": 0.15}
+DG_PHASE4_MIX = {"arith": 0.35, "prose": 0.3, "lookup": 0.12, "reverse": 0.05, "choice": 0.06, "json": 0.12}
+DG_PHASE5_MIX = {"arith": 0.5, "prose": 0.1, "lookup": 0.1, "reverse": 0.1, "choice": 0.1, "json": 0.1}
 DG_RECIPE = (
     {"steps": 4222, "lr": 2e-3, "seed": 0},
     {"steps": 1771, "lr": 1e-3, "seed": 1},
     {"steps": 7268, "lr": 1.5e-3, "seed": 5, "copies": 4, "mix": DG_PHASE3_MIX},
+    {"steps": 9531, "lr": 1e-3, "seed": 7, "copies": 4, "mix": DG_PHASE4_MIX},
+    {"steps": 3363, "lr": 3e-4, "seed": 9, "copies": 4, "mix": DG_PHASE5_MIX},
 )
 DG_RECIPE_PHASES = tuple(ph["steps"] for ph in DG_RECIPE)
 
