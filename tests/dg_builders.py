@@ -37,6 +37,27 @@ def random_dg(tok: CharTokenizer, seed: int = 0) -> dg.DiffusionGemma:
     return model.eval()
 
 
+def run_ranks(world: int, fn) -> list:
+    """``fn(rank)`` for each rank in a thread of its own (tensor-parallel ranks over ``ThreadAllReduce``); their
+    results in rank order. An exception in a rank fails the caller, no rank waits past 60 s."""
+    out, errors = [None] * world, []
+
+    def run(rank):
+        try:
+            out[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+            raise
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return out
+
+
 class ThreadAllReduce:
     """An all-reduce among ``world`` rank threads (tensor parallelism in one process): each rank's partial
     deposited, summed in rank order."""

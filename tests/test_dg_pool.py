@@ -17,8 +17,6 @@ of 32, full and sliding layers of their own shapes):
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -26,7 +24,7 @@ from engine.canvas import CanvasEngine, CanvasParams
 from engine.dg_graphs import DecodeGraphs
 from engine.models import diffusion_gemma as dg
 from engine.tokenizer import CharTokenizer
-from tests.dg_builders import ThreadAllReduce, random_dg
+from tests.dg_builders import ThreadAllReduce, random_dg, run_ranks
 
 TOL = 1e-5
 
@@ -305,26 +303,15 @@ def test_tensor_parallel_ranks_over_their_pools(model, tok):
 
     want = logits(model, _pool(model))
     ar = ThreadAllReduce(world)
-    out, errors = [None] * world, []
-
     def run(rank):
-        try:
-            part = dg.shard(model, rank, world, ar.for_rank(rank))
-            pool = dg.DGPool(part.config, 4, 48, 2, torch.float32, "cpu")
-            assert pool.shapes == [(True, 1, 8), (False, 1, 16)]  # sliding layers' 2 K/V heads split, full one kept
-            pooled = [o.token_ids for o in CanvasEngine(part, tok, pool=pool).generate(prompts, params)]
-            own = [o.token_ids for o in CanvasEngine(part, tok).generate(prompts, params)]
-            out[rank] = (logits(part, pool), pooled, own)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(exc)
-            raise
+        part = dg.shard(model, rank, world, ar.for_rank(rank))
+        pool = dg.DGPool(part.config, 4, 48, 2, torch.float32, "cpu")
+        assert pool.shapes == [(True, 1, 8), (False, 1, 16)]  # sliding layers' 2 K/V heads split, full one kept
+        pooled = [o.token_ids for o in CanvasEngine(part, tok, pool=pool).generate(prompts, params)]
+        own = [o.token_ids for o in CanvasEngine(part, tok).generate(prompts, params)]
+        return logits(part, pool), pooled, own
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    out = run_ranks(world, run)
     for got, pooled, own in out:
         assert (got - want).abs().max() <= TOL and pooled == own == out[0][1]
 
@@ -348,21 +335,8 @@ def test_tiny_dg_tp2_over_pools_gives_tp1s_text():
 
     want = answers(full)
     ar = ThreadAllReduce(2)
-    out, errors = [None, None], []
-
-    def run(rank):
-        try:
-            out[rank] = answers(dg.shard(full, rank, 2, ar.for_rank(rank)))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(exc)
-            raise
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and out == [want, want] and all(len(w) == 2 * full.config.canvas_length for w in want)
+    out = run_ranks(2, lambda rank: answers(dg.shard(full, rank, 2, ar.for_rank(rank))))
+    assert out == [want, want] and all(len(w) == 2 * full.config.canvas_length for w in want)
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ import torch
 
 from engine.models import diffusion_gemma as dg
 from tests.checkpoints import DG_CANVAS, build_diffusion_gemma, family_ids
-from tests.dg_builders import ThreadAllReduce, same_draws
+from tests.dg_builders import ThreadAllReduce, run_ranks, same_draws
 
 TOL = 1e-5
 
@@ -297,27 +297,6 @@ def test_remask_generate_answers_on_the_fixture(dg_dir, ours, capsys):
 # ---------------------------------------------------------------- tensor parallelism (ranks as threads)
 
 
-def _run_ranks(world, fn):
-    import threading
-
-    out, errors = [None] * world, []
-
-    def run(rank):
-        try:
-            out[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(exc)
-            raise
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-    return out
-
-
 @pytest.mark.parametrize("world", [2, 4])
 @torch.no_grad()
 def test_tensor_parallel_ranks_give_tp1s_logits_and_text(ours, world):
@@ -341,7 +320,7 @@ def test_tensor_parallel_ranks_give_tp1s_logits_and_text(ours, world):
         text = CanvasEngine(part).generate([prompt[0].tolist()], CanvasParams(max_tokens=16, seed=3))[0].token_ids
         return part, c, logits, text
 
-    results = _run_ranks(world, rank_run)
+    results = run_ranks(world, rank_run)
     part, c = results[0][0], results[0][1]
     # rank 0 holds 4 / world query heads; full layers' single K/V head is replicated, sliding ones split
     assert part.config.num_heads == 4 // world and part.config.kv_heads == (2 // min(world, 2), 1) * 2
