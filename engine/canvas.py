@@ -260,7 +260,7 @@ class CanvasEngine:
         CUDA graph when there is one for the shape), else their caches padded side by side."""
         length = self.cfg.canvas_length
         caches = [s.cache for s in seqs]
-        pooled = self.pool is not None and all(c.pool is self.pool for c in caches) and len(seqs) <= self.pool.rows
+        pooled = self.pool is not None and dg.PoolStep.over(caches, length) is self.pool
         if len(seqs) == 1 and not pooled:
             return self.model.decode(canvas, caches[0], None if seqs[0].self_conditioning is None
                                      else seqs[0].self_conditioning[None])

@@ -758,6 +758,14 @@ class PoolStep:
     def fits(self, caches: list[DGCache]) -> bool:
         return self.key == tuple((c.uid, c.length) for c in caches)
 
+    @staticmethod
+    def over(caches: list[DGCache], t: int) -> DGPool | None:
+        """The pool a step over ``caches`` with canvases of ``t`` reads in place: the one every cache is in, when
+        it has a canvas row for each and its rows are of ``t`` tokens; else None (the caches go side by side)."""
+        pools = {id(c.pool): c.pool for c in caches}
+        pool = next(iter(pools.values()), None) if len(pools) == 1 else None
+        return pool if pool is not None and len(caches) <= pool.rows and t == pool.length else None
+
     def layer(self, i: int) -> PoolRead:
         g, _ = self.pool.where[i]
         return PoolRead(self.pool.layer(i), self.pool.canvas_rows(g, self.rows), self.index[i])
@@ -958,10 +966,8 @@ class DiffusionGemma(nn.Module):
                 soft = soft * conditioned.to(device=soft.device, dtype=soft.dtype)[:, None, None]
         x = self.self_conditioning.condition(x, soft)
         caches = [cache] if isinstance(cache, DGCache) else cache
-        if isinstance(caches, list) and caches and all(c.pooled for c in caches) \
-                and len({id(c.pool) for c in caches}) == 1 and n <= caches[0].pool.rows \
-                and t == caches[0].pool.length:
-            cache = PoolStep(caches[0].pool, caches, t, x.device)
+        if isinstance(caches, list) and (pool := PoolStep.over(caches, t)) is not None:
+            cache = PoolStep(pool, caches, t, x.device)
         if isinstance(cache, PoolStep):
             if cache.rows != n or cache.t != t:
                 raise ValueError(f"pool step built for {cache.rows} canvases of {cache.t}, got {n} of {t}")
