@@ -447,8 +447,8 @@ class CanvasServeEngine:
         steps_before = {s.seq_id: s.inner.prefill_steps for s in denoise}
         self.runner.forwards += max((len(s.inner.pending) for s in plan), default=0) + bool(denoise)
         pool = self.runner.pool
-        self.runner.pooled += bool(denoise) and pool is not None and len(denoise) <= pool.rows and all(
-            s.inner.cache.pool is pool for s in denoise)  # placed at their first encoder pass
+        self.runner.pooled += bool(denoise) and pool is not None and dg.PoolStep.over(
+            [s.inner.cache for s in denoise], self.dg_cfg.canvas_length) is pool  # placed at their first encoder pass
         self.canvas._prefill([s.inner for s in prefill + [d for d in denoise if d.inner.pending]])
         for s in denoise:  # a canvas's encoder pass is part of the next canvas's first step, not a prefill
             s.inner.prefill_steps = steps_before[s.seq_id]
