@@ -283,6 +283,7 @@ class ReplicaChannel:
             conn.close()
             return
         peer = _Peer(conn, self.queue_frames)
+        peer.put(frame(Ready(VERSION)))  # first on the wire: a tick or a broadcast may follow once it is listed
         with self._lock:
             if self._closed.is_set():
                 _hang_up(conn)
@@ -290,7 +291,6 @@ class ReplicaChannel:
             conn_id = next(self._ids)
             self._conns[conn_id] = peer
         threading.Thread(target=self._write, args=(conn_id, peer), name="remask-channel-writer", daemon=True).start()
-        self.send(conn_id, Ready(VERSION))
         try:
             while True:
                 try:

@@ -46,10 +46,11 @@ def test_check_profile_compares_predicted_with_measured_rounds(measured):
     assert res["requests"] == 12 and res["rounds"] > 12
     assert res["measured_s"] > 0 and res["predicted_s"] > 0
     assert 0 < res["forwards_in_kv_pool"] <= res["forwards"]
-    slow = check_profile(engine, prof.scaled(5.0), requests=12, slots=8)
-    # five times every curve: the prediction is far off, and the check says so
-    assert slow["predicted_s"] > 2.5 * slow["measured_s"] and slow["total_error"] > 1.5
-    assert slow["total_error"] > res["total_error"]
+    slow = check_profile(engine, prof.scaled(20.0), requests=12, slots=8)
+    # twenty times every curve: the prediction is far off, and the check says so (the same rounds are priced, so
+    # the prediction is exactly 20x; the measured time is this machine's, which may drift a few-fold under load)
+    assert slow["rounds"] == res["rounds"] and slow["predicted_s"] == pytest.approx(20 * res["predicted_s"], rel=1e-3)
+    assert slow["predicted_s"] > 4 * slow["measured_s"] and slow["total_error"] > 3
 
 
 @pytest.mark.slow

@@ -420,3 +420,34 @@ def test_each_end_refuses_a_peer_of_another_protocol_version():
     assert "ready: missing field 'version'" in asyncio.run(old_replica({"op": "ready"}))
     assert f"version {VERSION + 1}, this ingress {VERSION}" in asyncio.run(
         old_replica({"op": "ready", "version": VERSION + 1}))
+
+
+def test_ready_is_the_first_frame_even_while_the_replica_broadcasts():
+    """A replica that broadcasts without pause (ticks, round progress) while ingresses connect: each ingress's
+    first frame is still its ready (a broadcast that reached a connection listed before its ready was queued
+    failed the handshake: "refused the handshake: Tick(...)")."""
+    import threading
+
+    from app.channel import Link, ReplicaChannel
+    from app.protocol import Tick
+
+    replica = ReplicaChannel(lambda c, m: None, lambda c: None, "s", tick_s=60)
+    stop = threading.Event()
+
+    def flood():
+        while not stop.is_set():
+            replica.broadcast(Tick(time.time(), {}))
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    try:
+        async def connect_many():
+            for _ in range(10):
+                link = await Link.open(*replica.address, "s", timeout_s=5)
+                link.close()
+
+        asyncio.run(connect_many())
+    finally:
+        stop.set()
+        thread.join()
+        replica.close()
