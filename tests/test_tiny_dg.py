@@ -75,6 +75,31 @@ def test_a_few_training_steps_lower_the_loss(small_dir, tmp_path):
     assert float(loss) < float(before) and set(acc) == {"arith"}
 
 
+def test_queries_examples_ask_several_keys_and_keep_out_of_the_heldout_split():
+    """The trainer's ``queries`` task: a lookup prompt asked 1-4 distinct keys, answered with their values in
+    the order asked; never a held-out prompt; its one-query form is a lookup the suite checks."""
+    import re
+
+    rng, seen = random.Random(4), set()
+    for _ in range(200):
+        ex = T.queries_example(rng)
+        assert ex.category == T.QUERIES and not tasks.is_heldout(ex.prompt)
+        body, asked = re.fullmatch(r"(.*?\.)((?: [a-z]\?)+)", ex.prompt).groups()
+        keys = [k[0] for k in asked.split()]
+        needles = dict(re.findall(r"(?:^| )([a-z])=(\d\d)\.", body))
+        assert 3 <= len(needles) <= 4 and len(set(keys)) == len(keys) and set(keys) <= set(needles)
+        assert ex.answer == " ".join(needles[k] for k in keys)
+        if len(keys) == 1:
+            assert tasks.check("lookup", ex.prompt, ex.answer)
+        seen.add(len(keys))
+    assert seen == {1, 2, 3, 4}
+    rows = T.dg_batch([T.queries_example(rng) for _ in range(4)], CharTokenizer.default(), rng,
+                      torch.Generator().manual_seed(0))
+    assert rows.categories == [T.QUERIES] * 4
+    with pytest.raises(ValueError, match="unknown categories in mix: \\['recall'\\]"):
+        T.train_dg("unused", steps=1, mix={"recall": 1.0}, progress=False)
+
+
 def test_canvas_evaluation_counts_accuracy_and_steps(small_dir):
     from engine.canvas import CanvasEngine
     from tools.evaluate import evaluate_canvas

@@ -187,8 +187,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--threads", type=int)
     t.add_argument("--init", help="start from this checkpoint directory instead of random weights")
     t.add_argument("--mix", type=_mix,
-                   help="category weights, e.g. lookup=0.4,prose=0.2,arith=0.2; 'recall' is the training-only "
-                        "associative-recall task (repeated needles with masked digits)")
+                   help="category weights, e.g. lookup=0.4,prose=0.2,arith=0.2; training-only tasks: 'recall' "
+                        "(tiny-bd, tiny-mdm: repeated needles with masked digits) and 'queries' (tiny-dg: a lookup "
+                        "asked several keys)")
     t.add_argument("--lookup-canvas", type=int,
                    help="cap tiny-mdm's canvas at this many tokens for lookup and recall examples (faster steps)")
     t.add_argument("--new-ids-only", action="store_true",

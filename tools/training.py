@@ -131,6 +131,27 @@ def recall_example(rng: random.Random) -> tasks.Example:
             return tasks.Example(RECALL, prompt, values[query])
 
 
+# Training-only task of the DiffusionGemma trainer: a lookup asked several keys at once. The prompt is a
+# lookup's (3-4 needles, 1-4 filler sentences) ending in 1-4 distinct queries ("f? c?"), the answer their values
+# in that order ("41 84"). Each value is a key match of its own, so an example carries up to four, where the
+# suite's lookup carries one (its one-query form is a lookup prompt; the held-out split stays out). The decoder
+# takes its loss on the canvas only, so tiny-mdm's ``recall`` (targets in the prompt) does not apply to it.
+QUERIES = "queries"
+
+
+def queries_example(rng: random.Random) -> tasks.Example:
+    """A ``queries`` example (the comment above)."""
+    while True:
+        keys = rng.sample(tasks.KEYS, rng.randint(3, 4))
+        values = {k: f"{rng.randrange(100):02d}" for k in keys}
+        items = [f"{k}={values[k]}." for k in keys] + rng.sample(tasks.FILLER, rng.randint(1, 4))
+        rng.shuffle(items)
+        asked = rng.sample(keys, rng.randint(1, len(keys)))
+        prompt = " ".join(items) + " " + " ".join(f"{k}?" for k in asked)
+        if not tasks.is_heldout(prompt):
+            return tasks.Example(QUERIES, prompt, " ".join(values[k] for k in asked))
+
+
 def _repeated_digits(prompt: str) -> list[int]:
     """Character offsets of the digits of every needle whose key already appeared earlier."""
     seen, out = set(), []
@@ -189,7 +210,12 @@ def sample_mix(rng: random.Random, mix: dict[str, float] | None) -> tasks.Exampl
     if not mix:
         return tasks.sample(rng)
     category = rng.choices(list(mix), weights=list(mix.values()))[0]
-    return recall_example(rng) if category == RECALL else tasks.sample(rng, category)
+    if category in TRAINING_ONLY:
+        return TRAINING_ONLY[category](rng)
+    return tasks.sample(rng, category)
+
+
+TRAINING_ONLY = {RECALL: recall_example, QUERIES: queries_example}
 
 
 def bucketed_batches(name: str, tok: CharTokenizer, rng: random.Random, batch_size: int, pool: int = 16,
@@ -553,8 +579,8 @@ def dg_loss(model, batch: DGBatch, self_condition: bool, gen: torch.Generator, t
             ) -> tuple[torch.Tensor, dict[str, float]]:
     """The encoder's causal pass over each row's context into its cache, then the decoder over the corrupted
     canvas (with self-conditioning from a first, gradient-free decoder pass when ``self_condition``); the
-    weighted cross-entropy against the clean canvas, and per category the fraction of canvas positions whose
-    argmax is right."""
+    weighted cross-entropy against the clean canvas, and per category the fraction of the answer's positions (its
+    tokens and EOS; the EOS padding after it left out) whose argmax is right."""
     from engine.models import diffusion_gemma as dg
 
     caches = [dg.DGCache(model.config) for _ in batch.contexts]
@@ -571,8 +597,9 @@ def dg_loss(model, batch: DGBatch, self_condition: bool, gen: torch.Generator, t
     logits = model.decode(batch.canvas, padded, sc)
     ce = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none").view_as(batch.weights)
     loss = (ce * batch.weights).sum() / batch.weights.sum()
-    with torch.no_grad():
-        hit = (logits.argmax(-1) == batch.targets).float().mean(-1)
+    with torch.no_grad():  # over the answer's positions (weight 1: its tokens and first EOS), not the padding
+        answer = (batch.weights >= 1).float()
+        hit = ((logits.argmax(-1) == batch.targets).float() * answer).sum(-1) / answer.sum(-1).clamp(min=1)
         stats: dict[str, list[float]] = {}
         for i, c in enumerate(batch.categories):
             stats.setdefault(c, []).append(float(hit[i]))
@@ -592,8 +619,9 @@ def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = Non
     from engine.models import diffusion_gemma as dg
 
     mix = DG_MIX if mix is None else mix
-    if bad := set(mix) - set(tasks.ALL_CATEGORIES):
-        raise ValueError(f"unknown categories in mix: {sorted(bad)}; known: {', '.join(tasks.ALL_CATEGORIES)}")
+    known = (*tasks.ALL_CATEGORIES, QUERIES)
+    if bad := set(mix) - set(known):
+        raise ValueError(f"unknown categories in mix: {sorted(bad)}; known: {', '.join(known)}")
     if copies < 1:
         raise ValueError(f"copies must be at least 1, got {copies}")
     if threads:
