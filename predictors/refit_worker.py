@@ -220,17 +220,31 @@ class RefitWorker:
             return rec
 
 
-def _worker_main(fd: int, parent: int) -> None:
-    """The refit worker process: answers each job with ``_compute`` on its copy of the learner's window."""
-    from multiprocessing.connection import Connection
+# The worker's CPU scheduling: "idle" (the default) or "normal", from this environment variable. A test suite
+# that keeps every core busy sets "normal": an idle-policy worker there waits for a free core for as long as the
+# suite runs (a one-second fit took 10-25 s in make test's runs).
+SCHED_ENV = "REMASK_REFIT_SCHED"
 
-    try:  # serving comes first: the idle policy yields the CPU to any other task that wakes, at once
+
+def _apply_sched() -> None:
+    """This process's CPU policy, as ``SCHED_ENV`` says. Serving comes first by default: the idle policy yields
+    the CPU to any other task that wakes, at once."""
+    if os.environ.get(SCHED_ENV, "idle") == "normal":
+        return
+    try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux: the lowest share a nice value gives
         try:
             os.nice(19)
         except OSError:
             pass
+
+
+def _worker_main(fd: int, parent: int) -> None:
+    """The refit worker process: answers each job with ``_compute`` on its copy of the learner's window."""
+    from multiprocessing.connection import Connection
+
+    _apply_sched()
 
     def watch() -> None:  # the pipe's EOF ends the loop below, but not a fit under way
         while os.getppid() == parent:

@@ -9,6 +9,7 @@ on one worker (``RayTogether``)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -18,6 +19,10 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# the online learners' refit worker processes (predictors/refit_worker.py) at the normal CPU policy: with the
+# default idle policy they wait for a free core, which two busy test workers rarely leave (tests/test_online.py
+# checks the default on a worker of its own)
+os.environ.setdefault("REMASK_REFIT_SCHED", "normal")
 
 
 @pytest.fixture

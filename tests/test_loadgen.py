@@ -271,7 +271,7 @@ def _locust(url: str, tmp_path: Path, *args: str, env: dict | None = None) -> di
 @pytest.mark.slow
 def test_locust_streaming_user_and_trace_shape(noop_server, tmp_path):
     url = noop_server("--reply", "42", "--chunks", "2")
-    stats = _locust(url, tmp_path, "-u", "3", "-r", "3", "-t", "3s")
+    stats = _locust(url, tmp_path, "-u", "3", "-r", "30", "-t", "2s")  # the 3 users in 0.1 s
     assert int(stats[("TTFT", "completion")][2]) > 0 and int(stats[("E2E", "completion")][2]) > 0
     assert int(stats[("POST", "/v1/completions (headers)")][3]) == 0
     write_trace([arith(i, 40, 2, 0.2 * i) for i in range(10)], tmp_path / "t.jsonl")
@@ -487,7 +487,7 @@ def test_synth_from_prompts_file_and_replay(noop_server, tmp_path, capsys):
     assert trace[0].prompt == "Once upon a time" and trace[1].messages == [{"role": "user", "content": "hi"}]
     assert trace[0].check("anything") is None and all(r.slo_ms for r in trace)
     assert main(["loadgen", "synth", "--prompts-file", str(tmp_path / "p.jsonl"), "--n", "7", "--endpoint", "chat",
-                 "--out", str(out)]) == 0
+                 "--rate", "50", "--out", str(out)]) == 0  # (the default 1 req/s: the replay below would wait 6 s)
     trace = read_trace(out)
     assert len(trace) == 7 and {r.endpoint for r in trace} == {"chat"} and trace[3].text == "Once upon a time"
     capsys.readouterr()

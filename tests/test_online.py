@@ -324,6 +324,27 @@ def test_refit_worker_scores_a_shipped_admission_model_as_refit_does():
     assert learner.predict_one(row) == pytest.approx(twin.predict_one(row))
 
 
+@pytest.mark.parametrize("sched, policy", [(None, "SCHED_IDLE"), ("idle", "SCHED_IDLE"), ("normal", "SCHED_OTHER")])
+def test_the_refit_worker_yields_the_cpu_unless_told_otherwise(monkeypatch, sched, policy):
+    """The worker process's CPU policy (``_apply_sched``, the first thing it does), in a forked child: idle by
+    default (serving comes first); ``REMASK_REFIT_SCHED=normal`` (what the test suite sets) leaves it normal."""
+    from predictors.refit_worker import SCHED_ENV, _apply_sched
+
+    if sched is None:
+        monkeypatch.delenv(SCHED_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SCHED_ENV, sched)
+    pid = os.fork()
+    if pid == 0:  # the child: exits with its policy's number
+        try:
+            _apply_sched()
+            os._exit(os.sched_getscheduler(0))
+        finally:
+            os._exit(99)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == getattr(os, policy)
+
+
 def test_refit_worker_logs_a_failing_fit_and_keeps_the_model(caplog):
     learner = FailingFit(TS, min_requests=2, refit_every=1)
     rng = np.random.default_rng(8)

@@ -36,14 +36,18 @@ def app_url(ray_serve, hf_checkpoints):
         # for the replacement, which can take over 30 s on a loaded 2-core machine; Serve finds the broken
         # replica after 3 failed health checks in a row, checked every second here (the deployment's default is
         # every 5 s): set as a config file sets a deployment's options
+        # (Its replica and the real-format one below skip the start-time profile, engine.profile_seconds 0: the
+        # first app's two replicas measure theirs as a deployment's do by default, and nothing here reads the
+        # other apps' router prices; each measurement is ~3 s of CPU on the set-up's critical path.)
         {"name": "remask-tp2", "route_prefix": "/tp2",
-         "args": {"engine": {"model": "tiny-bd", "slots": 2, "max_waiting": 2},
+         "args": {"engine": {"model": "tiny-bd", "slots": 2, "max_waiting": 2, "profile_seconds": 0},
                   "http": {"max_tokens_limit": 256}, "router": {"park_s": 150}, "resources": {"tp_degrees": [2]}},
          "deployments": [{**d, "health_check_period_s": 1} if d["name"] == denoiser_name(2) else d
                          for d in quick_stops((2,))]},
         # a real-format checkpoint (random weights): its own tokenizer, chat template and generation_config.json
         {"name": "remask-hf", "route_prefix": HF,
-         "args": {"engine": {"model": str(hf_checkpoints["dream"]), "slots": 4, "max_waiting": 16},
+         "args": {"engine": {"model": str(hf_checkpoints["dream"]), "slots": 4, "max_waiting": 16,
+                             "profile_seconds": 0},
                   "http": {"served_model_name": HF_MODEL, "max_tokens_limit": 64},
                   "resources": {"cpus_per_replica": 0.25}},
          "deployments": quick_stops()},
@@ -356,7 +360,7 @@ def test_redeploy_with_a_changed_config_drains_in_flight_requests(app_url):
         if httpx.get(app_url + "/debug/instances", timeout=30).json()["live"] >= len(prompts):
             break
         time.sleep(0.05)
-    serve.run(build_app({"engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64},
+    serve.run(build_app({"engine": {"model": "tiny-bd", "slots": 16, "max_waiting": 64, "profile_seconds": 0},
                          "http": {"served_model_name": "tiny-bd-v2", "max_tokens_limit": 256},
                          "resources": {"replicas": {1: 2}}}),
               name="remask", route_prefix="/", blocking=False)

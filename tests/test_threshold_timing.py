@@ -23,11 +23,13 @@ def test_thresholds_land_on_time_when_the_loop_waits_for_them():
     """The replica in a process (and on a CPU) of its own: without waiting, nearly every answer lands a round
     late; waiting for planned requests' answers (here up to 20 ms, a whole round) lands them on time.
     scripts/threshold_timing_figures.py prints the default bound's figures too."""
-    runs = {"today": measure(False, False), "answers, no wait": measure(True, False),
+    # (the ingress that never answers, the figures' first row, is left to the figures script: nothing here
+    # compares with it, and each run is a process start and 64 requests)
+    runs = {"answers, no wait": measure(True, False),
             "wait (20 ms, 100 %)": measure(True, True, threshold_wait_s=0.02, threshold_wait_frac=1.0)}
     for name, s in runs.items():
         print(f"\n{name}: {summary(s)}")
-    assert runs["today"]["thresholds_on_time"] + runs["today"]["thresholds_late"] > 0
+    assert all(s["thresholds_on_time"] + s["thresholds_late"] > 0 for s in runs.values())
     waits = runs["wait (20 ms, 100 %)"]
     assert waits["threshold_waits"] > 0 and waits["estimates_applied"] > 0
     # on an idle machine 0-8 % of answers land late with the wait (83-94 % without); a busy one (other jobs
