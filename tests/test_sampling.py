@@ -183,19 +183,20 @@ def test_a_request_without_a_seed_draws_one_and_followers_get_it():
 # ---- resume ------------------------------------------------------------------------------------
 
 
-def interrupted(name: str, prompt: str, params: SamplingParams, k: int, **kw):
-    """Run ``prompt`` for ``k`` rounds: (its committed output, whether tokens were committed past the
-    first mask (output_ids drops them), whether it stands on a block boundary), or None if it finished."""
+def interrupted(name: str, prompt: str, params: SamplingParams, rounds: int, **kw):
+    """Run ``prompt`` round by round (one run: a run stopped after k rounds is this run's first k): after each
+    of the first ``rounds`` rounds that leave it unfinished, its committed output, whether tokens were committed
+    past the first mask (output_ids drops them) and whether it stands on a block boundary."""
     engine = load_engine(name, max_slots=4, **kw)
     seq = engine.add_request(prompt, params)
-    for _ in range(k):
+    for _ in range(rounds):
         engine.step()
-    if seq.finished:
-        return None
-    done = seq.output_ids()
-    rest = seq.canvas()[len(done):]
-    lost = any(t != engine.cfg.mask_token_id for t in rest)
-    return done, lost, not lost and seq.out_start + len(done) == seq.blocks[seq.block_idx][0]
+        if seq.finished:
+            return
+        done = list(seq.output_ids())
+        rest = seq.canvas()[len(done):]
+        lost = any(t != engine.cfg.mask_token_id for t in rest)
+        yield done, lost, not lost and seq.out_start + len(done) == seq.blocks[seq.block_idx][0]
 
 
 def resumed(name: str, prompt: str, params: SamplingParams, committed: list[int], **kw) -> list[int]:
@@ -228,11 +229,7 @@ def test_resume_on_a_new_engine_gives_the_uninterrupted_tokens(name, cache, wher
     checked = {"mid": 0, "boundary": 0}
     for prompt, params in [(STORIES[0], sampled()), (STORIES[1], sampled()), (STORIES[0], greedy())]:
         want = ids(load_engine(name, max_slots=4, cache=cache), [prompt], params)[0]
-        for k in range(1, 40):
-            got = interrupted(name, prompt, params, k, cache=cache)
-            if got is None:
-                break
-            done, lost, boundary = got
+        for k, (done, lost, boundary) in enumerate(interrupted(name, prompt, params, 39, cache=cache), 1):
             if not done or lost or (where == "boundary" and not boundary) or len(done) >= params.max_tokens:
                 continue
             assert resumed(name, prompt, params, done, cache=cache) == want, (prompt, params, k)
