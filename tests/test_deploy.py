@@ -191,7 +191,7 @@ def test_the_installed_project_holds_what_the_app_reads(tmp_path):
     and installed into a directory of its own; then the Dockerfile's own commands after `pip install .` run
     there (the profiles beside the packages). Every file of every package arrives, and from outside any source
     tree the installed app finds its embedded models and the latency profiles of both serve configs."""
-    pytest.importorskip("setuptools", minversion="70.1")  # bdist_wheel built in
+    pytest.importorskip("setuptools", minversion="77")  # bdist_wheel built in; an SPDX license string
     instrs = dockerfile()
     context, site, wheels = tmp_path / "context", tmp_path / "site", tmp_path / "wheels"
     for src in copies(instrs):
