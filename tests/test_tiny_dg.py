@@ -10,6 +10,7 @@ few denoising steps; the ``slow`` ones load the shipped weights.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +99,28 @@ def test_queries_examples_ask_several_keys_and_keep_out_of_the_heldout_split():
     assert rows.categories == [T.QUERIES] * 4
     with pytest.raises(ValueError, match="unknown categories in mix: \\['recall'\\]"):
         T.train_dg("unused", steps=1, mix={"recall": 1.0}, progress=False)
+
+
+def test_checkpoints_of_runs_average_into_a_loadable_checkpoint(small_dir, tmp_path):
+    """`remask train-default --average A B --out C` of DiffusionGemma checkpoints: C's weights are the mean of
+    A's and B's, written as training writes a checkpoint (it loads, with the tokenizer and generation defaults)."""
+    from tools.cli import main
+
+    tok = CharTokenizer.default()
+    other = dg.load(small_dir)
+    with torch.no_grad():
+        # parameters and buffers (the layer scalars), each tensor once (the LM head is the embedding)
+        for t in {t.data_ptr(): t for t in other.state_dict().values()}.values():
+            t.add_(1.0)
+    T._save_dg(other, tok, tmp_path / "b", step=1, seed=0)
+    assert main(["train-default", "--average", str(small_dir), str(tmp_path / "b"), "--out", str(tmp_path / "c")]) == 0
+    avg, a = dg.load(tmp_path / "c"), dg.load(small_dir)
+    assert avg.config == a.config
+    for (name, pa), pc in zip(a.state_dict().items(), avg.state_dict().values()):
+        assert torch.allclose(pc, pa + 0.5, atol=1e-6), name
+    assert CharTokenizer.load(tmp_path / "c").vocab_size == tok.vocab_size
+    with pytest.raises(ValueError, match="share one configuration"):
+        T.average_checkpoints([small_dir, Path(__file__).parents[1] / "engine/defaults/tiny-bd"], tmp_path / "d")
 
 
 def test_canvas_evaluation_counts_accuracy_and_steps(small_dir):

@@ -437,6 +437,8 @@ def average_checkpoints(dirs: list[str | Path], out_dir: str | Path) -> Path:
 
     if len(dirs) < 2:
         raise ValueError("average at least two checkpoints")
+    if _is_dg(dirs[0]):
+        return _average_dg(dirs, out_dir)
     models = [load_remask(d) for d in dirs]
     if any(m.config != models[0].config for m in models[1:]):
         raise ValueError("checkpoints to average must share one configuration")
@@ -446,6 +448,32 @@ def average_checkpoints(dirs: list[str | Path], out_dir: str | Path) -> Path:
     save_pretrained(avg, out_dir, metadata={"averaged": ",".join(str(Path(d).name) for d in dirs)})
     for f in Path(dirs[0]).glob("tokenizer*.json"):  # the checkpoints' own tokenizer
         shutil.copy(f, Path(out_dir) / f.name)
+    return Path(out_dir)
+
+
+def _is_dg(directory: str | Path) -> bool:
+    from engine.models import diffusion_gemma as dg
+
+    config = Path(directory) / "config.json"
+    return config.is_file() and dg.ARCH in json.loads(config.read_text()).get("architectures", ())
+
+
+def _average_dg(dirs: list[str | Path], out_dir: str | Path) -> Path:
+    """``average_checkpoints`` of DiffusionGemma checkpoints (tiny-dg's runs): written as the trainer writes one,
+    with the first checkpoint's tokenizer files and generation defaults."""
+    from engine.models import diffusion_gemma as dg
+
+    if not all(_is_dg(d) for d in dirs):
+        raise ValueError("checkpoints to average must share one configuration (DiffusionGemma and not)")
+    models = [dg.load(d) for d in dirs]
+    if any(m.config != models[0].config for m in models[1:]):
+        raise ValueError("checkpoints to average must share one configuration")
+    avg = dg.DiffusionGemma(models[0].config)
+    states = [m.state_dict() for m in models]
+    avg.load_state_dict({k: sum(st[k].float() for st in states) / len(states) for k in states[0]})
+    dg.save_pretrained(avg, out_dir, tokenizer_dir=dirs[0])
+    (Path(out_dir) / "training.json").write_text(json.dumps(
+        {"averaged": [str(Path(d).name) for d in dirs]}) + "\n")
     return Path(out_dir)
 
 
