@@ -262,13 +262,20 @@ def profile_tp(model: str, tp: int, out: str, device: str = "cpu", dtype: torch.
         raise ValueError(f"--tp must be at least 2 for a tensor-parallel profile, got {tp}")
     if device.startswith("cuda") and torch.cuda.device_count() < tp:
         raise ValueError(f"TP-{tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}")
-    from engine.models.presets import is_dg_preset, is_preset, preset_config
+    from engine.models import diffusion_gemma as dg
+    from engine.models.presets import dg_preset_config, is_dg_preset, is_preset, preset_config
 
+    # a degree that does not divide the heads fails here, in the parent
     if is_dg_preset(model):
-        raise ValueError(f"--tp: a tensor-parallel profile of the canvas preset {model.split(':')[0]!r} is not "
-                         "built yet; profile it with --tp 1 (the planner models its TP rounds: docs/planner.md)")
-    if is_preset(model):
-        shard_config(preset_config(model), tp)  # a degree that does not divide the heads fails here, in the parent
+        dg.shard_config(dg_preset_config(model), tp)
+    elif is_preset(model):
+        shard_config(preset_config(model), tp)
+    else:
+        from engine.loading import is_canvas_model, resolve_model
+
+        path = resolve_model(model)
+        if is_canvas_model(path):
+            dg.shard_config(dg.read_config(path), tp)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -284,8 +291,8 @@ def _tp_rank(rank: int, world: int, port: int, model: str, out: str, device: str
              kwargs: dict) -> None:
     import torch.distributed as dist
 
-    from engine.loading import resolve_model
-    from engine.models.presets import IdTokenizer, build_preset, is_preset
+    from engine.loading import is_canvas_model, resolve_model
+    from engine.models.presets import IdTokenizer, build_preset, dg_preset_engine, is_dg_preset, is_preset
     from engine.models.tensor_parallel import all_reduce_sum, shard_model
 
     cuda = device.startswith("cuda")
@@ -294,7 +301,14 @@ def _tp_rank(rank: int, world: int, port: int, model: str, out: str, device: str
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    show = kwargs.pop("progress", False) and rank == 0
+    slots = max(kwargs.get("batch_sizes", (64,)))
     try:
+        if is_dg_preset(model):  # a canvas model's shape: each rank its shard of a CanvasServeEngine
+            engine = dg_preset_engine(model, device=dev, dtype=dtype, tp=world, reduce=all_reduce_sum(),
+                                      max_slots=slots)
+            _profile_rank(engine, rank, world, model, out, name, show, kwargs)
+            return
         if is_preset(model):
             net = build_preset(model, device=dev, dtype=dtype, tp=world)
             for layer in net.layers:
@@ -305,16 +319,27 @@ def _tp_rank(rank: int, world: int, port: int, model: str, out: str, device: str
             from engine.tokenizer import load_tokenizer
 
             path = resolve_model(model)
+            if is_canvas_model(path):  # a DiffusionGemma checkpoint: each rank its shard
+                from engine.canvas_serving import CanvasServeEngine
+                from engine.models import diffusion_gemma as dg
+
+                part = dg.shard(dg.load(path, dtype=dtype), rank, world, all_reduce_sum()).to(dev)
+                engine = CanvasServeEngine(part, load_tokenizer(path), device=dev, max_slots=slots)
+                _profile_rank(engine, rank, world, model, out, name, show, kwargs)
+                return
             net = shard_model(load_model(path, dtype=dtype), rank, world, all_reduce_sum()).to(dev)
             tokenizer = load_tokenizer(path)
-        show = kwargs.pop("progress", False) and rank == 0
-        engine = Engine(net, tokenizer, device=dev, max_slots=max(kwargs.get("batch_sizes", (64,))))
-        prof = profile_engine(engine, name, progress=show, **kwargs)
-        prof.meta.update(tp=world, model=model)
-        if rank == 0:
-            prof.save(out)
+        _profile_rank(Engine(net, tokenizer, device=dev, max_slots=slots), rank, world, model, out, name, show,
+                      kwargs)
     finally:
         dist.destroy_process_group()
+
+
+def _profile_rank(engine, rank: int, world: int, model: str, out: str, name: str, show: bool, kwargs: dict) -> None:
+    prof = profile_engine(engine, name, progress=show, **kwargs)
+    prof.meta.update(tp=world, model=model)
+    if rank == 0:
+        prof.save(out)
 
 
 def check_profile(engine: Engine, profile: LatencyProfile, requests: int = 48, slots: int = 16, seed: int = 0,

@@ -135,8 +135,22 @@ def test_the_diffusiongemma_shape_is_refused_where_only_masked_models_run(capsys
 
     with pytest.raises(ValueError, match="canvas"):
         build_preset(DG_SMALL)
-    assert main(["profile", "--model", DG_SMALL, "--tp", "2", "--out", "x.json"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+    assert main(["profile", "--model", DG_SMALL, "--tp", "3", "--out", "x.json"]) == 2  # in the parent, at once
+    assert "TP degree 3 does not divide num_attention_heads = 4" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tp2_profile_of_the_diffusiongemma_shape(tmp_path):
+    """`remask profile --tp 2` of the canvas preset: one process per rank (gloo), each its shard of the random
+    model (query heads, MLP and expert columns halved) in a canvas engine, summing partial outputs after
+    attention, the MLP and the experts; rank 0 writes both kinds' curves."""
+    out = tmp_path / "dg-tp2.json"
+    assert main(["profile", "--model", DG_SMALL, "--tp", "2", "--out", str(out), "--batch-sizes", "1,2",
+                 "--prompt-lens", "8", "--rounds", "1", "--max-tokens", "16"]) == 0
+    prof = load_profile(str(out))
+    assert prof.name == "diffusiongemma-26b-a4b-shape-tp2" and prof.meta["tp"] == 2
+    assert set(prof.curves) == {"prefill", "denoise"} and [t for t, _ in prof.curves["denoise"]] == [16, 32]
+    assert prof.meta["shape"]["num_heads"] == 2  # a rank's shard of the 4 query heads
 
 
 def test_bench_round_times_the_round_and_its_variants(tmp_path, capsys):

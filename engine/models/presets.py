@@ -161,13 +161,17 @@ def dg_preset_config(name: str):
 
 
 def build_dg_preset(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                    seed: int = 0):
+                    seed: int = 0, tp: int = 1, reduce=None):
     """A random-weight ``DiffusionGemma`` of a canvas preset's shape, made on the meta device and materialised
     on ``device`` in ``dtype`` (no float32 copy, no initialiser run twice): matrices normal(0, 0.02), norms,
-    the router's scales and the layer scalars 1 (``RANDOM_WEIGHTS``)."""
+    the router's scales and the layer scalars 1 (``RANDOM_WEIGHTS``). ``tp`` > 1: one tensor-parallel rank's
+    shard of that shape (``diffusion_gemma.shard_config``), whose layers sum their partial outputs with
+    ``reduce``, for timing TP rounds without building the whole model first."""
     from engine.models import diffusion_gemma as dg
 
     cfg = dg_preset_config(name)
+    if tp > 1:
+        cfg = dg.shard_config(cfg, tp)
     with on_meta():
         model = dg.DiffusionGemma(cfg).to(dtype)
     model = model.to_empty(device=device)
@@ -182,15 +186,20 @@ def build_dg_preset(name: str, device: str | torch.device = "cpu", dtype: torch.
                 p.normal_(0.0, 0.02, generator=gen)
         for _, b in model.named_buffers():  # the layer scalars (decoder's and encoder's)
             b.fill_(1.0)
+    if tp > 1:
+        for layer in model.layers:
+            layer.reduce = reduce
     return model.eval()
 
 
-def dg_preset_engine(name: str, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, **engine_kwargs):
-    """A ``CanvasServeEngine`` over ``build_dg_preset(name)`` with an ``IdTokenizer`` (prompts are token ids); its
-    ``cfg.extra`` says it is a preset (name, random weights, the shape), as ``preset_meta`` reads it."""
+def dg_preset_engine(name: str, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, tp: int = 1, reduce=None,
+                     **engine_kwargs):
+    """A ``CanvasServeEngine`` over ``build_dg_preset(name)`` (a rank's shard with ``tp`` > 1) with an
+    ``IdTokenizer`` (prompts are token ids); its ``cfg.extra`` says it is a preset (name, random weights, the
+    shape), as ``preset_meta`` reads it."""
     from engine.canvas_serving import CanvasServeEngine
 
-    model = build_dg_preset(name, device=device, dtype=dtype)
+    model = build_dg_preset(name, device=device, dtype=dtype, tp=tp, reduce=reduce)
     engine = CanvasServeEngine(model, IdTokenizer(model.config.to_model_config()), device=device, **engine_kwargs)
     engine.cfg.extra.update(name=name, preset=True)
     return engine
