@@ -283,7 +283,9 @@ class ReplicaChannel:
             conn.close()
             return
         peer = _Peer(conn, self.queue_frames)
-        peer.put(frame(Ready(VERSION)))  # first on the wire: a tick or a broadcast may follow once it is listed
+        # the ready first in the queue, sent by the writer once the connection is listed: nothing listed can
+        # reach the ingress before it (a tick, a broadcast), and an ingress that has it is listed
+        peer.frames.append(frame(Ready(VERSION)))
         with self._lock:
             if self._closed.is_set():
                 _hang_up(conn)
