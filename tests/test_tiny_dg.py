@@ -9,6 +9,7 @@ few denoising steps; the ``slow`` ones load the shipped weights.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -121,6 +122,21 @@ def test_checkpoints_of_runs_average_into_a_loadable_checkpoint(small_dir, tmp_p
     assert CharTokenizer.load(tmp_path / "c").vocab_size == tok.vocab_size
     with pytest.raises(ValueError, match="share one configuration"):
         T.average_checkpoints([small_dir, Path(__file__).parents[1] / "engine/defaults/tiny-bd"], tmp_path / "d")
+
+
+def test_the_recipe_runs_every_phase_and_ends_with_its_weight_average(tmp_path):
+    """`remask train-default --model tiny-dg`'s recipe at a few steps a phase: each phase continues from the one
+    before; the last keeps its weights after its kept step (scaled to the step count given) and ends as the mean
+    of those and its end."""
+    counts = (1, 1, 1, 1, 1, 4)
+    assert len(counts) == len(T.DG_RECIPE) and T.DG_RECIPE[-1]["average_at"]
+    out = T.train_default_dg(tmp_path / "dg", steps=counts, batch_size=2, progress=False)
+    kept = T.kept_checkpoint(out, 3)  # 5,842 of 7,399 steps: 3 of 4
+    assert json.loads((out / "training.json").read_text()) == {"averaged": [kept.name, "dg"]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*(f".dg-phase{k}" for k in range(1, 6)), kept.name,
+                                                                  "dg"])
+    with pytest.raises(ValueError, match="the recipe has 6 phases"):
+        T.train_default_dg(tmp_path / "x", steps=(1, 1))
 
 
 def test_canvas_evaluation_counts_accuracy_and_steps(small_dir):

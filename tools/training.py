@@ -638,11 +638,12 @@ def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = Non
              lr: float = 2e-3, seed: int = 0, threads: int | None = None, save_every_s: float = 300.0,
              log_path: str | Path | None = None, progress: bool = True, init: str | Path | None = None,
              log_every: int = 50, mix: dict[str, float] | None = None, sc_fraction: float = 0.5,
-             device: str = "cpu", copies: int = 1) -> Path:
+             device: str = "cpu", copies: int = 1, keep_steps: tuple[int, ...] = ()) -> Path:
     """Train tiny-dg (the section's comment); progress is max(step / steps, elapsed / minutes), the learning rate
     a warmup and cosine over it. ``init`` continues from a tiny-dg checkpoint (one of a smaller vocabulary gets
     the new ids' embedding rows, initialised as at the start); ``copies`` noised canvases per example share one
-    encoder pass (a batch then holds ``batch_size * copies`` canvases)."""
+    encoder pass (a batch then holds ``batch_size * copies`` canvases). After each step in ``keep_steps`` the
+    weights are also saved beside ``out_dir`` (``kept_checkpoint``), for a weight average of the run."""
 
     from engine.models import diffusion_gemma as dg
 
@@ -675,10 +676,24 @@ def train_dg(out_dir: str | Path, steps: int = 6000, minutes: float | None = Non
         return dg_loss(model, batch, rng.random() < sc_fraction, gen)
 
     out_dir = Path(out_dir)
+    taken = [0]
+
+    def keep() -> None:
+        taken[0] += 1
+        if taken[0] in keep_steps:
+            _save_dg(model, tok, kept_checkpoint(out_dir, taken[0]), taken[0], seed)
+
     run_steps(opt, params, one_step, lambda step: _save_dg(model, tok, out_dir, step, seed), steps=steps,
               minutes=minutes, lr=lr, desc="train tiny-dg", progress=progress, log_path=log_path,
-              log_every=log_every, save_every_s=save_every_s, ema_decay=0.95, postfix_every=10, bar_interval_s=5.0)
+              log_every=log_every, save_every_s=save_every_s, ema_decay=0.95, postfix_every=10, bar_interval_s=5.0,
+              after_step=keep if keep_steps else None)
     return out_dir
+
+
+def kept_checkpoint(out_dir: str | Path, step: int) -> Path:
+    """Where ``train_dg(keep_steps=...)`` saves the weights after ``step``: beside ``out_dir``."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / f".{out_dir.name}-step{step}"
 
 
 def _widen_vocab(model, vocab_size: int):
@@ -725,12 +740,17 @@ def _save_dg(model, tok: CharTokenizer, out_dir: Path, step: int, seed: int) -> 
 DG_PHASE3_MIX = {"arith": 0.2, "reverse": 0.2, "prose": 0.2, "choice": 0.1, "lookup": 0.15, "json": 0.15}
 DG_PHASE4_MIX = {"arith": 0.35, "prose": 0.3, "lookup": 0.12, "reverse": 0.05, "choice": 0.06, "json": 0.12}
 DG_PHASE5_MIX = {"arith": 0.5, "prose": 0.1, "lookup": 0.1, "reverse": 0.1, "choice": 0.1, "json": 0.1}
+# the sixth: lookups asked several keys at once (the training-only ``queries``) beside the suite's lookup
+DG_PHASE6_MIX = {"queries": 0.35, "lookup": 0.2, "arith": 0.15, "prose": 0.1, "json": 0.08, "choice": 0.06,
+                 "reverse": 0.06}
 DG_RECIPE = (
     {"steps": 4222, "lr": 2e-3, "seed": 0},
     {"steps": 1771, "lr": 1e-3, "seed": 1},
     {"steps": 7268, "lr": 1.5e-3, "seed": 5, "copies": 4, "mix": DG_PHASE3_MIX},
     {"steps": 9531, "lr": 1e-3, "seed": 7, "copies": 4, "mix": DG_PHASE4_MIX},
     {"steps": 3363, "lr": 3e-4, "seed": 9, "copies": 4, "mix": DG_PHASE5_MIX},
+    # the shipped weights: the mean of this phase's weights after step 5,842 (79% of its cosine) and its end
+    {"steps": 7399, "lr": 1e-3, "seed": 11, "copies": 4, "mix": DG_PHASE6_MIX, "average_at": (5842,)},
 )
 DG_RECIPE_PHASES = tuple(ph["steps"] for ph in DG_RECIPE)
 
@@ -747,7 +767,11 @@ def train_default_dg(out_dir: str | Path, steps: tuple[int, ...] | None = None, 
     init = None
     for k, (phase, n) in enumerate(zip(DG_RECIPE, counts), 1):
         target = out_dir if k == len(DG_RECIPE) else out_dir.parent / f".{out_dir.name}-phase{k}"
+        # a phase's kept steps scale with its step count (``steps`` may replace them)
+        keep = tuple(max(1, round(k * n / phase["steps"])) for k in phase.get("average_at", ()))
         init = train_dg(target, steps=n, minutes=minutes, batch_size=batch_size, lr=phase["lr"],
                         seed=seed + phase["seed"], threads=threads, progress=progress, init=init, log_path=log_path,
-                        device=device, copies=phase.get("copies", 1), mix=phase.get("mix"))
+                        device=device, copies=phase.get("copies", 1), mix=phase.get("mix"), keep_steps=keep)
+        if keep:  # the phase's result: the weight average of its kept checkpoints and its end
+            average_checkpoints([*(kept_checkpoint(target, k) for k in keep), target], target)
     return init
