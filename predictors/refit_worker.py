@@ -226,7 +226,7 @@ class RefitWorker:
 SCHED_ENV = "REMASK_REFIT_SCHED"
 
 
-def _apply_sched() -> None:
+def apply_cpu_policy() -> None:
     """This process's CPU policy, as ``SCHED_ENV`` says. Serving comes first by default: the idle policy yields
     the CPU to any other task that wakes, at once."""
     if os.environ.get(SCHED_ENV, "idle") == "normal":
@@ -244,7 +244,7 @@ def _worker_main(fd: int, parent: int) -> None:
     """The refit worker process: answers each job with ``_compute`` on its copy of the learner's window."""
     from multiprocessing.connection import Connection
 
-    _apply_sched()
+    apply_cpu_policy()
 
     def watch() -> None:  # the pipe's EOF ends the loop below, but not a fit under way
         while os.getppid() == parent:

@@ -326,9 +326,9 @@ def test_refit_worker_scores_a_shipped_admission_model_as_refit_does():
 
 @pytest.mark.parametrize("sched, policy", [(None, "SCHED_IDLE"), ("idle", "SCHED_IDLE"), ("normal", "SCHED_OTHER")])
 def test_the_refit_worker_yields_the_cpu_unless_told_otherwise(monkeypatch, sched, policy):
-    """The worker process's CPU policy (``_apply_sched``, the first thing it does), in a forked child: idle by
+    """The worker process's CPU policy (``apply_cpu_policy``, the first thing it does), in a forked child: idle by
     default (serving comes first); ``REMASK_REFIT_SCHED=normal`` (what the test suite sets) leaves it normal."""
-    from predictors.refit_worker import SCHED_ENV, _apply_sched
+    from predictors.refit_worker import SCHED_ENV, apply_cpu_policy
 
     if sched is None:
         monkeypatch.delenv(SCHED_ENV, raising=False)
@@ -337,7 +337,7 @@ def test_the_refit_worker_yields_the_cpu_unless_told_otherwise(monkeypatch, sche
     pid = os.fork()
     if pid == 0:  # the child: exits with its policy's number
         try:
-            _apply_sched()
+            apply_cpu_policy()
             os._exit(os.sched_getscheduler(0))
         finally:
             os._exit(99)

@@ -432,20 +432,29 @@ def _save(model: DLMTransformer, tok: CharTokenizer, out_dir: Path, step: int, s
 
 def average_checkpoints(dirs: list[str | Path], out_dir: str | Path) -> Path:
     """The element-wise mean of several checkpoints of one architecture (a weight average of runs
-    continued from the same weights: it smooths the noise each run's last steps leave)."""
+    continued from the same weights: it smooths the noise each run's last steps leave): Remask's masked
+    checkpoints (tiny-bd, tiny-mdm) or DiffusionGemma ones (tiny-dg), written as their trainer writes one, with
+    the first checkpoint's tokenizer (and, for DiffusionGemma, its generation defaults)."""
+    from engine.models import diffusion_gemma as dg
     from engine.models.checkpoint import load_remask
 
     if len(dirs) < 2:
         raise ValueError("average at least two checkpoints")
-    if _is_dg(dirs[0]):
-        return _average_dg(dirs, out_dir)
-    models = [load_remask(d) for d in dirs]
+    names = [str(Path(d).name) for d in dirs]
+    if len({_is_dg(d) for d in dirs}) > 1:
+        raise ValueError("checkpoints to average must share one configuration (DiffusionGemma and not)")
+    canvas = _is_dg(dirs[0])
+    models = [(dg.load if canvas else load_remask)(d) for d in dirs]
     if any(m.config != models[0].config for m in models[1:]):
         raise ValueError("checkpoints to average must share one configuration")
-    avg = DLMTransformer(models[0].config)
+    avg = (dg.DiffusionGemma if canvas else DLMTransformer)(models[0].config)
     states = [m.state_dict() for m in models]
     avg.load_state_dict({k: sum(st[k].float() for st in states) / len(states) for k in states[0]})
-    save_pretrained(avg, out_dir, metadata={"averaged": ",".join(str(Path(d).name) for d in dirs)})
+    if canvas:
+        dg.save_pretrained(avg, out_dir, tokenizer_dir=dirs[0])
+        (Path(out_dir) / "training.json").write_text(json.dumps({"averaged": names}) + "\n")
+        return Path(out_dir)
+    save_pretrained(avg, out_dir, metadata={"averaged": ",".join(names)})
     for f in Path(dirs[0]).glob("tokenizer*.json"):  # the checkpoints' own tokenizer
         shutil.copy(f, Path(out_dir) / f.name)
     return Path(out_dir)
@@ -456,25 +465,6 @@ def _is_dg(directory: str | Path) -> bool:
 
     config = Path(directory) / "config.json"
     return config.is_file() and dg.ARCH in json.loads(config.read_text()).get("architectures", ())
-
-
-def _average_dg(dirs: list[str | Path], out_dir: str | Path) -> Path:
-    """``average_checkpoints`` of DiffusionGemma checkpoints (tiny-dg's runs): written as the trainer writes one,
-    with the first checkpoint's tokenizer files and generation defaults."""
-    from engine.models import diffusion_gemma as dg
-
-    if not all(_is_dg(d) for d in dirs):
-        raise ValueError("checkpoints to average must share one configuration (DiffusionGemma and not)")
-    models = [dg.load(d) for d in dirs]
-    if any(m.config != models[0].config for m in models[1:]):
-        raise ValueError("checkpoints to average must share one configuration")
-    avg = dg.DiffusionGemma(models[0].config)
-    states = [m.state_dict() for m in models]
-    avg.load_state_dict({k: sum(st[k].float() for st in states) / len(states) for k in states[0]})
-    dg.save_pretrained(avg, out_dir, tokenizer_dir=dirs[0])
-    (Path(out_dir) / "training.json").write_text(json.dumps(
-        {"averaged": [str(Path(d).name) for d in dirs]}) + "\n")
-    return Path(out_dir)
 
 
 # The recipe of the shipped weights: a uniform phase, then a phase that weights
