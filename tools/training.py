@@ -117,13 +117,20 @@ def _example_mdm(ex: tasks.Example, tok: CharTokenizer, rng: random.Random, gen_
 RECALL = "recall"
 
 
+def _needles(rng: random.Random, keys: tuple[int, int], filler: tuple[int, int]):
+    """A lookup prompt's body for the training-only tasks: (keys, {key: two-digit value}, the ``key=value.``
+    needles and filler sentences shuffled), with ``keys`` and ``filler`` giving the (least, most) of each."""
+    chosen = rng.sample(tasks.KEYS, rng.randint(*keys))
+    values = {k: f"{rng.randrange(100):02d}" for k in chosen}
+    items = [f"{k}={values[k]}." for k in chosen] + rng.sample(tasks.FILLER, rng.randint(*filler))
+    rng.shuffle(items)
+    return chosen, values, items
+
+
 def recall_example(rng: random.Random) -> tasks.Example:
     """A ``recall`` example: 3-5 needles, 0-3 filler sentences, 2 or more needles repeated at the end."""
     while True:
-        keys = rng.sample(tasks.KEYS, rng.randint(3, 5))
-        values = {k: f"{rng.randrange(100):02d}" for k in keys}
-        items = [f"{k}={values[k]}." for k in keys] + rng.sample(tasks.FILLER, rng.randint(0, 3))
-        rng.shuffle(items)
+        keys, values, items = _needles(rng, (3, 5), (0, 3))
         items += [f"{k}={values[k]}." for k in rng.sample(keys, rng.randint(2, len(keys)))]
         query = rng.choice(keys)
         prompt = " ".join(items) + f" {query}?"
@@ -142,10 +149,7 @@ QUERIES = "queries"
 def queries_example(rng: random.Random) -> tasks.Example:
     """A ``queries`` example (the comment above)."""
     while True:
-        keys = rng.sample(tasks.KEYS, rng.randint(3, 4))
-        values = {k: f"{rng.randrange(100):02d}" for k in keys}
-        items = [f"{k}={values[k]}." for k in keys] + rng.sample(tasks.FILLER, rng.randint(1, 4))
-        rng.shuffle(items)
+        keys, values, items = _needles(rng, (3, 4), (1, 4))
         asked = rng.sample(keys, rng.randint(1, len(keys)))
         prompt = " ".join(items) + " " + " ".join(f"{k}?" for k in asked)
         if not tasks.is_heldout(prompt):
